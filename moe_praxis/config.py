@@ -1,0 +1,164 @@
+"""MoEConfig: the one source of truth for the MoE block's hyperparameters and their defaults.
+
+The defaults give Mixtral / GShard routing: softmax over all experts, top-k, the k weights
+renormalised to sum to 1, SwiGLU experts, dropless. docs/config.md lists every field; a test
+keeps that page and this dataclass in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+AUX_LOSS_TYPES = ("switch", "sequence", "gshard")
+DROP_POLICIES = ("position", "weight")
+ACTIVATIONS = ("silu", "gelu", "relu")
+KERNEL_BACKENDS = ("auto", "xla", "cuda")
+
+
+def _err(field: str, value, valid: str) -> ValueError:
+    return ValueError(f"MoEConfig.{field}={value!r} is invalid: {valid}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Hyperparameters of one MoE feed-forward block.
+
+    Shapes use these letters: T tokens, M = d_model, H = d_ff, E = num_experts, k = top_k.
+
+    Fields:
+      d_model: M, the model width.
+      d_ff: H, each expert's hidden width.
+      num_experts: E.
+      top_k: k experts per token.
+      score_func: 'softmax' or 'sigmoid' (DeepSeek-V3) scores of the router logits.
+      pre_softmax: softmax over all E experts before top-k (True, Mixtral/GShard) or over the k
+        selected logits after top-k (False, Switch-style "top-k then softmax"). Only 'softmax'.
+      norm_topk: renormalise the k selected weights to sum to 1.
+      num_expert_groups: group-limited routing: experts split into this many equal groups
+        (DeepSeek-V3's n_group; not Praxis's token `num_groups`). 1 = off.
+      group_topk: keep the best `group_topk` expert groups per token; a group's score is the
+        sum of its top `top_k // group_topk` selection scores.
+      use_expert_bias: a learned-outside-the-gradient [E] bias added to the scores for
+        selection only; the weights come from the unbiased scores (DeepSeek-V3 aux-free).
+      routed_scaling_factor: multiplies the final routing weights.
+      router_logit_cap: soft cap `cap * tanh(logits / cap)` on the router logits (Praxis's
+        `gating_logit_cap`); 0 = off.
+      aux_loss_type: 'switch' (global-batch load balance), 'sequence' (the same per sequence,
+        averaged; x must be [..., S, M]), 'gshard' (Praxis GShard's top-1 density loss).
+      aux_loss_coeff: coefficient of the load-balancing loss (applied inside `aux_loss`).
+      z_loss_coeff: coefficient of the router z-loss `mean(logsumexp(logits)^2)`.
+      capacity_factor: None = dropless. Otherwise each expert takes at most
+        `capacity = ceil(capacity_factor * T * k / E)` token copies; the rest are dropped
+        (counted in `dropped_tokens`) by `drop_policy`.
+      drop_policy: with a capacity, which copies an expert keeps: 'position' keeps all first
+        choices before any second choice, each in token order (GShard); 'weight' keeps the
+        copies with the largest routing weight.
+      activation: 'silu' | 'gelu' | 'relu'.
+      gated: gated expert `act(x @ wi_gate) * (x @ wi_up) @ wo` (SwiGLU with silu); else
+        `act(x @ wi_up) @ wo`.
+      kernel_backend: 'auto' (CUDA kernels where built and supported, else XLA), 'xla', 'cuda'.
+      use_cudnn_fusion: use cuDNN's fused grouped GEMM + SwiGLU where it exists (SM100+ with
+        cudnn.jax importable); elsewhere warn once and run the fallback.
+      param_init_scale: std of the normal initialisation is `scale / sqrt(fan_in)`.
+    """
+
+    d_model: int
+    d_ff: int
+    num_experts: int
+    top_k: int = 2
+    score_func: str = "softmax"
+    pre_softmax: bool = True
+    norm_topk: bool = True
+    num_expert_groups: int = 1
+    group_topk: int = 1
+    use_expert_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    router_logit_cap: float = 0.0
+    aux_loss_type: str = "switch"
+    aux_loss_coeff: float = 0.01
+    z_loss_coeff: float = 0.0
+    capacity_factor: Optional[float] = None
+    drop_policy: str = "position"
+    activation: str = "silu"
+    gated: bool = True
+    kernel_backend: str = "auto"
+    use_cudnn_fusion: bool = False
+    param_init_scale: float = 1.0
+
+    def __post_init__(self):
+        for name in ("d_model", "d_ff", "num_experts", "top_k", "num_expert_groups", "group_topk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise _err(name, v, "must be a positive int")
+        if self.top_k > self.num_experts:
+            raise _err("top_k", self.top_k, f"must be <= num_experts={self.num_experts}")
+        if self.score_func not in SCORE_FUNCS:
+            raise _err("score_func", self.score_func, f"valid: {SCORE_FUNCS}")
+        if self.score_func == "sigmoid" and not self.pre_softmax:
+            raise _err(
+                "pre_softmax",
+                self.pre_softmax,
+                "post-top-k softmax (pre_softmax=False) only exists for score_func='softmax'",
+            )
+        if self.num_experts % self.num_expert_groups:
+            raise _err(
+                "num_expert_groups",
+                self.num_expert_groups,
+                f"must divide num_experts={self.num_experts}",
+            )
+        if self.group_topk > self.num_expert_groups:
+            raise _err(
+                "group_topk",
+                self.group_topk,
+                f"must be <= num_expert_groups={self.num_expert_groups}",
+            )
+        if self.num_expert_groups > 1:
+            per_group = self.num_experts // self.num_expert_groups
+            if self.top_k % self.group_topk:
+                raise _err(
+                    "group_topk", self.group_topk, f"must divide top_k={self.top_k}"
+                )
+            if self.top_k // self.group_topk > per_group:
+                raise _err(
+                    "group_topk",
+                    self.group_topk,
+                    f"top_k // group_topk = {self.top_k // self.group_topk} exceeds the "
+                    f"{per_group} experts of a group",
+                )
+            if self.group_topk * per_group < self.top_k:
+                raise _err(
+                    "group_topk",
+                    self.group_topk,
+                    f"{self.group_topk} groups of {per_group} experts cannot hold top_k={self.top_k}",
+                )
+        elif self.group_topk != 1:
+            raise _err("group_topk", self.group_topk, "needs num_expert_groups > 1")
+        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            raise _err("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
+        if self.router_logit_cap < 0:
+            raise _err("router_logit_cap", self.router_logit_cap, "must be >= 0 (0 = off)")
+        if self.aux_loss_type not in AUX_LOSS_TYPES:
+            raise _err("aux_loss_type", self.aux_loss_type, f"valid: {AUX_LOSS_TYPES}")
+        for name in ("aux_loss_coeff", "z_loss_coeff"):
+            v = getattr(self, name)
+            if not v >= 0:
+                raise _err(name, v, "must be >= 0")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise _err("capacity_factor", self.capacity_factor, "must be > 0, or None (dropless)")
+        if self.drop_policy not in DROP_POLICIES:
+            raise _err("drop_policy", self.drop_policy, f"valid: {DROP_POLICIES}")
+        if self.activation not in ACTIVATIONS:
+            raise _err("activation", self.activation, f"valid: {ACTIVATIONS}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise _err("kernel_backend", self.kernel_backend, f"valid: {KERNEL_BACKENDS}")
+        if not self.param_init_scale > 0:
+            raise _err("param_init_scale", self.param_init_scale, "must be > 0")
+
+    def capacity(self, num_tokens: int) -> int:
+        """Per-expert capacity for `num_tokens` tokens; only with a capacity_factor."""
+        if self.capacity_factor is None:
+            raise ValueError("capacity() needs capacity_factor; this config is dropless")
+        return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))

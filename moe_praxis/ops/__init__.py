@@ -1,0 +1,27 @@
+"""Primitives with interchangeable backends.
+
+Every primitive here has a pure-JAX reference that is both the CPU path and the test oracle;
+CUDA kernels (kernels/, loaded by ``moe_praxis.ops.cuda``) sit behind the same functions.
+"""
+
+from moe_praxis.ops.aux_loss import aux_loss, aux_loss_reference
+from moe_praxis.ops.backend import backend_info, resolve_backend
+from moe_praxis.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from moe_praxis.ops.permute import permute, permute_reference, unpermute, unpermute_reference
+from moe_praxis.ops.swiglu import activation, swiglu, swiglu_reference
+
+__all__ = [
+    "activation",
+    "aux_loss",
+    "aux_loss_reference",
+    "backend_info",
+    "grouped_gemm",
+    "grouped_gemm_reference",
+    "permute",
+    "permute_reference",
+    "resolve_backend",
+    "swiglu",
+    "swiglu_reference",
+    "unpermute",
+    "unpermute_reference",
+]

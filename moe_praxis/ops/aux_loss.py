@@ -1,0 +1,95 @@
+"""The switch load-balancing loss as a custom_vjp primitive.
+
+    L = coeff * E / (k * T^2) * sum_e (sum_t p[t, e]) * f[e]
+
+p: [T_rows, E] dense routing probabilities; f: [E] number of token copies routed to each
+expert; T the number of tokens (by default the rows of p; pass `num_tokens` when rows are
+padding, or when p is one shard of a global batch whose f and T are global: the shards'
+losses then add up to the global loss); k = top_k. Balanced routing gives L = coeff.
+
+    dL/dp[t, e] = g * coeff * E / (k * T^2) * f[e]
+
+The cotangent g of the scalar loss is rank 0 and stays rank 0 (never reshaped to [1]: a
+rank-1 cotangent breaks Shardy lowering of a sharded primitive whose rule declares it
+rank 0). f and T are counts and get no gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _scale(num_tokens, num_experts, top_k, coeff):
+    t = jnp.asarray(num_tokens, jnp.float32)
+    return coeff * num_experts / (top_k * t * t)
+
+
+def aux_loss_reference(probs, tokens_per_expert, *, top_k: int, coeff: float, num_tokens=None):
+    """Pure-JAX forward: float32 scalar. probs: [T, E]; tokens_per_expert: [E]."""
+    t = probs.shape[0] if num_tokens is None else num_tokens
+    p = probs.astype(jnp.float32)
+    f = tokens_per_expert.astype(jnp.float32)
+    return _scale(t, probs.shape[1], top_k, coeff) * jnp.sum(jnp.sum(p, axis=0) * f)
+
+
+def aux_loss_bwd_reference(g, probs, tokens_per_expert, *, top_k: int, coeff: float,
+                           num_tokens=None):
+    """dL/dp: [T, E] in probs.dtype; g is the rank-0 cotangent."""
+    if jnp.ndim(g) != 0:
+        raise ValueError(f"aux-loss cotangent must be rank 0, got shape {jnp.shape(g)}")
+    t = probs.shape[0] if num_tokens is None else num_tokens
+    f = tokens_per_expert.astype(jnp.float32)
+    row = g.astype(jnp.float32) * _scale(t, probs.shape[1], top_k, coeff) * f
+    return jnp.broadcast_to(row[None, :], probs.shape).astype(probs.dtype)
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _aux_loss(probs, tokens_per_expert, num_tokens, top_k, coeff):
+    return aux_loss_reference(probs, tokens_per_expert, top_k=top_k, coeff=coeff,
+                              num_tokens=num_tokens)
+
+
+def _fwd(probs, tokens_per_expert, num_tokens, top_k, coeff):
+    out = _aux_loss(probs, tokens_per_expert, num_tokens, top_k, coeff)
+    return out, (probs, tokens_per_expert, num_tokens)
+
+
+def _bwd(top_k, coeff, res, g):
+    probs, tpe, t = res
+    dp = aux_loss_bwd_reference(g, probs, tpe, top_k=top_k, coeff=coeff, num_tokens=t)
+    return dp, _zero_cotangent(tpe), _zero_cotangent(t)
+
+
+_aux_loss.defvjp(_fwd, _bwd)
+
+
+def aux_loss(probs, tokens_per_expert, *, top_k: int, coeff: float, num_tokens=None):
+    """Switch load-balancing loss (float32 scalar, coefficient applied). See the module doc.
+
+    probs: [T, E] float; tokens_per_expert: [E] (int or float); num_tokens: optional rank-0
+    count T (default: T = rows of probs). Gradient flows to probs only.
+    """
+    if probs.ndim != 2:
+        raise ValueError(f"probs must be [T, E], got shape {probs.shape}")
+    if tokens_per_expert.shape != (probs.shape[1],):
+        raise ValueError(
+            f"tokens_per_expert must be [E={probs.shape[1]}], got {tokens_per_expert.shape}"
+        )
+    if top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1")
+    if num_tokens is None:
+        num_tokens = probs.shape[0]
+    num_tokens = jnp.asarray(num_tokens)
+    if num_tokens.ndim != 0:
+        raise ValueError(f"num_tokens must be a scalar, got shape {num_tokens.shape}")
+    return _aux_loss(probs, tokens_per_expert, num_tokens, int(top_k), float(coeff))

@@ -1,0 +1,149 @@
+"""Router: logits -> scores -> top-k expert ids and weights, plus the router losses.
+
+All routing math is float32. Letters: T tokens, M d_model, E experts, k top_k.
+
+Selection and weights (config fields in MoEConfig):
+  softmax, pre_softmax=True:  s = softmax(logits); ids = topk(s + bias); w = s[ids]
+                              (then w /= sum(w) if norm_topk)
+  softmax, pre_softmax=False: ids = topk(logits + bias); w = softmax(logits[ids])
+  sigmoid:                    s = sigmoid(logits); ids = topk(s + bias); w = s[ids]
+                              (then w /= sum(w) if norm_topk)
+  w *= routed_scaling_factor.
+The expert bias steers selection only; weights always come from unbiased scores.
+Group-limited top-k masks all but the best `group_topk` of `num_expert_groups` groups before
+the top-k; a group's score is the sum of its top `top_k // group_topk` selection scores.
+Ties go to the lower expert index (jax.lax.top_k's order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from moe_praxis import ops
+from moe_praxis.config import MoEConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RouteOutput:
+    logits: jax.Array  # [T, E] float32, after the optional logit cap
+    probs: jax.Array  # [T, E] float32 dense probabilities for the load-balancing loss
+    expert_ids: jax.Array  # [T, k] int32
+    weights: jax.Array  # [T, k] float32 combine weights
+
+
+def router_logits(x, w_router, config: MoEConfig):
+    """x: [T, M] -> float32 logits [T, E] (soft-capped when router_logit_cap > 0)."""
+    logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    if config.router_logit_cap > 0:
+        cap = config.router_logit_cap
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
+
+
+def _group_limit(sel, config: MoEConfig):
+    """Masks (to -inf) the experts outside each token's best `group_topk` groups."""
+    t, e = sel.shape
+    g = config.num_expert_groups
+    per_group = sel.reshape(t, g, e // g)
+    group_scores = jax.lax.top_k(per_group, config.top_k // config.group_topk)[0].sum(-1)
+    _, keep = jax.lax.top_k(group_scores, config.group_topk)  # [T, group_topk]
+    keep_mask = jnp.sum(jax.nn.one_hot(keep, g, dtype=jnp.int32), axis=1) > 0  # [T, G]
+    keep_mask = jnp.repeat(keep_mask, e // g, axis=1)
+    return jnp.where(keep_mask, sel, -jnp.inf)
+
+
+def route_logits(logits, config: MoEConfig, expert_bias: Optional[jax.Array] = None):
+    """logits: [T, E] float32 -> RouteOutput. See the module docstring for the math."""
+    logits = logits.astype(jnp.float32)
+    bias = None
+    if expert_bias is not None:
+        bias = jax.lax.stop_gradient(expert_bias.astype(jnp.float32))
+    if config.score_func == "softmax":
+        dense = jax.nn.softmax(logits, axis=-1)
+        probs = dense
+        sel_base = dense if config.pre_softmax else logits
+    else:
+        dense = jax.nn.sigmoid(logits)
+        probs = dense / jnp.sum(dense, axis=-1, keepdims=True)
+        sel_base = dense
+    sel = sel_base if bias is None else sel_base + bias
+    if config.num_expert_groups > 1:
+        sel = _group_limit(sel, config)
+    _, ids = jax.lax.top_k(sel, config.top_k)
+    if config.score_func == "softmax" and not config.pre_softmax:
+        weights = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
+    else:
+        weights = jnp.take_along_axis(dense, ids, axis=-1)
+        if config.norm_topk:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = weights * config.routed_scaling_factor
+    return RouteOutput(logits=logits, probs=probs, expert_ids=ids.astype(jnp.int32),
+                       weights=weights)
+
+
+def route(x, w_router, config: MoEConfig, expert_bias: Optional[jax.Array] = None):
+    """x: [T, M], w_router: [M, E] -> RouteOutput."""
+    return route_logits(router_logits(x, w_router, config), config, expert_bias)
+
+
+def tokens_per_expert(expert_ids, num_experts: int, valid=None):
+    """[T, k] ids -> [E] int32 counts of routed copies (rows with valid=False count nothing)."""
+    one_hot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.int32)  # [T, k, E]
+    if valid is not None:
+        one_hot = one_hot * valid[:, None, None].astype(jnp.int32)
+    return jnp.sum(one_hot, axis=(0, 1))
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def load_balance_loss(route_out: RouteOutput, config: MoEConfig, valid, *, seq_len=None,
+                      counts=None, num_tokens=None):
+    """The configured load-balancing loss (coefficient applied), float32 scalar.
+
+    valid: [T] bool, False for padded tokens (they count in no statistic).
+    'switch':   ops.aux_loss over all valid tokens (see moe_praxis.ops.aux_loss).
+    'sequence': the same per sequence of `seq_len` consecutive tokens, averaged over sequences.
+    'gshard':   Praxis GShard's top-1 density loss, coeff * E / T^2 * sum_e P[e] * f1[e], with
+                P[e] = sum_t p[t, e] and f1[e] the number of tokens whose FIRST choice is e.
+    `counts`/`num_tokens` override the local statistics (the EP path passes global ones).
+    """
+    e, k = config.num_experts, config.top_k
+    vf = valid.astype(jnp.float32)
+    probs = route_out.probs * vf[:, None]
+    if config.aux_loss_type == "sequence":
+        if seq_len is None:
+            raise ValueError("aux_loss_type='sequence' needs x of shape [..., S, d_model]")
+        b = probs.shape[0] // seq_len
+        p = probs.reshape(b, seq_len, e)
+        ids = route_out.expert_ids.reshape(b, seq_len, k)
+        v = valid.reshape(b, seq_len)
+        f = jax.vmap(lambda i, m: tokens_per_expert(i, e, m))(ids, v)  # [B, E]
+        n = jnp.maximum(jnp.sum(v, axis=1), 1)
+        per_seq = jax.vmap(
+            lambda pp, ff, nn: ops.aux_loss(pp, ff, top_k=k, coeff=config.aux_loss_coeff,
+                                            num_tokens=nn))(p, f, n)
+        return jnp.mean(per_seq)
+    if num_tokens is None:
+        num_tokens = jnp.maximum(jnp.sum(valid.astype(jnp.int32)), 1)
+    if config.aux_loss_type == "gshard":
+        f1 = tokens_per_expert(route_out.expert_ids[:, :1], e, valid) if counts is None else counts
+        return ops.aux_loss(probs, f1, top_k=1, coeff=config.aux_loss_coeff,
+                            num_tokens=num_tokens)
+    f = tokens_per_expert(route_out.expert_ids, e, valid) if counts is None else counts
+    return ops.aux_loss(probs, f, top_k=k, coeff=config.aux_loss_coeff, num_tokens=num_tokens)
+
+
+def z_loss(logits, valid, coeff: float, num_tokens=None):
+    """Router z-loss: coeff * mean over valid tokens of logsumexp(logits)^2 (float32 scalar)."""
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    vf = valid.astype(jnp.float32)
+    if num_tokens is None:
+        num_tokens = jnp.maximum(jnp.sum(vf), 1.0)
+    return coeff * jnp.sum(lse * lse * vf) / num_tokens
