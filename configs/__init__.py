@@ -1,0 +1,1 @@
+"""Fiddle configs: models, meshes, experiments."""

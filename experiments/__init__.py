@@ -1,0 +1,1 @@
+"""Experiments: the absl main, training loop, data and benchmarks."""
