@@ -14,7 +14,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@$(PYTHON) -c "import sys; assert sys.version_info >= (3, 11), 'moe_praxis needs Python 3.11+, found ' + sys.version"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,dev]'
+	$(PY) -m pip install -q -e '.[test,dev,cuda]'
 	$(PY) -m pip install -q --no-deps $(NO_DEPS)
 	touch $(STAMP)
 

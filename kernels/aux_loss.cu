@@ -1,0 +1,173 @@
+// Switch load-balancing loss, forward and backward (see moe_praxis/ops/aux_loss.py).
+//
+//   L = coeff * E / (k * T^2) * sum_{t,e} p[t, e] * f[e]          (forward, one pass over p)
+//   dL/dp[t, e] = g * coeff * E / (k * T^2) * f[e]                (backward, write-only)
+//
+// p: [T, E] f32 or bf16; f: [E] f32; scale: rank-0 f32 buffer holding coeff * E / (k * T^2)
+// (computed in JAX: T is traced and may be a global count); g: the rank-0 f32 cotangent buffer
+// (never reshaped to [1]).
+#include "moe_common.h"
+
+namespace moe {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T, int VEC>
+__global__ void aux_loss_fwd_kernel(const T* __restrict__ p, const float* __restrict__ f,
+                                    const float* __restrict__ scale, float* __restrict__ out,
+                                    int64_t n, int e) {
+  struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
+  float acc = 0.f;
+  const int64_t nvec = n / VEC;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < nvec;
+       i += stride) {
+    Vec v = reinterpret_cast<const Vec*>(p)[i];
+    int col = static_cast<int>((i * VEC) % e);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      acc += to_f32(v.v[j]) * __ldg(f + col);
+      col = (col + 1 == e) ? 0 : col + 1;
+    }
+  }
+  // tail (n % VEC elements), handled by block 0
+  if (blockIdx.x == 0) {
+    for (int64_t i = nvec * VEC + threadIdx.x; i < n; i += blockDim.x) {
+      acc += to_f32(p[i]) * f[i % e];
+    }
+  }
+  // block reduction
+  __shared__ float warp_sums[kThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    acc = threadIdx.x < (blockDim.x >> 5) ? warp_sums[threadIdx.x] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (threadIdx.x == 0) atomicAdd(out, acc * scale[0]);
+  }
+}
+
+template <typename T, int VEC>
+__global__ void aux_loss_bwd_kernel(const float* __restrict__ g, const float* __restrict__ f,
+                                    const float* __restrict__ scale, T* __restrict__ dp,
+                                    int64_t n, int e) {
+  struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
+  const float s = g[0] * scale[0];
+  const int64_t nvec = n / VEC;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < nvec;
+       i += stride) {
+    Vec v;
+    int col = static_cast<int>((i * VEC) % e);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      v.v[j] = from_f32<T>(s * __ldg(f + col));
+      col = (col + 1 == e) ? 0 : col + 1;
+    }
+    reinterpret_cast<Vec*>(dp)[i] = v;
+  }
+  if (blockIdx.x == 0) {
+    for (int64_t i = nvec * VEC + threadIdx.x; i < n; i += blockDim.x) {
+      dp[i] = from_f32<T>(s * f[i % e]);
+    }
+  }
+}
+
+ffi::Error check_common(const ffi::AnyBuffer& probs, const ffi::Buffer<ffi::F32>& tpe,
+                        const ffi::Buffer<ffi::F32>& scale) {
+  if (probs.dimensions().size() != 2) return MOE_INVALID("aux loss: probs must be [T, E]");
+  if (tpe.element_count() != static_cast<size_t>(cols_of(probs))) {
+    return MOE_INVALID("aux loss: tokens_per_expert must have E=" +
+                       std::to_string(cols_of(probs)) + " elements");
+  }
+  if (scale.dimensions().size() != 0) return MOE_INVALID("aux loss: scale must be rank 0");
+  return ffi::Error::Success();
+}
+
+ffi::Error AuxLossFwdImpl(cudaStream_t stream, ffi::AnyBuffer probs, ffi::Buffer<ffi::F32> tpe,
+                          ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  if (auto err = check_common(probs, tpe, scale); !err.success()) return err;
+  const int64_t n = probs.element_count();
+  const int e = static_cast<int>(cols_of(probs));
+  MOE_CUDA_CHECK(cudaMemsetAsync(out->typed_data(), 0, sizeof(float), stream));
+  if (n == 0) return ffi::Error::Success();
+  switch (probs.element_type()) {
+    case ffi::F32: {
+      int grid = grid_for(n / 4 + 1, kThreads, 132 * 8);
+      aux_loss_fwd_kernel<float, 4><<<grid, kThreads, 0, stream>>>(
+          reinterpret_cast<const float*>(probs.untyped_data()), tpe.typed_data(),
+          scale.typed_data(), out->typed_data(), n, e);
+      break;
+    }
+    case ffi::BF16: {
+      int grid = grid_for(n / 8 + 1, kThreads, 132 * 8);
+      aux_loss_fwd_kernel<__nv_bfloat16, 8><<<grid, kThreads, 0, stream>>>(
+          reinterpret_cast<const __nv_bfloat16*>(probs.untyped_data()), tpe.typed_data(),
+          scale.typed_data(), out->typed_data(), n, e);
+      break;
+    }
+    default:
+      return MOE_INVALID("aux loss: probs must be float32 or bfloat16");
+  }
+  MOE_LAUNCH_CHECK("aux_loss_fwd");
+  return ffi::Error::Success();
+}
+
+ffi::Error AuxLossBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> g, ffi::AnyBuffer probs,
+                          ffi::Buffer<ffi::F32> tpe, ffi::Buffer<ffi::F32> scale,
+                          ffi::Result<ffi::AnyBuffer> dp) {
+  if (g.dimensions().size() != 0) {
+    return MOE_INVALID("aux loss bwd: the cotangent must be rank 0, got rank " +
+                       std::to_string(g.dimensions().size()));
+  }
+  if (auto err = check_common(probs, tpe, scale); !err.success()) return err;
+  const int64_t n = probs.element_count();
+  const int e = static_cast<int>(cols_of(probs));
+  if (n == 0) return ffi::Error::Success();
+  if (dp->element_type() != probs.element_type()) {
+    return MOE_INVALID("aux loss bwd: dprobs must have the dtype of probs");
+  }
+  switch (probs.element_type()) {
+    case ffi::F32:
+      aux_loss_bwd_kernel<float, 4><<<grid_for(n / 4 + 1, kThreads), kThreads, 0, stream>>>(
+          g.typed_data(), tpe.typed_data(), scale.typed_data(),
+          reinterpret_cast<float*>(dp->untyped_data()), n, e);
+      break;
+    case ffi::BF16:
+      aux_loss_bwd_kernel<__nv_bfloat16, 8>
+          <<<grid_for(n / 8 + 1, kThreads), kThreads, 0, stream>>>(
+              g.typed_data(), tpe.typed_data(), scale.typed_data(),
+              reinterpret_cast<__nv_bfloat16*>(dp->untyped_data()), n, e);
+      break;
+    default:
+      return MOE_INVALID("aux loss bwd: probs must be float32 or bfloat16");
+  }
+  MOE_LAUNCH_CHECK("aux_loss_bwd");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeAuxLossFwd, moe::AuxLossFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()                  // probs [T, E]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // f [E]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // scale []
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()      // loss []
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeAuxLossBwd, moe::AuxLossBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // g []
+                                  .Arg<xla::ffi::AnyBuffer>()                  // probs [T, E]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // f [E]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // scale []
+                                  .Ret<xla::ffi::AnyBuffer>()                  // dprobs [T, E]
+);
