@@ -16,6 +16,7 @@ AUX_LOSS_TYPES = ("switch", "sequence", "gshard")
 DROP_POLICIES = ("position", "weight")
 ACTIVATIONS = ("silu", "gelu", "relu")
 KERNEL_BACKENDS = ("auto", "xla", "cuda")
+EP_EXCHANGES = ("auto", "ragged", "padded")
 
 
 def _err(field: str, value, valid: str) -> ValueError:
@@ -63,6 +64,12 @@ class MoEConfig:
       use_cudnn_fusion: use cuDNN's fused grouped GEMM + SwiGLU where it exists (SM100+ with
         cudnn.jax importable); elsewhere warn once and run the fallback.
       param_init_scale: std of the normal initialisation is `scale / sqrt(fan_in)`.
+      ep_exchange: expert-parallel token exchange (docs/parallelism.md): 'auto' (ragged on GPU
+        and TPU, padded elsewhere), 'ragged' (jax.lax.ragged_all_to_all; XLA:CPU cannot
+        compile it), 'padded' (fixed-size all_to_all, runs everywhere).
+      ep_buffer_factor: None = worst-case receive buffers (dropless stays dropless under EP).
+        A float f > 0 bounds them to f x the balanced load; copies past the bound are
+        dropped, counted in `dropped_tokens`, never written out of bounds.
     """
 
     d_model: int
@@ -87,6 +94,8 @@ class MoEConfig:
     kernel_backend: str = "auto"
     use_cudnn_fusion: bool = False
     param_init_scale: float = 1.0
+    ep_exchange: str = "auto"
+    ep_buffer_factor: Optional[float] = None
 
     def __post_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_expert_groups", "group_topk"):
@@ -156,6 +165,12 @@ class MoEConfig:
             raise _err("kernel_backend", self.kernel_backend, f"valid: {KERNEL_BACKENDS}")
         if not self.param_init_scale > 0:
             raise _err("param_init_scale", self.param_init_scale, "must be > 0")
+        if self.ep_exchange not in EP_EXCHANGES:
+            raise _err("ep_exchange", self.ep_exchange, f"valid: {EP_EXCHANGES}")
+        if self.ep_buffer_factor is not None and not (math.isfinite(self.ep_buffer_factor)
+                                                      and self.ep_buffer_factor > 0):
+            raise _err("ep_buffer_factor", self.ep_buffer_factor,
+                       "must be a finite float > 0, or None (worst-case buffers)")
 
     def capacity(self, num_tokens: int) -> int:
         """Per-expert capacity for `num_tokens` tokens; only with a capacity_factor."""

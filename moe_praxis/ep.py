@@ -1,0 +1,317 @@
+"""Expert-parallel moe_block: the whole block in one shard_map.
+
+Letters: T global tokens, Tl = T / num_token_shards tokens of one device, M d_model, H d_ff
+(H / tp on one device), E experts, El = E / ep experts of one EP rank, k top_k,
+R = Tl * k token copies of one device, ep the EP group size.
+
+Per device (see docs/parallelism.md for the picture):
+  1. Router on the local tokens; load statistics (tokens per expert, valid-token count) are
+     psum-ed over ALL token axes, so aux loss, z-loss and tokens_per_expert equal the
+     single-device values on the global batch (each shard adds its share of the loss with
+     the GLOBAL counts, then the shares are summed).
+  2. Capacity (optional): the keep mask is computed from the routing decisions (ids [T, k],
+     and the weights for drop_policy='weight') all-gathered over the token axes, with
+     capacity(T) of the global batch, so it is exactly the single-device mask; each device
+     keeps its slice. Only int32 ids / float32 weights travel, never token rows.
+  3. Local sort of the R copies by expert; the copies of EP rank r's experts are contiguous.
+  4. Exchange to the owning rank: 'padded' (one all_to_all of a [ep, C, M] buffer each way)
+     or 'ragged' (one jax.lax.ragged_all_to_all each way into a [B, M] buffer). Defaults:
+     C = R (a device may send all its copies to one rank) and B = ep * R (a rank may receive
+     all copies of its group), so dropless stays dropless. MoEConfig.ep_buffer_factor = f
+     bounds them to C = ceil(f * R / ep), B = ceil(f * R) (f x the balanced load); copies
+     past the bound are not sent, count in dropped_tokens and contribute zero.
+  5. Regroup the received rows by local expert (stable: source rank, then source order),
+     grouped GEMMs with the expert weights all-gathered over fsdp (their gradients are
+     reduce-scattered by autodiff), tp partial sums.
+  6. The mirror exchange back, the weighted combine into [Tl, M], psum over tp.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from moe_praxis import dispatch as dispatch_lib
+from moe_praxis import ops, routing
+from moe_praxis.config import MoEConfig
+from moe_praxis.experts import expert_ffn
+from moe_praxis.resources import EPLayout, MeshResources, ep_bootstrap
+
+RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def mesh_platform(mesh) -> str:
+    """The platform of the mesh's devices ('cpu', 'gpu', 'tpu'); default backend if abstract."""
+    devices = getattr(mesh, "devices", None)
+    if devices is None or not hasattr(devices, "flat"):
+        return jax.default_backend()
+    return next(iter(devices.flat)).platform
+
+
+def exchange_kind(config: MoEConfig, mesh) -> str:
+    """'ragged' or 'padded': config.ep_exchange, with 'auto' resolved by the mesh platform
+    (ragged_all_to_all on GPU / TPU; XLA:CPU has none, so padded there)."""
+    if config.ep_exchange != "auto":
+        return config.ep_exchange
+    return "ragged" if mesh_platform(mesh) in RAGGED_PLATFORMS else "padded"
+
+
+def pair_capacity(rows_local: int, ep_size: int, buffer_factor=None) -> int:
+    """Padded exchange: rows a device sends to ONE rank (C). Worst case R = rows_local."""
+    if buffer_factor is None:
+        return rows_local
+    return int(min(rows_local, max(1, math.ceil(buffer_factor * rows_local / ep_size))))
+
+
+def recv_capacity(rows_local: int, ep_size: int, buffer_factor=None) -> int:
+    """Ragged exchange: rows one rank receives in all (B). Worst case ep * rows_local."""
+    if buffer_factor is None:
+        return ep_size * rows_local
+    return int(min(ep_size * rows_local, max(1, math.ceil(buffer_factor * rows_local))))
+
+
+def _psum(x, axes):
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def _excl_cumsum(x, axis=0):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _block_position(i, sizes):
+    """For flat positions i [N] in back-to-back blocks of `sizes` [S]: (block [N], offset
+    within the block [N], in_range [N]); positions past sum(sizes) have in_range False."""
+    ends = jnp.cumsum(sizes)
+    block = jnp.searchsorted(ends, i, side="right")
+    in_range = block < sizes.shape[0]
+    block_c = jnp.minimum(block, sizes.shape[0] - 1)
+    return block_c, i - (ends - sizes)[block_c], in_range
+
+
+def _regroup_keys(src, pos, in_range, recv_mat, num_local):
+    """Local expert of each received row: row `pos` of source `src` falls in expert le where
+    the cumulative counts recv_mat[src] (sorted by expert) pass pos. Invalid rows -> El."""
+    ends = jnp.cumsum(recv_mat, axis=1)[src]  # [N, El]
+    le = jnp.sum(pos[:, None] >= ends, axis=1).astype(jnp.int32)
+    return jnp.where(in_range, le, num_local)
+
+
+def _experts(rows, keys, w, config, num_local, backend):
+    """rows: [N, M] received rows; keys: [N] local expert (El = invalid) -> [N, M] outputs
+    in the same slots (zeros for invalid rows)."""
+    perm = jnp.argsort(keys, stable=True)
+    group_sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
+    grouped = checkpoint_name(rows[perm], "moe_dispatched")
+    out = expert_ffn(grouped, group_sizes, w.get("wi_gate"), w["wi_up"], w["wo"], config,
+                     backend=backend)
+    inv = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+    return out[inv]
+
+
+def _padded_exchange(x, row_tok, w_sorted, send_mat, layout, config, weights, backend):
+    """One all_to_all of a [ep, C, M] buffer each way. Returns (y [Tl, M] f32, overflow)."""
+    ep, el = layout.ep_size, layout.experts_per_rank
+    axes = layout.ep_axes
+    r_rows = row_tok.shape[0]
+    t_l = x.shape[0]
+    cap = pair_capacity(r_rows, ep, config.ep_buffer_factor)
+    send_tot = jnp.sum(send_mat, axis=1)  # [ep]
+    sent = jnp.minimum(send_tot, cap)
+    slot = jnp.arange(cap, dtype=jnp.int32)
+    idx = jnp.minimum(_excl_cumsum(send_tot)[:, None] + slot[None, :], r_rows - 1)  # [ep, C]
+    ok = slot[None, :] < sent[:, None]
+    slot_tok = jnp.where(ok, row_tok[idx], t_l).reshape(-1)  # [ep*C] token or Tl
+    slot_w = jnp.where(ok, w_sorted[idx], 0.0).reshape(-1)
+    send_buf = ops.permute(x, slot_tok, backend=backend).reshape(ep, cap, -1)
+    recv_mat = jax.lax.all_to_all(send_mat, axes, 0, 0, tiled=True)  # [src, El]
+    recv_buf = jax.lax.all_to_all(send_buf, axes, 0, 0, tiled=True)  # [src, C, M]
+    recv_tot = jnp.minimum(jnp.sum(recv_mat, axis=1), cap)
+    src = jnp.repeat(jnp.arange(ep, dtype=jnp.int32), cap)
+    pos = jnp.tile(slot, ep)
+    keys = _regroup_keys(src, pos, pos < recv_tot[src], recv_mat, el)
+    out = _experts(recv_buf.reshape(ep * cap, -1), keys, weights, config, el, backend)
+    back = jax.lax.all_to_all(out.reshape(ep, cap, -1), axes, 0, 0, tiled=True)  # [dst, C, M]
+    scaled = back.reshape(ep * cap, -1).astype(jnp.float32) * slot_w[:, None]
+    y = ops.unpermute(scaled, slot_tok, t_l, backend=backend)
+    return y, jnp.sum(send_tot - sent)
+
+
+def _ragged_exchange(x, row_tok, w_sorted, send_mat, layout, config, weights, backend):
+    """One ragged_all_to_all each way into a [B, M] buffer. Returns (y [Tl, M] f32, overflow)."""
+    ep, el = layout.ep_size, layout.experts_per_rank
+    axes = layout.ep_axes
+    r_rows = row_tok.shape[0]
+    t_l = x.shape[0]
+    bound = recv_capacity(r_rows, ep, config.ep_buffer_factor)
+    me = jax.lax.axis_index(axes)
+    send_tot = jnp.sum(send_mat, axis=1).astype(jnp.int32)  # [ep]
+    s_all = jax.lax.all_gather(send_tot, axes, axis=0, tiled=False)  # [src, dst]
+    out_off = _excl_cumsum(s_all, axis=0)  # where src's block starts at dst
+    sz = jnp.clip(bound - out_off, 0, s_all)  # rows that fit, [src, dst]
+    in_off = _excl_cumsum(s_all, axis=1)  # where the block starts at src (sorted rows)
+    my_send = sz[me]
+    my_recv = sz[:, me]
+
+    def nz(off, size):  # offsets of empty slices: 0 (never out of range)
+        return jnp.where(size > 0, off, 0).astype(jnp.int32)
+
+    rows = ops.permute(x, row_tok, backend=backend)  # [R, M] expert-sorted
+    recv_mat = jax.lax.all_to_all(send_mat, axes, 0, 0, tiled=True)  # [src, El]
+    recv = jax.lax.ragged_all_to_all(rows, jnp.zeros((bound, ) + rows.shape[1:], rows.dtype),
+                                     nz(in_off[me], my_send), my_send, nz(out_off[me], my_send),
+                                     my_recv, axis_name=axes)  # [B, M]
+    src, pos, in_range = _block_position(jnp.arange(bound, dtype=jnp.int32), my_recv)
+    keys = _regroup_keys(src, pos, in_range, recv_mat, el)
+    out = _experts(recv, keys, weights, config, el, backend)
+    back = jax.lax.ragged_all_to_all(out, jnp.zeros_like(rows), nz(out_off[:, me], my_recv),
+                                     my_recv, nz(in_off[:, me], my_recv), my_send,
+                                     axis_name=axes)  # [R, M] expert-sorted, zeros if dropped
+    scaled = back.astype(jnp.float32) * w_sorted[:, None]
+    y = ops.unpermute(scaled, row_tok, t_l, backend=backend)
+    return y, jnp.sum(send_tot - my_send)
+
+
+def _global_keep(ids, weights, valid, config: MoEConfig, layout: EPLayout, shard, t_global):
+    """Capacity keep mask [Tl, k] equal to the single-device one, and the global drop count.
+
+    The routing decisions are all-gathered over the token axes (in token-shard order, so row
+    s * Tl + t is global token s * Tl + t) and dispatch.capacity_keep runs on them with the
+    global capacity(T); each device slices its own rows."""
+    axes = layout.token_axes
+    t_l = ids.shape[0]
+
+    def gather(a):
+        return jax.lax.all_gather(a, axes, axis=0, tiled=True) if axes else a
+
+    ids_g = gather(ids)
+    valid_g = gather(valid.astype(jnp.int32)) > 0
+    if config.drop_policy == "weight":
+        w_g = gather(jax.lax.stop_gradient(weights))
+    else:
+        w_g = jnp.zeros(ids_g.shape, jnp.float32)  # unused by the 'position' policy
+    keep_g = dispatch_lib.capacity_keep(ids_g, w_g, valid_g, config, config.capacity(t_global))
+    keep = jax.lax.dynamic_slice_in_dim(keep_g, shard * t_l, t_l, axis=0)
+    dropped = _psum(jnp.sum(valid[:, None] & ~keep, dtype=jnp.int32), axes)
+    return keep, dropped
+
+
+def _gather_weights(params, layout: EPLayout):
+    """Expert weights all-gathered over fsdp: wi [El, M, H/tp], wo [El, H/tp, M]."""
+    out = {}
+    for name in ("wi_gate", "wi_up", "wo"):
+        if name not in params:
+            continue
+        w = params[name]
+        if layout.fsdp_axes:
+            if layout.fsdp_dim == "expert":
+                dim = 0
+            else:
+                dim = 1 if name.startswith("wi") else 2
+            w = jax.lax.all_gather(w, layout.fsdp_axes, axis=dim, tiled=True)
+        out[name] = w
+    return out
+
+
+def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_len, t_global,
+          backend):
+    e, k = config.num_experts, config.top_k
+    token_axes = layout.token_axes
+    t_l = x.shape[0]
+    shard = jax.lax.axis_index(token_axes) if token_axes else 0
+
+    with jax.named_scope("moe_router"):
+        logits = checkpoint_name(routing.router_logits(x, params["router"], config),
+                                 "moe_router_logits")
+        r = routing.route_logits(logits, config, params.get("expert_bias"))
+        counts = _psum(routing.tokens_per_expert(r.expert_ids, e, valid), token_axes)
+        n_valid = _psum(jnp.sum(valid.astype(jnp.int32)), token_axes)
+        num_tokens = jnp.maximum(n_valid, 1)
+        if config.aux_loss_type == "sequence":
+            local = routing.load_balance_loss(r, config, valid, seq_len=seq_len)
+            aux = _psum(local * (t_l // seq_len), token_axes) / (t_global // seq_len)
+        else:
+            if config.aux_loss_type == "gshard":
+                f = _psum(routing.tokens_per_expert(r.expert_ids[:, :1], e, valid), token_axes)
+            else:
+                f = counts
+            aux = _psum(
+                routing.load_balance_loss(r, config, valid, counts=f, num_tokens=num_tokens),
+                token_axes)
+        zl = _psum(routing.z_loss(logits, valid, config.z_loss_coeff,
+                                  num_tokens=num_tokens.astype(jnp.float32)), token_axes)
+
+    with jax.named_scope("moe_dispatch"):
+        if config.capacity_factor is None:
+            keep = jnp.broadcast_to(valid[:, None], (t_l, k))
+            cap_dropped = jnp.zeros((), jnp.int32)
+        else:
+            keep, cap_dropped = _global_keep(r.expert_ids, r.weights, valid, config, layout,
+                                             shard, t_global)
+        flat_e = jnp.where(keep, r.expert_ids, e).reshape(-1).astype(jnp.int32)  # [R]
+        order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
+        sorted_e = flat_e[order]
+        row_tok = jnp.where(sorted_e < e, order // k, t_l).astype(jnp.int32)  # [R]
+        w_sorted = r.weights.reshape(-1)[order].astype(jnp.float32)
+        group_sizes = jnp.bincount(flat_e, length=e + 1)[:e].astype(jnp.int32)  # [E]
+
+    with jax.named_scope("moe_experts"):
+        weights = _gather_weights(params, layout)
+        if layout.ep_size == 1:
+            rows = checkpoint_name(ops.permute(x, row_tok, backend=backend), "moe_dispatched")
+            out = expert_ffn(rows, group_sizes, weights.get("wi_gate"), weights["wi_up"],
+                             weights["wo"], config, backend=backend)
+            y = ops.unpermute(out.astype(jnp.float32) * w_sorted[:, None], row_tok, t_l,
+                              backend=backend)
+            overflow = jnp.zeros((), jnp.int32)
+        else:
+            send_mat = group_sizes.reshape(layout.ep_size, layout.experts_per_rank)
+            exchange = _ragged_exchange if kind == "ragged" else _padded_exchange
+            y, overflow = exchange(x, row_tok, w_sorted, send_mat, layout, config, weights,
+                                   backend)
+        y = _psum(y, layout.tp_axes).astype(x.dtype)
+    dropped = cap_dropped + _psum(overflow.astype(jnp.int32), token_axes)
+    return y, aux, zl, counts, dropped
+
+
+def moe_sharded(params, x2, valid, config: MoEConfig, *, mesh, resources: MeshResources,
+                seq_len, backend):
+    """The MoE block expert-parallel over `mesh` with the roles in `resources`.
+
+    params: full (global) parameter arrays; x2: [T, M]; valid: [T] bool (False = padded).
+    T must be divisible by dp * fsdp * ep. Returns moe_praxis.moe.MoEOutput with y [T, M].
+    """
+    from moe_praxis.moe import MoEOutput  # moe imports this module lazily
+
+    layout = ep_bootstrap(mesh, resources, config.num_experts, d_model=config.d_model,
+                          d_ff=config.d_ff)
+    t = x2.shape[0]
+    n = layout.num_token_shards
+    if t % n:
+        raise ValueError(f"{t} tokens (all leading dims of x) are not divisible by the "
+                         f"{n} token shards (dp x fsdp x ep = {layout.dp_size} x "
+                         f"{layout.fsdp_size} x {layout.ep_size}); pad the batch to a "
+                         f"multiple of {n} and mark the padding in `paddings`")
+    t_l = t // n
+    if config.aux_loss_type == "sequence":
+        if seq_len is None:
+            raise ValueError("aux_loss_type='sequence' needs x of shape [..., S, d_model]")
+        if t_l % seq_len:
+            raise ValueError(f"aux_loss_type='sequence' under expert parallelism needs whole "
+                             f"sequences per token shard: {t_l} tokens per shard is not a "
+                             f"multiple of seq_len={seq_len}")
+    kind = exchange_kind(config, mesh)
+    specs = layout.weight_specs
+    param_specs = {name: specs[name] for name in params}
+    tok = layout.token_spec
+    body = functools.partial(_body, config=config, layout=layout, kind=kind,
+                                 seq_len=seq_len, t_global=t, backend=backend)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(*tok, None), tok),
+                       out_specs=(P(*tok, None), P(), P(), P(None), P()), check_vma=True)
+    y, aux, zl, counts, dropped = fn(params, x2, valid)
+    return MoEOutput(y=y, aux_loss=aux, z_loss=zl, tokens_per_expert=counts,
+                     dropped_tokens=dropped)
