@@ -1,0 +1,224 @@
+"""What an experiment is made of: plain dataclasses that Fiddle configures and the trainer reads.
+
+An experiment config is ``pax_fiddle.Config(ExperimentConfig, model=..., data=..., ...)``; every
+leaf can be overridden from the command line (``--fdl.train.num_steps=50``,
+``--fdl.model.stacked_transformer_tpl.num_layers=4``). Building it validates every field here
+(``__post_init__``) before anything is traced or compiled; ``validate_experiment`` adds the
+checks that need more than one part (model vs data, model vs mesh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Sequence, Union
+
+DATA_SOURCES = ("pydoc", "synthetic", "text")
+SCHEDULES = ("cosine", "constant", "linear")
+AxisRole = Union[None, str, Sequence[str]]
+
+
+def _bad(owner: str, field: str, value, valid: str) -> ValueError:
+    return ValueError(f"{owner}.{field}={value!r} is invalid: {valid}.")
+
+
+def _positive_int(owner, name, v):
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise _bad(owner, name, v, "must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Byte-level language-modelling data (vocabulary: the 256 byte values).
+
+    source: 'pydoc' (the standard library's ``pydoc_data.topics`` text, offline everywhere),
+      'synthetic' (a fixed random order-2 Markov chain over bytes, learnable but not trivial),
+      'text' (every file under ``path``, a file or a directory, read as bytes).
+    path: the file or directory for source='text'.
+    seq_len: S, tokens per example; an example is S+1 consecutive bytes (inputs, next bytes).
+    batch_size: B, the GLOBAL batch (all processes and devices together).
+    heldout_fraction: the tail of the corpus held out for evaluation.
+    seed: with the step number, fixes the batch of every step: a resumed run sees the same
+      batches as an uninterrupted one.
+    synthetic_bytes: corpus length of the synthetic source.
+    """
+
+    source: str = "pydoc"
+    path: Optional[str] = None
+    seq_len: int = 128
+    batch_size: int = 16
+    heldout_fraction: float = 0.1
+    seed: int = 0
+    synthetic_bytes: int = 1 << 18
+
+    def __post_init__(self):
+        if self.source not in DATA_SOURCES:
+            raise _bad("DataConfig", "source", self.source, f"valid: {DATA_SOURCES}")
+        if self.source == "text" and not self.path:
+            raise _bad("DataConfig", "path", self.path,
+                       "source='text' needs a file or directory (--fdl.data.path=...)")
+        for name in ("seq_len", "batch_size", "synthetic_bytes"):
+            _positive_int("DataConfig", name, getattr(self, name))
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise _bad("DataConfig", "heldout_fraction", self.heldout_fraction,
+                       "must be in (0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """optax AdamW with warmup and a decay schedule, after global-norm gradient clipping.
+
+    learning_rate: peak learning rate, reached after ``warmup_steps``.
+    schedule: 'cosine' (to ``end_lr_fraction * learning_rate`` at ``decay_steps``),
+      'linear' (same end point, linear), 'constant'.
+    decay_steps: 0 = the experiment's ``train.num_steps``.
+    clip_norm: gradients are scaled so their global L2 norm is at most this (0 = off).
+    """
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    decay_steps: int = 0
+    end_lr_fraction: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise _bad("OptimizerConfig", "learning_rate", self.learning_rate, "must be > 0")
+        if self.schedule not in SCHEDULES:
+            raise _bad("OptimizerConfig", "schedule", self.schedule, f"valid: {SCHEDULES}")
+        for name in ("warmup_steps", "decay_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise _bad("OptimizerConfig", name, v, "must be an int >= 0")
+        if not 0.0 <= self.end_lr_fraction <= 1.0:
+            raise _bad("OptimizerConfig", "end_lr_fraction", self.end_lr_fraction,
+                       "must be in [0, 1]")
+        if self.clip_norm < 0:
+            raise _bad("OptimizerConfig", "clip_norm", self.clip_norm, "must be >= 0 (0 = off)")
+        if self.weight_decay < 0:
+            raise _bad("OptimizerConfig", "weight_decay", self.weight_decay, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """A device mesh (shape + axis names) and the role each axis plays (``MeshResources``).
+
+    shape: one size per axis; one entry may be -1 = every device not used by the others (the
+      default mesh ``(-1,)`` is data parallel over whatever devices the machine has).
+    axis_names: one name per axis.
+    dp, fsdp, ep, tp: the axis (name, tuple of names, or None) playing each role, exactly the
+      fields of ``moe_praxis.MeshResources``; ``resources()`` builds it.
+    """
+
+    shape: tuple = (-1,)
+    axis_names: tuple = ("data",)
+    dp: AxisRole = "data"
+    fsdp: AxisRole = None
+    ep: AxisRole = None
+    tp: AxisRole = None
+
+    def __post_init__(self):
+        shape, names = tuple(self.shape), tuple(self.axis_names)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "axis_names", names)
+        if len(shape) != len(names) or not shape:
+            raise _bad("MeshConfig", "shape", shape,
+                       f"needs one size per axis name {names}")
+        if len(set(names)) != len(names):
+            raise _bad("MeshConfig", "axis_names", names, "names must be distinct")
+        if sum(1 for s in shape if s == -1) > 1:
+            raise _bad("MeshConfig", "shape", shape, "at most one axis may be -1")
+        for s in shape:
+            if not isinstance(s, int) or (s < 1 and s != -1):
+                raise _bad("MeshConfig", "shape", shape, "sizes are positive ints or one -1")
+        seen = {}
+        for role in ("dp", "fsdp", "ep", "tp"):
+            for axis in self.role_axes(role):
+                if axis not in names:
+                    raise _bad("MeshConfig", role, getattr(self, role),
+                               f"axis {axis!r} is not a mesh axis; axes are {names}")
+                if axis in seen:
+                    raise _bad("MeshConfig", role, getattr(self, role),
+                               f"axis {axis!r} already plays {seen[axis]!r}")
+                seen[axis] = role
+
+    def role_axes(self, role: str) -> tuple:
+        v = getattr(self, role)
+        if v is None:
+            return ()
+        return (v,) if isinstance(v, str) else tuple(v)
+
+    def token_axes(self) -> tuple:
+        """The axes the batch is split over: dp, fsdp and ep together (DESIGN.md)."""
+        return self.role_axes("dp") + self.role_axes("fsdp") + self.role_axes("ep")
+
+    def resolved_shape(self, num_devices: int) -> tuple:
+        """The shape with -1 replaced; raises if it does not use exactly ``num_devices``."""
+        fixed = math.prod(s for s in self.shape if s != -1)
+        if -1 in self.shape:
+            if num_devices % fixed:
+                raise ValueError(f"MeshConfig.shape={self.shape}: {num_devices} devices are not "
+                                 f"divisible by the fixed axes' product {fixed}")
+            return tuple(num_devices // fixed if s == -1 else s for s in self.shape)
+        if fixed != num_devices:
+            raise ValueError(f"MeshConfig.shape={self.shape} needs {fixed} devices; this job has "
+                             f"{num_devices} (use -1 for 'the rest')")
+        return self.shape
+
+    def resources(self):
+        """The ``moe_praxis.MeshResources`` naming these roles."""
+        import moe_praxis
+
+        return moe_praxis.MeshResources(dp=self.dp, fsdp=self.fsdp, ep=self.ep, tp=self.tp)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The training loop.
+
+    num_steps: train until this step (a resumed run continues to it).
+    eval_every: held-out loss and perplexity every this many steps (and at steps 0 and the end).
+    eval_batches: held-out batches per evaluation (fixed windows of the held-out split).
+    checkpoint_every: orbax checkpoint every this many steps (and at the end and on
+      SIGTERM/SIGINT); 0 = only those.
+    max_checkpoints: checkpoints kept in job_log_dir/checkpoints.
+    seed: parameter-init and dropout seed.
+    summary_every: expert-load summaries are recorded every this many steps.
+    sigterm_at_step: testing aid: the process sends itself SIGTERM after this step (0 = never),
+      so a kill-and-resume test stops at an exact step through the real signal path.
+    """
+
+    num_steps: int = 200
+    eval_every: int = 50
+    eval_batches: int = 4
+    checkpoint_every: int = 100
+    max_checkpoints: int = 3
+    seed: int = 0
+    summary_every: int = 10
+    sigterm_at_step: int = 0
+
+    def __post_init__(self):
+        for name in ("num_steps", "eval_every", "eval_batches", "max_checkpoints",
+                     "summary_every"):
+            _positive_int("TrainConfig", name, getattr(self, name))
+        for name in ("checkpoint_every", "sigterm_at_step"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise _bad("TrainConfig", name, v, "must be an int >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """Everything one run needs. ``model`` is a built Praxis ``TransformerLm`` (unbound)."""
+
+    name: str
+    model: Any
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)

@@ -1,0 +1,230 @@
+"""The registered experiments and their presets.
+
+Each experiment is a class of UPPERCASE knobs (PaxML style); ``experiment_config()`` turns the
+knobs into one ``pax_fiddle.Config(ExperimentConfig, ...)``. Subclass to change knobs, or
+override any leaf of the returned config from the command line with ``--fdl.X=value``.
+
+The module-level functions (``tiny()``, ``small_gpu()``, ...) return the same configs for
+Fiddle's ``--fdl_config=NAME`` flag.
+
+Presets:
+  Tiny          ~1M params; trains on a laptop CPU in about a minute (the ``make run`` default).
+  SmallGpu      ~0.4B params (8 experts, 8 layers); one GPU.
+  Mixtral8x7B   Mixtral-8x7B layer shapes (M=4096, H=14336, E=8, k=2, 32 layers, 32 heads,
+                vocab 32000); 64 GPUs as dp2 x fsdp4 x ep8.
+  DeepSeekV3    DeepSeek-V3 MoE layer shapes (M=7168, expert H=2048, E=256, k=8, 61 layers,
+                128 heads of 128, vocab 129280; sigmoid-free softmax routing and plain
+                multi-head attention stand in for its MLA); 256 GPUs as fsdp8 x ep32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import fiddle as fdl
+from praxis import pax_fiddle
+
+from configs import base, models
+from configs.registry import register, short_name
+
+
+class LanguageModel:
+    """Base class of the byte-level MoE language-model experiments (not registered itself)."""
+
+    # Model.
+    VOCAB_SIZE = 256
+    NUM_LAYERS = 2
+    MODEL_DIMS = 128
+    HIDDEN_DIMS = 256
+    NUM_HEADS = 4
+    DIM_PER_HEAD: Optional[int] = None
+    NUM_EXPERTS = 8
+    TOP_K = 2
+    MOE_HIDDEN_DIMS: Optional[int] = None
+    MOE_LAYERS: Optional[Sequence[int]] = None
+    AUX_LOSS_COEFF = 0.01
+    REPEAT = False
+    FPROP_DTYPE = "float32"
+    REMAT = False
+    # Data.
+    DATA_SOURCE = "pydoc"
+    DATA_PATH: Optional[str] = None
+    SEQ_LEN = 128
+    BATCH_SIZE = 16
+    HELDOUT_FRACTION = 0.1
+    DATA_SEED = 0
+    # Optimizer.
+    LEARNING_RATE = 3e-3
+    WARMUP_STEPS = 20
+    SCHEDULE = "cosine"
+    WEIGHT_DECAY = 0.01
+    CLIP_NORM = 1.0
+    # Loop.
+    NUM_STEPS = 200
+    EVAL_EVERY = 50
+    EVAL_BATCHES = 4
+    CHECKPOINT_EVERY = 100
+    SUMMARY_EVERY = 10
+    SEED = 0
+    # Mesh (shape, names, and the MeshResources roles).
+    MESH_SHAPE = (-1,)
+    MESH_AXIS_NAMES = ("data",)
+    DP = "data"
+    FSDP = None
+    EP = None
+    TP = None
+
+    def model(self) -> pax_fiddle.Config:
+        return models.transformer_lm(
+            vocab_size=self.VOCAB_SIZE, model_dims=self.MODEL_DIMS,
+            hidden_dims=self.HIDDEN_DIMS, num_layers=self.NUM_LAYERS,
+            num_heads=self.NUM_HEADS, dim_per_head=self.DIM_PER_HEAD,
+            num_experts=self.NUM_EXPERTS, top_k=self.TOP_K,
+            moe_hidden_dims=self.MOE_HIDDEN_DIMS, moe_layers=self.MOE_LAYERS,
+            aux_loss_coeff=self.AUX_LOSS_COEFF, repeat=self.REPEAT,
+            fprop_dtype=self.FPROP_DTYPE, remat=self.REMAT)
+
+    def data(self) -> fdl.Config:
+        return fdl.Config(base.DataConfig, source=self.DATA_SOURCE, path=self.DATA_PATH,
+                          seq_len=self.SEQ_LEN, batch_size=self.BATCH_SIZE,
+                          heldout_fraction=self.HELDOUT_FRACTION, seed=self.DATA_SEED)
+
+    def optimizer(self) -> fdl.Config:
+        return fdl.Config(base.OptimizerConfig, learning_rate=self.LEARNING_RATE,
+                          warmup_steps=self.WARMUP_STEPS, schedule=self.SCHEDULE,
+                          weight_decay=self.WEIGHT_DECAY, clip_norm=self.CLIP_NORM)
+
+    def mesh(self) -> fdl.Config:
+        return fdl.Config(base.MeshConfig, shape=tuple(self.MESH_SHAPE),
+                          axis_names=tuple(self.MESH_AXIS_NAMES), dp=self.DP, fsdp=self.FSDP,
+                          ep=self.EP, tp=self.TP)
+
+    def train(self) -> fdl.Config:
+        return fdl.Config(base.TrainConfig, num_steps=self.NUM_STEPS, eval_every=self.EVAL_EVERY,
+                          eval_batches=self.EVAL_BATCHES, checkpoint_every=self.CHECKPOINT_EVERY,
+                          summary_every=self.SUMMARY_EVERY, seed=self.SEED)
+
+    def experiment_config(self) -> pax_fiddle.Config:
+        """The whole experiment as one Fiddle config (nothing built yet)."""
+        return pax_fiddle.Config(base.ExperimentConfig, name=short_name(type(self)),
+                                 model=self.model(), data=self.data(),
+                                 optimizer=self.optimizer(), mesh=self.mesh(),
+                                 train=self.train())
+
+
+@register
+class Tiny(LanguageModel):
+    """2 layers, M=128, 8 experts top-2, bytes of pydoc topics: trains on a CPU in a minute."""
+
+
+@register
+class TinySynthetic(Tiny):
+    """Tiny on the synthetic order-2 Markov source."""
+    DATA_SOURCE = "synthetic"
+
+
+@register
+class SmallGpu(LanguageModel):
+    """One GPU: 8 layers, M=1024, 8 experts top-2 (H=2048), bf16 activations."""
+    NUM_LAYERS = 8
+    MODEL_DIMS = 1024
+    HIDDEN_DIMS = 2048
+    NUM_HEADS = 16
+    NUM_EXPERTS = 8
+    SEQ_LEN = 1024
+    BATCH_SIZE = 32
+    FPROP_DTYPE = "bfloat16"
+    LEARNING_RATE = 1e-3
+    WARMUP_STEPS = 200
+    NUM_STEPS = 5000
+    EVAL_EVERY = 500
+    CHECKPOINT_EVERY = 1000
+
+
+@register
+class Mixtral8x7B(LanguageModel):
+    """Mixtral-8x7B layer shapes on 64 GPUs (dp2 x fsdp4 x ep8)."""
+    VOCAB_SIZE = 32000
+    NUM_LAYERS = 32
+    MODEL_DIMS = 4096
+    HIDDEN_DIMS = 14336
+    NUM_HEADS = 32
+    NUM_EXPERTS = 8
+    TOP_K = 2
+    REPEAT = True
+    REMAT = True
+    FPROP_DTYPE = "bfloat16"
+    SEQ_LEN = 4096
+    BATCH_SIZE = 64
+    LEARNING_RATE = 3e-4
+    WARMUP_STEPS = 2000
+    NUM_STEPS = 100000
+    EVAL_EVERY = 1000
+    CHECKPOINT_EVERY = 1000
+    MESH_SHAPE = (2, 4, 8)
+    MESH_AXIS_NAMES = ("data", "fsdp", "expert")
+    DP, FSDP, EP = "data", "fsdp", "expert"
+
+
+@register
+class DeepSeekV3(LanguageModel):
+    """DeepSeek-V3 MoE layer shapes on 256 GPUs (fsdp8 x ep32)."""
+    VOCAB_SIZE = 129280
+    NUM_LAYERS = 61
+    MODEL_DIMS = 7168
+    HIDDEN_DIMS = 18432
+    MOE_HIDDEN_DIMS = 2048
+    NUM_HEADS = 128
+    DIM_PER_HEAD = 128
+    NUM_EXPERTS = 256
+    TOP_K = 8
+    AUX_LOSS_COEFF = 1e-4
+    REPEAT = True
+    REMAT = True
+    FPROP_DTYPE = "bfloat16"
+    SEQ_LEN = 4096
+    BATCH_SIZE = 256
+    LEARNING_RATE = 2.2e-4
+    WARMUP_STEPS = 2000
+    NUM_STEPS = 100000
+    EVAL_EVERY = 1000
+    CHECKPOINT_EVERY = 1000
+    MESH_SHAPE = (1, 8, 32)
+    MESH_AXIS_NAMES = ("data", "fsdp", "expert")
+    DP, FSDP, EP = "data", "fsdp", "expert"
+
+
+GPU_PRESETS = (SmallGpu, Mixtral8x7B, DeepSeekV3)
+
+
+# ------------------------------------------------------------ --fdl_config=NAME entry points
+
+
+def tiny() -> pax_fiddle.Config:
+    """The Tiny experiment (same as --exp=tiny)."""
+    return Tiny().experiment_config()
+
+
+def tiny_synthetic() -> pax_fiddle.Config:
+    """The TinySynthetic experiment."""
+    return TinySynthetic().experiment_config()
+
+
+def small_gpu() -> pax_fiddle.Config:
+    """The SmallGpu experiment."""
+    return SmallGpu().experiment_config()
+
+
+def mixtral_8x7b() -> pax_fiddle.Config:
+    """The Mixtral8x7B experiment."""
+    return Mixtral8x7B().experiment_config()
+
+
+def deepseek_v3() -> pax_fiddle.Config:
+    """The DeepSeekV3 experiment."""
+    return DeepSeekV3().experiment_config()
+
+
+def use_synthetic_data(cfg: pax_fiddle.Config) -> None:
+    """Fiddler (--fiddler=use_synthetic_data): switch the data source to synthetic."""
+    cfg.data.source = "synthetic"

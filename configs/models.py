@@ -1,0 +1,125 @@
+"""Model configs: a Praxis ``TransformerLm`` whose MoE layers are ``moe_praxis.MoEFeedForward``.
+
+``transformer_lm(...)`` returns a ``pax_fiddle.Config`` (nothing is built), so every field can
+still be changed by an experiment or a ``--fdl.model.X=`` override. Letters: M model_dims,
+H hidden_dims, E num_experts, k top_k, V vocab_size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import moe_praxis  # noqa: F401  (applies the Praxis-on-current-JAX shims first)
+from praxis import pax_fiddle
+from praxis.layers import activations, embedding_softmax, normalizations, transformer_models
+from praxis.layers import transformers
+
+
+def moe_layer_class():
+    """The MoE feed-forward layer class used by every preset."""
+    return moe_praxis.MoEFeedForward
+
+
+def moe_layer_tpl(*, top_k: int, moe_hidden_dims: int, aux_loss_coeff: float,
+                  gated: bool = True) -> pax_fiddle.Config:
+    """The template StackedTransformer copies into each MoE layer (it sets num_experts,
+    num_groups, min_group_size and gating_func itself): dropless softmax top-k routing
+    ('topk'), SwiGLU experts, the Switch load-balancing loss."""
+    tpl = pax_fiddle.Config(moe_layer_class(), name="moe")
+    tpl.hidden_dims = moe_hidden_dims
+    tpl.use_gated_activation = gated
+    tpl.activation_tpl = pax_fiddle.Config(activations.SiLU)
+    tpl.moe_load_balance_loss_weight = aux_loss_coeff
+    tpl.num_experts_per_token = top_k
+    tpl.aux_loss_type = "switch"
+    return tpl
+
+
+def transformer_lm(
+    *,
+    vocab_size: int = 256,
+    model_dims: int,
+    hidden_dims: int,
+    num_layers: int,
+    num_heads: int,
+    num_experts: int,
+    top_k: int = 2,
+    moe_hidden_dims: Optional[int] = None,
+    moe_layers: Optional[Sequence[int]] = None,
+    dim_per_head: Optional[int] = None,
+    aux_loss_coeff: float = 0.01,
+    repeat: bool = False,
+    fprop_dtype: str = "float32",
+    remat: bool = False,
+    norm: str = "rms",
+) -> pax_fiddle.Config:
+    """A decoder-only LM: tied byte embedding/softmax, rotary attention, pre-norm blocks.
+
+    moe_layers: indices of the MoE layers (None = every layer). With ``repeat=True`` the stack
+      is a ``StackedTransformerRepeated`` of ``num_layers`` identical one-layer blocks (scanned:
+      one trace for any depth), so every layer is MoE and ``moe_layers`` must be None.
+    Returns pax_fiddle.Config[TransformerLm]; inputs [B, S] int32 -> logits [B, S, V].
+    """
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(fprop_dtype)
+    lm = pax_fiddle.Config(transformer_models.TransformerLm, name="lm", model_dims=model_dims,
+                           vocab_size=vocab_size, fprop_dtype=dtype)
+    lm.position_emb_tpl = None
+    lm.softmax_tpl = pax_fiddle.Config(embedding_softmax.SharedEmbeddingSoftmax,
+                                       input_dims=model_dims, num_classes=vocab_size,
+                                       scale_sqrt_depth=True)
+    if norm == "rms":
+        lm.final_ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
+
+    block = pax_fiddle.Config(transformers.StackedTransformer)
+    block.model_dims = model_dims
+    block.hidden_dims = hidden_dims
+    block.num_heads = num_heads
+    block.dim_per_head = dim_per_head
+    block.num_experts = num_experts
+    block.gating_func = "topk"
+    block.remat = remat
+    layer = block.transformer_layer_params_tpl
+    layer.norm_policy = "pre"
+    if norm == "rms":
+        layer.ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
+    layer.tr_atten_tpl.use_rotary_position_emb = True
+    layer.tr_atten_tpl.internal_enable_per_dim_scale = False
+    layer.tr_fflayer_tpl.use_gated_activation = True
+    layer.tr_fflayer_tpl.activation_tpl = pax_fiddle.Config(activations.SiLU)
+    if norm == "rms":
+        layer.tr_fflayer_tpl.ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
+    moe = moe_layer_tpl(top_k=top_k, moe_hidden_dims=moe_hidden_dims or hidden_dims,
+                        aux_loss_coeff=aux_loss_coeff)
+    if norm == "rms":
+        moe.ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
+    block.moe_layer_tpl = moe
+
+    if repeat:
+        if moe_layers is not None:
+            raise ValueError(f"moe_layers={moe_layers!r} needs repeat=False: a repeated stack "
+                             "makes every layer MoE")
+        block.num_layers = 1
+        block.moe_layers = [0]
+        stack = pax_fiddle.Config(transformers.StackedTransformerRepeated, block=block,
+                                  x_times=num_layers)
+    else:
+        block.num_layers = num_layers
+        block.moe_layers = list(range(num_layers)) if moe_layers is None else list(moe_layers)
+        stack = block
+    lm.stacked_transformer_tpl = stack
+    return lm
+
+
+def stack_block(lm: pax_fiddle.Config) -> pax_fiddle.Config:
+    """The StackedTransformer config inside an LM config (the repeated block, if repeated)."""
+    st = lm.stacked_transformer_tpl
+    return st.block if hasattr(st, "block") and hasattr(st, "x_times") else st
+
+
+def num_layers(lm: pax_fiddle.Config) -> int:
+    st = lm.stacked_transformer_tpl
+    if hasattr(st, "x_times"):
+        return st.x_times * st.block.num_layers
+    return st.num_layers

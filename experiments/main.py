@@ -1,0 +1,258 @@
+r"""The main job: train (or evaluate) a registered MoE language-model experiment.
+
+PaxML's flag surface:
+
+  python -m experiments.main                        # the Tiny experiment on this machine
+  python -m experiments.main --exp=tiny --job_log_dir=/tmp/tiny --fdl.train.num_steps=50
+  python -m experiments.main --exp=configs.experiments.SmallGpu --fdl_set=data.seq_len=512
+  python -m experiments.main --fdl_config=tiny_synthetic --fiddler=use_synthetic_data
+  python -m experiments.main --mode=eval --job_log_dir=runs/tiny
+
+--exp names a registered experiment (``module.Class``, a dotted suffix, or snake_case);
+Fiddle's own flags (``--fdl_config`` a function of ``configs.experiments`` or a dotted
+``module.function``, ``--fdl_config_file``, ``--fiddler``, ``--fdl_set=path=value`` and its
+alias ``--fdl.path=value``) are defined by ``fiddle.absl_flags`` and applied with its API.
+Everything is validated before anything is compiled: a bad name, override path or value stops
+with a message that names it and the close matches.
+
+Multi-host: ``--num_processes --process_id --coordinator_address`` go to
+``jax.distributed.initialize`` (CPU processes use gloo collectives).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+
+from absl import app, flags, logging
+
+import fiddle as fdl
+from fiddle import absl_flags as fdl_flags  # defines --fdl_config, --fdl_set, --fiddler, ...
+from fiddle._src.absl_flags import utils as fdl_utils
+
+MODES = ("train", "eval")
+DEFAULT_EXP = "tiny"
+
+_EXP = flags.DEFINE_string(
+    "exp", None, "Registered experiment: module.Class, a dotted suffix (Tiny, experiments.Tiny) "
+    f"or snake_case (tiny, small_gpu). Default {DEFAULT_EXP!r} when --fdl_config and "
+    "--fdl_config_file are not given.")
+_JOB_LOG_DIR = flags.DEFINE_string(
+    "job_log_dir", None, "Where metrics.jsonl, TensorBoard events, checkpoints and the summary "
+    "plot go; a run resumes from the latest checkpoint here. Default ./runs/<experiment>.")
+_MODE = flags.DEFINE_enum("mode", "train", MODES, "train: train (resuming if possible); "
+                          "eval: held-out loss of the latest checkpoint.")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", 1, "Processes in the job (jax.distributed.initialize num_processes).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index in [0, num_processes).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0's coordinator (needed when "
+    "--num_processes > 1).")
+_NO_PROGRESS = flags.DEFINE_bool("no_progress", False, "Do not draw the tqdm progress bar.")
+
+
+class UsageError(app.UsageError):
+    pass
+
+
+# ------------------------------------------------------------------------ config from flags
+
+
+def _param_names(node) -> list[str]:
+    if isinstance(node, fdl.Buildable):
+        names = list(node.__signature_info__.parameters)
+        return [n for n in names if n not in ("parent",)]
+    if isinstance(node, dict):
+        return [str(k) for k in node]
+    return []
+
+
+_SEGMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)|\[(-?\d+|'[^']*'|\"[^\"]*\")\]")
+
+
+def check_override_path(cfg, path: str) -> None:
+    """Raises UsageError naming the first segment of ``path`` that does not exist in ``cfg``
+    and the close matches at that level."""
+    node, walked = cfg, []
+    pos = 0
+    for m in _SEGMENT.finditer(path):
+        if path[pos:m.start()] not in ("", "."):
+            raise UsageError(f"--fdl_set path {path!r} is malformed near {path[pos:]!r}")
+        pos = m.end()
+        name, index = m.group(1), m.group(2)
+        where = ".".join(walked) or "<experiment config>"
+        if name is not None:
+            names = _param_names(node)
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
+                hint = f"did you mean {', '.join(close)}?" if close else \
+                    f"valid names: {', '.join(names) or '(none: not a config)'}"
+                raise UsageError(f"--fdl_set path {path!r}: {where} has no field {name!r}; "
+                                 f"{hint}")
+            node = getattr(node, name) if isinstance(node, fdl.Buildable) else node[name]
+            walked.append(name)
+        else:
+            try:
+                key = int(index) if index.lstrip("-").isdigit() else index[1:-1]
+                node = node[key]
+            except (KeyError, IndexError, TypeError) as e:
+                raise UsageError(f"--fdl_set path {path!r}: {where}[{index}] does not exist "
+                                 f"({e})") from None
+            walked[-1:] = [f"{walked[-1] if walked else ''}[{index}]"]
+    if path[pos:]:
+        raise UsageError(f"--fdl_set path {path!r} is malformed near {path[pos:]!r}")
+
+
+def apply_overrides(cfg, assignments) -> None:
+    """Applies ``path=value`` assignments with Fiddle's parser, after checking each path."""
+    for assignment in assignments:
+        if "=" not in assignment:
+            raise UsageError(f"--fdl_set={assignment!r} must be path=value")
+        path = assignment.split("=", 1)[0].strip()
+        check_override_path(cfg, path)
+        try:
+            fdl_utils.set_value(cfg, assignment)
+        except (ValueError, SyntaxError) as e:
+            raise UsageError(f"--fdl_set={assignment!r}: {e}") from None
+
+
+def config_from_flags():
+    """(experiment config, experiment name) from --exp or Fiddle's --fdl_config flags."""
+    from configs import experiments as exp_module
+    from configs import registry
+
+    fv = flags.FLAGS
+    fdl_base = fv["fdl_config"].value or fv["fdl_config_file"].value
+    if _EXP.value and fdl_base:
+        raise UsageError("--exp and --fdl_config/--fdl_config_file are mutually exclusive")
+    if fdl_base:
+        try:
+            with _no_fdl_set(fv):
+                cfg = fdl_flags.create_buildable_from_flags(exp_module, allow_imports=True)
+        except (ValueError, AttributeError, ModuleNotFoundError) as e:
+            names = [n for n in dir(exp_module) if not n.startswith("_")
+                     and callable(getattr(exp_module, n)) and n.islower()]
+            close = difflib.get_close_matches(str(fv["fdl_config"].value), names, n=5,
+                                              cutoff=0.5)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise UsageError(f"--fdl_config={fv['fdl_config'].value!r}: {e}.{hint} Functions "
+                             f"in configs.experiments: {', '.join(names)}") from None
+        name = getattr(cfg, "name", None) or "experiment"
+    else:
+        try:
+            cls = registry.get_experiment(_EXP.value or DEFAULT_EXP)
+        except LookupError as e:
+            raise UsageError(str(e)) from None
+        cfg = cls().experiment_config()
+        try:
+            fdl_flags.apply_fiddlers_to(cfg, source_module=exp_module, allow_imports=True)
+        except ValueError as e:
+            raise UsageError(f"--fiddler: {e}") from None
+        name = registry.short_name(cls)
+    apply_overrides(cfg, fv["fdl_set"].value)
+    return cfg, name
+
+
+class _no_fdl_set:
+    """create_buildable_from_flags applies --fdl_set itself with Fiddle's terse errors; we
+    apply them afterwards with path checking, so hide them from it."""
+
+    def __init__(self, fv):
+        self.fv = fv
+
+    def __enter__(self):
+        self.saved = list(self.fv["fdl_set"].value)
+        self.fv["fdl_set"].value = []
+
+    def __exit__(self, *exc):
+        self.fv["fdl_set"].value = self.saved
+
+
+# ------------------------------------------------------------------------------ multi-host
+
+
+def init_distributed(num_processes: int, process_id: int, coordinator_address) -> None:
+    """jax.distributed.initialize for a multi-process job (no-op for one process)."""
+    if num_processes < 1:
+        raise UsageError(f"--num_processes={num_processes} must be >= 1")
+    if num_processes == 1:
+        return
+    if not 0 <= process_id < num_processes:
+        raise UsageError(f"--process_id={process_id} must be in [0, {num_processes})")
+    if not coordinator_address:
+        raise UsageError("--num_processes > 1 needs --coordinator_address=host:port "
+                         "(process 0's address)")
+    import jax
+
+    # CPU processes exchange collectives through gloo (harmless where GPUs are used).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main(argv) -> int:
+    if len(argv) > 1:
+        raise UsageError(f"unexpected positional arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
+        logging.set_verbosity(logging.WARNING)
+    cfg, name = config_from_flags()
+    from experiments import train
+
+    init_distributed(_NUM_PROCESSES.value, _PROCESS_ID.value, _COORDINATOR.value)
+    import jax
+
+    try:
+        prep = train.prepare(cfg)
+    except train.ConfigError as e:
+        raise UsageError(f"invalid config: {e}") from None
+    job_log_dir = Path(_JOB_LOG_DIR.value or Path("runs") / name).absolute()
+    chief = jax.process_index() == 0
+    if chief:
+        mesh = dict(zip(prep.mesh.axis_names, prep.mesh.devices.shape))
+        print(f"experiment {name}: {jax.device_count()} {jax.devices()[0].platform} devices in "
+              f"{jax.process_count()} process(es), mesh {mesh}; job_log_dir {job_log_dir}",
+              flush=True)
+    trainer = train.Trainer(prep, job_log_dir, progress=not _NO_PROGRESS.value)
+    if _MODE.value == "eval":
+        result = trainer.evaluate_latest()
+        if chief:
+            print(json.dumps(result, indent=1))
+        return 0
+    result = trainer.run()
+    if chief:
+        first, last = result.get("first_eval"), result.get("last_eval")
+        if result["stopped_by"]:
+            print(f"stopped by {result['stopped_by']} at step {result['final_step']}; the "
+                  f"checkpoint is saved, rerun the same command to resume.")
+        elif result["start_step"] >= prep.config.train.num_steps:
+            print(f"nothing to do: {job_log_dir} already holds step {result['start_step']} "
+                  f"(train.num_steps={prep.config.train.num_steps}); use another --job_log_dir "
+                  "or raise --fdl.train.num_steps")
+        if first and last:
+            print(f"held-out loss {first['heldout_loss']:.4f} at step 0 -> "
+                  f"{last['heldout_loss']:.4f} at step {result['final_step']} (perplexity "
+                  f"{last['heldout_perplexity']:.3f})")
+        print(f"metrics:     {result['metrics']}\ntensorboard: {result['tensorboard']}\n"
+              f"checkpoints: {result['checkpoints']}")
+        if not result["stopped_by"] and Path(result["plot"]).exists():
+            print(f"plot:        {result['plot']}")
+        sys.stdout.flush()
+    if result["stopped_by"]:
+        import signal
+
+        return 128 + int(signal.Signals[result["stopped_by"]])
+    return 0
+
+
+def run():
+    app.run(main, flags_parser=fdl_flags.flags_parser)
+
+
+if __name__ == "__main__":
+    run()
