@@ -104,6 +104,7 @@ def _regroup_keys(src, pos, in_range, recv_mat, num_local):
 def _experts(rows, keys, w, config, num_local, backend):
     """rows: [N, M] received rows; keys: [N] local expert (El = invalid) -> [N, M] outputs
     in the same slots (zeros for invalid rows)."""
+    rows = _vary(rows, tuple(_varying_axes(w["wi_up"])))
     perm = jnp.argsort(keys, stable=True)
     group_sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
     grouped = checkpoint_name(rows[perm], "moe_dispatched")
@@ -200,8 +201,23 @@ def _global_keep(ids, weights, valid, config: MoEConfig, layout: EPLayout, shard
     return keep, dropped
 
 
+def _varying_axes(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return mat.varying if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _vary(x, axes):
+    """Marks x as varying over `axes` (shard_map's type system): its cotangent may then vary
+    (a custom_vjp grouped GEMM returns per-shard weight gradients) and autodiff of the cast
+    sums it over those axes."""
+    missing = tuple(a for a in axes if a not in _varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _gather_weights(params, layout: EPLayout):
-    """Expert weights all-gathered over fsdp: wi [El, M, H/tp], wo [El, H/tp, M]."""
+    """Expert weights all-gathered over fsdp: wi [El, M, H/tp], wo [El, H/tp, M], marked
+    varying over the token and tp axes like the rows they multiply."""
     out = {}
     for name in ("wi_gate", "wi_up", "wo"):
         if name not in params:
@@ -213,7 +229,7 @@ def _gather_weights(params, layout: EPLayout):
             else:
                 dim = 1 if name.startswith("wi") else 2
             w = jax.lax.all_gather(w, layout.fsdp_axes, axis=dim, tiled=True)
-        out[name] = w
+        out[name] = _vary(w, layout.token_axes + layout.tp_axes)
     return out
 
 
@@ -263,6 +279,7 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
         weights = _gather_weights(params, layout)
         if layout.ep_size == 1:
             rows = checkpoint_name(ops.permute(x, row_tok, backend=backend), "moe_dispatched")
+            rows = _vary(rows, tuple(_varying_axes(weights["wi_up"])))
             out = expert_ffn(rows, group_sizes, weights.get("wi_gate"), weights["wi_up"],
                              weights["wo"], config, backend=backend)
             y = ops.unpermute(out.astype(jnp.float32) * w_sorted[:, None], row_tok, t_l,
@@ -276,6 +293,20 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
         y = _psum(y, layout.tp_axes).astype(x.dtype)
     dropped = cap_dropped + _psum(overflow.astype(jnp.int32), token_axes)
     return y, aux, zl, counts, dropped
+
+
+def sharded_fn(config: MoEConfig, layout: EPLayout, mesh, *, kind: str, seq_len, t_global: int,
+               param_names, backend: str):
+    """The shard_map-ed block: (params, x2 [T, M], valid [T]) -> (y [T, M], aux_loss, z_loss,
+    tokens_per_expert [E], dropped_tokens). `kind` is the exchange, 'ragged' or 'padded'."""
+    specs = layout.weight_specs
+    tok = layout.token_spec
+    body = functools.partial(_body, config=config, layout=layout, kind=kind, seq_len=seq_len,
+                             t_global=t_global, backend=backend)
+    return jax.shard_map(body, mesh=mesh,
+                         in_specs=({name: specs[name] for name in param_names}, P(*tok, None),
+                                   tok),
+                         out_specs=(P(*tok, None), P(), P(), P(None), P()), check_vma=True)
 
 
 def moe_sharded(params, x2, valid, config: MoEConfig, *, mesh, resources: MeshResources,
@@ -305,13 +336,12 @@ def moe_sharded(params, x2, valid, config: MoEConfig, *, mesh, resources: MeshRe
                              f"sequences per token shard: {t_l} tokens per shard is not a "
                              f"multiple of seq_len={seq_len}")
     kind = exchange_kind(config, mesh)
-    specs = layout.weight_specs
-    param_specs = {name: specs[name] for name in params}
-    tok = layout.token_spec
-    body = functools.partial(_body, config=config, layout=layout, kind=kind,
-                                 seq_len=seq_len, t_global=t, backend=backend)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, P(*tok, None), tok),
-                       out_specs=(P(*tok, None), P(), P(), P(None), P()), check_vma=True)
+    if kind == "ragged" and mesh_platform(mesh) not in RAGGED_PLATFORMS:
+        raise ValueError(f"MoEConfig.ep_exchange='ragged' needs jax.lax.ragged_all_to_all, which "
+                         f"XLA on platform {mesh_platform(mesh)!r} cannot compile; use "
+                         "ep_exchange='padded' (or 'auto', which picks it there)")
+    fn = sharded_fn(config, layout, mesh, kind=kind, seq_len=seq_len, t_global=t,
+                    param_names=tuple(params), backend=backend)
     y, aux, zl, counts, dropped = fn(params, x2, valid)
     return MoEOutput(y=y, aux_loss=aux, z_loss=zl, tokens_per_expert=counts,
                      dropped_tokens=dropped)
