@@ -177,3 +177,35 @@ class MoEConfig:
         if self.capacity_factor is None:
             raise ValueError("capacity() needs capacity_factor; this config is dropless")
         return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
+
+
+def field_docs() -> dict[str, str]:
+    """{field: description} parsed from MoEConfig's docstring (the one place fields are described)."""
+    doc = MoEConfig.__doc__.split("Fields:", 1)[1]
+    out: dict[str, str] = {}
+    name = None
+    for line in doc.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        head, sep, rest = stripped.partition(":")
+        if sep and line.startswith("      ") and not line.startswith("        ") and head.isidentifier():
+            name = head
+            out[name] = rest.strip()
+        elif name:
+            out[name] += " " + stripped
+    return out
+
+
+def markdown_table() -> str:
+    """The field table of docs/config.md, generated from the dataclass (tests keep it in step)."""
+    docs = field_docs()
+    rows = ["| field | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(MoEConfig):
+        default = "required" if f.default is dataclasses.MISSING else repr(f.default)
+        rows.append(f"| `{f.name}` | `{default}` | {docs.get(f.name, '')} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # python -m moe_praxis.config > table (docs/config.md)
+    print(markdown_table(), end="")
