@@ -39,10 +39,15 @@ KERNELS: dict[str, str] = {
     "moe_swiglu_bwd": "MoeSwigluBwd",
     "moe_permute": "MoePermute",
     "moe_unpermute": "MoeUnpermute",
+    "moe_grouped_gemm_fwd": "MoeGroupedGemmFwd",
+    "moe_grouped_gemm_dgrad": "MoeGroupedGemmDgrad",
+    "moe_grouped_gemm_wgrad": "MoeGroupedGemmWgrad",
 }
 
 # Minimum compute capability (major * 10 + minor) per op family; ops not listed need 8.0.
-MIN_COMPUTE_CAPABILITY: dict[str, int] = {}
+MIN_COMPUTE_CAPABILITY: dict[str, int] = {
+    "grouped_gemm": 90,  # sm_90a CUTLASS kernels (ops/grouped_gemm.py also needs 9.x)
+}
 DEFAULT_MIN_COMPUTE_CAPABILITY = 80
 
 

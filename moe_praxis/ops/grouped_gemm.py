@@ -1,31 +1,284 @@
-"""Grouped GEMM with jax.lax.ragged_dot semantics.
+"""Grouped GEMM with jax.lax.ragged_dot semantics, and its CUDA (CUTLASS sm_90a) backend.
 
     out[i] = lhs[i] @ rhs[g(i)]   for rows i < sum(group_sizes), g(i) the group of row i
     out[i] = 0                    for rows i >= sum(group_sizes)
 
 lhs: [M, K]; rhs: [E, K, N]; group_sizes: [E] int32 (rows of each group, contiguous, in
-order). Gradients: dlhs is a grouped GEMM against rhs^T; drhs[e] = lhs_e^T @ dout_e ([E,K,N],
-zero for empty groups).
+order). Gradients (a custom_vjp, the same for every backend):
+
+    dlhs = grouped_gemm(dout, rhs^T, group_sizes)            [M, K]  (dgrad)
+    drhs[e] = lhs_e^T @ dout_e                              [E, K, N] (wgrad; zero if e is empty)
+
+group_sizes gets no gradient.
+
+Backends ('auto' | 'xla' | 'cuda', see `moe_praxis.ops.backend`):
+  xla:  `jax.lax.ragged_dot` / `jax.lax.ragged_dot_general` (every platform; the test oracle).
+  cuda: three FFI kernels from kernels/grouped_gemm_{fwd,dgrad,wgrad}.cu: CUTLASS's Hopper
+        pointer-array grouped GEMM (warp-specialized, TMA), bf16 in, fp32 accumulate, bf16 out.
+        Group sizes are read on the device (no host copy, no sync; CUDA-graph safe).
+        Needs a compute capability 9.0 GPU (sm_90a code): 'auto' falls back to xla
+        elsewhere, 'cuda' raises an error saying why. Takes bf16 lhs and rhs with K and N
+        multiples of 8 (16-byte rows for TMA); other problems run the xla reference under
+        'auto' and 'cuda' alike, with a warning naming the reason (once per reason).
+Group sizes are clamped to [0, rows left] (negative sizes count as 0; a sum past M is cut at
+M), on every backend's CUDA path; valid inputs (sizes >= 0, sum <= M) need no clamping.
+
+Tile configurations of the CUDA kernels (TILE_CONFIGS; the index is the FFI attribute) and
+the rule that picks one, `choose_tile`, are documented in docs/grouped_gemm.md with the
+measurements they come from.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import warnings
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from moe_praxis.ops import backend as _backend
+from moe_praxis.ops import cuda as _cuda
+
+# Index = the `tile` attribute of the FFI handlers (kernels/grouped_gemm.cuh, dispatch_tile).
+TILE_CONFIGS = (
+    "coop_256x128_c2x1",  # 0: cooperative, tile 256x128x64, cluster 2x1
+    "pingpong_128x128_c2x1",  # 1: ping-pong, tile 128x128x64, cluster 2x1
+    "coop_128x256_c1x2",  # 2: cooperative, tile 128x256x64, cluster 1x2
+)
+# Environment variable that forces one tile configuration (a name from TILE_CONFIGS) for all
+# three GEMMs; unset: `choose_tile`.
+ENV_TILE = "MOE_PRAXIS_GG_TILE"
+
+OPS = ("fwd", "dgrad", "wgrad")
+# Workspace of one FFI call: per-group arrays (kernels/grouped_gemm.cuh:
+# kGroupArrayBytesPerGroup bytes a group, rounded up to 256) + CUTLASS's own workspace (TMA
+# descriptors, 128 bytes x a few per SM: ~70 KB on 132 SMs), bounded here; the kernel checks
+# the real size and fails with a message naming this constant if it were too small.
+_GROUP_ARRAY_BYTES_PER_GROUP = 128
+_CUTLASS_WORKSPACE_BYTES = 1 << 20
+_TARGETS = {
+    "fwd": "moe_grouped_gemm_fwd",
+    "dgrad": "moe_grouped_gemm_dgrad",
+    "wgrad": "moe_grouped_gemm_wgrad",
+}
+
+
+def workspace_bytes(num_groups: int) -> int:
+    """Bytes of the workspace output buffer of one FFI call with `num_groups` groups."""
+    head = (_GROUP_ARRAY_BYTES_PER_GROUP * num_groups + 255) // 256 * 256
+    return head + _CUTLASS_WORKSPACE_BYTES
+
+
+def choose_tile(op: str, m: int, k: int, n: int, num_groups: int) -> int:
+    """Index into TILE_CONFIGS for one GEMM (the rule of docs/grouped_gemm.md).
+
+    op: 'fwd' ([M,K] x [E,K,N]), 'dgrad' ([M,N] x [E,K,N]^T), 'wgrad' ([M,K]^T x [M,N] per
+    group). m, k, n, num_groups: the shapes of the *forward* problem. $MOE_PRAXIS_GG_TILE (a
+    name from TILE_CONFIGS) overrides the rule.
+    """
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is invalid; valid: {OPS}")
+    forced = os.environ.get(ENV_TILE)
+    if forced:
+        if forced not in TILE_CONFIGS:
+            raise ValueError(f"${ENV_TILE}={forced!r} is invalid; valid: {TILE_CONFIGS}")
+        return TILE_CONFIGS.index(forced)
+    out_n = {"fwd": n, "dgrad": k, "wgrad": n}[op]
+    rows_per_group = m / max(num_groups, 1)
+    if op != "wgrad" and (out_n <= 1024 or rows_per_group < 1024):
+        return 1  # small output width or fine-grained experts: ping-pong 128x128
+    return 0  # large problems: cooperative 256x128
+
+
+# ----------------------------------------------------------------------------- references
 
 
 def grouped_gemm_reference(lhs, rhs, group_sizes, *, preferred_element_type=None):
-    """Pure-JAX reference: jax.lax.ragged_dot."""
-    return jax.lax.ragged_dot(
-        lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=preferred_element_type
+    """Pure-JAX reference: jax.lax.ragged_dot. lhs [M,K], rhs [E,K,N] -> [M,N]."""
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
+                              preferred_element_type=preferred_element_type)
+
+
+def grouped_gemm_dgrad_reference(dout, rhs, group_sizes):
+    """dlhs [M,K] = grouped dout [M,N] x rhs[e]^T [N,K] (ragged_dot against rhs^T)."""
+    return jax.lax.ragged_dot(dout, jnp.swapaxes(rhs, 1, 2), group_sizes.astype(jnp.int32))
+
+
+def grouped_gemm_wgrad_reference(lhs, dout, group_sizes):
+    """drhs [E,K,N]: drhs[e] = lhs_e^T @ dout_e, zero for empty groups (ragged_dot_general)."""
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
     )
+    out = jax.lax.ragged_dot_general(lhs, dout, group_sizes.astype(jnp.int32), dims,
+                                     preferred_element_type=jnp.float32)
+    return out.astype(lhs.dtype)
 
 
-def grouped_gemm(lhs, rhs, group_sizes, *, backend: str = "auto"):
-    """[M, K] x [E, K, N] -> [M, N] grouped by `group_sizes`; output in lhs.dtype."""
+# ------------------------------------------------------------------------- CUDA kernels
+
+
+def _ffi(op: str, out_shape, a, b, group_sizes, tile: int):
+    out, _ = _cuda.ffi(
+        _TARGETS[op],
+        (jax.ShapeDtypeStruct(out_shape, a.dtype),
+         jax.ShapeDtypeStruct((workspace_bytes(group_sizes.shape[0]),), jnp.uint8)),
+        a, b, group_sizes.astype(jnp.int32), tile=int(tile))
+    return out
+
+
+def cuda_fwd(lhs, rhs, group_sizes, tile: int):
+    """CUDA forward: lhs [M,K] bf16, rhs [E,K,N] bf16 -> [M,N] bf16 (no fallback, no vjp)."""
+    return _ffi("fwd", (lhs.shape[0], rhs.shape[2]), lhs, rhs, group_sizes, tile)
+
+
+def cuda_dgrad(dout, rhs, group_sizes, tile: int):
+    """CUDA dgrad: dout [M,N] bf16, rhs [E,K,N] bf16 -> dlhs [M,K] bf16."""
+    return _ffi("dgrad", (dout.shape[0], rhs.shape[1]), dout, rhs, group_sizes, tile)
+
+
+def cuda_wgrad(lhs, dout, group_sizes, tile: int):
+    """CUDA wgrad: lhs [M,K] bf16, dout [M,N] bf16 -> drhs [E,K,N] bf16."""
+    return _ffi("wgrad", (group_sizes.shape[0], lhs.shape[1], dout.shape[1]), lhs, dout,
+                group_sizes, tile)
+
+
+def cuda_unsupported_reason(lhs, rhs) -> str | None:
+    """Why the CUDA kernels cannot run this problem (None if they can; device not checked)."""
+    if lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16:
+        return f"the CUDA grouped GEMM takes bf16 lhs and rhs, got {lhs.dtype} and {rhs.dtype}"
+    k, n = rhs.shape[1], rhs.shape[2]
+    if k % 8 or n % 8:
+        return f"the CUDA grouped GEMM needs K and N multiples of 8, got K={k}, N={n}"
+    return None
+
+
+def _device_reason() -> str | None:
+    """Why this host's GPUs cannot run sm_90a code (None if they can)."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return "no GPU visible to JAX"
+    ccs = {str(getattr(d, "compute_capability", "")) for d in gpus}
+    bad = sorted(c for c in ccs if c.split(".")[0] != "9")
+    if bad:
+        return (f"the CUDA grouped GEMM is sm_90a code (compute capability 9.0); the GPU "
+                f"{gpus[0].device_kind!r} has {', '.join(bad)}")
+    return None
+
+
+_warned: set[str] = set()
+
+
+def _resolve(backend: str, lhs, rhs) -> str:
+    """'xla' or 'cuda' for this call.
+
+    'cuda' where the device cannot run the kernels (no GPU, library not built, compute
+    capability not 9.0) raises an error that says why. A problem the kernels do not take
+    (dtype other than bf16, K or N not a multiple of 8) runs the XLA reference under 'auto'
+    and 'cuda' alike, with a warning (once per reason) naming the reason: moe_block passes its
+    resolved backend to every op, so a float32 model on a Hopper GPU must still run.
+    """
+    resolved = _backend.resolve_backend(backend, "grouped_gemm")
+    if resolved == "xla":
+        return "xla"
+    why = _device_reason()
+    if why is not None:
+        if backend == "cuda":
+            raise RuntimeError(f"kernel_backend='cuda' requested for grouped_gemm but {why}")
+        return "xla"
+    why = cuda_unsupported_reason(lhs, rhs)
+    if why is None:
+        return "cuda"
+    if why not in _warned:
+        _warned.add(why)
+        warnings.warn(f"grouped_gemm: {why}; running the XLA reference (jax.lax.ragged_dot) "
+                      "instead", stacklevel=3)
+    return "xla"
+
+
+# ----------------------------------------------------------------------- custom_vjp op
+
+
+def _empty(m, k, n, e) -> bool:
+    """Problems with a zero-sized dimension: computed by the reference (all zeros)."""
+    return 0 in (m, k, n, e)
+
+
+def _fwd_impl(lhs, rhs, group_sizes, impl):
+    m, k = lhs.shape
+    e, _, n = rhs.shape
+    if impl[0] == "xla" or _empty(m, k, n, e):
+        return grouped_gemm_reference(lhs, rhs, group_sizes).astype(lhs.dtype)
+    tile = impl[1] if impl[1] is not None else choose_tile("fwd", m, k, n, e)
+    return _cuda.platform_call(
+        lambda a, b, g: cuda_fwd(a, b, g, tile),
+        lambda a, b, g: grouped_gemm_reference(a, b, g).astype(a.dtype), lhs, rhs, group_sizes)
+
+
+def _dgrad_impl(dout, rhs, group_sizes, impl):
+    m, n = dout.shape
+    e, k, _ = rhs.shape
+    if impl[0] == "xla" or _empty(m, k, n, e):
+        return grouped_gemm_dgrad_reference(dout, rhs, group_sizes).astype(dout.dtype)
+    tile = impl[1] if impl[1] is not None else choose_tile("dgrad", m, k, n, e)
+    return _cuda.platform_call(
+        lambda a, b, g: cuda_dgrad(a, b, g, tile),
+        lambda a, b, g: grouped_gemm_dgrad_reference(a, b, g).astype(a.dtype), dout, rhs,
+        group_sizes)
+
+
+def _wgrad_impl(lhs, dout, group_sizes, impl):
+    m, k = lhs.shape
+    n = dout.shape[1]
+    e = group_sizes.shape[0]
+    if impl[0] == "xla" or _empty(m, k, n, e):
+        return grouped_gemm_wgrad_reference(lhs, dout, group_sizes)
+    tile = impl[1] if impl[1] is not None else choose_tile("wgrad", m, k, n, e)
+    return _cuda.platform_call(lambda a, b, g: cuda_wgrad(a, b, g, tile),
+                               grouped_gemm_wgrad_reference, lhs, dout, group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped_gemm(lhs, rhs, group_sizes, impl):
+    return _fwd_impl(lhs, rhs, group_sizes, impl)
+
+
+def _vjp_fwd(lhs, rhs, group_sizes, impl):
+    return _fwd_impl(lhs, rhs, group_sizes, impl), (lhs, rhs, group_sizes)
+
+
+def _vjp_bwd(impl, res, dout):
+    lhs, rhs, group_sizes = res
+    dout = dout.astype(lhs.dtype)
+    dlhs = _dgrad_impl(dout, rhs, group_sizes, impl)
+    drhs = _wgrad_impl(lhs, dout, group_sizes, impl).astype(rhs.dtype)
+    return dlhs, drhs, np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+_grouped_gemm.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def grouped_gemm(lhs, rhs, group_sizes, *, backend: str = "auto", tile: str | None = None):
+    """[M, K] x [E, K, N] -> [M, N] grouped by `group_sizes`; output in lhs.dtype.
+
+    lhs: [M, K]; rhs: [E, K, N]; group_sizes: [E] integer (rows of each expert, contiguous,
+    in order; rows past their sum come out zero). backend: 'auto' | 'xla' | 'cuda' (module
+    doc). tile: force one CUDA tile configuration (a name from TILE_CONFIGS) for the forward,
+    dgrad and wgrad GEMMs; default: $MOE_PRAXIS_GG_TILE, else `choose_tile`. Differentiable in
+    lhs and rhs (custom_vjp: dgrad and wgrad are grouped GEMMs too).
+    """
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"grouped_gemm needs lhs [M,K], rhs [E,K,N]; got {lhs.shape}, {rhs.shape}")
     if group_sizes.shape != (rhs.shape[0],):
         raise ValueError(f"group_sizes must be [E={rhs.shape[0]}], got {group_sizes.shape}")
-    del backend  # the CUDA grouped GEMM plugs in here (issue: CUDA FFI kernels, part 2)
-    return grouped_gemm_reference(lhs, rhs, group_sizes)
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be integers, got dtype {group_sizes.dtype}")
+    if tile is not None and tile not in TILE_CONFIGS:
+        raise ValueError(f"tile={tile!r} is invalid; valid: {TILE_CONFIGS} or None")
+    resolved = _resolve(backend, lhs, rhs)
+    impl = (resolved, TILE_CONFIGS.index(tile) if tile is not None else None)
+    return _grouped_gemm(lhs, rhs, group_sizes.astype(jnp.int32), impl)

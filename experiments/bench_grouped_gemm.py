@@ -1,0 +1,267 @@
+"""Grouped GEMM benchmark: `python -m experiments.bench_grouped_gemm [--out FILE.json]`.
+
+On one GPU, times forward, dgrad and wgrad at the shapes
+
+    A: E=8,   M=32768, K=4096, N=14336
+    B: E=32,  M=32768, K=7168, N=2048
+    C: E=128, M=65536, K=2048, N=768
+
+with balanced and skewed group sizes (both sum to M, so every method does 2*M*K*N FLOPs), for
+
+  dense   one cuBLAS GEMM of equal FLOPs (jnp.dot: [M,K]x[K,N], [M,N]x[N,K], [K,M]x[M,N])
+  ragged  jax.lax.ragged_dot (fwd, dgrad) / jax.lax.ragged_dot_general (wgrad), as jax.grad
+  pallas  Pallas Mosaic-GPU ragged_dot_mgpu.ragged_dot (fwd; dgrad with transpose_rhs=True)
+          and transposed_ragged_dot_mgpu.transposed_ragged_dot (wgrad), best of a small
+          tile sweep (PALLAS_CONFIGS, swept on the balanced case, reused for skewed)
+  ours    moe_praxis CUTLASS kernels, tile chosen by ops.grouped_gemm.choose_tile; every
+          tile configuration is timed too (ours[<tile>]).
+
+Prints a table (ms, TFLOP/s, ratio to dense) and writes JSON. Timing: each function is jitted,
+warmed up, then called `iters` times back to back (async dispatch) between two
+block_until_ready; the median over `reps` such batches, divided by iters.
+Options: --shapes A,B,C  --dists balanced,skewed  --ops fwd,dgrad,wgrad  --skip ragged,pallas
+--time-budget SECONDS (stop measuring, still print and write, when exceeded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import importlib
+
+# The module (the attribute ops.grouped_gemm is the function).
+gg = importlib.import_module("moe_praxis.ops.grouped_gemm")
+
+SHAPES = {  # name: (E, M, K, N)
+    "A": (8, 32768, 4096, 14336),
+    "B": (32, 32768, 7168, 2048),
+    "C": (128, 65536, 2048, 768),
+}
+DISTS = ("balanced", "skewed")
+OPS = ("fwd", "dgrad", "wgrad")
+# (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
+PALLAS_CONFIGS = {
+    "fwd": [(128, 128, 64, 4, 1), (128, 128, 64, 4, 4), (128, 256, 64, 3, 1),
+            (64, 256, 64, 4, 1)],
+    "wgrad": [(128, 128, 64, 4, 1), (128, 128, 64, 4, 4), (128, 256, 64, 3, 1)],
+}
+PALLAS_CONFIGS["dgrad"] = PALLAS_CONFIGS["fwd"]
+
+
+def group_sizes(dist: str, m: int, e: int) -> np.ndarray:
+    """balanced: M/E each; skewed: Zipf(1.2) shares in a fixed shuffled order, summing to M."""
+    if dist == "balanced":
+        s = np.full(e, m // e)
+        s[: m - s.sum()] += 1
+    else:
+        w = 1.0 / np.arange(1, e + 1) ** 1.2
+        w = np.random.default_rng(0).permutation(w)
+        s = np.floor(w / w.sum() * m).astype(np.int64)
+        s[np.argmax(s)] += m - s.sum()
+    return s.astype(np.int32)
+
+
+def time_fn(f, *args, target_s=0.25, reps=5):
+    """Median seconds per call (see module doc)."""
+    out = f(*args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    one = time.perf_counter() - t0
+    iters = int(max(1, min(50, target_s / reps / max(one, 1e-6))))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def rel_err(a, b):
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def dense_fns():
+    return {
+        "fwd": jax.jit(lambda lhs, rhs, dout, gs: jnp.dot(lhs, rhs[0])),
+        "dgrad": jax.jit(lambda lhs, rhs, dout, gs: jnp.dot(dout, rhs[0].T)),
+        "wgrad": jax.jit(lambda lhs, rhs, dout, gs: jnp.dot(lhs.T, dout)),
+    }
+
+
+def ragged_fns():
+    return {
+        "fwd": jax.jit(lambda lhs, rhs, dout, gs: gg.grouped_gemm_reference(lhs, rhs, gs)),
+        "dgrad": jax.jit(lambda lhs, rhs, dout, gs: gg.grouped_gemm_dgrad_reference(dout, rhs, gs)),
+        "wgrad": jax.jit(lambda lhs, rhs, dout, gs: gg.grouped_gemm_wgrad_reference(lhs, dout, gs)),
+    }
+
+
+def ours_fn(op: str, tile: int):
+    f = {"fwd": lambda lhs, rhs, dout, gs: gg.cuda_fwd(lhs, rhs, gs, tile),
+         "dgrad": lambda lhs, rhs, dout, gs: gg.cuda_dgrad(dout, rhs, gs, tile),
+         "wgrad": lambda lhs, rhs, dout, gs: gg.cuda_wgrad(lhs, dout, gs, tile)}[op]
+    return jax.jit(f)
+
+
+def pallas_fn(op: str, cfg):
+    bm, bn, bk, steps, gbn = cfg
+    kw = dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=steps, grid_block_n=gbn)
+    if op == "wgrad":
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as t
+
+        return jax.jit(lambda lhs, rhs, dout, gs: t.transposed_ragged_dot(
+            lhs, dout, group_sizes=gs, **kw))
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as r
+
+    if op == "fwd":
+        return jax.jit(lambda lhs, rhs, dout, gs: r.ragged_dot(lhs, rhs, group_sizes=gs, **kw))
+    return jax.jit(lambda lhs, rhs, dout, gs: r.ragged_dot(dout, rhs, group_sizes=gs,
+                                                           transpose_rhs=True, **kw))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.bench_grouped_gemm")
+    ap.add_argument("--out", default="bench_grouped_gemm.json")
+    ap.add_argument("--shapes", default="A,B,C")
+    ap.add_argument("--dists", default=",".join(DISTS))
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--skip", default="", help="comma-separated: ragged, pallas, tiles")
+    ap.add_argument("--time-budget", type=float, default=1e9)
+    args = ap.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    t_start = time.time()
+    dev = jax.devices()[0]
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+        "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
+        "python": platform.python_version(), "tile_configs": list(gg.TILE_CONFIGS),
+    }
+    try:
+        import jaxlib
+
+        meta["jaxlib"] = jaxlib.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    print(json.dumps(meta), flush=True)
+    rows, errors = [], []
+    pallas_best: dict = {}
+
+    def record(shape, dist, op, method, secs, flops, extra=None):
+        row = dict(shape=shape, dist=dist, op=op, method=method, ms=secs * 1e3,
+                   tflops=flops / secs / 1e12, **(extra or {}))
+        rows.append(row)
+        print(f"  {shape} {dist:8s} {op:5s} {method:28s} {row['ms']:9.3f} ms "
+              f"{row['tflops']:7.1f} TFLOP/s", flush=True)
+
+    def over_budget():
+        return time.time() - t_start > args.time_budget
+
+    dense = dense_fns()
+    ragged = ragged_fns()
+    for shape in args.shapes.split(","):
+        e, m, k, n = SHAPES[shape]
+        flops = 2.0 * m * k * n
+        key = jax.random.key(0)
+        k1, k2, k3 = jax.random.split(key, 3)
+        lhs = jax.random.normal(k1, (m, k), jnp.bfloat16)
+        rhs = (jax.random.normal(k2, (e, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+        dout = jax.random.normal(k3, (m, n), jnp.bfloat16)
+        for dist in args.dists.split(","):
+            gs = jnp.asarray(group_sizes(dist, m, e))
+            data = (lhs, rhs, dout, gs)
+            for op in args.ops.split(","):
+                if over_budget():
+                    break
+                if dist == DISTS[0] or dist == args.dists.split(",")[0]:
+                    record(shape, dist, op, "dense", time_fn(dense[op], *data), flops)
+                ref = None
+                if "ragged" not in skip:
+                    try:
+                        ref = ragged[op](*data)
+                        record(shape, dist, op, "ragged", time_fn(ragged[op], *data, reps=3),
+                               flops)
+                    except Exception as ex:  # noqa: BLE001
+                        errors.append(f"{shape} {dist} {op} ragged: {ex!r}")
+                        print("  ragged failed:", repr(ex)[:300], flush=True)
+                chosen = gg.choose_tile(op, m, k, n, e)
+                tiles = [chosen] if "tiles" in skip else range(len(gg.TILE_CONFIGS))
+                for t in tiles:
+                    try:
+                        f = ours_fn(op, t)
+                        out = f(*data)
+                        err = rel_err(out, ref) if ref is not None else None
+                        name = f"ours[{gg.TILE_CONFIGS[t]}]"
+                        record(shape, dist, op, name, time_fn(f, *data), flops,
+                               {"rel_err_vs_ragged": err, "tile": gg.TILE_CONFIGS[t]})
+                        if t == chosen:
+                            record(shape, dist, op, "ours", rows[-1]["ms"] / 1e3, flops,
+                                   {"rel_err_vs_ragged": err, "tile": gg.TILE_CONFIGS[t]})
+                    except Exception as ex:  # noqa: BLE001
+                        errors.append(f"{shape} {dist} {op} ours tile {t}: {ex!r}")
+                        print("  ours failed:", repr(ex)[:500], flush=True)
+                if "pallas" in skip:
+                    continue
+                bkey = (shape, op)
+                cfgs = [pallas_best[bkey]] if bkey in pallas_best else PALLAS_CONFIGS[op]
+                best = None
+                for cfg in cfgs:
+                    try:
+                        f = pallas_fn(op, cfg)
+                        secs = time_fn(f, *data, reps=3)
+                        print(f"    pallas {op} {cfg}: {secs * 1e3:.3f} ms", flush=True)
+                        if best is None or secs < best[0]:
+                            best = (secs, cfg, f)
+                    except Exception as ex:  # noqa: BLE001
+                        msg = f"{shape} {dist} {op} pallas {cfg}: {type(ex).__name__}: {ex}"
+                        errors.append(msg[:600])
+                        print("    " + msg[:300], flush=True)
+                if best is not None:
+                    pallas_best[bkey] = best[1]
+                    out = best[2](*data)
+                    err = rel_err(out, ref) if ref is not None else None
+                    record(shape, dist, op, "pallas", time_fn(best[2], *data), flops,
+                           {"config": list(best[1]), "rel_err_vs_ragged": err})
+            with open(args.out, "w") as fh:
+                json.dump({"meta": meta, "rows": rows, "errors": errors}, fh, indent=1)
+        del lhs, rhs, dout
+    print_table(rows)
+    with open(args.out, "w") as fh:
+        json.dump({"meta": meta, "rows": rows, "errors": errors}, fh, indent=1)
+    print(f"wrote {args.out} ({len(rows)} rows, {len(errors)} errors) in "
+          f"{time.time() - t_start:.0f} s")
+    return 0
+
+
+def print_table(rows):
+    dense = {(r["shape"], r["op"]): r["ms"] for r in rows if r["method"] == "dense"}
+    print("\n| shape | dist | op | method | ms | TFLOP/s | x dense |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["method"].startswith("ours["):
+            continue
+        d = dense.get((r["shape"], r["op"]))
+        ratio = f"{d / r['ms']:.2f}" if d else "-"
+        print(f"| {r['shape']} | {r['dist']} | {r['op']} | {r['method']} | {r['ms']:.3f} | "
+              f"{r['tflops']:.0f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+// Grouped GEMM for Hopper (sm_90a): CUTLASS pointer-array grouped GEMM, warp-specialized, TMA,
+// bf16 in, fp32 accumulate, bf16 out. Shared by grouped_gemm_{fwd,dgrad,wgrad}.cu.
+//
+// Group sizes stay on the device. Each FFI call launches, on XLA's stream:
+//   1. moe_gg_prepare: scans group_sizes (clamped to [0, rows left]) and writes per-group
+//      problem shapes, operand pointers and strides into the workspace; its other blocks zero
+//      what CUTLASS will not write (rows past sum(group_sizes) for fwd/dgrad; whole [K, N]
+//      slices of experts with no rows for wgrad, whose K = 0 problem CUTLASS would otherwise
+//      store as an uninitialised accumulator: we give such a group M = 0 so it has no tiles).
+//   2. the CUTLASS kernel, reading those arrays (no host problem shapes: persistent grid of
+//      one CTA per SM, groups with no tiles are skipped by the group tile scheduler).
+// No device-to-host copy and no synchronisation: the call is CUDA-graph safe.
+//
+// Workspace (an output buffer of the FFI call, sized by moe_praxis/ops/grouped_gemm.py):
+//   [kGroupArrayBytesPerGroup * E bytes of group arrays, 256-aligned][CUTLASS workspace]
+// The handler checks that the buffer is large enough and fails with a message otherwise.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include <cub/block/block_scan.cuh>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace moe_gg {
+
+namespace ffi = xla::ffi;
+using namespace cute;
+
+using Element = cutlass::bfloat16_t;
+using ElementAcc = float;
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
+using UnderlyingShape = ProblemShape::UnderlyingProblemShape;
+
+// Bytes of group arrays per group: shape (12) + 3 pointers (24) + 3 strides (<= 3 * 24) = 108.
+constexpr int64_t kGroupArrayBytesPerGroup = 128;
+constexpr int64_t kAlign = 256;
+
+// Tile configurations (index = the FFI attribute `tile`; the rule that picks one lives in
+// moe_praxis/ops/grouped_gemm.py, TILE_CONFIGS, and docs/grouped_gemm.md).
+struct CoopLarge {  // tile 0: cooperative, 256x128x64, cluster 2x1
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using Tile = Shape<_256, _128, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+};
+struct PingpongSmall {  // tile 1: ping-pong, 128x128x64, cluster 2x1 (small N, small groups)
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+  using Tile = Shape<_128, _128, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+};
+struct CoopWide {  // tile 2: cooperative, 128x256x64, cluster 1x2
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using Tile = Shape<_128, _256, _64>;
+  using Cluster = Shape<_1, _2, _1>;
+};
+constexpr int kNumTiles = 3;
+
+template <class LayoutA, class LayoutB, class Config>
+struct GemmDef {
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignment = 8;  // 16 bytes of bf16
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile,
+      typename Config::Cluster, cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc,
+      ElementAcc, void, LayoutD*, kAlignment, Element, LayoutD*, kAlignment,
+      typename Config::Epilogue,
+      cutlass::epilogue::fusion::LinearCombination<Element, ElementAcc, void>>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment,
+      Element, LayoutB*, kAlignment, ElementAcc, typename Config::Tile,
+      typename Config::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Config::Kernel>::CollectiveOp;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+// Where group e's operands start: base + e * per_expert + row_offset(e) * per_row (elements).
+struct OperandMap {
+  int64_t per_expert;
+  int64_t per_row;
+};
+
+struct PrepareParams {
+  const int32_t* group_sizes;
+  int num_groups;
+  int64_t rows;     // M: rows of the ragged operand(s)
+  bool ragged_k;    // wgrad: the group's rows are the GEMM's K (problem = (K?, N, m_e))
+  int dim_a;        // fwd/dgrad: problem (m_e, dim_a, dim_b); wgrad: (m_e ? dim_a : 0, dim_b, m_e)
+  int dim_b;
+  const Element* a;
+  const Element* b;
+  Element* d;
+  OperandMap map_a, map_b, map_d;
+  // Zeroing: tail mode zeroes d rows [sum, rows) of width zero_row; expert mode zeroes the
+  // zero_expert elements of d[e] for each group e with no rows.
+  bool zero_empty_experts;
+  int64_t zero_row;
+  int64_t zero_expert;
+};
+
+template <class StrideA, class StrideB, class StrideD>
+struct GroupArrays {
+  UnderlyingShape* shapes;
+  const Element** ptr_a;
+  const Element** ptr_b;
+  Element** ptr_d;
+  StrideA* stride_a;
+  StrideB* stride_b;
+  StrideD* stride_d;
+};
+
+template <class StrideA, class StrideB, class StrideD>
+inline GroupArrays<StrideA, StrideB, StrideD> carve_group_arrays(uint8_t* ws, int e) {
+  GroupArrays<StrideA, StrideB, StrideD> g;
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    uint8_t* p = ws + off;
+    off += (bytes + 15) / 16 * 16;
+    return p;
+  };
+  g.shapes = reinterpret_cast<UnderlyingShape*>(take(sizeof(UnderlyingShape) * e));
+  g.ptr_a = reinterpret_cast<const Element**>(take(sizeof(void*) * e));
+  g.ptr_b = reinterpret_cast<const Element**>(take(sizeof(void*) * e));
+  g.ptr_d = reinterpret_cast<Element**>(take(sizeof(void*) * e));
+  g.stride_a = reinterpret_cast<StrideA*>(take(sizeof(StrideA) * e));
+  g.stride_b = reinterpret_cast<StrideB*>(take(sizeof(StrideB) * e));
+  g.stride_d = reinterpret_cast<StrideD*>(take(sizeof(StrideD) * e));
+  return g;
+}
+
+inline int64_t group_array_bytes(int e) {
+  return (kGroupArrayBytesPerGroup * e + kAlign - 1) / kAlign * kAlign;
+}
+
+constexpr int kPrepareThreads = 256;
+
+__device__ inline void zero_range(Element* p, int64_t n, int64_t tid, int64_t nthreads) {
+  // n and p are multiples of 8 elements / 16 bytes (K, N % 8 == 0 is checked in Python).
+  uint4* v = reinterpret_cast<uint4*>(p);
+  const int64_t nv = n / 8;
+  for (int64_t i = tid; i < nv; i += nthreads) v[i] = make_uint4(0, 0, 0, 0);
+}
+
+template <class StrideA, class StrideB, class StrideD>
+__global__ void __launch_bounds__(kPrepareThreads)
+    moe_gg_prepare(PrepareParams p, GroupArrays<StrideA, StrideB, StrideD> g, StrideA sa,
+                   StrideB sb, StrideD sd) {
+  using BlockScan = cub::BlockScan<int64_t, kPrepareThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ int64_t carry;
+  extern __shared__ int32_t rows_smem[];  // clamped rows per group (expert-zeroing mode)
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  const bool writer = blockIdx.x == 0;
+  for (int base = 0; base < p.num_groups; base += kPrepareThreads) {
+    const int e = base + threadIdx.x;
+    int64_t size = e < p.num_groups ? max(p.group_sizes[e], 0) : 0;
+    int64_t start, chunk_total;
+    BlockScan(scan_storage).ExclusiveSum(size, start, chunk_total);
+    start += carry;
+    __syncthreads();  // everyone has read carry
+    if (threadIdx.x == 0) carry += chunk_total;
+    if (e < p.num_groups) {
+      const int64_t lo = min(start, p.rows);
+      const int64_t hi = min(start + size, p.rows);
+      const int m = static_cast<int>(hi - lo);
+      if (p.zero_empty_experts) rows_smem[e] = m;
+      if (writer) {
+        g.shapes[e] = p.ragged_k ? UnderlyingShape(m > 0 ? p.dim_a : 0, p.dim_b, m)
+                                 : UnderlyingShape(m, p.dim_a, p.dim_b);
+        g.ptr_a[e] = p.a + e * p.map_a.per_expert + lo * p.map_a.per_row;
+        g.ptr_b[e] = p.b + e * p.map_b.per_expert + lo * p.map_b.per_row;
+        g.ptr_d[e] = p.d + e * p.map_d.per_expert + lo * p.map_d.per_row;
+        g.stride_a[e] = sa;
+        g.stride_b[e] = sb;
+        g.stride_d[e] = sd;
+      }
+    }
+    __syncthreads();  // carry updated; scan storage reusable
+  }
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (p.zero_empty_experts) {
+    for (int e = 0; e < p.num_groups; ++e) {
+      if (rows_smem[e] == 0) zero_range(p.d + e * p.zero_expert, p.zero_expert, tid, nthreads);
+    }
+  } else {
+    const int64_t total = min(carry, p.rows);
+    zero_range(p.d + total * p.zero_row, (p.rows - total) * p.zero_row, tid, nthreads);
+  }
+}
+
+// A packed stride with leading dimension `ld` (the one dynamic, non-batch mode of S).
+template <class S>
+S make_ld_stride(int64_t ld) {
+  S s{};
+  if constexpr (cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(s))>>) {
+    cute::get<1>(s) = ld;
+  } else {
+    cute::get<0>(s) = ld;
+  }
+  return s;
+}
+
+inline ffi::Error cuda_error(cudaError_t err, const char* what) {
+  return ffi::Error::Internal(std::string("moe_praxis grouped GEMM: ") + what + ": " +
+                              cudaGetErrorString(err));
+}
+
+template <class Def>
+cutlass::KernelHardwareInfo hardware_info(int device) {
+  static std::mutex mu;
+  static int cached_device = -1;
+  static cutlass::KernelHardwareInfo info;
+  std::lock_guard<std::mutex> lock(mu);
+  if (cached_device != device) {
+    info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename Def::Kernel>(device);
+    cached_device = device;
+  }
+  return info;
+}
+
+// Runs prepare + CUTLASS for one tile configuration. `sa`, `sb`, `sd` are the (constant)
+// strides of A, B, D; group arrays go at the start of `workspace`.
+template <class Def>
+ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::StrideA sa,
+                       typename Def::StrideB sb, typename Def::StrideD sd, uint8_t* workspace,
+                       int64_t workspace_bytes) {
+  using Gemm = typename Def::Gemm;
+  const int e = p.num_groups;
+  auto g = carve_group_arrays<typename Def::StrideA, typename Def::StrideB, typename Def::StrideD>(
+      workspace, e);
+  const int64_t head = group_array_bytes(e);
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return cuda_error(err, "cudaGetDevice");
+  cutlass::KernelHardwareInfo hw = hardware_info<Def>(device);
+
+  // Prepare: block 0 writes the group arrays, all blocks zero what CUTLASS will not write.
+  const int64_t zero_elems = p.zero_empty_experts ? p.zero_expert * e : p.rows * p.zero_row;
+  int blocks = static_cast<int>(
+      std::min<int64_t>(std::max<int64_t>(zero_elems / (8 * kPrepareThreads * 4), 1),
+                        2 * static_cast<int64_t>(hw.sm_count)));
+  size_t smem = p.zero_empty_experts ? sizeof(int32_t) * e : 0;
+  moe_gg_prepare<<<blocks, kPrepareThreads, smem, stream>>>(p, g, sa, sb, sd);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return cuda_error(err, "prepare kernel launch");
+
+  typename Gemm::Arguments args;
+  decltype(args.epilogue.thread) fusion;
+  fusion.alpha = 1.0f;
+  fusion.beta = 0.0f;
+  fusion.alpha_ptr = nullptr;
+  fusion.beta_ptr = nullptr;
+  args = typename Gemm::Arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {e, g.shapes, nullptr},
+      {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b},
+      {fusion, nullptr, g.stride_d, g.ptr_d, g.stride_d},
+      hw};
+  Gemm gemm;
+  const size_t need = Gemm::get_workspace_size(args);
+  if (static_cast<int64_t>(need) > workspace_bytes - head) {
+    return ffi::Error::InvalidArgument(
+        "moe_praxis grouped GEMM: workspace of " + std::to_string(workspace_bytes) +
+        " bytes is too small; need " + std::to_string(head + need) +
+        " (raise _CUTLASS_WORKSPACE_BYTES in moe_praxis/ops/grouped_gemm.py)");
+  }
+  cutlass::Status st = gemm.can_implement(args);
+  if (st != cutlass::Status::kSuccess) {
+    return ffi::Error::InvalidArgument(std::string("moe_praxis grouped GEMM: CUTLASS cannot "
+                                                   "implement this problem: ") +
+                                       cutlassGetStatusString(st));
+  }
+  st = gemm.initialize(args, workspace + head, stream);
+  if (st != cutlass::Status::kSuccess) {
+    return ffi::Error::Internal(std::string("moe_praxis grouped GEMM: initialize failed: ") +
+                                cutlassGetStatusString(st));
+  }
+  st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess) {
+    return ffi::Error::Internal(std::string("moe_praxis grouped GEMM: run failed: ") +
+                                cutlassGetStatusString(st));
+  }
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return cuda_error(err, "CUTLASS kernel launch");
+  return ffi::Error::Success();
+}
+
+// Dispatches on the tile attribute. F<Config>() returns the ffi::Error of one configuration.
+template <class F>
+ffi::Error dispatch_tile(int64_t tile, F&& f) {
+  switch (tile) {
+    case 0:
+      return f(CoopLarge{});
+    case 1:
+      return f(PingpongSmall{});
+    case 2:
+      return f(CoopWide{});
+    default:
+      return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: tile=" + std::to_string(tile) +
+                                         " is invalid; valid: 0.." +
+                                         std::to_string(kNumTiles - 1));
+  }
+}
+
+inline const Element* as_elem(const void* p) { return reinterpret_cast<const Element*>(p); }
+inline Element* as_elem(void* p) { return reinterpret_cast<Element*>(p); }
+
+}  // namespace moe_gg

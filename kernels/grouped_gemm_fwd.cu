@@ -1,0 +1,60 @@
+// moe-praxis-gencode: sm_90a
+// Grouped GEMM forward: out[rows of group e] = lhs[rows of group e] @ rhs[e].
+//   lhs [M, K] bf16 row-major, rhs [E, K, N] bf16, group_sizes [E] int32 -> out [M, N] bf16;
+//   rows past sum(group_sizes) are zero. CUTLASS problem per group: (m_e, N, K), A row-major
+//   (K-major), B row-major (N-major). See grouped_gemm.cuh for the launch sequence.
+#include "grouped_gemm.cuh"
+
+namespace moe_gg {
+namespace {
+
+ffi::Error GroupedGemmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
+                              ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> group_sizes,
+                              ffi::ResultBuffer<ffi::BF16> out,
+                              ffi::ResultBuffer<ffi::U8> workspace, int64_t tile) {
+  auto ld = lhs.dimensions();
+  auto rd = rhs.dimensions();
+  if (ld.size() != 2 || rd.size() != 3 || ld[1] != rd[1] ||
+      group_sizes.element_count() != static_cast<size_t>(rd[0])) {
+    return ffi::Error::InvalidArgument("moe_praxis grouped GEMM fwd: need lhs [M,K], rhs [E,K,N], "
+                                       "group_sizes [E]");
+  }
+  const int64_t m = ld[0], k = ld[1], e = rd[0], n = rd[2];
+  return dispatch_tile(tile, [&](auto cfg) {
+    using Def = GemmDef<cutlass::layout::RowMajor, cutlass::layout::RowMajor, decltype(cfg)>;
+    PrepareParams p{};
+    p.group_sizes = group_sizes.typed_data();
+    p.num_groups = static_cast<int>(e);
+    p.rows = m;
+    p.ragged_k = false;
+    p.dim_a = static_cast<int>(n);
+    p.dim_b = static_cast<int>(k);
+    p.a = as_elem(lhs.untyped_data());
+    p.b = as_elem(rhs.untyped_data());
+    p.d = as_elem(out->untyped_data());
+    p.map_a = {0, k};
+    p.map_b = {k * n, 0};
+    p.map_d = {0, n};
+    p.zero_empty_experts = false;
+    p.zero_row = n;
+    p.zero_expert = 0;
+    return run_grouped<Def>(stream, p, make_ld_stride<typename Def::StrideA>(k),
+                            make_ld_stride<typename Def::StrideB>(n),
+                            make_ld_stride<typename Def::StrideD>(n),
+                            reinterpret_cast<uint8_t*>(workspace->untyped_data()),
+                            static_cast<int64_t>(workspace->size_bytes()));
+  });
+}
+
+}  // namespace
+}  // namespace moe_gg
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmFwd, moe_gg::GroupedGemmFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // lhs [M, K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // rhs [E, K, N]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // group_sizes [E]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // out [M, N]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
+                                  .Attr<int64_t>("tile"));
