@@ -95,9 +95,9 @@ def moe_local(params, x2, valid, config: MoEConfig, *, seq_len=None, backend="xl
     t = x2.shape[0]
     logits = checkpoint_name(routing.router_logits(x2, params["router"], config),
                              "moe_router_logits")
-    r = routing.route_logits(logits, config, params.get("expert_bias"))
+    r = routing.route_logits(logits, config, params.get("expert_bias"), backend=backend)
     counts = routing.tokens_per_expert(r.expert_ids, config.num_experts, valid)
-    aux = routing.load_balance_loss(r, config, valid, seq_len=seq_len)
+    aux = routing.load_balance_loss(r, config, valid, seq_len=seq_len, backend=backend)
     zl = routing.z_loss(logits, valid, config.z_loss_coeff)
     d = dispatch_lib.make_dispatch(r.expert_ids, r.weights, valid, config)
     rows = checkpoint_name(dispatch_lib.dispatch_rows(x2, d, backend=backend), "moe_dispatched")

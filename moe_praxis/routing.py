@@ -58,8 +58,28 @@ def _group_limit(sel, config: MoEConfig):
     return jnp.where(keep_mask, sel, -jnp.inf)
 
 
-def route_logits(logits, config: MoEConfig, expert_bias: Optional[jax.Array] = None):
-    """logits: [T, E] float32 -> RouteOutput. See the module docstring for the math."""
+def route_logits(logits, config: MoEConfig, expert_bias: Optional[jax.Array] = None, *,
+                 backend: str = "auto"):
+    """logits: [T, E] float32 -> RouteOutput. See the module docstring for the math.
+
+    backend: 'auto' | 'xla' | 'cuda' (moe_praxis.ops.resolve_backend); 'cuda' runs the fused
+    router kernel (ops.cuda.fused_router, forward and backward), which computes the same as
+    route_logits_reference.
+    """
+    if ops.resolve_backend(backend, "router") == "cuda":
+        why = ops.cuda.router_unsupported(logits.shape[-1], config)
+        if not why:
+            logits = logits.astype(jnp.float32)
+            bias = (jnp.zeros((logits.shape[-1],), jnp.float32) if expert_bias is None else
+                    jax.lax.stop_gradient(expert_bias.astype(jnp.float32)))
+            probs, ids, weights = ops.cuda.fused_router(config, logits, bias)
+            return RouteOutput(logits=logits, probs=probs, expert_ids=ids, weights=weights)
+        ops.cuda.warn_fallback("router", why)
+    return route_logits_reference(logits, config, expert_bias)
+
+
+def route_logits_reference(logits, config: MoEConfig, expert_bias: Optional[jax.Array] = None):
+    """Pure-JAX router: logits [T, E] float32 -> RouteOutput (the CPU path and test oracle)."""
     logits = logits.astype(jnp.float32)
     bias = None
     if expert_bias is not None:
@@ -104,7 +124,7 @@ def tokens_per_expert(expert_ids, num_experts: int, valid=None):
 
 
 def load_balance_loss(route_out: RouteOutput, config: MoEConfig, valid, *, seq_len=None,
-                      counts=None, num_tokens=None):
+                      counts=None, num_tokens=None, backend: str = "auto"):
     """The configured load-balancing loss (coefficient applied), float32 scalar.
 
     valid: [T] bool, False for padded tokens (they count in no statistic).
@@ -113,6 +133,7 @@ def load_balance_loss(route_out: RouteOutput, config: MoEConfig, valid, *, seq_l
     'gshard':   Praxis GShard's top-1 density loss, coeff * E / T^2 * sum_e P[e] * f1[e], with
                 P[e] = sum_t p[t, e] and f1[e] the number of tokens whose FIRST choice is e.
     `counts`/`num_tokens` override the local statistics (the EP path passes global ones).
+    backend: the kernel backend of ops.aux_loss ('auto' | 'xla' | 'cuda').
     """
     e, k = config.num_experts, config.top_k
     vf = valid.astype(jnp.float32)
@@ -128,16 +149,17 @@ def load_balance_loss(route_out: RouteOutput, config: MoEConfig, valid, *, seq_l
         n = jnp.maximum(jnp.sum(v, axis=1), 1)
         per_seq = jax.vmap(
             lambda pp, ff, nn: ops.aux_loss(pp, ff, top_k=k, coeff=config.aux_loss_coeff,
-                                            num_tokens=nn))(p, f, n)
+                                            num_tokens=nn, backend=backend))(p, f, n)
         return jnp.mean(per_seq)
     if num_tokens is None:
         num_tokens = jnp.maximum(jnp.sum(valid.astype(jnp.int32)), 1)
     if config.aux_loss_type == "gshard":
         f1 = tokens_per_expert(route_out.expert_ids[:, :1], e, valid) if counts is None else counts
         return ops.aux_loss(probs, f1, top_k=1, coeff=config.aux_loss_coeff,
-                            num_tokens=num_tokens)
+                            num_tokens=num_tokens, backend=backend)
     f = tokens_per_expert(route_out.expert_ids, e, valid) if counts is None else counts
-    return ops.aux_loss(probs, f, top_k=k, coeff=config.aux_loss_coeff, num_tokens=num_tokens)
+    return ops.aux_loss(probs, f, top_k=k, coeff=config.aux_loss_coeff, num_tokens=num_tokens,
+                        backend=backend)
 
 
 def z_loss(logits, valid, coeff: float, num_tokens=None):

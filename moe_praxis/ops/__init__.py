@@ -4,6 +4,7 @@ Every primitive here has a pure-JAX reference that is both the CPU path and the 
 CUDA kernels (kernels/, loaded by ``moe_praxis.ops.cuda``) sit behind the same functions.
 """
 
+from moe_praxis.ops import cuda
 from moe_praxis.ops.aux_loss import aux_loss, aux_loss_reference
 from moe_praxis.ops.backend import backend_info, resolve_backend
 from moe_praxis.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
@@ -15,6 +16,7 @@ __all__ = [
     "aux_loss",
     "aux_loss_reference",
     "backend_info",
+    "cuda",
     "grouped_gemm",
     "grouped_gemm_reference",
     "permute",

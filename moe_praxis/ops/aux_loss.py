@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_praxis.ops import cuda
+from moe_praxis.ops.backend import resolve_backend
+
 
 def _scale(num_tokens, num_experts, top_k, coeff):
     t = jnp.asarray(num_tokens, jnp.float32)
@@ -44,7 +47,9 @@ def aux_loss_bwd_reference(g, probs, tokens_per_expert, *, top_k: int, coeff: fl
     t = probs.shape[0] if num_tokens is None else num_tokens
     f = tokens_per_expert.astype(jnp.float32)
     row = g.astype(jnp.float32) * _scale(t, probs.shape[1], top_k, coeff) * f
-    return jnp.broadcast_to(row[None, :], probs.shape).astype(probs.dtype)
+    # ones_like keeps probs' sharding (a plain broadcast would be replicated, which an
+    # Explicit-sharding mesh rejects as the cotangent of a sharded input).
+    return (row[None, :] * jnp.ones_like(probs, dtype=jnp.float32)).astype(probs.dtype)
 
 
 def _zero_cotangent(x):
@@ -73,11 +78,14 @@ def _bwd(top_k, coeff, res, g):
 _aux_loss.defvjp(_fwd, _bwd)
 
 
-def aux_loss(probs, tokens_per_expert, *, top_k: int, coeff: float, num_tokens=None):
+def aux_loss(probs, tokens_per_expert, *, top_k: int, coeff: float, num_tokens=None,
+             backend: str = "auto"):
     """Switch load-balancing loss (float32 scalar, coefficient applied). See the module doc.
 
     probs: [T, E] float; tokens_per_expert: [E] (int or float); num_tokens: optional rank-0
     count T (default: T = rows of probs). Gradient flows to probs only.
+    backend: 'auto' | 'xla' | 'cuda'; 'cuda' runs the fused kernels (ops.cuda.aux_loss, whose
+    sharding rule keeps the cotangent rank 0 and sums the shards' losses).
     """
     if probs.ndim != 2:
         raise ValueError(f"probs must be [T, E], got shape {probs.shape}")
@@ -92,4 +100,8 @@ def aux_loss(probs, tokens_per_expert, *, top_k: int, coeff: float, num_tokens=N
     num_tokens = jnp.asarray(num_tokens)
     if num_tokens.ndim != 0:
         raise ValueError(f"num_tokens must be a scalar, got shape {num_tokens.shape}")
+    if resolve_backend(backend, "aux_loss") == "cuda":
+        if probs.dtype in (jnp.float32, jnp.bfloat16):
+            return cuda.aux_loss(probs, tokens_per_expert, num_tokens, int(top_k), float(coeff))
+        cuda.warn_fallback("aux_loss", f"probs dtype {probs.dtype} (float32 / bfloat16 only)")
     return _aux_loss(probs, tokens_per_expert, num_tokens, int(top_k), float(coeff))

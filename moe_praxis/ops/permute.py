@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from moe_praxis.ops import cuda
+from moe_praxis.ops.backend import resolve_backend
+
 
 def permute_reference(x, row_map):
     return jnp.take(x, row_map, axis=0, mode="fill", fill_value=0)
@@ -22,10 +25,20 @@ def unpermute_reference(y, row_map, num_tokens: int):
 
 
 def permute(x, row_map, *, backend: str = "auto"):
-    del backend
+    """x: [T, M], row_map: [R] int -> [R, M]. backend 'cuda': the permute kernel (ops.cuda)."""
+    if resolve_backend(backend, "permute") == "cuda":
+        why = cuda.permute_unsupported(x, row_map)
+        if not why:
+            return cuda.permute(x, row_map.astype(jnp.int32))
+        cuda.warn_fallback("permute", why)
     return permute_reference(x, row_map)
 
 
 def unpermute(y, row_map, num_tokens: int, *, backend: str = "auto"):
-    del backend
+    """y: [R, M], row_map: [R] int -> [T, M]. backend 'cuda': the unpermute kernel."""
+    if resolve_backend(backend, "unpermute") == "cuda":
+        why = cuda.permute_unsupported(y, row_map)
+        if not why:
+            return cuda.unpermute(y, row_map.astype(jnp.int32), int(num_tokens))
+        cuda.warn_fallback("unpermute", why)
     return unpermute_reference(y, row_map, num_tokens)

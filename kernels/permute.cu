@@ -1,0 +1,244 @@
+// Permute token rows to expert-sorted rows and back (see moe_praxis/ops/permute.py):
+//
+//   permute:   y[r] = x[row_map[r]]            (zeros where row_map[r] is not in [0, T))
+//   unpermute: x[t] = sum_{r: row_map[r] = t} y[r]   (summed in f32 in increasing r order,
+//              rounded once; deterministic)
+//
+// x: [T, M], y: [R, M], f32 or bf16; row_map: [R] int32. Each is the other's backward.
+// unpermute builds the inverse map (CSR: per-token row lists) in an explicit int32 workspace
+// output of 2 * T + 2 + R elements (XLA's scratch allocator is not used), then one warp per
+// token sums its rows with 16-byte vector loads.
+#include "moe_common.h"
+
+namespace moe {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kScanThreads = 1024;
+
+// Copies/sums rows as 16-byte vectors of `VEC` elements when the row size allows, else 1.
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Vec {
+  T v[VEC];
+};
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kWarps * 32)
+    permute_kernel(const T* __restrict__ x, const int32_t* __restrict__ row_map,
+                   T* __restrict__ y, int64_t rows, int64_t tokens, int64_t m) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nv = m / VEC;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); r < rows;
+       r += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t t = row_map[r];
+    auto* dst = reinterpret_cast<Vec<T, VEC>*>(y + r * m);
+    if (t >= 0 && t < tokens) {
+      const auto* src = reinterpret_cast<const Vec<T, VEC>*>(x + t * m);
+      for (int64_t i = lane; i < nv; i += 32) dst[i] = src[i];
+    } else {
+      Vec<T, VEC> z;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) z.v[j] = from_f32<T>(0.f);
+      for (int64_t i = lane; i < nv; i += 32) dst[i] = z;
+    }
+  }
+}
+
+__global__ void histogram_kernel(const int32_t* __restrict__ row_map, int32_t* __restrict__ cnt,
+                                 int64_t rows, int64_t tokens) {
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = row_map[r];
+    if (t >= 0 && t < tokens) atomicAdd(cnt + t + 1, 1);
+  }
+}
+
+// In-place inclusive scan of n ints by one block; also copies the result to `copy`.
+__global__ void __launch_bounds__(kScanThreads)
+    scan_kernel(int32_t* __restrict__ a, int32_t* __restrict__ copy, int64_t n) {
+  __shared__ int32_t sums[kScanThreads];
+  const int64_t chunk = (n + kScanThreads - 1) / kScanThreads;
+  const int64_t lo = threadIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
+  int32_t s = 0;
+  for (int64_t i = lo; i < hi; ++i) s += a[i];
+  sums[threadIdx.x] = s;
+  __syncthreads();
+  for (int o = 1; o < kScanThreads; o <<= 1) {
+    int32_t v = threadIdx.x >= o ? sums[threadIdx.x - o] : 0;
+    __syncthreads();
+    sums[threadIdx.x] += v;
+    __syncthreads();
+  }
+  int32_t run = threadIdx.x > 0 ? sums[threadIdx.x - 1] : 0;
+  for (int64_t i = lo; i < hi; ++i) {
+    run += a[i];
+    a[i] = run;
+    copy[i] = run;
+  }
+}
+
+__global__ void fill_kernel(const int32_t* __restrict__ row_map, int32_t* __restrict__ cursor,
+                            int32_t* __restrict__ lists, int64_t rows, int64_t tokens) {
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = row_map[r];
+    if (t >= 0 && t < tokens) lists[atomicAdd(cursor + t, 1)] = static_cast<int32_t>(r);
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kWarps * 32)
+    unpermute_kernel(const T* __restrict__ y, const int32_t* __restrict__ offsets,
+                     int32_t* __restrict__ lists, T* __restrict__ x, int64_t tokens,
+                     int64_t m) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nv = m / VEC;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); t < tokens;
+       t += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int32_t lo = offsets[t], hi = offsets[t + 1];
+    // sort this token's rows ascending (fill order is racy; the sum order must not be)
+    if (lane == 0) {
+      for (int32_t i = lo + 1; i < hi; ++i) {
+        const int32_t v = lists[i];
+        int32_t j = i - 1;
+        while (j >= lo && lists[j] > v) {
+          lists[j + 1] = lists[j];
+          --j;
+        }
+        lists[j + 1] = v;
+      }
+    }
+    __syncwarp();
+    auto* dst = reinterpret_cast<Vec<T, VEC>*>(x + t * m);
+    for (int64_t i = lane; i < nv; i += 32) {
+      float acc[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+      for (int32_t q = lo; q < hi; ++q) {
+        const Vec<T, VEC> v = reinterpret_cast<const Vec<T, VEC>*>(y + lists[q] * m)[i];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] += to_f32(v.v[j]);
+      }
+      Vec<T, VEC> o;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) o.v[j] = from_f32<T>(acc[j]);
+      dst[i] = o;
+    }
+    __syncwarp();
+  }
+}
+
+template <typename T>
+ffi::Error launch_permute(cudaStream_t stream, const void* x, const int32_t* row_map, void* y,
+                          int64_t rows, int64_t tokens, int64_t m) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int grid = grid_for(rows, kWarps, 132 * 16);
+  if (m % kVec == 0) {
+    permute_kernel<T, kVec><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<const T*>(x), row_map, static_cast<T*>(y), rows, tokens, m);
+  } else {
+    permute_kernel<T, 1><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<const T*>(x), row_map, static_cast<T*>(y), rows, tokens, m);
+  }
+  MOE_LAUNCH_CHECK("permute");
+  return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error launch_unpermute(cudaStream_t stream, const void* y, const int32_t* row_map,
+                            void* x, int32_t* ws, int64_t rows, int64_t tokens, int64_t m) {
+  int32_t* offsets = ws;                 // [T + 1]: offsets[t] = rows of tokens < t
+  int32_t* cursor = ws + tokens + 1;     // [T + 1]: fill cursors, start at offsets
+  int32_t* lists = ws + 2 * tokens + 2;  // [R]: rows of each token, grouped by token
+  MOE_CUDA_CHECK(cudaMemsetAsync(offsets, 0, (tokens + 1) * sizeof(int32_t), stream));
+  if (rows > 0) {
+    histogram_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(row_map, offsets, rows, tokens);
+    MOE_LAUNCH_CHECK("unpermute histogram");
+  }
+  // histogram counts token t at offsets[t + 1]; its inclusive scan gives the offsets
+  scan_kernel<<<1, kScanThreads, 0, stream>>>(offsets, cursor, tokens + 1);
+  MOE_LAUNCH_CHECK("unpermute scan");
+  if (rows > 0) {
+    fill_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(row_map, cursor, lists, rows, tokens);
+    MOE_LAUNCH_CHECK("unpermute fill");
+  }
+  constexpr int kVec = 16 / sizeof(T);
+  const int grid = grid_for(tokens, kWarps, 132 * 16);
+  if (m % kVec == 0) {
+    unpermute_kernel<T, kVec><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<const T*>(y), offsets, lists, static_cast<T*>(x), tokens, m);
+  } else {
+    unpermute_kernel<T, 1><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<const T*>(y), offsets, lists, static_cast<T*>(x), tokens, m);
+  }
+  MOE_LAUNCH_CHECK("unpermute");
+  return ffi::Error::Success();
+}
+
+ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_map,
+                       ffi::Result<ffi::AnyBuffer> y) {
+  if (x.dimensions().size() != 2) return MOE_INVALID("permute: x must be [T, M]");
+  const int64_t tokens = x.dimensions()[0], m = x.dimensions()[1];
+  const int64_t rows = row_map.element_count();
+  if (y->element_count() != static_cast<size_t>(rows * m) ||
+      y->element_type() != x.element_type()) {
+    return MOE_INVALID("permute: y must be [R, M] in x's dtype");
+  }
+  if (rows == 0 || m == 0) return ffi::Error::Success();
+  switch (x.element_type()) {
+    case ffi::F32:
+      return launch_permute<float>(stream, x.untyped_data(), row_map.typed_data(),
+                                   y->untyped_data(), rows, tokens, m);
+    case ffi::BF16:
+      return launch_permute<__nv_bfloat16>(stream, x.untyped_data(), row_map.typed_data(),
+                                           y->untyped_data(), rows, tokens, m);
+    default:
+      return MOE_INVALID("permute: x must be float32 or bfloat16");
+  }
+}
+
+ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_map,
+                         ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::Buffer<ffi::S32>> ws) {
+  if (y.dimensions().size() != 2) return MOE_INVALID("unpermute: y must be [R, M]");
+  const int64_t rows = y.dimensions()[0], m = y.dimensions()[1];
+  if (static_cast<int64_t>(row_map.element_count()) != rows) {
+    return MOE_INVALID("unpermute: row_map must be [R=" + std::to_string(rows) + "]");
+  }
+  if (x->dimensions().size() != 2 || x->element_type() != y.element_type()) {
+    return MOE_INVALID("unpermute: x must be [T, M] in y's dtype");
+  }
+  const int64_t tokens = x->dimensions()[0];
+  if (static_cast<int64_t>(ws->element_count()) != 2 * tokens + 2 + rows) {
+    return MOE_INVALID("unpermute: workspace must have 2 * T + 2 + R int32 elements");
+  }
+  if (tokens == 0 || m == 0) return ffi::Error::Success();
+  switch (y.element_type()) {
+    case ffi::F32:
+      return launch_unpermute<float>(stream, y.untyped_data(), row_map.typed_data(),
+                                     x->untyped_data(), ws->typed_data(), rows, tokens, m);
+    case ffi::BF16:
+      return launch_unpermute<__nv_bfloat16>(stream, y.untyped_data(), row_map.typed_data(),
+                                             x->untyped_data(), ws->typed_data(), rows, tokens,
+                                             m);
+    default:
+      return MOE_INVALID("unpermute: y must be float32 or bfloat16");
+  }
+}
+
+}  // namespace
+}  // namespace moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermute, moe::PermuteImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x [T, M]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [R]
+                                  .Ret<xla::ffi::AnyBuffer>());            // y [R, M]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermute, moe::UnpermuteImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // y [R, M]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [R]
+                                  .Ret<xla::ffi::AnyBuffer>()              // x [T, M]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());  // workspace

@@ -1,0 +1,459 @@
+// Fused router: logits -> scores -> (group-limited) top-k ids and weights + dense probs, and
+// its backward (see moe_praxis/routing.py for the math; this kernel computes the same).
+//
+// One warp per token; lane l holds experts e = l + 32 * j (j < VPT, VPT = ceil(E / 32)), so a
+// warp reads a token's logits coalesced. Ties in the selection go to the lower expert index
+// (jax.lax.top_k's order). Limits (checked; the Python side falls back to the reference
+// beyond them): E <= 512, k <= 8, num_expert_groups <= 32.
+//
+// Forward:  logits [T, E] f32, bias [E] f32 (zeros = no bias: x + 0 == x exactly)
+//           -> probs [T, E] f32, ids [T, k] i32, weights [T, k] f32
+// Backward: logits [T, E], ids [T, k], dprobs [T, E], dweights [T, k] -> dlogits [T, E] f32
+#include <cfloat>
+
+#include "moe_common.h"
+
+namespace moe {
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+constexpr int kMaxK = 8;
+constexpr int kMaxGroups = 32;
+constexpr int kNoIndex = 0x7fffffff;
+
+enum ScoreMode : int { kSoftmaxPre = 0, kSoftmaxPost = 1, kSigmoid = 2 };
+
+struct RouterParams {
+  int64_t tokens;
+  int e, k, groups, group_topk, mode;
+  bool norm_topk;
+  float scaling;
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Butterfly arg-max over (value, index) with ties to the lower index; carries a payload.
+__device__ __forceinline__ void warp_argmax(float& v, int& i, float& p) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+    int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+    float p2 = __shfl_xor_sync(0xffffffffu, p, o);
+    if (v2 > v || (v2 == v && i2 < i)) {
+      v = v2;
+      i = i2;
+      p = p2;
+    }
+  }
+}
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+  return v > bv || (v == bv && i < bi);
+}
+
+// Dense scores of one token: softmax or sigmoid of x (invalid slots: 0).
+template <int VPT>
+__device__ __forceinline__ void dense_scores(const float (&x)[VPT], float (&d)[VPT], int lane,
+                                             int e, int mode, float& denom) {
+  if (mode == kSigmoid) {
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      const bool ok = lane + 32 * j < e;
+      d[j] = ok ? 1.f / (1.f + expf(-x[j])) : 0.f;
+      s += d[j];
+    }
+    denom = warp_sum(s);  // probs = d / denom
+  } else {
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      if (lane + 32 * j < e) m = fmaxf(m, x[j]);
+    }
+    m = warp_max(m);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      d[j] = lane + 32 * j < e ? expf(x[j] - m) : 0.f;
+      s += d[j];
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) d[j] = d[j] / s;
+    denom = 1.f;
+  }
+}
+
+template <int VPT>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    router_fwd_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
+                      float* __restrict__ probs, int32_t* __restrict__ ids_out,
+                      float* __restrict__ w_out, RouterParams prm) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (t >= prm.tokens) return;
+  const int e = prm.e;
+  const float* row = logits + t * e;
+  float x[VPT], d[VPT], sel[VPT];
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int col = lane + 32 * j;
+    x[j] = col < e ? row[col] : 0.f;
+  }
+  float denom;
+  dense_scores<VPT>(x, d, lane, e, prm.mode, denom);
+  // dense probabilities for the aux loss
+  float* prow = probs + t * e;
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int col = lane + 32 * j;
+    if (col < e) prow[col] = prm.mode == kSigmoid ? d[j] / denom : d[j];
+  }
+  // selection scores (+ bias), payload = what the weight is made of
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int col = lane + 32 * j;
+    const float base = prm.mode == kSoftmaxPost ? x[j] : d[j];
+    sel[j] = col < e ? base + __ldg(bias + col) : -INFINITY;
+  }
+  // group-limited routing: keep the best `group_topk` groups, scored by their top-m sum
+  if (prm.groups > 1) {
+    const int per_group = e / prm.groups;
+    const int m = prm.k / prm.group_topk;
+    float my_group_score = -INFINITY;
+    for (int g = 0; g < prm.groups; ++g) {
+      unsigned taken = 0;
+      float gs = 0.f;
+      for (int r = 0; r < m; ++r) {
+        float bv = -INFINITY, bp = 0.f;
+        int bi = kNoIndex;
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+          const int col = lane + 32 * j;
+          if (col < e && col / per_group == g && !((taken >> j) & 1u) &&
+              better(sel[j], col, bv, bi)) {
+            bv = sel[j];
+            bi = col;
+          }
+        }
+        warp_argmax(bv, bi, bp);
+        gs += bv;
+        if (bi != kNoIndex && (bi & 31) == lane) taken |= 1u << (bi >> 5);
+      }
+      if (lane == g) my_group_score = gs;
+    }
+    unsigned keep = 0;
+    for (int r = 0; r < prm.group_topk; ++r) {
+      float bv = lane < prm.groups && !((keep >> lane) & 1u) ? my_group_score : -INFINITY;
+      int bi = lane < prm.groups && !((keep >> lane) & 1u) ? lane : kNoIndex;
+      float bp = 0.f;
+      warp_argmax(bv, bi, bp);
+      if (bi != kNoIndex) keep |= 1u << bi;
+    }
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      const int col = lane + 32 * j;
+      if (col < e && !((keep >> (col / per_group)) & 1u)) sel[j] = -INFINITY;
+    }
+  }
+  // top-k: k rounds of warp arg-max; payload = dense score (pre / sigmoid) or logit (post)
+  int ids[kMaxK];
+  float pay[kMaxK];
+  unsigned taken = 0;
+#pragma unroll
+  for (int r = 0; r < kMaxK; ++r) {
+    if (r < prm.k) {
+      float bv = -INFINITY, bp = 0.f;
+      int bi = kNoIndex;
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        const int col = lane + 32 * j;
+        if (col < e && !((taken >> j) & 1u) && better(sel[j], col, bv, bi)) {
+          bv = sel[j];
+          bi = col;
+          bp = prm.mode == kSoftmaxPost ? x[j] : d[j];
+        }
+      }
+      warp_argmax(bv, bi, bp);
+      if (bi != kNoIndex && (bi & 31) == lane) taken |= 1u << (bi >> 5);
+      ids[r] = bi;
+      pay[r] = bp;
+    }
+  }
+  // weights
+  float w[kMaxK];
+  if (prm.mode == kSoftmaxPost) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r)
+      if (r < prm.k) mx = fmaxf(mx, pay[r]);
+    float s = 0.f;
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r) {
+      w[r] = r < prm.k ? expf(pay[r] - mx) : 0.f;
+      s += w[r];
+    }
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r) w[r] = w[r] / s;
+  } else {
+    float s = 0.f;
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r) {
+      w[r] = r < prm.k ? pay[r] : 0.f;
+      s += w[r];
+    }
+    if (prm.norm_topk && prm.k == 1) {
+      w[0] = 1.f;  // exactly 1, with exactly zero gradient (as the reference)
+    } else if (prm.norm_topk) {
+      s += 1e-20f;
+#pragma unroll
+      for (int r = 0; r < kMaxK; ++r) w[r] = w[r] / s;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kMaxK; ++r) {
+    if (r < prm.k && lane == r) {
+      ids_out[t * prm.k + r] = ids[r];
+      w_out[t * prm.k + r] = w[r] * prm.scaling;
+    }
+  }
+}
+
+template <int VPT>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    router_bwd_kernel(const float* __restrict__ logits, const int32_t* __restrict__ ids_in,
+                      const float* __restrict__ dprobs, const float* __restrict__ dw_in,
+                      float* __restrict__ dlogits, RouterParams prm) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (t >= prm.tokens) return;
+  const int e = prm.e;
+  const float* row = logits + t * e;
+  const float* dprow = dprobs + t * e;
+  float x[VPT], d[VPT], dp[VPT];
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int col = lane + 32 * j;
+    x[j] = col < e ? row[col] : 0.f;
+    dp[j] = col < e ? dprow[col] : 0.f;
+  }
+  float denom;
+  dense_scores<VPT>(x, d, lane, e, prm.mode, denom);
+  // the k selected ids and their weight cotangents (lane-uniform loads)
+  int ids[kMaxK];
+  float dw[kMaxK], u[kMaxK];
+#pragma unroll
+  for (int r = 0; r < kMaxK; ++r) {
+    ids[r] = r < prm.k ? ids_in[t * prm.k + r] : -1;
+    dw[r] = r < prm.k ? dw_in[t * prm.k + r] * prm.scaling : 0.f;
+    u[r] = 0.f;
+  }
+  // gather u_r = (dense or logit)[ids[r]] from the owning lane
+#pragma unroll
+  for (int r = 0; r < kMaxK; ++r) {
+    if (r < prm.k) {
+      float mine = 0.f;
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        if (lane + 32 * j == ids[r]) mine = prm.mode == kSoftmaxPost ? x[j] : d[j];
+      }
+      u[r] = warp_sum(mine);  // exactly one lane holds it
+    }
+  }
+  // du_r: cotangent of the selected score (pre / sigmoid) or selected logit (post)
+  float du[kMaxK];
+  if (prm.mode == kSoftmaxPost) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r)
+      if (r < prm.k) mx = fmaxf(mx, u[r]);
+    float s = 0.f, q[kMaxK];
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r) {
+      q[r] = r < prm.k ? expf(u[r] - mx) : 0.f;
+      s += q[r];
+    }
+    float qdq = 0.f;
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r) {
+      q[r] = q[r] / s;
+      qdq += q[r] * dw[r];
+    }
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r) du[r] = q[r] * (dw[r] - qdq);
+  } else if (prm.norm_topk && prm.k == 1) {
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r) du[r] = 0.f;
+  } else if (prm.norm_topk) {
+    float wsum = 0.f, dwu = 0.f;
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r) {
+      wsum += u[r];
+      dwu += dw[r] * u[r];
+    }
+    wsum += 1e-20f;
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r) du[r] = dw[r] / wsum - dwu / (wsum * wsum);
+  } else {
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r) du[r] = dw[r];
+  }
+  float sel_grad[VPT];
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    sel_grad[j] = 0.f;
+#pragma unroll
+    for (int r = 0; r < kMaxK; ++r)
+      if (r < prm.k && ids[r] == lane + 32 * j) sel_grad[j] += du[r];
+  }
+  float* drow = dlogits + t * e;
+  if (prm.mode == kSigmoid) {
+    // probs = d / D;  dd = dprobs / D - sum(dprobs * d) / D^2 + sel_grad;  dx = dd * d (1 - d)
+    float pd = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) pd += dp[j] * d[j];
+    pd = warp_sum(pd);
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      const int col = lane + 32 * j;
+      const float dd = dp[j] / denom - pd / (denom * denom) + sel_grad[j];
+      if (col < e) drow[col] = dd * d[j] * (1.f - d[j]);
+    }
+  } else {
+    // softmax s = d: dx = s * (ds - sum(s * ds)); post-softmax adds the selected-logit grads
+    const bool pre = prm.mode == kSoftmaxPre;
+    float sds = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) sds += d[j] * (dp[j] + (pre ? sel_grad[j] : 0.f));
+    sds = warp_sum(sds);
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      const int col = lane + 32 * j;
+      const float ds = dp[j] + (pre ? sel_grad[j] : 0.f);
+      float g = d[j] * (ds - sds);
+      if (!pre) g += sel_grad[j];
+      if (col < e) drow[col] = g;
+    }
+  }
+}
+
+ffi::Error make_params(int64_t tokens, int64_t e, int64_t k, int64_t groups, int64_t group_topk,
+                       int64_t mode, bool norm_topk, float scaling, RouterParams* p) {
+  if (e < 1 || e > 512) return MOE_INVALID("router: E=" + std::to_string(e) + " must be 1..512");
+  if (k < 1 || k > kMaxK || k > e) {
+    return MOE_INVALID("router: top_k=" + std::to_string(k) + " must be 1..min(8, E)");
+  }
+  if (groups < 1 || groups > kMaxGroups || e % groups) {
+    return MOE_INVALID("router: num_expert_groups=" + std::to_string(groups) +
+                       " must divide E and be <= 32");
+  }
+  if (groups > 1 && (group_topk < 1 || group_topk > groups || k % group_topk)) {
+    return MOE_INVALID("router: group_topk=" + std::to_string(group_topk) + " is invalid");
+  }
+  if (mode < 0 || mode > 2) return MOE_INVALID("router: mode=" + std::to_string(mode));
+  *p = RouterParams{tokens, static_cast<int>(e), static_cast<int>(k), static_cast<int>(groups),
+                    static_cast<int>(group_topk), static_cast<int>(mode), norm_topk, scaling};
+  return ffi::Error::Success();
+}
+
+#define MOE_ROUTER_DISPATCH(KERNEL, VPT_RUNTIME, ...)          \
+  switch (VPT_RUNTIME) {                                        \
+    case 1: KERNEL<1><<<grid, block, 0, stream>>>(__VA_ARGS__); break;   \
+    case 2: KERNEL<2><<<grid, block, 0, stream>>>(__VA_ARGS__); break;   \
+    case 4: KERNEL<4><<<grid, block, 0, stream>>>(__VA_ARGS__); break;   \
+    case 8: KERNEL<8><<<grid, block, 0, stream>>>(__VA_ARGS__); break;   \
+    default: KERNEL<16><<<grid, block, 0, stream>>>(__VA_ARGS__); break; \
+  }
+
+int vpt_for(int e) {
+  int v = static_cast<int>(ceil_div(e, 32));
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+ffi::Error RouterFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,
+                         ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::Buffer<ffi::F32>> probs,
+                         ffi::Result<ffi::Buffer<ffi::S32>> ids,
+                         ffi::Result<ffi::Buffer<ffi::F32>> weights, int64_t top_k,
+                         int64_t mode, bool norm_topk, int64_t num_groups, int64_t group_topk,
+                         float scaling) {
+  if (logits.dimensions().size() != 2) return MOE_INVALID("router: logits must be [T, E]");
+  const int64_t t = logits.dimensions()[0], e = logits.dimensions()[1];
+  if (bias.element_count() != static_cast<size_t>(e)) {
+    return MOE_INVALID("router: bias must have E=" + std::to_string(e) + " elements");
+  }
+  RouterParams prm;
+  if (auto err = make_params(t, e, top_k, num_groups, group_topk, mode, norm_topk, scaling, &prm);
+      !err.success())
+    return err;
+  if (t == 0) return ffi::Error::Success();
+  const dim3 grid(static_cast<unsigned>(ceil_div(t, kWarpsPerBlock))), block(kWarpsPerBlock * 32);
+  MOE_ROUTER_DISPATCH(router_fwd_kernel, vpt_for(e), logits.typed_data(), bias.typed_data(),
+                      probs->typed_data(), ids->typed_data(), weights->typed_data(), prm);
+  MOE_LAUNCH_CHECK("router_fwd");
+  return ffi::Error::Success();
+}
+
+ffi::Error RouterBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,
+                         ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> dprobs,
+                         ffi::Buffer<ffi::F32> dweights,
+                         ffi::Result<ffi::Buffer<ffi::F32>> dlogits, int64_t top_k,
+                         int64_t mode, bool norm_topk, int64_t num_groups, int64_t group_topk,
+                         float scaling) {
+  if (logits.dimensions().size() != 2) return MOE_INVALID("router bwd: logits must be [T, E]");
+  const int64_t t = logits.dimensions()[0], e = logits.dimensions()[1];
+  RouterParams prm;
+  if (auto err = make_params(t, e, top_k, num_groups, group_topk, mode, norm_topk, scaling, &prm);
+      !err.success())
+    return err;
+  if (ids.element_count() != static_cast<size_t>(t * top_k) ||
+      dweights.element_count() != static_cast<size_t>(t * top_k) ||
+      dprobs.element_count() != static_cast<size_t>(t * e)) {
+    return MOE_INVALID("router bwd: ids/dweights must be [T, k] and dprobs [T, E]");
+  }
+  if (t == 0) return ffi::Error::Success();
+  const dim3 grid(static_cast<unsigned>(ceil_div(t, kWarpsPerBlock))), block(kWarpsPerBlock * 32);
+  MOE_ROUTER_DISPATCH(router_bwd_kernel, vpt_for(e), logits.typed_data(), ids.typed_data(),
+                      dprobs.typed_data(), dweights.typed_data(), dlogits->typed_data(), prm);
+  MOE_LAUNCH_CHECK("router_bwd");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace moe
+
+#define MOE_ROUTER_ATTRS                   \
+  .Attr<int64_t>("top_k")                  \
+      .Attr<int64_t>("mode")               \
+      .Attr<bool>("norm_topk")             \
+      .Attr<int64_t>("num_groups")         \
+      .Attr<int64_t>("group_topk")         \
+      .Attr<float>("scaling")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouterFwd, moe::RouterFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // logits [T, E]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // bias [E]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // probs [T, E]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // ids [T, k]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // weights [T, k]
+                                      MOE_ROUTER_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouterBwd, moe::RouterBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // logits [T, E]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // ids [T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dprobs [T, E]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dweights [T, k]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dlogits [T, E]
+                                      MOE_ROUTER_ATTRS);

@@ -1,0 +1,203 @@
+// SwiGLU forward and backward, f32 and bf16, with the optional per-row routing weight fused:
+//
+//   out[r, h] = silu(gate[r, h]) * up[r, h] * w[r]                (w = 1 without weights)
+//   dgate = dout * w * up * silu'(gate),  dup = dout * w * silu(gate),
+//   dw[r] = sum_h dout[r, h] * silu(gate[r, h]) * up[r, h]
+//
+// Math in f32, outputs rounded once to the input dtype (as the reference). One warp per row,
+// 16-byte vector accesses when H is a multiple of the vector width.
+#include "moe_common.h"
+
+namespace moe {
+namespace {
+
+constexpr int kWarps = 8;
+
+__device__ __forceinline__ float sigmoidf(float g) { return 1.f / (1.f + expf(-g)); }
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Vec {
+  T v[VEC];
+};
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kWarps * 32)
+    swiglu_fwd_kernel(const T* __restrict__ gate, const T* __restrict__ up,
+                      const float* __restrict__ w, T* __restrict__ out, int64_t rows,
+                      int64_t h) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nv = h / VEC;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); r < rows;
+       r += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const float wr = w ? w[r] : 1.f;
+    const auto* g = reinterpret_cast<const Vec<T, VEC>*>(gate + r * h);
+    const auto* u = reinterpret_cast<const Vec<T, VEC>*>(up + r * h);
+    auto* o = reinterpret_cast<Vec<T, VEC>*>(out + r * h);
+    for (int64_t i = lane; i < nv; i += 32) {
+      Vec<T, VEC> gv = g[i], uv = u[i], ov;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float x = to_f32(gv.v[j]);
+        ov.v[j] = from_f32<T>(x * sigmoidf(x) * to_f32(uv.v[j]) * wr);
+      }
+      o[i] = ov;
+    }
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kWarps * 32)
+    swiglu_bwd_kernel(const T* __restrict__ gate, const T* __restrict__ up,
+                      const float* __restrict__ w, const T* __restrict__ dout,
+                      T* __restrict__ dgate, T* __restrict__ dup, float* __restrict__ dw,
+                      int64_t rows, int64_t h) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nv = h / VEC;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); r < rows;
+       r += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const float wr = w ? w[r] : 1.f;
+    const auto* g = reinterpret_cast<const Vec<T, VEC>*>(gate + r * h);
+    const auto* u = reinterpret_cast<const Vec<T, VEC>*>(up + r * h);
+    const auto* d = reinterpret_cast<const Vec<T, VEC>*>(dout + r * h);
+    auto* dg = reinterpret_cast<Vec<T, VEC>*>(dgate + r * h);
+    auto* du = reinterpret_cast<Vec<T, VEC>*>(dup + r * h);
+    float acc = 0.f;
+    for (int64_t i = lane; i < nv; i += 32) {
+      Vec<T, VEC> gv = g[i], uv = u[i], dv = d[i], dgv, duv;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float x = to_f32(gv.v[j]), y = to_f32(uv.v[j]), dy = to_f32(dv.v[j]);
+        const float s = sigmoidf(x), silu = x * s;
+        acc += dy * silu * y;
+        const float dyw = dy * wr;
+        dgv.v[j] = from_f32<T>(dyw * y * (s * (1.f + x * (1.f - s))));
+        duv.v[j] = from_f32<T>(dyw * silu);
+      }
+      dg[i] = dgv;
+      du[i] = duv;
+    }
+    if (dw) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (lane == 0) dw[r] = acc;
+    }
+  }
+}
+
+template <typename T>
+ffi::Error launch_fwd(cudaStream_t stream, const void* g, const void* u, const float* w,
+                      void* o, int64_t rows, int64_t h) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int grid = grid_for(rows, kWarps, 132 * 16);
+  if (h % kVec == 0) {
+    swiglu_fwd_kernel<T, kVec><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<T*>(o), rows, h);
+  } else {
+    swiglu_fwd_kernel<T, 1><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<T*>(o), rows, h);
+  }
+  MOE_LAUNCH_CHECK("swiglu_fwd");
+  return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error launch_bwd(cudaStream_t stream, const void* g, const void* u, const float* w,
+                      const void* d, void* dg, void* du, float* dw, int64_t rows, int64_t h) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int grid = grid_for(rows, kWarps, 132 * 16);
+  if (h % kVec == 0) {
+    swiglu_bwd_kernel<T, kVec><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<const T*>(d),
+        static_cast<T*>(dg), static_cast<T*>(du), dw, rows, h);
+  } else {
+    swiglu_bwd_kernel<T, 1><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<const T*>(d),
+        static_cast<T*>(dg), static_cast<T*>(du), dw, rows, h);
+  }
+  MOE_LAUNCH_CHECK("swiglu_bwd");
+  return ffi::Error::Success();
+}
+
+ffi::Error check(const ffi::AnyBuffer& gate, const ffi::AnyBuffer& up,
+                 const ffi::Buffer<ffi::F32>& w, bool has_weight) {
+  if (gate.dimensions().size() != 2) return MOE_INVALID("swiglu: gate must be [R, H]");
+  if (up.element_type() != gate.element_type() || up.element_count() != gate.element_count()) {
+    return MOE_INVALID("swiglu: up must have gate's shape and dtype");
+  }
+  if (has_weight && w.element_count() != static_cast<size_t>(gate.dimensions()[0])) {
+    return MOE_INVALID("swiglu: weights must be [R=" + std::to_string(gate.dimensions()[0]) + "]");
+  }
+  if (gate.element_type() != ffi::F32 && gate.element_type() != ffi::BF16) {
+    return MOE_INVALID("swiglu: gate must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error SwigluFwdImpl(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                         ffi::Buffer<ffi::F32> w, ffi::Result<ffi::AnyBuffer> out,
+                         bool has_weight) {
+  if (auto err = check(gate, up, w, has_weight); !err.success()) return err;
+  const int64_t rows = gate.dimensions()[0], h = gate.dimensions()[1];
+  if (rows == 0 || h == 0) return ffi::Error::Success();
+  const float* wp = has_weight ? w.typed_data() : nullptr;
+  if (gate.element_type() == ffi::F32) {
+    return launch_fwd<float>(stream, gate.untyped_data(), up.untyped_data(), wp,
+                             out->untyped_data(), rows, h);
+  }
+  return launch_fwd<__nv_bfloat16>(stream, gate.untyped_data(), up.untyped_data(), wp,
+                                   out->untyped_data(), rows, h);
+}
+
+ffi::Error SwigluBwdImpl(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                         ffi::Buffer<ffi::F32> w, ffi::AnyBuffer dout,
+                         ffi::Result<ffi::AnyBuffer> dgate, ffi::Result<ffi::AnyBuffer> dup,
+                         ffi::Result<ffi::Buffer<ffi::F32>> dw, bool has_weight) {
+  if (auto err = check(gate, up, w, has_weight); !err.success()) return err;
+  if (dout.element_type() != gate.element_type() ||
+      dout.element_count() != gate.element_count()) {
+    return MOE_INVALID("swiglu bwd: dout must have gate's shape and dtype");
+  }
+  const int64_t rows = gate.dimensions()[0], h = gate.dimensions()[1];
+  if (has_weight && dw->element_count() != static_cast<size_t>(rows)) {
+    return MOE_INVALID("swiglu bwd: dweights must be [R]");
+  }
+  if (rows == 0) return ffi::Error::Success();
+  if (h == 0) {
+    if (has_weight) MOE_CUDA_CHECK(cudaMemsetAsync(dw->typed_data(), 0, rows * 4, stream));
+    return ffi::Error::Success();
+  }
+  const float* wp = has_weight ? w.typed_data() : nullptr;
+  float* dwp = has_weight ? dw->typed_data() : nullptr;
+  if (gate.element_type() == ffi::F32) {
+    return launch_bwd<float>(stream, gate.untyped_data(), up.untyped_data(), wp,
+                             dout.untyped_data(), dgate->untyped_data(), dup->untyped_data(),
+                             dwp, rows, h);
+  }
+  return launch_bwd<__nv_bfloat16>(stream, gate.untyped_data(), up.untyped_data(), wp,
+                                   dout.untyped_data(), dgate->untyped_data(),
+                                   dup->untyped_data(), dwp, rows, h);
+}
+
+}  // namespace
+}  // namespace moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeSwigluFwd, moe::SwigluFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // gate [R, H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // up [R, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w [R] or [0]
+                                  .Ret<xla::ffi::AnyBuffer>()              // out [R, H]
+                                  .Attr<bool>("has_weight"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeSwigluBwd, moe::SwigluBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // gate [R, H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // up [R, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w [R] or [0]
+                                  .Arg<xla::ffi::AnyBuffer>()              // dout [R, H]
+                                  .Ret<xla::ffi::AnyBuffer>()              // dgate [R, H]
+                                  .Ret<xla::ffi::AnyBuffer>()              // dup [R, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dw [R] or [0]
+                                  .Attr<bool>("has_weight"));
