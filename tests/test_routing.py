@@ -1,0 +1,203 @@
+"""Router, aux losses and config validation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import moe_praxis as mp
+from moe_praxis import ops, routing
+
+
+def _seed():
+    return int(np.random.SeedSequence().generate_state(1)[0])
+
+
+# ------------------------------------------------------------------ aux loss (ops.aux_loss)
+
+
+@pytest.mark.parametrize("t,e,k", [(13, 4, 1), (64, 8, 2), (37, 64, 8)])
+def test_aux_loss_value_and_grad_match_formula(t, e, k):
+    seed = _seed()
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    probs = jax.nn.softmax(jax.random.normal(k1, (t, e)), -1)
+    f = jax.random.randint(k2, (e,), 0, t * k // e + 3)
+    coeff = 0.37
+    p64, f64 = np.asarray(probs, np.float64), np.asarray(f, np.float64)
+    want = coeff * e / (k * t * t) * np.sum(p64.sum(0) * f64)
+    got = ops.aux_loss(probs, f, top_k=k, coeff=coeff)
+    assert got.shape == () and got.dtype == jnp.float32
+    np.testing.assert_allclose(float(got), want, rtol=1e-6, err_msg=f"seed={seed}")
+    g = jax.jit(jax.grad(lambda p: 2.5 * ops.aux_loss(p, f, top_k=k, coeff=coeff)))(probs)
+    want_g = 2.5 * coeff * e / (k * t * t) * np.broadcast_to(f64, (t, e))
+    np.testing.assert_allclose(np.asarray(g), want_g, rtol=1e-6, err_msg=f"seed={seed}")
+
+
+def test_aux_loss_balanced_routing_equals_coeff():
+    t, e, k = 64, 8, 2
+    probs = jnp.full((t, e), 1.0 / e)
+    f = jnp.full((e,), t * k // e)
+    np.testing.assert_allclose(float(ops.aux_loss(probs, f, top_k=k, coeff=0.01)), 0.01,
+                               rtol=1e-6)
+
+
+def test_aux_loss_num_tokens_shards_sum_to_global():
+    seed = _seed()
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(seed), (40, 8)), -1)
+    f = jnp.arange(8) * 3
+    full = ops.aux_loss(probs, f, top_k=2, coeff=0.1)
+    parts = sum(ops.aux_loss(probs[i:i + 10], f, top_k=2, coeff=0.1, num_tokens=40)
+                for i in range(0, 40, 10))
+    np.testing.assert_allclose(float(parts), float(full), rtol=1e-6)
+
+
+def test_aux_loss_backward_keeps_rank0_cotangent():
+    import importlib
+
+    al = importlib.import_module("moe_praxis.ops.aux_loss")
+
+    probs = jnp.ones((4, 2)) / 2
+    f = jnp.array([3, 5])
+    # The backward rule rejects anything but a rank-0 cotangent.
+    with pytest.raises(ValueError, match="rank 0"):
+        al.aux_loss_bwd_reference(jnp.ones((1,)), probs, f, top_k=2, coeff=1.0)
+    # And what autodiff hands it is rank 0: the custom_vjp backward sees shape ().
+    seen = []
+    orig = al.aux_loss_bwd_reference
+
+    def spy(g, *a, **kw):
+        seen.append(jnp.shape(g))
+        return orig(g, *a, **kw)
+
+    al.aux_loss_bwd_reference = spy
+    try:
+        jax.grad(lambda p: ops.aux_loss(p, f, top_k=2, coeff=1.0, backend="xla"))(probs)
+    finally:
+        al.aux_loss_bwd_reference = orig
+    assert seen and all(s == () for s in seen), seen
+
+
+def test_aux_loss_jit_grad_on_sharded_probs_lowers():
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(_seed()), (32, 8)), -1)
+    probs = jax.device_put(probs, NamedSharding(mesh, P("d", None)))
+    f = jnp.arange(8)
+    with jax.set_mesh(mesh):
+        g = jax.jit(jax.grad(lambda p: ops.aux_loss(p, f, top_k=2, coeff=0.5)))(probs)
+    want = 0.5 * 8 / (2 * 32 * 32) * np.broadcast_to(np.arange(8.0), (32, 8))
+    np.testing.assert_allclose(np.asarray(g), want, rtol=1e-6)
+
+
+def test_aux_loss_bad_shapes():
+    with pytest.raises(ValueError, match=r"probs must be \[T, E\]"):
+        ops.aux_loss(jnp.ones((4,)), jnp.ones((4,)), top_k=1, coeff=1.0)
+    with pytest.raises(ValueError, match=r"tokens_per_expert must be \[E=3\]"):
+        ops.aux_loss(jnp.ones((4, 3)), jnp.ones((4,)), top_k=1, coeff=1.0)
+
+
+# ---------------------------------------------------------------------------------- router
+
+
+def test_expert_bias_steers_selection_only():
+    cfg = mp.MoEConfig(d_model=4, d_ff=4, num_experts=4, top_k=1, use_expert_bias=True,
+                       norm_topk=False)
+    logits = jnp.array([[2.0, 1.0, 0.0, -1.0]])
+    bias = jnp.array([0.0, 0.0, 0.0, 5.0])
+    r = routing.route_logits(logits, cfg, bias)
+    assert int(r.expert_ids[0, 0]) == 3  # the bias picked expert 3 ...
+    np.testing.assert_allclose(float(r.weights[0, 0]), float(jax.nn.softmax(logits)[0, 3]),
+                               rtol=1e-6)  # ... but its weight is the unbiased score
+    gb = jax.grad(lambda b: routing.route_logits(logits, cfg, b).weights.sum())(bias)
+    assert float(jnp.abs(gb).max()) == 0.0
+
+
+def test_group_limited_topk_keeps_best_groups():
+    # 8 experts in 4 groups of 2; top_k=4 from group_topk=2 groups; group score = top-2 sum.
+    cfg = mp.MoEConfig(d_model=4, d_ff=4, num_experts=8, top_k=4, num_expert_groups=4,
+                       group_topk=2, score_func="sigmoid")
+    # Expert 0 alone is the best, but its group (0,1) sums lower than groups (2,3) and (6,7).
+    logits = jnp.array([[4.0, -4.0, 2.0, 2.0, 0.0, 0.0, 1.9, 1.9]])
+    r = routing.route_logits(logits, cfg)
+    assert sorted(np.asarray(r.expert_ids[0]).tolist()) == [2, 3, 6, 7]
+
+
+def test_ties_go_to_the_lower_index():
+    cfg = mp.MoEConfig(d_model=4, d_ff=4, num_experts=6, top_k=3)
+    r = routing.route_logits(jnp.zeros((2, 6)), cfg)
+    np.testing.assert_array_equal(np.asarray(r.expert_ids), [[0, 1, 2], [0, 1, 2]])
+
+
+def test_post_softmax_weights_sum_to_one_and_scaling():
+    cfg = mp.MoEConfig(d_model=4, d_ff=4, num_experts=8, top_k=3, pre_softmax=False,
+                       routed_scaling_factor=2.0)
+    logits = jax.random.normal(jax.random.key(_seed()), (5, 8))
+    r = routing.route_logits(logits, cfg)
+    np.testing.assert_allclose(np.asarray(r.weights.sum(-1)), 2.0, rtol=1e-6)
+    want_ids = np.argsort(-np.asarray(logits), axis=-1, kind="stable")[:, :3]
+    np.testing.assert_array_equal(np.asarray(r.expert_ids), want_ids)
+
+
+def test_router_is_float32_for_bf16_inputs():
+    cfg = mp.MoEConfig(d_model=4, d_ff=4, num_experts=4, top_k=2)
+    x = jnp.ones((3, 4), jnp.bfloat16)
+    r = routing.route(x, jnp.ones((4, 4), jnp.bfloat16), cfg)
+    assert r.logits.dtype == r.probs.dtype == r.weights.dtype == jnp.float32
+
+
+def test_z_loss_formula():
+    logits = jax.random.normal(jax.random.key(_seed()), (6, 5))
+    valid = jnp.array([1, 1, 0, 1, 1, 1], bool)
+    lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
+    want = 0.3 * np.mean((lse ** 2)[np.asarray(valid)])
+    np.testing.assert_allclose(float(routing.z_loss(logits, valid, 0.3)), want, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- config
+
+BAD = [
+    (dict(top_k=9), "top_k=9 .*num_experts=8"),
+    (dict(top_k=0), "top_k=0 .*positive int"),
+    (dict(num_experts=0), "num_experts=0"),
+    (dict(score_func="relu"), "score_func='relu'.*softmax"),
+    (dict(score_func="sigmoid", pre_softmax=False), "pre_softmax=False"),
+    (dict(num_expert_groups=3), "num_expert_groups=3 .*divide num_experts=8"),
+    (dict(num_expert_groups=4, group_topk=3), "group_topk=3 .*divide top_k=2"),
+    (dict(num_expert_groups=4, group_topk=5), "group_topk=5 .*num_expert_groups=4"),
+    (dict(group_topk=2), "group_topk=2 .*num_expert_groups=1"),
+    (dict(top_k=8, num_expert_groups=4, group_topk=2), "group_topk=2"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor=0.0"),
+    (dict(router_logit_cap=-1.0), "router_logit_cap=-1.0"),
+    (dict(aux_loss_type="foo"), "aux_loss_type='foo'.*switch"),
+    (dict(aux_loss_coeff=-1.0), "aux_loss_coeff=-1.0"),
+    (dict(z_loss_coeff=float("nan")), "z_loss_coeff=nan"),
+    (dict(capacity_factor=0.0), "capacity_factor=0.0 .*None \\(dropless\\)"),
+    (dict(drop_policy="random"), "drop_policy='random'"),
+    (dict(activation="tanh"), "activation='tanh'"),
+    (dict(kernel_backend="triton"), "kernel_backend='triton'.*auto"),
+    (dict(param_init_scale=0.0), "param_init_scale=0.0"),
+]
+
+
+@pytest.mark.parametrize("kw,pattern", BAD, ids=[b[1][:30] for b in BAD])
+def test_config_rejects_bad_values_naming_them(kw, pattern):
+    base = dict(d_model=8, d_ff=8, num_experts=8, top_k=2)
+    with pytest.raises(ValueError, match="MoEConfig." + pattern.split("=")[0].split(" ")[0]) as e:
+        mp.MoEConfig(**{**base, **kw})
+    import re
+
+    assert re.search(pattern, str(e.value)), str(e.value)
+
+
+def test_config_defaults_are_mixtral_gshard_routing():
+    c = mp.MoEConfig(d_model=8, d_ff=8, num_experts=8)
+    assert (c.score_func, c.pre_softmax, c.norm_topk, c.gated, c.activation,
+            c.capacity_factor, c.kernel_backend, c.use_cudnn_fusion) == (
+                "softmax", True, True, True, "silu", None, "auto", False)
+    assert dataclasses.is_dataclass(c)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.top_k = 3
