@@ -113,6 +113,8 @@ class MeshConfig:
     axis_names: one name per axis.
     dp, fsdp, ep, tp: the axis (name, tuple of names, or None) playing each role, exactly the
       fields of ``moe_praxis.MeshResources``; ``resources()`` builds it.
+    fsdp_dim: MeshResources.fsdp_dim: fsdp shards the expert weights' 'expert' dimension
+      (after ep) or their 'model' (d_model) dimension.
     """
 
     shape: tuple = (-1,)
@@ -121,6 +123,7 @@ class MeshConfig:
     fsdp: AxisRole = None
     ep: AxisRole = None
     tp: AxisRole = None
+    fsdp_dim: str = "expert"
 
     def __post_init__(self):
         shape, names = tuple(self.shape), tuple(self.axis_names)
@@ -136,6 +139,8 @@ class MeshConfig:
         for s in shape:
             if not isinstance(s, int) or (s < 1 and s != -1):
                 raise _bad("MeshConfig", "shape", shape, "sizes are positive ints or one -1")
+        if self.fsdp_dim not in ("expert", "model"):
+            raise _bad("MeshConfig", "fsdp_dim", self.fsdp_dim, "valid: ('expert', 'model')")
         seen = {}
         for role in ("dp", "fsdp", "ep", "tp"):
             for axis in self.role_axes(role):
@@ -174,7 +179,8 @@ class MeshConfig:
         """The ``moe_praxis.MeshResources`` naming these roles."""
         import moe_praxis
 
-        return moe_praxis.MeshResources(dp=self.dp, fsdp=self.fsdp, ep=self.ep, tp=self.tp)
+        return moe_praxis.MeshResources(dp=self.dp, fsdp=self.fsdp, ep=self.ep, tp=self.tp,
+                                        fsdp_dim=self.fsdp_dim)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ Presets:
   Tiny          ~1M params; trains on a laptop CPU in about a minute (the ``make run`` default).
   SmallGpu      ~0.4B params (8 experts, 8 layers); one GPU.
   Mixtral8x7B   Mixtral-8x7B layer shapes (M=4096, H=14336, E=8, k=2, 32 layers, 32 heads,
-                vocab 32000); 64 GPUs as dp2 x fsdp4 x ep8.
+                vocab 32000); 64 GPUs as dp2 x fsdp4 x ep8 (fsdp on d_model).
   DeepSeekV3    DeepSeek-V3 MoE layer shapes (M=7168, expert H=2048, E=256, k=8, 61 layers,
                 128 heads of 128, vocab 129280; sigmoid-free softmax routing and plain
                 multi-head attention stand in for its MLA); 256 GPUs as fsdp8 x ep32.
@@ -73,6 +73,7 @@ class LanguageModel:
     FSDP = None
     EP = None
     TP = None
+    FSDP_DIM = "expert"
 
     def model(self) -> pax_fiddle.Config:
         return models.transformer_lm(
@@ -97,7 +98,7 @@ class LanguageModel:
     def mesh(self) -> fdl.Config:
         return fdl.Config(base.MeshConfig, shape=tuple(self.MESH_SHAPE),
                           axis_names=tuple(self.MESH_AXIS_NAMES), dp=self.DP, fsdp=self.FSDP,
-                          ep=self.EP, tp=self.TP)
+                          ep=self.EP, tp=self.TP, fsdp_dim=self.FSDP_DIM)
 
     def train(self) -> fdl.Config:
         return fdl.Config(base.TrainConfig, num_steps=self.NUM_STEPS, eval_every=self.EVAL_EVERY,
@@ -164,6 +165,7 @@ class Mixtral8x7B(LanguageModel):
     MESH_SHAPE = (2, 4, 8)
     MESH_AXIS_NAMES = ("data", "fsdp", "expert")
     DP, FSDP, EP = "data", "fsdp", "expert"
+    FSDP_DIM = "model"  # 8 experts cannot be split over ep8 x fsdp4: fsdp shards d_model
 
 
 @register

@@ -33,7 +33,7 @@ def _load_builtin():
 
 
 def _snake(name: str) -> str:
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+    return re.sub(r"(?<=[a-z])(?=[A-Z])|(?<=[a-z0-9])(?=[A-Z][a-z])", "_", name).lower()
 
 
 def all_experiments() -> dict[str, type]:

@@ -112,14 +112,24 @@ def _annotate_model(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig,
         ici_mesh_shape=list(mesh_shape), mesh_axis_names=list(mesh_cfg.axis_names),
         batch_axes=tuple(token_axes), training_optimized=True)
     block = models.stack_block(model_cfg)
+    if not block.moe_layers:
+        return
+    from moe_praxis import ep_bootstrap
+
+    resources = mesh_cfg.resources()
+    mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), tuple(mesh_cfg.axis_names))
+    try:  # resources.py is the one place that interprets the roles
+        layout = ep_bootstrap(mesh, resources, block.num_experts,
+                              d_model=model_cfg.model_dims,
+                              d_ff=block.moe_layer_tpl.hidden_dims or block.hidden_dims)
+    except ValueError as e:
+        raise ConfigError(f"--fdl.mesh: {e}") from e
+    specs = layout.weight_specs
     moe = block.moe_layer_tpl
-    moe.mesh_resources = mesh_cfg.resources()
-    expert_axes = tuple(mesh_cfg.role_axes("ep") + mesh_cfg.role_axes("fsdp")) or None
-    if expert_axes is not None and len(expert_axes) == 1:
-        expert_axes = expert_axes[0]
-    moe.weight_split_dims_mapping.me = [None, None]
-    moe.weight_split_dims_mapping.emh = [expert_axes, None, tp]
-    moe.weight_split_dims_mapping.ehm = [expert_axes, tp, None]
+    moe.mesh_resources = resources
+    moe.weight_split_dims_mapping.me = list(specs["router"])
+    moe.weight_split_dims_mapping.emh = list(specs["wi_up"])
+    moe.weight_split_dims_mapping.ehm = list(specs["wo"])
 
 
 def _validate(exp: base.ExperimentConfig, model_cfg, mesh_shape: tuple) -> None:
@@ -235,34 +245,32 @@ def _flat_summaries(tree, prefix=()):
         yield prefix, tree
 
 
-def expert_load(summaries, num_layers: int) -> Optional[jnp.ndarray]:
+def expert_load(summaries, num_layers: int, layers_per_block: int = 1):
     """[num_layers, E] fraction of routed token copies per expert, from the layers'
     ``moe_expert_load_{e}`` summaries (rows of dense layers are NaN); None if there are none.
 
-    Works for StackedTransformer (``x_layers_{l}`` in the path) and for the repeated stack
-    (summaries stacked along a leading layer dimension)."""
+    StackedTransformer: layer l's summaries sit under ``x_layers_{l}``. The repeated stack
+    stacks its block's summaries along a leading repeat dimension: layer = repeat index *
+    layers_per_block + the index inside the block."""
     found = {}
     for path, v in _flat_summaries(summaries):
         m = _LOAD_RE.search(path[-1])
         if not m:
             continue
         e = int(m.group(1))
-        layer = next((int(_LAYER_RE.match(p).group(1)) for p in path if _LAYER_RE.match(p)),
-                     None)
-        v = jnp.asarray(v, jnp.float32)
-        if layer is None:  # repeated: [L] (or [L, 1...]) along the scan
-            vals = v.reshape(-1)
-            for li in range(vals.shape[0]):
-                found[(li, e)] = vals[li]
+        inner = next((int(_LAYER_RE.match(p).group(1)) for p in path if _LAYER_RE.match(p)), 0)
+        vals = jnp.asarray(v, jnp.float32).reshape(-1)
+        if vals.shape[0] == 1:
+            found[(inner, e)] = vals[0]
         else:
-            found[(layer, e)] = v.reshape(())
+            for r in range(vals.shape[0]):
+                found[(r * layers_per_block + inner, e)] = vals[r]
     if not found:
         return None
     num_e = max(e for _, e in found) + 1
-    out = jnp.full((num_layers, num_e), jnp.nan, jnp.float32)
-    for (li, e), v in found.items():
-        out = out.at[li, e].set(v)
-    return out
+    rows = [[found.get((li, e), jnp.float32(jnp.nan)) for e in range(num_e)]
+            for li in range(num_layers)]
+    return jnp.asarray(rows, jnp.float32)
 
 
 @dataclasses.dataclass
@@ -280,6 +288,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
     """Jitted init / train / eval with explicit shardings (nothing is compiled yet)."""
     exp, model, mesh = prep.config, prep.model, prep.mesh
     nl = models.num_layers(prep.model_config)
+    lpb = models.stack_block(prep.model_config).num_layers
     tx, schedule = make_optimizer(exp.optimizer, exp.train.num_steps)
     b, s = exp.data.batch_size, exp.data.seq_len
     token_axes = exp.mesh.token_axes()
@@ -302,11 +311,11 @@ def make_step_fns(prep: Prepared) -> StepFns:
 
     # Shardings: Praxis's WeightHParams split mappings when the model has a mesh, else
     # replicated parameters.
-    with jax.sharding.use_abstract_mesh(_abstract(mesh)):
+    with _mesh_scope(mesh):
         abstract = jax.eval_shape(init_fn, jax.random.key(0))
     if getattr(model, "ici_mesh_shape", None) is not None:
         ids, paddings, labels = _model_inputs(fake)
-        with jax.sharding.use_abstract_mesh(_abstract(mesh)):
+        with _mesh_scope(mesh):
             var_hparams = model.abstract_init_with_metadata(ids, paddings, labels=labels)
         specs = base_layer.var_partition_specs(var_hparams, mesh_shape=model.ici_mesh_shape,
                                                device_axis_names=model.mesh_axis_names)
@@ -348,7 +357,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
             "grad_norm": optax.global_norm(grads),
             "learning_rate": schedule(step),
         }
-        load = expert_load(updated.get(base_layer.SUMMARIES, {}), nl)
+        load = expert_load(updated.get(base_layer.SUMMARIES, {}), nl, lpb)
         if load is not None:
             metrics["expert_load"] = load
         new_state = {"step": step + 1, "params": params, "opt_state": opt_state,
@@ -373,8 +382,10 @@ def make_step_fns(prep: Prepared) -> StepFns:
                    schedule=schedule)
 
 
-def _abstract(mesh):
-    return mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+def _mesh_scope(mesh):
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return jax.sharding.use_abstract_mesh(mesh)
+    return jax.set_mesh(mesh)
 
 
 def put_batch(batch: dict, sharding) -> dict:

@@ -76,8 +76,22 @@ def mesh_defined() -> bool:
 
 
 def current_mesh():
-    """The concrete mesh in scope (``jax.set_mesh`` first, then ``with mesh:``), or None."""
-    m = jax.sharding.get_mesh() if hasattr(jax.sharding, "get_mesh") else None
+    """The concrete mesh in scope (``jax.set_mesh`` first, then ``with mesh:``), or None.
+
+    Inside ``jax.jit`` tracing ``jax.sharding.get_mesh()`` refuses to run; there the concrete
+    mesh set by ``jax.set_mesh`` is read from JAX's context directly (or, failing that, its
+    ``AbstractMesh`` is returned, enough for ``shard_map``)."""
+    try:
+        m = jax.sharding.get_mesh() if hasattr(jax.sharding, "get_mesh") else None
+    except ValueError:  # under jit: "get_mesh can only be used outside of jax.jit"
+        try:
+            from jax._src import mesh as mesh_lib
+
+            m = mesh_lib.get_concrete_mesh()
+        except (ImportError, AttributeError):  # pragma: no cover - a future JAX
+            m = None
+        if m is None or m.empty:
+            m = jax.sharding.get_abstract_mesh()
     if m is not None and not m.empty:
         return m
     try:
