@@ -100,7 +100,9 @@ def route_logits_reference(logits, config: MoEConfig, expert_bias: Optional[jax.
         weights = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
     else:
         weights = jnp.take_along_axis(dense, ids, axis=-1)
-        if config.norm_topk:
+        if config.norm_topk and config.top_k == 1:
+            weights = jnp.ones_like(weights)  # exactly 1, with exactly zero gradient
+        elif config.norm_topk:
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     weights = weights * config.routed_scaling_factor
     return RouteOutput(logits=logits, probs=probs, expert_ids=ids.astype(jnp.int32),
