@@ -61,8 +61,9 @@ class MoEConfig:
       gated: gated expert `act(x @ wi_gate) * (x @ wi_up) @ wo` (SwiGLU with silu); else
         `act(x @ wi_up) @ wo`.
       kernel_backend: 'auto' (CUDA kernels where built and supported, else XLA), 'xla', 'cuda'.
-      use_cudnn_fusion: use cuDNN's fused grouped GEMM + SwiGLU where it exists (SM100+ with
-        cudnn.jax importable); elsewhere warn once and run the fallback.
+      use_cudnn_fusion: ask for cuDNN's fused grouped GEMM + SwiGLU (needs SM100+ and the
+        optional cudnn.jax). Not implemented yet: where it is not usable (always, in this
+        version) the block warns once, naming the reason and the fallback, and runs the fallback.
       param_init_scale: std of the normal initialisation is `scale / sqrt(fan_in)`.
       ep_exchange: expert-parallel token exchange (docs/parallelism.md): 'auto' (ragged on GPU
         and TPU, padded elsewhere), 'ragged' (jax.lax.ragged_all_to_all; XLA:CPU cannot

@@ -12,17 +12,59 @@ Checkpoint names (for jax.checkpoint policies such as save_only_these_names):
 
 from __future__ import annotations
 
+import importlib
+import warnings
+
+import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis import ops
 from moe_praxis.config import MoEConfig
 
 
+_CUDNN_WARNED: set[str] = set()
+
+
+def cudnn_fusion_status() -> tuple[bool, str]:
+    """(usable, reason) of cuDNN's fused grouped GEMM + SwiGLU (config.use_cudnn_fusion).
+
+    It needs an SM100+ GPU and an importable `cudnn.jax` (an optional package: imported here,
+    lazily, never at module import). This version of moe_praxis has no cuDNN fused path yet,
+    so the answer is always False, with the first reason that applies.
+    """
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        return False, f"no GPU visible to JAX (backend: {jax.default_backend()})"
+    cc = getattr(gpus[0], "compute_capability", "0")
+    if float(cc) < 10.0:
+        return False, f"{gpus[0].device_kind} has compute capability {cc}; it needs SM100+"
+    try:
+        importlib.import_module("cudnn.jax")
+    except ImportError as e:
+        return False, f"the optional package cudnn.jax is not importable ({e})"
+    return False, "this version of moe_praxis does not implement the cuDNN fused path yet"
+
+
+def _warn_cudnn_fallback(backend: str) -> None:
+    _, why = cudnn_fusion_status()
+    if why not in _CUDNN_WARNED:
+        _CUDNN_WARNED.add(why)
+        warnings.warn(f"use_cudnn_fusion=True is not honoured here: {why}. Running the "
+                      f"{backend!r}-backend grouped GEMM + SwiGLU instead.", stacklevel=3)
+
+
 def expert_ffn(rows, group_sizes, wi_gate, wi_up, wo, config: MoEConfig, *, backend="auto"):
     """rows: [R, M]; group_sizes: [E]; wi_*: [E, M, H]; wo: [E, H, M] -> [R, M].
 
     Rows past sum(group_sizes) come out zero. Weights are cast to rows.dtype.
+    With config.use_cudnn_fusion where cuDNN's fusion is unusable: warns once per reason
+    (naming it and the fallback) and runs the fallback.
     """
+    if config.use_cudnn_fusion:
+        _warn_cudnn_fallback(backend)
     dt = rows.dtype
     up = checkpoint_name(ops.grouped_gemm(rows, wi_up.astype(dt), group_sizes, backend=backend),
                          "moe_up")
