@@ -1,0 +1,132 @@
+"""MeshResources and ep_bootstrap: the numbers, the specs and every refusal."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import moe_praxis as mp
+from moe_praxis import resources as res_lib
+
+
+def mesh_of(shape, names):
+    devices = np.array(jax.devices("cpu")[:math.prod(shape)]).reshape(shape)
+    return Mesh(devices, names)
+
+
+# (mesh shape, names, MeshResources kwargs, E) ->
+#     (ep_size, num_ep_groups, experts_per_rank, num_token_shards, token_axes)
+BOOTSTRAP = [
+    ((8, ), ("dp", ), dict(dp="dp"), 8, (1, 8, 8, 8, ("dp", ))),
+    ((8, ), ("fsdp", ), dict(fsdp="fsdp"), 8, (1, 8, 8, 8, ("fsdp", ))),
+    ((8, ), ("ep", ), dict(ep="ep"), 8, (8, 1, 1, 8, ("ep", ))),
+    ((8, ), ("ep", ), dict(ep="ep"), 16, (8, 1, 2, 8, ("ep", ))),
+    ((2, 4), ("dp", "ep"), dict(dp="dp", ep="ep"), 8, (4, 2, 2, 8, ("dp", "ep"))),
+    ((2, 4), ("fsdp", "ep"), dict(fsdp="fsdp", ep="ep"), 8, (4, 2, 2, 8, ("fsdp", "ep"))),
+    # DP2 x FSDP2 x EP2: dp AND fsdp make the groups: 4 groups of 2 (never 2 groups)
+    ((2, 2, 2), ("dp", "fsdp", "ep"), dict(dp="dp", fsdp="fsdp", ep="ep"), 8,
+     (2, 4, 4, 8, ("dp", "fsdp", "ep"))),
+    ((4, 2), ("dp", "ep"), dict(dp="dp", ep="ep"), 8, (2, 4, 4, 8, ("dp", "ep"))),
+    ((4, 2), ("fsdp", "ep"), dict(fsdp="fsdp", ep="ep"), 16, (2, 4, 8, 8, ("fsdp", "ep"))),
+    ((2, 2, 2), ("ep", "tp", "dp"), dict(ep="ep", tp="tp", dp="dp"), 8,
+     (2, 2, 4, 4, ("dp", "ep"))),
+    ((2, 2, 2), ("dp", "ea", "eb"), dict(dp="dp", ep=("ea", "eb")), 8,
+     (4, 2, 2, 8, ("dp", "ea", "eb"))),
+    ((2, 2, 2), ("d1", "d2", "ep"), dict(dp=("d1", "d2"), ep="ep"), 8,
+     (2, 4, 4, 8, ("d1", "d2", "ep"))),
+]
+
+
+@pytest.mark.parametrize("shape,names,kw,e,want", BOOTSTRAP)
+def test_bootstrap_numbers(shape, names, kw, e, want):
+    layout = mp.ep_bootstrap(mesh_of(shape, names), mp.MeshResources(**kw), e)
+    got = (layout.ep_size, layout.num_ep_groups, layout.experts_per_rank,
+           layout.num_token_shards, layout.token_axes)
+    assert got == want
+    # every device belongs to exactly one EP group of ep_size ranks (tp replicates tokens)
+    assert layout.num_ep_groups * layout.ep_size * layout.tp_size == math.prod(shape)
+
+
+def test_dp2_fsdp2_ep2_specs():
+    mesh = mesh_of((2, 2, 2), ("dp", "fsdp", "ep"))
+    layout = mp.ep_bootstrap(mesh, mp.MeshResources(dp="dp", fsdp="fsdp", ep="ep"), 8)
+    assert layout.num_ep_groups == 4 and layout.ep_size == 2
+    assert layout.token_spec == P(("dp", "fsdp", "ep"))
+    assert layout.expert_spec == P(("ep", "fsdp"))  # ep BEFORE fsdp
+    specs = layout.weight_specs
+    assert specs["wi_up"] == P(("ep", "fsdp"), None, None)
+    assert specs["wo"] == P(("ep", "fsdp"), None, None)
+    assert specs["router"] == P(None, None)
+    assert [layout.experts_of_rank(r) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_fsdp_on_model_and_tp_specs():
+    mesh = mesh_of((2, 2, 2), ("fsdp", "ep", "tp"))
+    layout = mp.ep_bootstrap(
+        mesh, mp.MeshResources(fsdp="fsdp", ep="ep", tp="tp", fsdp_dim="model"), 8)
+    assert layout.expert_spec == P("ep")
+    assert layout.weight_specs["wi_gate"] == P("ep", "fsdp", "tp")
+    assert layout.weight_specs["wo"] == P("ep", "tp", "fsdp")
+
+
+def test_gathered_experts_of_the_ep_first_layout_are_contiguous():
+    mesh = mesh_of((2, 2), ("ep", "fsdp"))
+    for r, want in enumerate([[0, 1, 2, 3], [4, 5, 6, 7]]):
+        assert res_lib.gathered_experts(mesh, ("ep", "fsdp"), ("ep", ), ("fsdp", ), 8, r) == want
+    # and the fsdp-first one is not (the bug this module exists to prevent)
+    assert res_lib.gathered_experts(mesh, ("fsdp", "ep"), ("ep", ), ("fsdp", ), 8,
+                                    0) == [0, 1, 4, 5]
+
+
+def test_fsdp_first_expert_layout_is_refused():
+    mesh = mesh_of((2, 2), ("ep", "fsdp"))
+    bad = mp.MeshResources(fsdp="fsdp", ep="ep", expert_dim_order=("fsdp", "ep"))
+    with pytest.raises(ValueError) as err:
+        mp.ep_bootstrap(mesh, bad, 8)
+    msg = str(err.value)
+    assert "EP rank 0 would gather experts [0, 1, 4, 5]" in msg
+    assert "[0, 1, 2, 3]" in msg and "('ep', 'fsdp')" in msg and "fsdp_dim='model'" in msg
+    # the same layout through moe_block is refused too
+    cfg = mp.MoEConfig(d_model=8, d_ff=8, num_experts=8)
+    params = mp.init_moe_params(jax.random.key(0), cfg)
+    with pytest.raises(ValueError, match=r"\[0, 1, 4, 5\]"):
+        mp.moe_block(params, np.ones((8, 8), np.float32), cfg, mesh=mesh, resources=bad)
+    # the ep-first order is accepted, and so is any order when one of the sizes is 1
+    mp.ep_bootstrap(mesh, mp.MeshResources(fsdp="fsdp", ep="ep", expert_dim_order=("ep",
+                                                                                   "fsdp")), 8)
+    mesh41 = mesh_of((4, 1), ("ep", "fsdp"))
+    mp.ep_bootstrap(mesh41,
+                    mp.MeshResources(fsdp="fsdp", ep="ep", expert_dim_order=("fsdp", "ep")), 8)
+
+
+@pytest.mark.parametrize("kw,e,kwargs,match", [
+    (dict(ep="expert"), 8, {}, "names mesh axis 'expert', which the mesh does not have"),
+    (dict(dp="dp", ep="ep", tp="tp"), 7, {}, "num_experts=7 is not divisible by the ep size 2"),
+    (dict(fsdp="dp", ep="ep"), 2, {}, "not divisible by ep x fsdp = 2 x 2"),
+    (dict(dp="dp", ep="ep", tp="tp"), 8, dict(d_ff=5), "d_ff=5 is not divisible by the tp"),
+    (dict(fsdp="dp", ep="ep", fsdp_dim="model"), 8, dict(d_model=3), "d_model=3"),
+    (dict(fsdp="dp", ep="ep", expert_dim_order=("ep", )), 8, {}, "must name exactly"),
+])
+def test_bootstrap_errors(kw, e, kwargs, match):
+    mesh = mesh_of((2, 2, 2), ("dp", "ep", "tp"))
+    with pytest.raises(ValueError, match=match):
+        mp.ep_bootstrap(mesh, mp.MeshResources(**kw), e, **kwargs)
+
+
+def test_mesh_resources_validation():
+    with pytest.raises(ValueError, match="'x' is given two roles, MeshResources.dp and "
+                       "MeshResources.ep"):
+        mp.MeshResources(dp="x", ep=("y", "x"))
+    with pytest.raises(ValueError, match="fsdp_dim='hidden' is invalid"):
+        mp.MeshResources(fsdp_dim="hidden")
+    with pytest.raises(ValueError, match="MeshResources.tp=3 is invalid"):
+        mp.MeshResources(tp=3)
+    with pytest.raises(ValueError, match="names an axis twice"):
+        mp.MeshResources(ep=("a", "a"))
+    with pytest.raises(ValueError, match="must be a moe_praxis.MeshResources"):
+        mp.ep_bootstrap(mesh_of((2, ), ("ep", )), {"ep": "ep"}, 8)
+    r = mp.MeshResources(dp=("a", "b"), ep="c")
+    assert r.axes("dp") == ("a", "b") and r.axes("ep") == ("c", ) and r.axes("tp") == ()
