@@ -35,6 +35,7 @@ from moe_praxis import compat
 from moe_praxis import routing
 from moe_praxis.config import AUX_LOSS_TYPES, KERNEL_BACKENDS, MoEConfig
 from moe_praxis.moe import moe_block
+from moe_praxis.resources import MeshResources
 
 JTensor = base_layer.JTensor
 LayerTpl = pax_fiddle.Config[base_layer.BaseLayer]
@@ -178,16 +179,18 @@ class MoEFeedForward(base_layer.BaseLayer):
             raise err("gating_func", f"valid: {GATING_FUNCS} ('expert_choice' routing is not "
                       "implemented)")
         if self.gating_func in ("top2", "dense_top2") and self.num_experts_per_token != 2:
-            raise err("num_experts_per_token", f"gating_func={self.gating_func!r} routes to 2 "
-                      "experts; use gating_func='topk' for another k")
+            raise err(
+                "num_experts_per_token", f"gating_func={self.gating_func!r} routes to 2 "
+                "experts; use gating_func='topk' for another k")
         if not 1 <= self.num_experts_per_token <= self.num_experts:
             raise err("num_experts_per_token", f"must be in [1, num_experts={self.num_experts}]")
         if self.norm_policy not in NORM_POLICIES:
             raise err("norm_policy", f"valid: {NORM_POLICIES}")
         if self.relu_dropout_prob != 0.0:
-            raise err("relu_dropout_prob", "dropout on the experts' hidden activations is not "
-                      "implemented (moe_block has no dropout); set it to 0 (on a "
-                      "StackedTransformer set relu_dropout_prob=0 or dropout_prob=0)")
+            raise err(
+                "relu_dropout_prob", "dropout on the experts' hidden activations is not "
+                "implemented (moe_block has no dropout); set it to 0 (on a "
+                "StackedTransformer set relu_dropout_prob=0 or dropout_prob=0)")
         for field in ("residual_dropout_prob", "residual_droppath_prob"):
             if not 0.0 <= getattr(self, field) < 1.0:
                 raise err(field, "must be in [0, 1)")
@@ -204,14 +207,16 @@ class MoEFeedForward(base_layer.BaseLayer):
             raise err("unadjusted_expert_capacity_factor", "must be >= 0")
         if self.gating_func == "top2" and not (self.unadjusted_expert_capacity_factor
                                                or self.expert_capacity_dim):
-            raise err("unadjusted_expert_capacity_factor", "gating_func='top2' needs a "
-                      "capacity: set it or expert_capacity_dim (or use 'dense_top2' for "
-                      "dropless routing)")
+            raise err(
+                "unadjusted_expert_capacity_factor", "gating_func='top2' needs a "
+                "capacity: set it or expert_capacity_dim (or use 'dense_top2' for "
+                "dropless routing)")
         if self.expert_weight_shards != 1:
             raise err("expert_weight_shards", "must be 1 (deprecated in Praxis as well)")
         if self.second_expert_policy != "all":
-            raise err("second_expert_policy", "only 'all' (greedy second expert); 'sampling' "
-                      "and 'random' are not implemented")
+            raise err(
+                "second_expert_policy", "only 'all' (greedy second expert); 'sampling' "
+                "and 'random' are not implemented")
         if self.moe_gating_embedding_level != "token":
             raise err("moe_gating_embedding_level", "only 'token' routing is implemented")
         if self.moe_load_balance_loss_weight < 0:
@@ -226,28 +231,20 @@ class MoEFeedForward(base_layer.BaseLayer):
             raise err("router_z_loss_weight", "must be >= 0")
         act_cls = self.activation_tpl.cls if self.activation_tpl is not None else None
         if act_cls not in ACTIVATIONS:
-            raise _setup_error(
-                name, "activation_tpl", getattr(act_cls, "__name__", act_cls),
-                f"valid: {sorted(c.__name__ for c in ACTIVATIONS)}")
+            raise _setup_error(name, "activation_tpl", getattr(act_cls, "__name__", act_cls),
+                               f"valid: {sorted(c.__name__ for c in ACTIVATIONS)}")
         if act_cls is activations_lib.GELU and not self.activation_tpl.approximate:
             raise _setup_error(name, "activation_tpl.approximate", False,
                                "the experts' GELU is the tanh approximation")
-        if self.mesh_resources is not None:
-            missing = [r for r in ("dp", "fsdp", "ep", "tp") if not hasattr(self.mesh_resources, r)]
-            if missing:
-                raise err("mesh_resources", "must be a moe_praxis.MeshResources (or None); "
-                          f"it lacks {missing}")
-            if self.gating_func == "top2" and self.expert_capacity_dim:
-                raise err("expert_capacity_dim", "an exact capacity is not supported with "
-                          "expert parallelism; set unadjusted_expert_capacity_factor")
+        if self.mesh_resources is not None and not isinstance(self.mesh_resources, MeshResources):
+            raise err("mesh_resources", "must be a moe_praxis.MeshResources or None")
         ranks = {"me": 2, "emh": 3, "ehm": 3}
         for field, rank in ranks.items():
             v = getattr(self.weight_split_dims_mapping, field)
             if v is not None and len(v) != rank:
                 raise _setup_error(name, f"weight_split_dims_mapping.{field}", v,
                                    f"must have {rank} entries")
-        ranks = {"gsm": 3, "gs": 2, "gsec": 4, "gecs": 4, "gec": 3, "egcm": 4, "egch": 4,
-                 "gecm": 4}
+        ranks = {"gsm": 3, "gs": 2, "gsec": 4, "gecs": 4, "gec": 3, "egcm": 4, "egch": 4, "gecm": 4}
         for field, rank in ranks.items():
             v = getattr(self.activation_split_dims_mapping, field)
             if v is not None and len(v) != rank:
@@ -310,7 +307,9 @@ class MoEFeedForward(base_layer.BaseLayer):
         def var(name, shape, fan_in, split):
             self.create_variable(
                 name,
-                WeightHParams(shape=list(shape), init=init(fan_in), mesh_shape=self.mesh_shape,
+                WeightHParams(shape=list(shape),
+                              init=init(fan_in),
+                              mesh_shape=self.mesh_shape,
                               tensor_split_dims_mapping=split))
 
         var("router", (m, e), m, wp.me)
@@ -335,10 +334,10 @@ class MoEFeedForward(base_layer.BaseLayer):
         if self.gating_func != "top2":
             return None, 1
         e, k = self.num_experts, self.num_experts_per_token
-        if self.mesh_resources is not None and compat.current_mesh() is not None:
-            # Expert parallel: one capacity over the global batch, GShard's total capacity.
-            return self.unadjusted_expert_capacity_factor / k, 1
-        groups = int(self.num_groups)
+        # Expert parallel: the global batch is one group (moe_block's EP path applies one
+        # capacity to the global batch, exactly as on one device).
+        ep = self.mesh_resources is not None and compat.current_mesh() is not None
+        groups = 1 if ep else int(self.num_groups)
         if self.min_group_size is not None and num_tokens / groups < self.min_group_size:
             groups = (num_tokens + self.min_group_size - 1) // self.min_group_size
         if num_tokens % groups:
@@ -360,8 +359,8 @@ class MoEFeedForward(base_layer.BaseLayer):
 
     def _moe(self, x, paddings):
         """x: [..., M] normalised input; paddings: x.shape[:-1] or None -> (y, MoEOutput stats)."""
-        names = ("router", "wi_gate", "wi_up", "wo") if self.use_gated_activation else (
-            "router", "wi_up", "wo")
+        names = ("router", "wi_gate", "wi_up",
+                 "wo") if self.use_gated_activation else ("router", "wi_up", "wo")
         params = {name: self.theta[name] for name in names}
         token_shape = x.shape[:-1]
         num_tokens = int(np.prod(token_shape))
@@ -369,7 +368,11 @@ class MoEFeedForward(base_layer.BaseLayer):
         config = self.moe_config(cf)
         mesh = compat.current_mesh() if self.mesh_resources is not None else None
         if mesh is not None:
-            out = moe_block(params, x, config, mesh=mesh, resources=self.mesh_resources,
+            out = moe_block(params,
+                            x,
+                            config,
+                            mesh=mesh,
+                            resources=self.mesh_resources,
                             paddings=paddings)
             return out.y, out.aux_loss, out.z_loss, out.tokens_per_expert, out.dropped_tokens
         if groups == 1:
@@ -380,8 +383,8 @@ class MoEFeedForward(base_layer.BaseLayer):
                              f"whole sequences; GShard token groups ({groups}) split them")
         # GShard 'top2' with several groups: each group routes (and fills its capacity) alone.
         xg = x.reshape(groups, num_tokens // groups, x.shape[-1])
-        pg = (jnp.zeros(xg.shape[:2], x.dtype) if paddings is None else
-              paddings.reshape(xg.shape[:2]))
+        pg = (jnp.zeros(xg.shape[:2], x.dtype)
+              if paddings is None else paddings.reshape(xg.shape[:2]))
         out = jax.lax.map(lambda a: moe_block(params, a[0], config, paddings=a[1]), (xg, pg))
         return (out.y.reshape(x.shape), jnp.mean(out.aux_loss), jnp.mean(out.z_loss),
                 jnp.sum(out.tokens_per_expert, axis=0), jnp.sum(out.dropped_tokens))
@@ -389,7 +392,7 @@ class MoEFeedForward(base_layer.BaseLayer):
     def _add_summaries(self, x, paddings, aux, zl, counts, dropped):
         config = self.moe_config()
         x2 = jax.lax.stop_gradient(x).reshape(-1, x.shape[-1])
-        valid = (jnp.ones((x2.shape[0],), jnp.float32) if paddings is None else
+        valid = (jnp.ones((x2.shape[0], ), jnp.float32) if paddings is None else
                  (paddings.reshape(-1) < 0.5).astype(jnp.float32))
         n_valid = jnp.maximum(jnp.sum(valid), 1.0)
         logits = routing.router_logits(x2, jax.lax.stop_gradient(self.theta["router"]), config)
@@ -404,7 +407,9 @@ class MoEFeedForward(base_layer.BaseLayer):
         for i in range(config.num_experts):
             self.add_summary(f"moe_expert_load_{i}", load[i])
 
-    def __call__(self, inputs: JTensor, paddings: Optional[JTensor] = None,
+    def __call__(self,
+                 inputs: JTensor,
+                 paddings: Optional[JTensor] = None,
                  segment_ids: Optional[JTensor] = None) -> JTensor:
         """Layer norm, route, experts, combine, dropout, residual.
 

@@ -30,7 +30,6 @@ V, M, H, E, B, L = 32, 16, 24, 4, 4, 8
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "praxis.md"
 MOE_NAMES = ("moe_router_logits", "moe_dispatched", "moe_gate", "moe_up", "ffn1", "ffn2")
 
-
 # XLA:CPU compile time dominates these tests (tiny shapes); LLVM's optimisation level does
 # not change results, only speed.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -65,7 +64,9 @@ def _run_layer(tpl, variables, x, paddings):
 
     def f(variables, x, paddings):
         with _ctx():
-            y, upd = layer.apply(variables, x, paddings,
+            y, upd = layer.apply(variables,
+                                 x,
+                                 paddings,
                                  mutable=[base_layer.SUMMARIES, base_layer.AUX_LOSS])
         return y, upd.get(base_layer.SUMMARIES, {}), upd.get(base_layer.AUX_LOSS, {})
 
@@ -84,7 +85,7 @@ def _init_layer(tpl, x, paddings, seed=0):
 
 
 def _inputs(seed, shape=(B, L), pad_from=None):
-    x = jax.random.normal(jax.random.PRNGKey(seed), shape + (M,), jnp.float32)
+    x = jax.random.normal(jax.random.PRNGKey(seed), shape + (M, ), jnp.float32)
     pad = np.zeros(shape, np.float32)
     if pad_from is not None:
         pad[-1, pad_from:] = 1.0
@@ -95,16 +96,26 @@ def _inputs(seed, shape=(B, L), pad_from=None):
 
 
 def _lm_tpl(moe_tpl, *, repeated=False, remat=False, policy=None, gating_func="dense_top2"):
-    st = pax_fiddle.Config(transformers.StackedTransformer, num_layers=2, moe_layers=[1],
-                           model_dims=M, hidden_dims=H, num_heads=2, num_experts=E,
-                           num_groups=1, gating_func=gating_func, moe_layer_tpl=moe_tpl,
+    st = pax_fiddle.Config(transformers.StackedTransformer,
+                           num_layers=2,
+                           moe_layers=[1],
+                           model_dims=M,
+                           hidden_dims=H,
+                           num_heads=2,
+                           num_experts=E,
+                           num_groups=1,
+                           gating_func=gating_func,
+                           moe_layer_tpl=moe_tpl,
                            remat=remat)
     if policy is not None:
         st.checkpoint_policy = policy
     if repeated:
         st = pax_fiddle.Config(transformers.StackedTransformerRepeated, block=st, x_times=2)
-    return pax_fiddle.Config(transformer_models.TransformerLm, name="lm", model_dims=M,
-                             vocab_size=V, stacked_transformer_tpl=st)
+    return pax_fiddle.Config(transformer_models.TransformerLm,
+                             name="lm",
+                             model_dims=M,
+                             vocab_size=V,
+                             stacked_transformer_tpl=st)
 
 
 def _lm_batch(key):
@@ -118,7 +129,10 @@ def _lm_batch(key):
 def _lm_apply(lm, params, inp, tgt, pad):
     labels = py_utils.NestedMap(class_ids=tgt, class_weights=1.0 - pad)
     with _ctx():
-        out, upd = lm.apply({"params": params}, inp, pad, labels=labels,
+        out, upd = lm.apply({"params": params},
+                            inp,
+                            pad,
+                            labels=labels,
                             mutable=[base_layer.AUX_LOSS, base_layer.SUMMARIES])
     return out, upd
 
@@ -147,11 +161,13 @@ def test_accepts_every_gshard_and_transformer_field():
     ours = {f.name for f in dataclasses.fields(MoEFeedForward)}
     gshard = {f.name for f in dataclasses.fields(transformers.TransformerFeedForwardMoe)}
     assert gshard - ours == set()
-    written = {"input_dims", "hidden_dims", "num_experts", "num_groups", "min_group_size",
-               "gating_func", "norm_policy", "relu_dropout_prob", "residual_dropout_prob",
-               "residual_droppath_prob", "ln_tpl", "activation_tpl", "relu_dropout_tpl",
-               "residual_dropout_tpl", "add_skip_connection", "use_gated_activation",
-               "moe_load_balance_loss_weight", "gating_logit_cap"}
+    written = {
+        "input_dims", "hidden_dims", "num_experts", "num_groups", "min_group_size", "gating_func",
+        "norm_policy", "relu_dropout_prob", "residual_dropout_prob", "residual_droppath_prob",
+        "ln_tpl", "activation_tpl", "relu_dropout_tpl", "residual_dropout_tpl",
+        "add_skip_connection", "use_gated_activation", "moe_load_balance_loss_weight",
+        "gating_logit_cap"
+    }
     assert written - ours == set()
     # The sharding names TransformerLm.set_sharding_params_v1 writes.
     wp = {f.name for f in dataclasses.fields(MoEFeedForward.WeightSharding)}
@@ -166,11 +182,17 @@ def test_lm_trains(repeated):
     moe = pax_fiddle.Config(MoEFeedForward, router_z_loss_weight=1e-3)
     lm = base_layer.instantiate(_lm_tpl(moe, repeated=repeated))
     params = _lm_init(lm)
-    ff = (params["transformer"]["repeat"]["sub"] if repeated else params["transformer"]
-          )["x_layers_1"]["ff_layer"]
-    lead = (2,) if repeated else ()
-    assert {k: ff[k].shape for k in ("router", "wi_up", "wo")} == {
-        "router": lead + (M, E), "wi_up": lead + (E, M, H), "wo": lead + (E, H, M)}
+    ff = (params["transformer"]["repeat"]["sub"]
+          if repeated else params["transformer"])["x_layers_1"]["ff_layer"]
+    lead = (2, ) if repeated else ()
+    assert {
+        k: ff[k].shape
+        for k in ("router", "wi_up", "wo")
+    } == {
+        "router": lead + (M, E),
+        "wi_up": lead + (E, M, H),
+        "wo": lead + (E, H, M)
+    }
     losses, trained = _train(lm, params, steps=30)
     xent = np.array([l[1] for l in losses])
     aux = np.array([l[2] for l in losses])
@@ -180,9 +202,11 @@ def test_lm_trains(repeated):
 
 
 def _assert_moe_weights_trained(before, after):
-    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(before)
-             if "'ff_layer'" in jax.tree_util.keystr(p) and any(
-                 f"'{n}'" in jax.tree_util.keystr(p) for n in ("router", "wi_up", "wo"))]
+    paths = [
+        p for p, _ in jax.tree_util.tree_leaves_with_path(before)
+        if "'ff_layer'" in jax.tree_util.keystr(p) and any(f"'{n}'" in jax.tree_util.keystr(p)
+                                                           for n in ("router", "wi_up", "wo"))
+    ]
     assert len(paths) == 3
     get = lambda tree, path: functools.reduce(lambda t, k: t[k.key], path, tree)
     for path in paths:
@@ -196,6 +220,7 @@ def _train(lm, params, steps):
     inp, tgt, pad = _lm_batch(jax.random.PRNGKey(100))
 
     def step(p, s):
+
         def loss_fn(p):
             out, _ = _lm_apply(lm, p, inp, tgt, pad)
             return out.total_loss, (out.avg_xent, out.aux_loss)
@@ -256,7 +281,7 @@ def test_moe_checkpoint_names_documented_and_saved():
 
     def f(params, x):
         with _ctx():
-            return jnp.sum(layer.apply({"params": params}, x, pad) ** 2)
+            return jnp.sum(layer.apply({"params": params}, x, pad)**2)
 
     policy = jax.checkpoint_policies.save_only_these_names(*MOE_NAMES)
     lines = _saved(jax.checkpoint(f, policy=policy), variables["params"], x)
@@ -293,8 +318,7 @@ def test_converted_lm_matches_praxis(gating_func, repeated):
     assert ref_out.logits.dtype == jnp.float32
     assert _rel(our_out.logits, ref_out.logits) < 1e-5
     # The converted tree has exactly the structure our layer initialises.
-    assert jax.tree.structure(our_params) == jax.tree.structure(
-        _lm_init(our_lm, abstract=True))
+    assert jax.tree.structure(our_params) == jax.tree.structure(_lm_init(our_lm, abstract=True))
 
 
 @pytest.mark.parametrize(
@@ -302,12 +326,21 @@ def test_converted_lm_matches_praxis(gating_func, repeated):
     [
         (dict(gating_func="top2", unadjusted_expert_capacity_factor=1.0), True),  # drops
         (dict(gating_func="top2", unadjusted_expert_capacity_factor=1.0, num_groups=2), False),
-        (dict(gating_func="top2", expert_capacity_dim=3, unadjusted_expert_capacity_factor=0.0,
-              num_groups=4, use_gated_activation=True, norm_policy="post",
+        (dict(gating_func="top2",
+              expert_capacity_dim=3,
+              unadjusted_expert_capacity_factor=0.0,
+              num_groups=4,
+              use_gated_activation=True,
+              norm_policy="post",
               activation_tpl=pax_fiddle.Config(activations.SiLU)), True),
-        (dict(gating_func="top2", unadjusted_expert_capacity_factor=0.5, min_group_size=16,
-              num_groups=8, gating_logit_cap=2.0, norm_policy="primer_hybrid",
-              activation_tpl=pax_fiddle.Config(activations.GELU), residual_weight=0.5), False),
+        (dict(gating_func="top2",
+              unadjusted_expert_capacity_factor=0.5,
+              min_group_size=16,
+              num_groups=8,
+              gating_logit_cap=2.0,
+              norm_policy="primer_hybrid",
+              activation_tpl=pax_fiddle.Config(activations.GELU),
+              residual_weight=0.5), False),
         (dict(gating_func="dense_top2", apply_padding_first=True), True),
     ],
     ids=["top2-drops", "top2-groups", "top2-gated-cap-dim", "top2-min-group", "dense"])
@@ -321,14 +354,16 @@ def test_layer_matches_gshard(kw, padded):
     ref_tpl = _praxis_moe_tpl(**_with_defaults(kw))
     variables = _init_layer(ref_tpl, x, pad, seed=8)
     ref_y, ref_sum, ref_aux = _run_layer(ref_tpl, variables, x, pad)
-    our_y, our_sum, our_aux = _run_layer(
-        _moe_tpl(**kw), {"params": convert_gshard_params(variables["params"])}, x, pad)
+    our_y, our_sum, our_aux = _run_layer(_moe_tpl(**kw),
+                                         {"params": convert_gshard_params(variables["params"])}, x,
+                                         pad)
     assert _rel(our_y, ref_y) < 1e-5
     if kw["gating_func"] != "top2":  # dense_top2 has no aux loss and no drops in Praxis
         return
     if not padded:
         np.testing.assert_allclose(our_aux["aux_moe_load_balance_loss"].value,
-                                   ref_aux["aux_moe_load_balance_loss"].value, rtol=1e-5)
+                                   ref_aux["aux_moe_load_balance_loss"].value,
+                                   rtol=1e-5)
     # Praxis: fractions of valid tokens dispatched to 1 and 2 experts -> dropped copies.
     kept = float(ref_sum["dispatch_1_scalar"]) + 2 * float(ref_sum["dispatch_2_scalar"])
     dropped = float(our_sum["moe_dropped_token_fraction_scalar"])
@@ -345,8 +380,7 @@ def test_dense_top2_applies_the_logit_cap():
     variables = _init_layer(ref_tpl, x, pad, seed=10)
     ref_y, _, _ = _run_layer(ref_tpl, variables, x, pad)
     params = convert_gshard_params(variables["params"])
-    capped, _, _ = _run_layer(_moe_tpl(**kw, gating_func="dense_top2"), {"params": params}, x,
-                              pad)
+    capped, _, _ = _run_layer(_moe_tpl(**kw, gating_func="dense_top2"), {"params": params}, x, pad)
     assert _rel(capped, ref_y) < 1e-5
     uncapped, _, _ = _run_layer(_moe_tpl(gating_func="dense_top2"), {"params": params}, x, pad)
     assert _rel(uncapped, ref_y) > 1e-3  # the cap matters at this scale
@@ -360,15 +394,22 @@ def _with_defaults(kw):
 
 def test_converter_renames_and_validates():
     rng = np.random.default_rng(0)
-    layer = {"gate": rng.normal(size=(2, M, E)), "wi_0": rng.normal(size=(2, E, M, H)),
-             "wi_gate_0": rng.normal(size=(2, E, M, H)), "wo_0": rng.normal(size=(2, E, H, M)),
-             "layer_norm": {"scale": rng.normal(size=(2, M)), "bias": rng.normal(size=(2, M))}}
+    layer = {
+        "gate": rng.normal(size=(2, M, E)),
+        "wi_0": rng.normal(size=(2, E, M, H)),
+        "wi_gate_0": rng.normal(size=(2, E, M, H)),
+        "wo_0": rng.normal(size=(2, E, H, M)),
+        "layer_norm": {
+            "scale": rng.normal(size=(2, M)),
+            "bias": rng.normal(size=(2, M))
+        }
+    }
     tree = {"lm": {"x_layers_1": {"ff_layer": layer}, "other": {"w": np.ones(3)}}}
     out = convert_gshard_params(tree)
     conv = out["lm"]["x_layers_1"]["ff_layer"]
     assert sorted(conv) == ["layer_norm", "router", "wi_gate", "wi_up", "wo"]
-    for ours, theirs in (("router", "gate"), ("wi_up", "wi_0"), ("wi_gate", "wi_gate_0"),
-                         ("wo", "wo_0")):
+    for ours, theirs in (("router", "gate"), ("wi_up", "wi_0"), ("wi_gate", "wi_gate_0"), ("wo",
+                                                                                           "wo_0")):
         np.testing.assert_array_equal(conv[ours], layer[theirs])
     assert out["lm"]["other"]["w"] is tree["lm"]["other"]["w"]
     bad = dict(layer, wo_0=rng.normal(size=(2, E, M, H)))
@@ -395,22 +436,26 @@ def _reference_stats(x, router, pad, *, k, aux_coeff, z_coeff):
     f1 = np.array([(idv[:, 0] == e).sum() for e in range(E)], np.float64)
     aux = aux_coeff * E / n**2 * np.sum(pv.sum(0) * f1)
     lse = np.log(np.exp(logits[valid]).sum(-1))
-    return dict(aux=aux, z=z_coeff * np.mean(lse**2), load=counts / (n * k),
+    return dict(aux=aux,
+                z=z_coeff * np.mean(lse**2),
+                load=counts / (n * k),
                 entropy=np.mean(-(pv * np.log(pv)).sum(-1)))
 
 
 @pytest.mark.parametrize("gating_func", ["dense_top2", "topk"])
 def test_summaries_and_aux_losses_skip_padded_tokens(gating_func):
     k = 2 if gating_func == "dense_top2" else 3
-    tpl = _moe_tpl(gating_func=gating_func, num_experts_per_token=k, norm_policy="post",
-                   moe_load_balance_loss_weight=0.3, router_z_loss_weight=0.02)
+    tpl = _moe_tpl(gating_func=gating_func,
+                   num_experts_per_token=k,
+                   norm_policy="post",
+                   moe_load_balance_loss_weight=0.3,
+                   router_z_loss_weight=0.02)
     x, pad = _inputs(11, pad_from=3)
     variables = _init_layer(tpl, x, pad, seed=12)
     # Padded tokens get huge inputs: they must not move any statistic.
     x = jnp.where(pad[..., None] > 0, 50.0 * x, x)
     _, summ, aux = _run_layer(tpl, variables, x, pad)
-    ref = _reference_stats(x, variables["params"]["router"], pad, k=k, aux_coeff=0.3,
-                           z_coeff=0.02)
+    ref = _reference_stats(x, variables["params"]["router"], pad, k=k, aux_coeff=0.3, z_coeff=0.02)
     np.testing.assert_allclose(aux["aux_moe_load_balance_loss"].value, ref["aux"], rtol=1e-5)
     np.testing.assert_allclose(aux["aux_moe_z_loss"].value, ref["z"], rtol=1e-5)
     np.testing.assert_allclose(summ["moe_aux_loss_scalar"], ref["aux"], rtol=1e-5)
@@ -419,18 +464,25 @@ def test_summaries_and_aux_losses_skip_padded_tokens(gating_func):
     load = [float(summ[f"moe_expert_load_{e}_scalar"]) for e in range(E)]
     np.testing.assert_allclose(load, ref["load"], rtol=1e-6)
     assert float(summ["moe_dropped_token_fraction_scalar"]) == 0.0
+    # docs/praxis.md lists exactly the summaries the layer writes.
+    documented = set(re.findall(r"^\| `(moe_[a-z_{}]+)` \| [a-z]", DOCS.read_text(), flags=re.M))
+    written = {re.sub(r"_\d+$", "_{e}", k[:-len("_scalar")]) for k in summ}
+    assert written == documented
 
 
 def test_padded_tokens_route_nowhere_even_with_capacity():
     # Padding first in token order, tight capacity: padded tokens would take the capacity
     # of the valid ones if they were routed.
-    tpl = _moe_tpl(gating_func="top2", unadjusted_expert_capacity_factor=1.0,
+    tpl = _moe_tpl(gating_func="top2",
+                   unadjusted_expert_capacity_factor=1.0,
                    add_skip_connection=False)
     x, _ = _inputs(13)
     pad = jnp.zeros((B, L)).at[0, :5].set(1.0)
     variables = _init_layer(tpl, x, pad, seed=14)
-    ys = [_run_layer(tpl, variables, jnp.where(pad[..., None] > 0, s * x, x), pad)[0]
-          for s in (1.0, -30.0)]
+    ys = [
+        _run_layer(tpl, variables, jnp.where(pad[..., None] > 0, s * x, x), pad)[0]
+        for s in (1.0, -30.0)
+    ]
     np.testing.assert_array_equal(np.asarray(ys[0])[np.asarray(pad) > 0], 0.0)
     np.testing.assert_allclose(ys[0], ys[1], rtol=0, atol=1e-6)
     _, summ, _ = _run_layer(tpl, variables, x, pad)
@@ -440,8 +492,7 @@ def test_padded_tokens_route_nowhere_even_with_capacity():
 def test_skewed_routing_drops_and_loads():
     # Every token's first choice is expert 2 and its second expert 0 (norm_policy='post':
     # the router sees the raw, positive inputs): loads follow, the capacity drops half.
-    tpl = _moe_tpl(gating_func="top2", unadjusted_expert_capacity_factor=2.0,
-                   norm_policy="post")
+    tpl = _moe_tpl(gating_func="top2", unadjusted_expert_capacity_factor=2.0, norm_policy="post")
     x, pad = _inputs(15)
     x = jnp.abs(x) + 0.1
     variables = _init_layer(tpl, x, pad, seed=16)
@@ -472,13 +523,13 @@ def test_all_tokens_padded():
 
 
 def _mesh_2x2():
-    return jax.make_mesh((2, 2), ("data", "mdl"), devices=jax.devices()[:4],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return jax.make_mesh((2, 2), ("data", "mdl"),
+                         devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto, ) * 2)
 
 
 def test_declared_activation_constraints_in_hlo():
-    tpl = _moe_tpl(gating_func="dense_top2", ici_mesh_shape=[2, 2],
-                   mesh_axis_names=["data", "mdl"])
+    tpl = _moe_tpl(gating_func="dense_top2", ici_mesh_shape=[2, 2], mesh_axis_names=["data", "mdl"])
     tpl.activation_split_dims_mapping.gsm = ["data", None, "mdl"]
     tpl.activation_split_dims_mapping.gs = ["data", None]
     tpl.weight_split_dims_mapping.me = [None, "mdl"]
@@ -492,8 +543,9 @@ def test_declared_activation_constraints_in_hlo():
                                                mesh_shape=[2, 2],
                                                device_axis_names=["data", "mdl"])["params"]
     P = jax.sharding.PartitionSpec
-    assert (specs["router"], specs["wi_up"], specs["wo"]) == (
-        P(None, "mdl"), P("data", None, "mdl"), P("data", "mdl", None))
+    assert (specs["router"], specs["wi_up"], specs["wo"]) == (P(None,
+                                                                "mdl"), P("data", None, "mdl"),
+                                                              P("data", "mdl", None))
 
     def lowered(tpl_):
         layer_ = base_layer.instantiate(tpl_)
@@ -506,10 +558,10 @@ def test_declared_activation_constraints_in_hlo():
             return jax.jit(f).lower(variables, x, pad).as_text()
 
     text = lowered(tpl)
-    bsm = re.findall(r'sharding_constraint .*<@mesh, \[\{"data"\}, \{\}, \{"mdl"\}\]>.*'
-                     r'tensor<4x8x16xf32>', text)
-    bs = re.findall(r'sharding_constraint .*<@mesh, \[\{"data"\}, \{\}\]>.*tensor<4x8xf32>',
-                    text)
+    bsm = re.findall(
+        r'sharding_constraint .*<@mesh, \[\{"data"\}, \{\}, \{"mdl"\}\]>.*'
+        r'tensor<4x8x16xf32>', text)
+    bs = re.findall(r'sharding_constraint .*<@mesh, \[\{"data"\}, \{\}\]>.*tensor<4x8xf32>', text)
     assert len(bsm) == 2 and len(bs) == 1, text  # moe_block input and output; paddings
     plain = tpl.clone()
     plain.activation_split_dims_mapping.gsm = None
@@ -517,11 +569,46 @@ def test_declared_activation_constraints_in_hlo():
     assert "sharding_constraint" not in lowered(plain)
 
 
+@pytest.mark.parametrize("gating_func", ["dense_top2", "top2"])
+def test_expert_parallel_matches_single_device(gating_func, monkeypatch):
+    """mesh_resources under jax.set_mesh (DP2 x EP2 on 4 CPU devices) = one device."""
+    from moe_praxis import MeshResources, ep
+
+    calls = []
+    sharded = ep.moe_sharded
+    monkeypatch.setattr(ep, "moe_sharded", lambda *a, **k: calls.append(1) or sharded(*a, **k))
+
+    kw = dict(gating_func=gating_func, use_gated_activation=True, router_z_loss_weight=0.1)
+    if gating_func == "top2":
+        kw.update(unadjusted_expert_capacity_factor=1.5)  # C = round4(int(32*1.5/4)) = 12
+    x, pad = _inputs(19, pad_from=5)
+    variables = _init_layer(_moe_tpl(**kw), x, pad, seed=20)
+    ref = _run_layer(_moe_tpl(**kw), variables, x, pad)
+    mesh = jax.make_mesh((2, 2), ("data", "expert"),
+                         devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto, ) * 2)
+    tpl = _moe_tpl(**kw, mesh_resources=MeshResources(dp="data", ep="expert"))
+    with jax.set_mesh(mesh):
+        got = _run_layer(tpl, variables, x, pad)
+    assert calls  # the expert-parallel path ran
+    assert _rel(got[0], ref[0]) < 1e-5
+    for name in ("aux_moe_load_balance_loss", "aux_moe_z_loss"):
+        np.testing.assert_allclose(got[2][name].value, ref[2][name].value, rtol=1e-5)
+    for name, value in ref[1].items():
+        np.testing.assert_allclose(got[1][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    if gating_func == "top2":
+        assert float(ref[1]["moe_dropped_token_fraction_scalar"]) > 0
+
+
 def test_set_sharding_params_v1_configures_the_layer():
     lm_p = _lm_tpl(pax_fiddle.Config(MoEFeedForward))
     lm_p = transformer_models.TransformerLm.set_sharding_params_v1(
-        lm_p, replica_axis="replica", data_axis="data", mdl_axis="mdl",
-        ici_mesh_shape=[1, 2, 2], mesh_axis_names=["replica", "data", "mdl"],
+        lm_p,
+        replica_axis="replica",
+        data_axis="data",
+        mdl_axis="mdl",
+        ici_mesh_shape=[1, 2, 2],
+        mesh_axis_names=["replica", "data", "mdl"],
         training_optimized=True)
     moe_p = lm_p.stacked_transformer_tpl.moe_layer_tpl
     assert moe_p.weight_split_dims_mapping.emh == ["data", None, "mdl"]
@@ -531,14 +618,18 @@ def test_set_sharding_params_v1_configures_the_layer():
     inp, tgt, pad = _lm_batch(jax.random.PRNGKey(0))
     labels = py_utils.NestedMap(class_ids=tgt, class_weights=1.0 - pad)
     with _ctx():
-        specs = base_layer.var_partition_specs(
-            lm.abstract_init_with_metadata(inp, pad, labels=labels), mesh_shape=[1, 2, 2],
-            device_axis_names=["replica", "data", "mdl"])["params"]
+        specs = base_layer.var_partition_specs(lm.abstract_init_with_metadata(inp,
+                                                                              pad,
+                                                                              labels=labels),
+                                               mesh_shape=[1, 2, 2],
+                                               device_axis_names=["replica", "data",
+                                                                  "mdl"])["params"]
     ff = specs["transformer"]["x_layers_1"]["ff_layer"]
     P = jax.sharding.PartitionSpec
     assert ff["wi_up"] == P("data", None, "mdl") and ff["wo"] == P("data", "mdl", None)
-    mesh = jax.make_mesh((1, 2, 2), ("replica", "data", "mdl"), devices=jax.devices()[:4],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    mesh = jax.make_mesh((1, 2, 2), ("replica", "data", "mdl"),
+                         devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto, ) * 3)
     params = _lm_init(lm)
 
     def f(p):
@@ -552,27 +643,25 @@ def test_set_sharding_params_v1_configures_the_layer():
 # ----------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize(
-    "field,value,match",
-    [
-        ("relu_dropout_prob", 0.1, r"relu_dropout_prob=0.1 is not supported: dropout"),
-        ("gating_func", "expert_choice", r"gating_func='expert_choice'.*valid"),
-        ("second_expert_policy", "sampling", r"second_expert_policy='sampling'"),
-        ("moe_gating_embedding_level", "sentence", r"moe_gating_embedding_level='sentence'"),
-        ("expert_weight_shards", 2, r"expert_weight_shards=2"),
-        ("activation_tpl", pax_fiddle.Config(activations.Tanh), r"activation_tpl='Tanh'"),
-        ("activation_tpl", pax_fiddle.Config(activations.GELU, approximate=False),
-         r"approximate=False"),
-        ("norm_policy", "sandwich", r"norm_policy='sandwich'.*valid"),
-        ("num_experts", 0, r"num_experts=0 .*positive"),
-        ("num_experts_per_token", 3, r"num_experts_per_token=3 .*'topk'"),
-        ("mesh_resources", ("data",), r"mesh_resources=.*MeshResources"),
-        ("unadjusted_expert_capacity_factor", 0.0, r"needs a capacity"),
-        ("aux_loss_type", "zloss", r"aux_loss_type='zloss'.*valid"),
-        ("kernel_backend", "tpu", r"kernel_backend='tpu'.*valid"),
-        ("gating_logit_cap", -1.0, r"gating_logit_cap=-1.0"),
-        ("residual_dropout_prob", 1.0, r"residual_dropout_prob=1.0"),
-    ])
+@pytest.mark.parametrize("field,value,match", [
+    ("relu_dropout_prob", 0.1, r"relu_dropout_prob=0.1 is not supported: dropout"),
+    ("gating_func", "expert_choice", r"gating_func='expert_choice'.*valid"),
+    ("second_expert_policy", "sampling", r"second_expert_policy='sampling'"),
+    ("moe_gating_embedding_level", "sentence", r"moe_gating_embedding_level='sentence'"),
+    ("expert_weight_shards", 2, r"expert_weight_shards=2"),
+    ("activation_tpl", pax_fiddle.Config(activations.Tanh), r"activation_tpl='Tanh'"),
+    ("activation_tpl", pax_fiddle.Config(activations.GELU,
+                                         approximate=False), r"approximate=False"),
+    ("norm_policy", "sandwich", r"norm_policy='sandwich'.*valid"),
+    ("num_experts", 0, r"num_experts=0 .*positive"),
+    ("num_experts_per_token", 3, r"num_experts_per_token=3 .*'topk'"),
+    ("mesh_resources", ("data", ), r"mesh_resources=\('data',\).*MeshResources or None"),
+    ("unadjusted_expert_capacity_factor", 0.0, r"needs a capacity"),
+    ("aux_loss_type", "zloss", r"aux_loss_type='zloss'.*valid"),
+    ("kernel_backend", "tpu", r"kernel_backend='tpu'.*valid"),
+    ("gating_logit_cap", -1.0, r"gating_logit_cap=-1.0"),
+    ("residual_dropout_prob", 1.0, r"residual_dropout_prob=1.0"),
+])
 def test_unsupported_fields_raise_at_setup(field, value, match):
     tpl = _moe_tpl(**{field: value})
     x, pad = _inputs(0)
