@@ -176,6 +176,62 @@ def test_accepts_every_gshard_and_transformer_field():
     assert {"gs", "gsm", "gsec", "gecs", "gec", "egcm", "egch", "gecm"} <= ap
 
 
+def test_transformer_tr_fflayer_tpl_and_bf16():
+    """As Transformer.tr_fflayer_tpl, with bfloat16 activations: runs, keeps the dtype, and
+    the outputs match the float32 layer to bfloat16 precision."""
+    outs = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        ff = pax_fiddle.Config(MoEFeedForward,
+                               num_experts=E,
+                               gating_func="dense_top2",
+                               use_gated_activation=True,
+                               activation_tpl=pax_fiddle.Config(activations.SiLU))
+        tpl = pax_fiddle.Config(transformers.Transformer,
+                                name="xformer",
+                                input_dims=M,
+                                hidden_dims=H,
+                                num_heads=2,
+                                tr_fflayer_tpl=ff,
+                                fprop_dtype=dtype)
+        layer = base_layer.instantiate(tpl)
+        x, pad = _inputs(21, pad_from=6)
+        mask = jnp.zeros((B, 1, L, L), jnp.float32)
+
+        def f(x, pad):
+            with _ctx():
+                v = layer.init(jax.random.PRNGKey(0), x, pad, attention_mask=mask)
+                (y, _), upd = layer.apply(v,
+                                          x,
+                                          pad,
+                                          attention_mask=mask,
+                                          mutable=[base_layer.AUX_LOSS])
+            return y, upd[base_layer.AUX_LOSS]
+
+        xd = x.astype(dtype)
+        outs[dtype] = _jit(f, xd, pad)(xd, pad)
+        assert outs[dtype][0].dtype == dtype
+        keys = [
+            jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(outs[dtype][1])
+        ]
+        assert any("'ff_layer']['aux_moe_load_balance_loss'" in k for k in keys), keys
+    y32, y16 = outs[jnp.float32][0], outs[jnp.bfloat16][0].astype(jnp.float32)
+    assert _rel(y16, y32) < 3e-2
+
+
+def test_init_follows_gshard_variance_scaling():
+    """uniform(+-sqrt(3 / fan_in)) like GShard's layer; normal(0, 1 / sqrt(fan_in)) if off."""
+    big = dict(input_dims=64, hidden_dims=96, num_experts=8)
+    x = jnp.zeros((2, 4, 64))
+    for gshard_init in (True, False):
+        v = _init_layer(_moe_tpl(**big, internal_gshard_variance_scaling_fan_in_init=gshard_init),
+                        x, None)["params"]
+        for name, fan_in in (("router", 64), ("wi_up", 64), ("wo", 96)):
+            w = np.asarray(v[name], np.float64)
+            np.testing.assert_allclose(w.std(), 1 / np.sqrt(fan_in), rtol=0.1, err_msg=name)
+            bound = np.abs(w).max() * np.sqrt(fan_in)
+            assert (bound <= np.sqrt(3.0)) if gshard_init else (bound > np.sqrt(3.0)), name
+
+
 @pytest.mark.parametrize("repeated", [False, True], ids=["stacked", "repeated"])
 def test_lm_trains(repeated):
     """TransformerLm with our layer at moe_layers=[1]: 30 Adam steps, the loss falls."""
