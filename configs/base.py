@@ -45,7 +45,7 @@ class DataConfig:
 
     source: str = "pydoc"
     path: Optional[str] = None
-    seq_len: int = 128
+    seq_len: int = 64
     batch_size: int = 16
     heldout_fraction: float = 0.1
     seed: int = 0

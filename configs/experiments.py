@@ -35,7 +35,7 @@ class LanguageModel:
     VOCAB_SIZE = 256
     NUM_LAYERS = 2
     MODEL_DIMS = 128
-    HIDDEN_DIMS = 256
+    HIDDEN_DIMS = 128
     NUM_HEADS = 4
     DIM_PER_HEAD: Optional[int] = None
     NUM_EXPERTS = 8
@@ -49,7 +49,7 @@ class LanguageModel:
     # Data.
     DATA_SOURCE = "pydoc"
     DATA_PATH: Optional[str] = None
-    SEQ_LEN = 128
+    SEQ_LEN = 64
     BATCH_SIZE = 16
     HELDOUT_FRACTION = 0.1
     DATA_SEED = 0
@@ -115,7 +115,8 @@ class LanguageModel:
 
 @register
 class Tiny(LanguageModel):
-    """2 layers, M=128, 8 experts top-2, bytes of pydoc topics: trains on a CPU in a minute."""
+    """2 MoE layers, M=128, 8 experts (H=128) top-2, 16 x 64 bytes of pydoc topics a step:
+    trains on a CPU in about a minute."""
 
 
 @register
@@ -140,6 +141,7 @@ class SmallGpu(LanguageModel):
     NUM_STEPS = 5000
     EVAL_EVERY = 500
     CHECKPOINT_EVERY = 1000
+    MESH_SHAPE = (1,)
 
 
 @register

@@ -89,4 +89,4 @@ def get_experiment(name: str) -> type:
 
 def short_name(cls: type) -> str:
     """The snake_case name used for default job directories (``Tiny`` -> ``tiny``)."""
-    return _snake(cls.__qualname__)
+    return _snake(cls.__name__)

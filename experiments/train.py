@@ -215,22 +215,18 @@ def _model_inputs(batch):
 
 
 def make_optimizer(opt: base.OptimizerConfig, num_steps: int) -> optax.GradientTransformation:
-    """clip_by_global_norm(clip_norm) -> AdamW(schedule)."""
+    """clip_by_global_norm(clip_norm) -> AdamW(schedule). Returns (transformation, schedule)."""
     decay = opt.decay_steps or num_steps
-    end = opt.learning_rate * opt.end_lr_fraction
+    lr, w = opt.learning_rate, opt.warmup_steps
     if opt.schedule == "constant":
-        sched = optax.join_schedules(
-            [optax.linear_schedule(0.0, opt.learning_rate, max(opt.warmup_steps, 1)),
-             optax.constant_schedule(opt.learning_rate)], [max(opt.warmup_steps, 1)])
+        after = optax.constant_schedule(lr)
     elif opt.schedule == "cosine":
-        sched = optax.warmup_cosine_decay_schedule(0.0, opt.learning_rate, opt.warmup_steps,
-                                                   max(decay, opt.warmup_steps + 1), end)
+        after = optax.cosine_decay_schedule(lr, max(decay - w, 1), alpha=opt.end_lr_fraction)
     else:
-        sched = optax.join_schedules(
-            [optax.linear_schedule(0.0, opt.learning_rate, max(opt.warmup_steps, 1)),
-             optax.linear_schedule(opt.learning_rate, end,
-                                   max(decay - opt.warmup_steps, 1))],
-            [max(opt.warmup_steps, 1)])
+        after = optax.linear_schedule(lr, lr * opt.end_lr_fraction, max(decay - w, 1))
+    # Linear warmup from 0 over w steps, then the decay over the remaining decay - w steps.
+    sched = after if w == 0 else optax.join_schedules([optax.linear_schedule(0.0, lr, w), after],
+                                                      [w])
     chain = [optax.clip_by_global_norm(opt.clip_norm)] if opt.clip_norm > 0 else []
     chain.append(optax.adamw(sched, b1=opt.b1, b2=opt.b2, eps=opt.eps,
                              weight_decay=opt.weight_decay))

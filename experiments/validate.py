@@ -17,6 +17,7 @@ import json
 import math
 import time
 
+import fiddle as fdl
 import jax
 import numpy as np
 
@@ -35,6 +36,10 @@ def validate(cfg, devices=None) -> dict:
     """eval_shape of init and one train step of ``cfg`` on its mesh. Returns a report:
     mesh, num_params, state_bytes_per_device, loss shape/dtype, seconds taken."""
     t0 = time.perf_counter()
+    if devices is None:
+        # A preset with a fixed mesh shape uses the first prod(shape) fake devices.
+        shape = tuple(fdl.build(cfg.mesh).shape) if isinstance(cfg.mesh, fdl.Buildable) else ()
+        devices = jax.devices()[:math.prod(shape)] if shape and -1 not in shape else None
     prep = train.prepare(cfg, devices=devices)
     fns = train.make_step_fns(prep)
     exp = prep.config
