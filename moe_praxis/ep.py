@@ -243,12 +243,13 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
     with jax.named_scope("moe_router"):
         logits = checkpoint_name(routing.router_logits(x, params["router"], config),
                                  "moe_router_logits")
-        r = routing.route_logits(logits, config, params.get("expert_bias"))
+        r = routing.route_logits(logits, config, params.get("expert_bias"), backend=backend)
         counts = _psum(routing.tokens_per_expert(r.expert_ids, e, valid), token_axes)
         n_valid = _psum(jnp.sum(valid.astype(jnp.int32)), token_axes)
         num_tokens = jnp.maximum(n_valid, 1)
         if config.aux_loss_type == "sequence":
-            local = routing.load_balance_loss(r, config, valid, seq_len=seq_len)
+            local = routing.load_balance_loss(r, config, valid, seq_len=seq_len,
+                                              backend=backend)
             aux = _psum(local * (t_l // seq_len), token_axes) / (t_global // seq_len)
         else:
             if config.aux_loss_type == "gshard":
@@ -256,8 +257,8 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
             else:
                 f = counts
             aux = _psum(
-                routing.load_balance_loss(r, config, valid, counts=f, num_tokens=num_tokens),
-                token_axes)
+                routing.load_balance_loss(r, config, valid, counts=f, num_tokens=num_tokens,
+                                          backend=backend), token_axes)
         zl = _psum(routing.z_loss(logits, valid, config.z_loss_coeff,
                                   num_tokens=num_tokens.astype(jnp.float32)), token_axes)
 

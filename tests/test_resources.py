@@ -130,3 +130,41 @@ def test_mesh_resources_validation():
         mp.ep_bootstrap(mesh_of((2, ), ("ep", )), {"ep": "ep"}, 8)
     r = mp.MeshResources(dp=("a", "b"), ep="c")
     assert r.axes("dp") == ("a", "b") and r.axes("ep") == ("c", ) and r.axes("tp") == ()
+
+
+DOCS = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "parallelism.md"
+
+
+def _doc_table(marker):
+    text = DOCS.read_text()
+    body = text.split(f"<!-- BEGIN {marker} -->")[1].split(f"<!-- END {marker} -->")[0]
+    rows = {}
+    for line in body.strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def test_docs_list_every_mesh_resources_field_with_its_default():
+    import dataclasses
+
+    rows = _doc_table("MESHRESOURCES TABLE")
+    fields = {f.name: f.default for f in dataclasses.fields(mp.MeshResources)}
+    assert set(rows) == set(fields)
+    for name, default in fields.items():
+        assert rows[name][0] == f"`{default!r}`", name
+    assert all(f"`'{d}'`" in rows["fsdp_dim"][1] for d in res_lib.FSDP_DIMS)
+
+
+def test_docs_list_the_ep_config_fields_defaults_and_values():
+    import dataclasses
+
+    from moe_praxis import config as config_lib
+
+    rows = _doc_table("EP CONFIG TABLE")
+    defaults = {f.name: f.default for f in dataclasses.fields(mp.MoEConfig)}
+    assert set(rows) == {"ep_exchange", "ep_buffer_factor"}
+    for name, (default, _) in rows.items():
+        assert default == f"`{defaults[name]!r}`", name
+    documented = [v.strip().strip("`").strip("'") for v in rows["ep_exchange"][1].split(",")]
+    assert documented == list(config_lib.EP_EXCHANGES)
