@@ -13,8 +13,8 @@ with balanced and skewed group sizes (both sum to M, so every method does 2*M*K*
   pallas  Pallas Mosaic-GPU ragged_dot_mgpu.ragged_dot (fwd; dgrad with transpose_rhs=True)
           and transposed_ragged_dot_mgpu.transposed_ragged_dot (wgrad), best of a small
           tile sweep (PALLAS_CONFIGS, swept on the balanced case, reused for skewed)
-  ours    moe_praxis CUTLASS kernels, tile chosen by ops.grouped_gemm.choose_tile; every
-          tile configuration is timed too (ours[<tile>]).
+  ours    moe_praxis CUTLASS kernels, configuration chosen by grouped_gemm.choose_config;
+          every compiled tile in both raster orders is timed too (ours[<config>]).
 
 Prints a table (ms, TFLOP/s, ratio to dense) and writes JSON. Timing: each function is jitted,
 warmed up, then called `iters` times back to back (async dispatch) between two
@@ -58,6 +58,8 @@ PALLAS_CONFIGS = {
     "wgrad": [(128, 128, 64, 4, 1), (128, 128, 64, 4, 4), (128, 256, 64, 3, 1)],
 }
 PALLAS_CONFIGS["dgrad"] = PALLAS_CONFIGS["fwd"]
+# Our configurations timed at every point (the chosen one is timed too if not among them).
+SWEEP = [gg.config_name(t, r) for t in range(len(gg.TILE_CONFIGS)) for r in range(2)]
 
 
 def group_sizes(dist: str, m: int, e: int) -> np.ndarray:
@@ -113,10 +115,10 @@ def ragged_fns():
     }
 
 
-def ours_fn(op: str, tile: int):
-    f = {"fwd": lambda lhs, rhs, dout, gs: gg.cuda_fwd(lhs, rhs, gs, tile),
-         "dgrad": lambda lhs, rhs, dout, gs: gg.cuda_dgrad(dout, rhs, gs, tile),
-         "wgrad": lambda lhs, rhs, dout, gs: gg.cuda_wgrad(lhs, dout, gs, tile)}[op]
+def ours_fn(op: str, config: str):
+    f = {"fwd": lambda lhs, rhs, dout, gs: gg.cuda_fwd(lhs, rhs, gs, config),
+         "dgrad": lambda lhs, rhs, dout, gs: gg.cuda_dgrad(dout, rhs, gs, config),
+         "wgrad": lambda lhs, rhs, dout, gs: gg.cuda_wgrad(lhs, dout, gs, config)}[op]
     return jax.jit(f)
 
 
@@ -201,21 +203,22 @@ def main(argv=None) -> int:
                     except Exception as ex:  # noqa: BLE001
                         errors.append(f"{shape} {dist} {op} ragged: {ex!r}")
                         print("  ragged failed:", repr(ex)[:300], flush=True)
-                chosen = gg.choose_tile(op, m, k, n, e)
-                tiles = [chosen] if "tiles" in skip else range(len(gg.TILE_CONFIGS))
-                for t in tiles:
+                chosen = gg.choose_config(op, m, k, n, e)
+                configs = [chosen] if "tiles" in skip else SWEEP
+                if chosen not in configs:
+                    configs = configs + [chosen]
+                for c in configs:
                     try:
-                        f = ours_fn(op, t)
+                        f = ours_fn(op, c)
                         out = f(*data)
                         err = rel_err(out, ref) if ref is not None else None
-                        name = f"ours[{gg.TILE_CONFIGS[t]}]"
-                        record(shape, dist, op, name, time_fn(f, *data), flops,
-                               {"rel_err_vs_ragged": err, "tile": gg.TILE_CONFIGS[t]})
-                        if t == chosen:
+                        record(shape, dist, op, f"ours[{c}]", time_fn(f, *data), flops,
+                               {"rel_err_vs_ragged": err, "config": c})
+                        if c == chosen:
                             record(shape, dist, op, "ours", rows[-1]["ms"] / 1e3, flops,
-                                   {"rel_err_vs_ragged": err, "tile": gg.TILE_CONFIGS[t]})
+                                   {"rel_err_vs_ragged": err, "config": c})
                     except Exception as ex:  # noqa: BLE001
-                        errors.append(f"{shape} {dist} {op} ours tile {t}: {ex!r}")
+                        errors.append(f"{shape} {dist} {op} ours {c}: {ex!r}")
                         print("  ours failed:", repr(ex)[:500], flush=True)
                 if "pallas" in skip:
                     continue

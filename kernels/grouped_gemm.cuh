@@ -63,11 +63,11 @@ struct PingpongSmall {  // tile 1: ping-pong, 128x128x64, cluster 2x1 (small N, 
   using Tile = Shape<_128, _128, _64>;
   using Cluster = Shape<_2, _1, _1>;
 };
-struct CoopWide {  // tile 2: cooperative, 128x256x64, cluster 1x2
+struct CoopWide {  // tile 2: cooperative, 128x256x64, cluster 2x1
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
   using Tile = Shape<_128, _256, _64>;
-  using Cluster = Shape<_1, _2, _1>;
+  using Cluster = Shape<_2, _1, _1>;
 };
 constexpr int kNumTiles = 3;
 
@@ -244,10 +244,26 @@ cutlass::KernelHardwareInfo hardware_info(int device) {
 
 // Runs prepare + CUTLASS for one tile configuration. `sa`, `sb`, `sd` are the (constant)
 // strides of A, B, D; group arrays go at the start of `workspace`.
+// Scheduling knobs that need no extra instantiation (FFI attributes `raster`, `swizzle`).
+struct Schedule {
+  int64_t raster;   // 0: along M (consecutive tiles share a B column), 1: along N
+  int64_t swizzle;  // max swizzle size: 1, 2, 4 or 8
+};
+
+inline ffi::Error check_schedule(Schedule s) {
+  if ((s.raster != 0 && s.raster != 1) ||
+      (s.swizzle != 1 && s.swizzle != 2 && s.swizzle != 4 && s.swizzle != 8)) {
+    return ffi::Error::InvalidArgument(
+        "moe_praxis grouped GEMM: raster=" + std::to_string(s.raster) + ", swizzle=" +
+        std::to_string(s.swizzle) + " are invalid; valid: raster 0 or 1, swizzle 1, 2, 4, 8");
+  }
+  return ffi::Error::Success();
+}
+
 template <class Def>
 ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::StrideA sa,
                        typename Def::StrideB sb, typename Def::StrideD sd, uint8_t* workspace,
-                       int64_t workspace_bytes) {
+                       int64_t workspace_bytes, Schedule sched) {
   using Gemm = typename Def::Gemm;
   const int e = p.num_groups;
   auto g = carve_group_arrays<typename Def::StrideA, typename Def::StrideB, typename Def::StrideD>(
@@ -280,6 +296,9 @@ ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::Strid
       {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b},
       {fusion, nullptr, g.stride_d, g.ptr_d, g.stride_d},
       hw};
+  using RasterOptions = decltype(args.scheduler.raster_order);
+  args.scheduler.raster_order = sched.raster ? RasterOptions::AlongN : RasterOptions::AlongM;
+  args.scheduler.max_swizzle_size = static_cast<int>(sched.swizzle);
   Gemm gemm;
   const size_t need = Gemm::get_workspace_size(args);
   if (static_cast<int64_t>(need) > workspace_bytes - head) {
@@ -311,7 +330,9 @@ ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::Strid
 
 // Dispatches on the tile attribute. F<Config>() returns the ffi::Error of one configuration.
 template <class F>
-ffi::Error dispatch_tile(int64_t tile, F&& f) {
+ffi::Error dispatch_tile(int64_t tile, Schedule sched, F&& f) {
+  ffi::Error bad = check_schedule(sched);
+  if (bad.failure()) return bad;
   switch (tile) {
     case 0:
       return f(CoopLarge{});

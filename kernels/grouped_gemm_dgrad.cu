@@ -12,7 +12,8 @@ namespace {
 ffi::Error GroupedGemmDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dout,
                                 ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> group_sizes,
                                 ffi::ResultBuffer<ffi::BF16> dlhs,
-                                ffi::ResultBuffer<ffi::U8> workspace, int64_t tile) {
+                                ffi::ResultBuffer<ffi::U8> workspace, int64_t tile,
+                              int64_t raster, int64_t swizzle) {
   auto od = dout.dimensions();
   auto rd = rhs.dimensions();
   if (od.size() != 2 || rd.size() != 3 || od[1] != rd[2] ||
@@ -21,7 +22,8 @@ ffi::Error GroupedGemmDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dout
                                        "rhs [E,K,N], group_sizes [E]");
   }
   const int64_t m = od[0], n = od[1], e = rd[0], k = rd[1];
-  return dispatch_tile(tile, [&](auto cfg) {
+  const Schedule sched{raster, swizzle};
+  return dispatch_tile(tile, sched, [&](auto cfg) {
     using Def = GemmDef<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, decltype(cfg)>;
     PrepareParams p{};
     p.group_sizes = group_sizes.typed_data();
@@ -43,7 +45,7 @@ ffi::Error GroupedGemmDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dout
                             make_ld_stride<typename Def::StrideB>(n),
                             make_ld_stride<typename Def::StrideD>(k),
                             reinterpret_cast<uint8_t*>(workspace->untyped_data()),
-                            static_cast<int64_t>(workspace->size_bytes()));
+                            static_cast<int64_t>(workspace->size_bytes()), sched);
   });
 }
 
@@ -58,4 +60,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmDgrad, moe_gg::GroupedGemmDgradImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // group_sizes [E]
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // dlhs [M, K]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
-                                  .Attr<int64_t>("tile"));
+                                  .Attr<int64_t>("tile")
+                                  .Attr<int64_t>("raster")
+                                  .Attr<int64_t>("swizzle"));

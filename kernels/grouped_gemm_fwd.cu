@@ -11,7 +11,8 @@ namespace {
 ffi::Error GroupedGemmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                               ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> group_sizes,
                               ffi::ResultBuffer<ffi::BF16> out,
-                              ffi::ResultBuffer<ffi::U8> workspace, int64_t tile) {
+                              ffi::ResultBuffer<ffi::U8> workspace, int64_t tile,
+                              int64_t raster, int64_t swizzle) {
   auto ld = lhs.dimensions();
   auto rd = rhs.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || ld[1] != rd[1] ||
@@ -20,7 +21,8 @@ ffi::Error GroupedGemmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                                        "group_sizes [E]");
   }
   const int64_t m = ld[0], k = ld[1], e = rd[0], n = rd[2];
-  return dispatch_tile(tile, [&](auto cfg) {
+  const Schedule sched{raster, swizzle};
+  return dispatch_tile(tile, sched, [&](auto cfg) {
     using Def = GemmDef<cutlass::layout::RowMajor, cutlass::layout::RowMajor, decltype(cfg)>;
     PrepareParams p{};
     p.group_sizes = group_sizes.typed_data();
@@ -42,7 +44,7 @@ ffi::Error GroupedGemmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                             make_ld_stride<typename Def::StrideB>(n),
                             make_ld_stride<typename Def::StrideD>(n),
                             reinterpret_cast<uint8_t*>(workspace->untyped_data()),
-                            static_cast<int64_t>(workspace->size_bytes()));
+                            static_cast<int64_t>(workspace->size_bytes()), sched);
   });
 }
 
@@ -57,4 +59,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmFwd, moe_gg::GroupedGemmFwdImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // group_sizes [E]
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // out [M, N]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
-                                  .Attr<int64_t>("tile"));
+                                  .Attr<int64_t>("tile")
+                                  .Attr<int64_t>("raster")
+                                  .Attr<int64_t>("swizzle"));

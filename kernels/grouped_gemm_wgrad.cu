@@ -13,7 +13,8 @@ namespace {
 ffi::Error GroupedGemmWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                                 ffi::Buffer<ffi::BF16> dout, ffi::Buffer<ffi::S32> group_sizes,
                                 ffi::ResultBuffer<ffi::BF16> drhs,
-                                ffi::ResultBuffer<ffi::U8> workspace, int64_t tile) {
+                                ffi::ResultBuffer<ffi::U8> workspace, int64_t tile,
+                              int64_t raster, int64_t swizzle) {
   auto ld = lhs.dimensions();
   auto od = dout.dimensions();
   auto wd = drhs->dimensions();
@@ -24,7 +25,8 @@ ffi::Error GroupedGemmWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                                        "dout [M,N], group_sizes [E], drhs [E,K,N]");
   }
   const int64_t m = ld[0], k = ld[1], n = od[1];
-  return dispatch_tile(tile, [&](auto cfg) {
+  const Schedule sched{raster, swizzle};
+  return dispatch_tile(tile, sched, [&](auto cfg) {
     using Def = GemmDef<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, decltype(cfg)>;
     PrepareParams p{};
     p.group_sizes = group_sizes.typed_data();
@@ -46,7 +48,7 @@ ffi::Error GroupedGemmWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                             make_ld_stride<typename Def::StrideB>(n),
                             make_ld_stride<typename Def::StrideD>(n),
                             reinterpret_cast<uint8_t*>(workspace->untyped_data()),
-                            static_cast<int64_t>(workspace->size_bytes()));
+                            static_cast<int64_t>(workspace->size_bytes()), sched);
   });
 }
 
@@ -61,4 +63,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmWgrad, moe_gg::GroupedGemmWgradImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // group_sizes [E]
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // drhs [E, K, N]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
-                                  .Attr<int64_t>("tile"));
+                                  .Attr<int64_t>("tile")
+                                  .Attr<int64_t>("raster")
+                                  .Attr<int64_t>("swizzle"));

@@ -169,8 +169,10 @@ def test_bad_inputs_raise_clear_errors():
         ops.grouped_gemm(lhs, rhs, jnp.array([8]))
     with pytest.raises(ValueError, match="must be integers"):
         ops.grouped_gemm(lhs, rhs, jnp.array([4.0, 4.0]))
-    with pytest.raises(ValueError, match="tile='nope' is invalid"):
-        ops.grouped_gemm(lhs, rhs, jnp.array([4, 4]), tile="nope")
+    with pytest.raises(ValueError, match="config 'nope' is invalid"):
+        ops.grouped_gemm(lhs, rhs, jnp.array([4, 4]), config="nope")
+    with pytest.raises(ValueError, match="config 'coop_256x128_c2x1/along_k' is invalid"):
+        ops.grouped_gemm(lhs, rhs, jnp.array([4, 4]), config="coop_256x128_c2x1/along_k")
     with pytest.raises(ValueError, match="kernel_backend='gpu' is invalid"):
         ops.grouped_gemm(lhs, rhs, jnp.array([4, 4]), backend="gpu")
 
@@ -190,19 +192,23 @@ def test_tile_rule_env_override_and_docs_in_step(monkeypatch):
         assert f"`{name}`" in doc, f"docs/grouped_gemm.md does not describe tile {name}"
     assert f"`{gg.ENV_TILE}`" in doc
     # Every example of the rule in the docs is what choose_tile returns.
-    examples = re.findall(r"`choose_tile\('(\w+)', (\d+), (\d+), (\d+), (\d+)\)` -> `(\w+)`", doc)
+    examples = re.findall(
+        r"`choose_config\('(\w+)', (\d+), (\d+), (\d+), (\d+)\)` -> `([\w/]+)`", doc)
     assert len(examples) >= 6, "docs/grouped_gemm.md lists the rule's examples"
     monkeypatch.delenv(gg.ENV_TILE, raising=False)
     for op, m, k, n, e, name in examples:
-        got = gg.TILE_CONFIGS[gg.choose_tile(op, int(m), int(k), int(n), int(e))]
-        assert got == name, f"choose_tile({op}, {m}, {k}, {n}, {e}) = {got}, docs say {name}"
-    monkeypatch.setenv(gg.ENV_TILE, gg.TILE_CONFIGS[2])
-    assert gg.choose_tile("fwd", 32768, 4096, 14336, 8) == 2
+        got = gg.choose_config(op, int(m), int(k), int(n), int(e))
+        assert got == name, f"choose_config({op}, {m}, {k}, {n}, {e}) = {got}, docs say {name}"
+    for name in gg.RASTERS:
+        assert f"`{name}`" in doc, f"docs/grouped_gemm.md does not describe raster {name}"
+    monkeypatch.setenv(gg.ENV_TILE, gg.TILE_CONFIGS[2] + "/along_n")
+    assert gg.choose_config("fwd", 32768, 4096, 14336, 8) == gg.TILE_CONFIGS[2] + "/along_n/s1"
+    assert gg.parse_config(gg.choose_config("wgrad", 8, 8, 8, 1)) == (2, 1, 1)
     monkeypatch.setenv(gg.ENV_TILE, "huge")
     with pytest.raises(ValueError, match="MOE_PRAXIS_GG_TILE='huge' is invalid"):
-        gg.choose_tile("fwd", 1, 8, 8, 1)
+        gg.choose_config("fwd", 1, 8, 8, 1)
     with pytest.raises(ValueError, match="op='bwd' is invalid"):
-        gg.choose_tile("bwd", 1, 8, 8, 1)
+        gg.choose_config("bwd", 1, 8, 8, 1)
 
 
 def test_kernel_table_lists_the_grouped_gemm_handlers():
@@ -238,15 +244,19 @@ GPU_SHAPES = [  # (M, K, N, E): M not a multiple of any tile, N and K not of 128
 ]
 
 
+# Every compiled tile, and the other raster order and a swizzle once.
+GPU_CONFIGS = list(gg.TILE_CONFIGS) + [gg.TILE_CONFIGS[0] + "/along_n/s2"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", gg.TILE_CONFIGS)
+@pytest.mark.parametrize("tile", GPU_CONFIGS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_forward_matches_reference(kind, tile):
     _cuda_or_skip()
     for m, k, n, e in GPU_SHAPES:
         seed = _seed()
         lhs, rhs, gs, _ = _inputs(m, k, n, e, kind, jnp.bfloat16, seed)
-        f = lambda a, b, g: ops.grouped_gemm(a, b, g, backend="cuda", tile=tile)  # noqa: E731
+        f = lambda a, b, g: ops.grouped_gemm(a, b, g, backend="cuda", config=tile)  # noqa: E731
         assert _uses_kernel(f, lhs, rhs, gs)
         out = jax.jit(f)(lhs, rhs, gs)
         msg = f"seed={seed} kind={kind} tile={tile} shape={(m, k, n, e)} sizes={np.asarray(gs)}"
@@ -258,7 +268,7 @@ def test_cuda_forward_matches_reference(kind, tile):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", gg.TILE_CONFIGS)
+@pytest.mark.parametrize("tile", GPU_CONFIGS)
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "empty_groups", "one_row", "sum_lt_m"])
 def test_cuda_grads_match_reference(kind, tile):
     _cuda_or_skip()
@@ -268,11 +278,12 @@ def test_cuda_grads_match_reference(kind, tile):
     msg = f"seed={seed} kind={kind} tile={tile} sizes={np.asarray(gs)}"
 
     def f(a, b):
-        return ops.grouped_gemm(a, b, gs, backend="cuda", tile=tile)
+        return ops.grouped_gemm(a, b, gs, backend="cuda", config=tile)
 
+    grads = jax.jit(lambda a, b, d: jax.vjp(f, a, b)[1](d))
     # Poison: run on other data first so stale memory would show in empty experts / tail rows.
-    jax.block_until_ready(jax.jit(jax.vjp, static_argnums=0)(f, lhs * 3 + 1, rhs * 2 + 1)[0])
-    dlhs, drhs = jax.jit(lambda a, b, d: jax.vjp(f, a, b)[1](d))(lhs, rhs, dout)
+    jax.block_until_ready(grads(lhs * 3 + 1, rhs * 2 + 1, dout + 1))
+    dlhs, drhs = grads(lhs, rhs, dout)
     ref_dlhs, ref_drhs = loop_grads(lhs, rhs, gs, dout)
     assert rel_err(dlhs, ref_dlhs) < RTOL_BF16, msg
     assert rel_err(drhs, ref_drhs) < RTOL_BF16, msg
@@ -280,7 +291,7 @@ def test_cuda_grads_match_reference(kind, tile):
     np.testing.assert_array_equal(np.asarray(drhs, np.float32)[empty], 0.0, err_msg=msg)
     total = int(np.asarray(gs).sum())
     np.testing.assert_array_equal(np.asarray(dlhs[total:], np.float32), 0.0, err_msg=msg)
-    text = jax.jit(lambda a, b, d: jax.vjp(f, a, b)[1](d)).lower(lhs, rhs, dout).as_text()
+    text = grads.lower(lhs, rhs, dout).as_text()
     assert "moe_grouped_gemm_dgrad" in text and "moe_grouped_gemm_wgrad" in text
 
 

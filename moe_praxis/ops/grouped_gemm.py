@@ -23,9 +23,9 @@ Backends ('auto' | 'xla' | 'cuda', see `moe_praxis.ops.backend`):
 Group sizes are clamped to [0, rows left] (negative sizes count as 0; a sum past M is cut at
 M), on every backend's CUDA path; valid inputs (sizes >= 0, sum <= M) need no clamping.
 
-Tile configurations of the CUDA kernels (TILE_CONFIGS; the index is the FFI attribute) and
-the rule that picks one, `choose_tile`, are documented in docs/grouped_gemm.md with the
-measurements they come from.
+Kernel configurations of the CUDA kernels (a compiled tile from TILE_CONFIGS, a raster order
+and a swizzle: `parse_config`) and the rule that picks one, `choose_config`, are documented in
+docs/grouped_gemm.md with the measurements they come from.
 """
 
 from __future__ import annotations
@@ -41,14 +41,19 @@ import numpy as np
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops import cuda as _cuda
 
-# Index = the `tile` attribute of the FFI handlers (kernels/grouped_gemm.cuh, dispatch_tile).
+# Compiled tile configurations. Index = the `tile` attribute of the FFI handlers
+# (kernels/grouped_gemm.cuh, dispatch_tile).
 TILE_CONFIGS = (
     "coop_256x128_c2x1",  # 0: cooperative, tile 256x128x64, cluster 2x1
     "pingpong_128x128_c2x1",  # 1: ping-pong, tile 128x128x64, cluster 2x1
-    "coop_128x256_c1x2",  # 2: cooperative, tile 128x256x64, cluster 1x2
+    "coop_128x256_c2x1",  # 2: cooperative, tile 128x256x64, cluster 2x1
 )
-# Environment variable that forces one tile configuration (a name from TILE_CONFIGS) for all
-# three GEMMs; unset: `choose_tile`.
+# Run-time scheduling of the persistent tile scheduler (FFI attributes `raster`, `swizzle`):
+# the order in which a group's output tiles are handed out, and the swizzle width.
+RASTERS = ("along_m", "along_n")
+SWIZZLES = (1, 2, 4, 8)
+# Environment variable that forces one kernel configuration (see `parse_config`) for all three
+# GEMMs; unset: `choose_config`.
 ENV_TILE = "MOE_PRAXIS_GG_TILE"
 
 OPS = ("fwd", "dgrad", "wgrad")
@@ -71,25 +76,48 @@ def workspace_bytes(num_groups: int) -> int:
     return head + _CUTLASS_WORKSPACE_BYTES
 
 
-def choose_tile(op: str, m: int, k: int, n: int, num_groups: int) -> int:
-    """Index into TILE_CONFIGS for one GEMM (the rule of docs/grouped_gemm.md).
+def parse_config(name: str) -> tuple[int, int, int]:
+    """'TILE[/RASTER[/sSWIZZLE]]' -> (tile index, raster index, swizzle).
+
+    TILE from TILE_CONFIGS, RASTER from RASTERS (default along_m), SWIZZLE from SWIZZLES
+    (default 1); e.g. 'coop_256x128_c2x1/along_n/s2'.
+    """
+    parts = str(name).split("/")
+    ok = 1 <= len(parts) <= 3 and parts[0] in TILE_CONFIGS
+    raster = parts[1] if len(parts) > 1 else RASTERS[0]
+    swz = parts[2] if len(parts) > 2 else "s1"
+    ok = ok and raster in RASTERS and swz in tuple(f"s{v}" for v in SWIZZLES)
+    if not ok:
+        raise ValueError(f"grouped GEMM config {name!r} is invalid; valid: TILE[/RASTER[/sN]] "
+                         f"with TILE in {TILE_CONFIGS}, RASTER in {RASTERS}, N in {SWIZZLES}")
+    return TILE_CONFIGS.index(parts[0]), RASTERS.index(raster), int(swz[1:])
+
+
+def config_name(tile: int, raster: int = 0, swizzle: int = 1) -> str:
+    """Inverse of parse_config (always the full form)."""
+    return f"{TILE_CONFIGS[tile]}/{RASTERS[raster]}/s{swizzle}"
+
+
+def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
+    """Kernel configuration (parse_config form) for one GEMM: the rule of docs/grouped_gemm.md.
 
     op: 'fwd' ([M,K] x [E,K,N]), 'dgrad' ([M,N] x [E,K,N]^T), 'wgrad' ([M,K]^T x [M,N] per
-    group). m, k, n, num_groups: the shapes of the *forward* problem. $MOE_PRAXIS_GG_TILE (a
-    name from TILE_CONFIGS) overrides the rule.
+    group). m, k, n, num_groups: the shapes of the *forward* problem. The environment variable
+    MOE_PRAXIS_GG_TILE (a parse_config string) overrides the rule.
     """
     if op not in OPS:
         raise ValueError(f"op={op!r} is invalid; valid: {OPS}")
     forced = os.environ.get(ENV_TILE)
     if forced:
-        if forced not in TILE_CONFIGS:
-            raise ValueError(f"${ENV_TILE}={forced!r} is invalid; valid: {TILE_CONFIGS}")
-        return TILE_CONFIGS.index(forced)
+        try:
+            return config_name(*parse_config(forced))
+        except ValueError as e:
+            raise ValueError(f"${ENV_TILE}={forced!r} is invalid: {e}") from None
     out_n = {"fwd": n, "dgrad": k, "wgrad": n}[op]
     rows_per_group = m / max(num_groups, 1)
     if op != "wgrad" and (out_n <= 1024 or rows_per_group < 1024):
-        return 1  # small output width or fine-grained experts: ping-pong 128x128
-    return 0  # large problems: cooperative 256x128
+        return config_name(1)  # small output width or fine-grained experts: ping-pong 128x128
+    return config_name(0)  # large problems: cooperative 256x128
 
 
 # ----------------------------------------------------------------------------- references
@@ -121,29 +149,30 @@ def grouped_gemm_wgrad_reference(lhs, dout, group_sizes):
 # ------------------------------------------------------------------------- CUDA kernels
 
 
-def _ffi(op: str, out_shape, a, b, group_sizes, tile: int):
+def _ffi(op: str, out_shape, a, b, group_sizes, config: str):
+    tile, raster, swizzle = parse_config(config)
     out, _ = _cuda.ffi(
         _TARGETS[op],
         (jax.ShapeDtypeStruct(out_shape, a.dtype),
          jax.ShapeDtypeStruct((workspace_bytes(group_sizes.shape[0]),), jnp.uint8)),
-        a, b, group_sizes.astype(jnp.int32), tile=int(tile))
+        a, b, group_sizes.astype(jnp.int32), tile=tile, raster=raster, swizzle=swizzle)
     return out
 
 
-def cuda_fwd(lhs, rhs, group_sizes, tile: int):
+def cuda_fwd(lhs, rhs, group_sizes, config: str):
     """CUDA forward: lhs [M,K] bf16, rhs [E,K,N] bf16 -> [M,N] bf16 (no fallback, no vjp)."""
-    return _ffi("fwd", (lhs.shape[0], rhs.shape[2]), lhs, rhs, group_sizes, tile)
+    return _ffi("fwd", (lhs.shape[0], rhs.shape[2]), lhs, rhs, group_sizes, config)
 
 
-def cuda_dgrad(dout, rhs, group_sizes, tile: int):
+def cuda_dgrad(dout, rhs, group_sizes, config: str):
     """CUDA dgrad: dout [M,N] bf16, rhs [E,K,N] bf16 -> dlhs [M,K] bf16."""
-    return _ffi("dgrad", (dout.shape[0], rhs.shape[1]), dout, rhs, group_sizes, tile)
+    return _ffi("dgrad", (dout.shape[0], rhs.shape[1]), dout, rhs, group_sizes, config)
 
 
-def cuda_wgrad(lhs, dout, group_sizes, tile: int):
+def cuda_wgrad(lhs, dout, group_sizes, config: str):
     """CUDA wgrad: lhs [M,K] bf16, dout [M,N] bf16 -> drhs [E,K,N] bf16."""
     return _ffi("wgrad", (group_sizes.shape[0], lhs.shape[1], dout.shape[1]), lhs, dout,
-                group_sizes, tile)
+                group_sizes, config)
 
 
 def cuda_unsupported_reason(lhs, rhs) -> str | None:
@@ -213,9 +242,9 @@ def _fwd_impl(lhs, rhs, group_sizes, impl):
     e, _, n = rhs.shape
     if impl[0] == "xla" or _empty(m, k, n, e):
         return grouped_gemm_reference(lhs, rhs, group_sizes).astype(lhs.dtype)
-    tile = impl[1] if impl[1] is not None else choose_tile("fwd", m, k, n, e)
+    cfg = impl[1] if impl[1] is not None else choose_config("fwd", m, k, n, e)
     return _cuda.platform_call(
-        lambda a, b, g: cuda_fwd(a, b, g, tile),
+        lambda a, b, g: cuda_fwd(a, b, g, cfg),
         lambda a, b, g: grouped_gemm_reference(a, b, g).astype(a.dtype), lhs, rhs, group_sizes)
 
 
@@ -224,9 +253,9 @@ def _dgrad_impl(dout, rhs, group_sizes, impl):
     e, k, _ = rhs.shape
     if impl[0] == "xla" or _empty(m, k, n, e):
         return grouped_gemm_dgrad_reference(dout, rhs, group_sizes).astype(dout.dtype)
-    tile = impl[1] if impl[1] is not None else choose_tile("dgrad", m, k, n, e)
+    cfg = impl[1] if impl[1] is not None else choose_config("dgrad", m, k, n, e)
     return _cuda.platform_call(
-        lambda a, b, g: cuda_dgrad(a, b, g, tile),
+        lambda a, b, g: cuda_dgrad(a, b, g, cfg),
         lambda a, b, g: grouped_gemm_dgrad_reference(a, b, g).astype(a.dtype), dout, rhs,
         group_sizes)
 
@@ -237,8 +266,8 @@ def _wgrad_impl(lhs, dout, group_sizes, impl):
     e = group_sizes.shape[0]
     if impl[0] == "xla" or _empty(m, k, n, e):
         return grouped_gemm_wgrad_reference(lhs, dout, group_sizes)
-    tile = impl[1] if impl[1] is not None else choose_tile("wgrad", m, k, n, e)
-    return _cuda.platform_call(lambda a, b, g: cuda_wgrad(a, b, g, tile),
+    cfg = impl[1] if impl[1] is not None else choose_config("wgrad", m, k, n, e)
+    return _cuda.platform_call(lambda a, b, g: cuda_wgrad(a, b, g, cfg),
                                grouped_gemm_wgrad_reference, lhs, dout, group_sizes)
 
 
@@ -262,13 +291,14 @@ def _vjp_bwd(impl, res, dout):
 _grouped_gemm.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-def grouped_gemm(lhs, rhs, group_sizes, *, backend: str = "auto", tile: str | None = None):
+def grouped_gemm(lhs, rhs, group_sizes, *, backend: str = "auto", config: str | None = None):
     """[M, K] x [E, K, N] -> [M, N] grouped by `group_sizes`; output in lhs.dtype.
 
     lhs: [M, K]; rhs: [E, K, N]; group_sizes: [E] integer (rows of each expert, contiguous,
     in order; rows past their sum come out zero). backend: 'auto' | 'xla' | 'cuda' (module
-    doc). tile: force one CUDA tile configuration (a name from TILE_CONFIGS) for the forward,
-    dgrad and wgrad GEMMs; default: $MOE_PRAXIS_GG_TILE, else `choose_tile`. Differentiable in
+    doc). config: force one CUDA kernel configuration (`parse_config` form, e.g.
+    'coop_256x128_c2x1/along_m/s1') for the forward, dgrad and wgrad GEMMs; default: the
+    environment variable MOE_PRAXIS_GG_TILE, else `choose_config` per GEMM. Differentiable in
     lhs and rhs (custom_vjp: dgrad and wgrad are grouped GEMMs too).
     """
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
@@ -277,8 +307,8 @@ def grouped_gemm(lhs, rhs, group_sizes, *, backend: str = "auto", tile: str | No
         raise ValueError(f"group_sizes must be [E={rhs.shape[0]}], got {group_sizes.shape}")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"group_sizes must be integers, got dtype {group_sizes.dtype}")
-    if tile is not None and tile not in TILE_CONFIGS:
-        raise ValueError(f"tile={tile!r} is invalid; valid: {TILE_CONFIGS} or None")
+    if config is not None:
+        config = config_name(*parse_config(config))
     resolved = _resolve(backend, lhs, rhs)
-    impl = (resolved, TILE_CONFIGS.index(tile) if tile is not None else None)
+    impl = (resolved, config)
     return _grouped_gemm(lhs, rhs, group_sizes.astype(jnp.int32), impl)
