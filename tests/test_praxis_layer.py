@@ -218,6 +218,26 @@ def test_transformer_tr_fflayer_tpl_and_bf16():
     assert _rel(y16, y32) < 3e-2
 
 
+def test_extend_step_matches_call():
+    """Decoding: extend_step on [B, M] equals __call__ on [B, 1, M] (dropless routing)."""
+    tpl = _moe_tpl(gating_func="dense_top2", ici_mesh_shape=[2, 2], mesh_axis_names=["data", "mdl"])
+    tpl.activation_split_dims_mapping.gsm = ["data", None, "mdl"]
+    x, _ = _inputs(22, shape=(B, 1))
+    variables = _init_layer(tpl, x, None)
+    layer = base_layer.instantiate(tpl)
+
+    def f(v, x):
+        with _ctx():
+            full = layer.apply(v, x)
+            step = layer.apply(v, x[:, 0], time_step=0, method=layer.extend_step)
+        return full, step
+
+    with jax.set_mesh(_mesh_2x2()):
+        full, step = _jit(f, variables, x)(variables, x)
+    assert step.shape == (B, M)
+    np.testing.assert_allclose(step, full[:, 0], rtol=1e-6, atol=1e-6)
+
+
 def test_init_follows_gshard_variance_scaling():
     """uniform(+-sqrt(3 / fan_in)) like GShard's layer; normal(0, 1 / sqrt(fan_in)) if off."""
     big = dict(input_dims=64, hidden_dims=96, num_experts=8)
