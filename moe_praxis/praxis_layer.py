@@ -94,6 +94,7 @@ class MoEFeedForward(base_layer.BaseLayer):
       kernel_backend: MoEConfig.kernel_backend ('auto', 'xla', 'cuda').
       mesh_resources: a moe_praxis.MeshResources; when set and a mesh is in scope
         (jax.set_mesh or `with mesh:`), moe_block runs expert-parallel on it.
+      ep_exchange, ep_buffer_factor: MoEConfig's (expert-parallel token exchange).
     """
 
     input_dims: int = 0
@@ -130,6 +131,8 @@ class MoEFeedForward(base_layer.BaseLayer):
     router_z_loss_weight: float = 0.0
     kernel_backend: str = "auto"
     mesh_resources: Any = None
+    ep_exchange: str = "auto"
+    ep_buffer_factor: Optional[float] = None
 
     class WeightSharding(base_layer.BaseLayer.WeightSharding):
         """Weight sharding (mesh axis per dim).
@@ -270,11 +273,16 @@ class MoEFeedForward(base_layer.BaseLayer):
             activation=ACTIVATIONS[self.activation_tpl.cls],
             gated=bool(self.use_gated_activation),
             kernel_backend=self.kernel_backend,
+            ep_exchange=self.ep_exchange,
+            ep_buffer_factor=self.ep_buffer_factor,
         )
 
     def setup(self) -> None:
         self._validate()
-        self.moe_config()  # MoEConfig validates the rest
+        try:
+            self.moe_config()  # MoEConfig validates the rest
+        except ValueError as e:
+            raise ValueError(f"MoEFeedForward {self.name!r}: {e}") from e
 
         if self.norm_policy == "primer_hybrid":
             ln_p = self.ln_tpl.clone()

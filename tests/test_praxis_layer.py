@@ -737,6 +737,7 @@ def test_set_sharding_params_v1_configures_the_layer():
     ("kernel_backend", "tpu", r"kernel_backend='tpu'.*valid"),
     ("gating_logit_cap", -1.0, r"gating_logit_cap=-1.0"),
     ("residual_dropout_prob", 1.0, r"residual_dropout_prob=1.0"),
+    ("ep_exchange", "nccl", r"MoEFeedForward 'moe': MoEConfig.ep_exchange='nccl'"),
 ])
 def test_unsupported_fields_raise_at_setup(field, value, match):
     tpl = _moe_tpl(**{field: value})
