@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import fiddle as fdl
 from praxis import pax_fiddle
 
-from configs import base, models
+from configs import base, meshes, models
 from configs.registry import register, short_name
 
 
@@ -232,3 +232,15 @@ def deepseek_v3() -> pax_fiddle.Config:
 def use_synthetic_data(cfg: pax_fiddle.Config) -> None:
     """Fiddler (--fiddler=use_synthetic_data): switch the data source to synthetic."""
     cfg.data.source = "synthetic"
+
+
+def use_expert_parallel(cfg: pax_fiddle.Config, ep: int = 2) -> None:
+    """Fiddler (--fiddler='use_expert_parallel(ep=4)'): mesh data (the rest) x expert (ep)."""
+    cfg.mesh = meshes.expert_parallel(ep)
+
+
+def use_fsdp_expert_parallel(cfg: pax_fiddle.Config, dp: int = 2, fsdp: int = 2, ep: int = 2,
+                             fsdp_dim: str = "expert") -> None:
+    """Fiddler (--fiddler='use_fsdp_expert_parallel(dp=2, fsdp=2, ep=2)'): data x fsdp x
+    expert mesh."""
+    cfg.mesh = meshes.fsdp_expert_parallel(dp, fsdp, ep, fsdp_dim)

@@ -177,3 +177,37 @@ def test_gpu_presets_trace_on_fake_devices():
         # parameters + Adam moments (fp32) sharded by the preset's mesh fit on one H200
         assert r["state_bytes_per_device"] < 0.6 * h200, r
     assert mx["expert_load_shape"] == [32, 8] and ds["expert_load_shape"] == [61, 256]
+
+
+def test_expert_parallel_meshes_train_like_data_parallel():
+    """The same Tiny steps on dp8 and on dp2 x fsdp2 x ep2 (8 CPU devices, in-process): the
+    MoE layer runs expert-parallel through MeshResources and gives the same losses."""
+    import jax
+
+    from configs import experiments, meshes
+    from experiments import train
+
+    assert jax.device_count() == 8
+
+    def losses(mesh):
+        cfg = experiments.tiny()
+        cfg.data.batch_size, cfg.data.seq_len = 8, 32
+        cfg.mesh = mesh
+        prep = train.prepare(cfg)
+        fns = train.make_step_fns(prep)
+        ds = train.data_lib.load_dataset(prep.config.data)
+        out = []
+        with jax.set_mesh(prep.mesh):
+            state = fns.init(jax.random.key(0))
+            for step in range(3):
+                state, m = fns.train(state, train.put_batch(ds.train_batch(step),
+                                                            fns.batch_sharding))
+                out.append([float(m["loss"]), float(m["aux_loss"])])
+        return np.array(out), prep
+
+    a, _ = losses(meshes.data_parallel())
+    b, prep = losses(meshes.fsdp_expert_parallel(2, 2, 2))
+    moe = prep.model_config.stacked_transformer_tpl.moe_layer_tpl
+    assert moe.mesh_resources.ep == "expert"
+    # float32, different reduction orders over 3 Adam steps
+    np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-6)
