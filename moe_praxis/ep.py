@@ -33,6 +33,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -142,6 +143,33 @@ def _padded_exchange(x, row_tok, w_sorted, send_mat, layout, config, weights, ba
     return y, jnp.sum(send_tot - sent)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _ragged_move(rows, offsets, out_rows: int, axes, vary):
+    """ragged_all_to_all of rows [N, M] into a fresh [out_rows, M] buffer.
+
+    offsets: (fwd, bwd), each (input_offsets, send_sizes, output_offsets, recv_sizes) [ep]
+    int32, bwd being the mirror move. The backward is that mirror ragged_all_to_all of the
+    cotangent, with the offsets we already know (no generic transpose, no extra all_to_all
+    of offsets). vary: the mesh axes rows vary over (shard_map's type of the results)."""
+    fwd, _ = offsets
+    buf = _vary(jnp.zeros((out_rows, ) + rows.shape[1:], rows.dtype), vary)
+    return _vary(jax.lax.ragged_all_to_all(rows, buf, *fwd, axis_name=axes), vary)
+
+
+def _ragged_move_fwd(rows, offsets, out_rows, axes, vary):
+    return _ragged_move(rows, offsets, out_rows, axes, vary), (offsets, rows.shape[0])
+
+
+def _ragged_move_bwd(out_rows, axes, vary, res, g):
+    (fwd, bwd), n = res
+    buf = _vary(jnp.zeros((n, ) + g.shape[1:], g.dtype), vary)
+    g_rows = _vary(jax.lax.ragged_all_to_all(_vary(g, vary), buf, *bwd, axis_name=axes), vary)
+    return g_rows, jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), (fwd, bwd))
+
+
+_ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
+
+
 def _ragged_exchange(x, row_tok, w_sorted, send_mat, layout, config, weights, backend):
     """One ragged_all_to_all each way into a [B, M] buffer. Returns (y [Tl, M] f32, overflow)."""
     ep, el = layout.ep_size, layout.experts_per_rank
@@ -163,15 +191,15 @@ def _ragged_exchange(x, row_tok, w_sorted, send_mat, layout, config, weights, ba
 
     rows = ops.permute(x, row_tok, backend=backend)  # [R, M] expert-sorted
     recv_mat = jax.lax.all_to_all(send_mat, axes, 0, 0, tiled=True)  # [src, El]
-    recv = jax.lax.ragged_all_to_all(rows, jnp.zeros((bound, ) + rows.shape[1:], rows.dtype),
-                                     nz(in_off[me], my_send), my_send, nz(out_off[me], my_send),
-                                     my_recv, axis_name=axes)  # [B, M]
+    there = (nz(in_off[me], my_send), my_send, nz(out_off[me], my_send), my_recv)
+    back_again = (nz(out_off[:, me], my_recv), my_recv, nz(in_off[:, me], my_recv), my_send)
+    vary = tuple(sorted(_varying_axes(rows) | set(axes)))
+    recv = _ragged_move(rows, (there, back_again), bound, axes, vary)  # [B, M]
     src, pos, in_range = _block_position(jnp.arange(bound, dtype=jnp.int32), my_recv)
     keys = _regroup_keys(src, pos, in_range, recv_mat, el)
     out = _experts(recv, keys, weights, config, el, backend)
-    back = jax.lax.ragged_all_to_all(out, jnp.zeros_like(rows), nz(out_off[:, me], my_recv),
-                                     my_recv, nz(in_off[:, me], my_recv), my_send,
-                                     axis_name=axes)  # [R, M] expert-sorted, zeros if dropped
+    out = _vary(out, vary)
+    back = _ragged_move(out, (back_again, there), r_rows, axes, vary)  # [R, M], 0 if dropped
     scaled = back.astype(jnp.float32) * w_sorted[:, None]
     y = ops.unpermute(scaled, row_tok, t_l, backend=backend)
     return y, jnp.sum(send_tot - my_send)

@@ -334,8 +334,13 @@ def test_ragged_exchange_lowers_with_one_ragged_all_to_all_each_way():
     layout = mp.ep_bootstrap(mesh, res, 8)
     fn = ep_lib.sharded_fn(cfg, layout, mesh, kind="ragged", seq_len=None, t_global=64,
                            param_names=tuple(params), backend="xla")
-    text = jax.jit(fn).lower(params, jnp.ones((64, D_MODEL)), jnp.ones((64, ), bool)).as_text()
+    x, valid = jnp.ones((64, D_MODEL)), jnp.ones((64, ), bool)
+    text = jax.jit(fn).lower(params, x, valid).as_text()
     assert text.count("ragged_all_to_all") == 2, text.count("ragged_all_to_all")
+    # and its backward (the mirror moves of the cotangents) traces and lowers too
+    grad = jax.grad(lambda p, x: jnp.sum(fn(p, x, valid)[0]**2), argnums=(0, 1))
+    text = jax.jit(grad).lower(params, x).as_text()
+    assert text.count("ragged_all_to_all") == 4, text.count("ragged_all_to_all")
     with pytest.raises(ValueError, match="ep_exchange='padded'"):
         mp.moe_block(params, jnp.ones((64, D_MODEL)), cfg, mesh=mesh, resources=res)
 
