@@ -54,8 +54,8 @@ _COORDINATOR = flags.DEFINE_string(
 _NO_PROGRESS = flags.DEFINE_bool("no_progress", False, "Do not draw the tqdm progress bar.")
 
 
-class UsageError(app.UsageError):
-    pass
+class UsageError(ValueError):
+    """A bad flag or config: the job stops with this message and exit status 2."""
 
 
 # ------------------------------------------------------------------------ config from flags
@@ -250,8 +250,16 @@ def main(argv) -> int:
     return 0
 
 
+def _main(argv) -> int:
+    try:
+        return main(argv)
+    except UsageError as e:
+        print(f"experiments.main: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
 def run():
-    app.run(main, flags_parser=fdl_flags.flags_parser)
+    app.run(_main, flags_parser=fdl_flags.flags_parser)
 
 
 if __name__ == "__main__":

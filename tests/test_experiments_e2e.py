@@ -211,3 +211,17 @@ def test_expert_parallel_meshes_train_like_data_parallel():
     assert moe.mesh_resources.ep == "expert"
     # float32, different reduction orders over 3 Adam steps
     np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-6)
+
+
+def test_cli_errors_exit_2_with_the_message_and_write_nothing(tmp_path):
+    job = tmp_path / "job"
+    p = run_main(["--exp=tiny_synthtic", f"--job_log_dir={job}"], check=False, timeout=120)
+    assert p.returncode == 2
+    assert "experiments.main: error: --exp='tiny_synthtic' is not a registered experiment; " \
+        "did you mean configs.experiments.TinySynthetic" in p.stderr
+    p = run_main(["--fdl.train.num_stepz=3", f"--job_log_dir={job}"], check=False, timeout=120)
+    assert p.returncode == 2 and "did you mean num_steps" in p.stderr
+    p = run_main(["--fdl.data.batch_size=12", f"--job_log_dir={job}"], devices=8, check=False,
+                 timeout=120)
+    assert p.returncode == 2 and "invalid config: --fdl.data.batch_size=12" in p.stderr
+    assert not job.exists()
