@@ -60,8 +60,7 @@ class DataConfig:
         for name in ("seq_len", "batch_size", "synthetic_bytes"):
             _positive_int("DataConfig", name, getattr(self, name))
         if not 0.0 < self.heldout_fraction < 1.0:
-            raise _bad("DataConfig", "heldout_fraction", self.heldout_fraction,
-                       "must be in (0, 1)")
+            raise _bad("DataConfig", "heldout_fraction", self.heldout_fraction, "must be in (0, 1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +116,8 @@ class MeshConfig:
       (after ep) or their 'model' (d_model) dimension.
     """
 
-    shape: tuple = (-1,)
-    axis_names: tuple = ("data",)
+    shape: tuple = (-1, )
+    axis_names: tuple = ("data", )
     dp: AxisRole = "data"
     fsdp: AxisRole = None
     ep: AxisRole = None
@@ -130,8 +129,7 @@ class MeshConfig:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "axis_names", names)
         if len(shape) != len(names) or not shape:
-            raise _bad("MeshConfig", "shape", shape,
-                       f"needs one size per axis name {names}")
+            raise _bad("MeshConfig", "shape", shape, f"needs one size per axis name {names}")
         if len(set(names)) != len(names):
             raise _bad("MeshConfig", "axis_names", names, "names must be distinct")
         if sum(1 for s in shape if s == -1) > 1:
@@ -156,7 +154,7 @@ class MeshConfig:
         v = getattr(self, role)
         if v is None:
             return ()
-        return (v,) if isinstance(v, str) else tuple(v)
+        return (v, ) if isinstance(v, str) else tuple(v)
 
     def token_axes(self) -> tuple:
         """The axes the batch is split over: dp, fsdp and ep together (DESIGN.md)."""
@@ -179,7 +177,10 @@ class MeshConfig:
         """The ``moe_praxis.MeshResources`` naming these roles."""
         import moe_praxis
 
-        return moe_praxis.MeshResources(dp=self.dp, fsdp=self.fsdp, ep=self.ep, tp=self.tp,
+        return moe_praxis.MeshResources(dp=self.dp,
+                                        fsdp=self.fsdp,
+                                        ep=self.ep,
+                                        tp=self.tp,
                                         fsdp_dim=self.fsdp_dim)
 
 
@@ -209,8 +210,7 @@ class TrainConfig:
     sigterm_at_step: int = 0
 
     def __post_init__(self):
-        for name in ("num_steps", "eval_every", "eval_batches", "max_checkpoints",
-                     "summary_every"):
+        for name in ("num_steps", "eval_every", "eval_batches", "max_checkpoints", "summary_every"):
             _positive_int("TrainConfig", name, getattr(self, name))
         for name in ("checkpoint_every", "sigterm_at_step"):
             v = getattr(self, name)

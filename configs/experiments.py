@@ -67,8 +67,8 @@ class LanguageModel:
     SUMMARY_EVERY = 10
     SEED = 0
     # Mesh (shape, names, and the MeshResources roles).
-    MESH_SHAPE = (-1,)
-    MESH_AXIS_NAMES = ("data",)
+    MESH_SHAPE = (-1, )
+    MESH_AXIS_NAMES = ("data", )
     DP = "data"
     FSDP = None
     EP = None
@@ -76,40 +76,65 @@ class LanguageModel:
     FSDP_DIM = "expert"
 
     def model(self) -> pax_fiddle.Config:
-        return models.transformer_lm(
-            vocab_size=self.VOCAB_SIZE, model_dims=self.MODEL_DIMS,
-            hidden_dims=self.HIDDEN_DIMS, num_layers=self.NUM_LAYERS,
-            num_heads=self.NUM_HEADS, dim_per_head=self.DIM_PER_HEAD,
-            num_experts=self.NUM_EXPERTS, top_k=self.TOP_K,
-            moe_hidden_dims=self.MOE_HIDDEN_DIMS, moe_layers=self.MOE_LAYERS,
-            aux_loss_coeff=self.AUX_LOSS_COEFF, repeat=self.REPEAT,
-            fprop_dtype=self.FPROP_DTYPE, remat=self.REMAT)
+        return models.transformer_lm(vocab_size=self.VOCAB_SIZE,
+                                     model_dims=self.MODEL_DIMS,
+                                     hidden_dims=self.HIDDEN_DIMS,
+                                     num_layers=self.NUM_LAYERS,
+                                     num_heads=self.NUM_HEADS,
+                                     dim_per_head=self.DIM_PER_HEAD,
+                                     num_experts=self.NUM_EXPERTS,
+                                     top_k=self.TOP_K,
+                                     moe_hidden_dims=self.MOE_HIDDEN_DIMS,
+                                     moe_layers=self.MOE_LAYERS,
+                                     aux_loss_coeff=self.AUX_LOSS_COEFF,
+                                     repeat=self.REPEAT,
+                                     fprop_dtype=self.FPROP_DTYPE,
+                                     remat=self.REMAT)
 
     def data(self) -> fdl.Config:
-        return fdl.Config(base.DataConfig, source=self.DATA_SOURCE, path=self.DATA_PATH,
-                          seq_len=self.SEQ_LEN, batch_size=self.BATCH_SIZE,
-                          heldout_fraction=self.HELDOUT_FRACTION, seed=self.DATA_SEED)
+        return fdl.Config(base.DataConfig,
+                          source=self.DATA_SOURCE,
+                          path=self.DATA_PATH,
+                          seq_len=self.SEQ_LEN,
+                          batch_size=self.BATCH_SIZE,
+                          heldout_fraction=self.HELDOUT_FRACTION,
+                          seed=self.DATA_SEED)
 
     def optimizer(self) -> fdl.Config:
-        return fdl.Config(base.OptimizerConfig, learning_rate=self.LEARNING_RATE,
-                          warmup_steps=self.WARMUP_STEPS, schedule=self.SCHEDULE,
-                          weight_decay=self.WEIGHT_DECAY, clip_norm=self.CLIP_NORM)
+        return fdl.Config(base.OptimizerConfig,
+                          learning_rate=self.LEARNING_RATE,
+                          warmup_steps=self.WARMUP_STEPS,
+                          schedule=self.SCHEDULE,
+                          weight_decay=self.WEIGHT_DECAY,
+                          clip_norm=self.CLIP_NORM)
 
     def mesh(self) -> fdl.Config:
-        return fdl.Config(base.MeshConfig, shape=tuple(self.MESH_SHAPE),
-                          axis_names=tuple(self.MESH_AXIS_NAMES), dp=self.DP, fsdp=self.FSDP,
-                          ep=self.EP, tp=self.TP, fsdp_dim=self.FSDP_DIM)
+        return fdl.Config(base.MeshConfig,
+                          shape=tuple(self.MESH_SHAPE),
+                          axis_names=tuple(self.MESH_AXIS_NAMES),
+                          dp=self.DP,
+                          fsdp=self.FSDP,
+                          ep=self.EP,
+                          tp=self.TP,
+                          fsdp_dim=self.FSDP_DIM)
 
     def train(self) -> fdl.Config:
-        return fdl.Config(base.TrainConfig, num_steps=self.NUM_STEPS, eval_every=self.EVAL_EVERY,
-                          eval_batches=self.EVAL_BATCHES, checkpoint_every=self.CHECKPOINT_EVERY,
-                          summary_every=self.SUMMARY_EVERY, seed=self.SEED)
+        return fdl.Config(base.TrainConfig,
+                          num_steps=self.NUM_STEPS,
+                          eval_every=self.EVAL_EVERY,
+                          eval_batches=self.EVAL_BATCHES,
+                          checkpoint_every=self.CHECKPOINT_EVERY,
+                          summary_every=self.SUMMARY_EVERY,
+                          seed=self.SEED)
 
     def experiment_config(self) -> pax_fiddle.Config:
         """The whole experiment as one Fiddle config (nothing built yet)."""
-        return pax_fiddle.Config(base.ExperimentConfig, name=short_name(type(self)),
-                                 model=self.model(), data=self.data(),
-                                 optimizer=self.optimizer(), mesh=self.mesh(),
+        return pax_fiddle.Config(base.ExperimentConfig,
+                                 name=short_name(type(self)),
+                                 model=self.model(),
+                                 data=self.data(),
+                                 optimizer=self.optimizer(),
+                                 mesh=self.mesh(),
                                  train=self.train())
 
 
@@ -141,7 +166,7 @@ class SmallGpu(LanguageModel):
     NUM_STEPS = 5000
     EVAL_EVERY = 500
     CHECKPOINT_EVERY = 1000
-    MESH_SHAPE = (1,)
+    MESH_SHAPE = (1, )
 
 
 @register
@@ -200,7 +225,6 @@ class DeepSeekV3(LanguageModel):
 
 GPU_PRESETS = (SmallGpu, Mixtral8x7B, DeepSeekV3)
 
-
 # ------------------------------------------------------------ --fdl_config=NAME entry points
 
 
@@ -239,7 +263,10 @@ def use_expert_parallel(cfg: pax_fiddle.Config, ep: int = 2) -> None:
     cfg.mesh = meshes.expert_parallel(ep)
 
 
-def use_fsdp_expert_parallel(cfg: pax_fiddle.Config, dp: int = 2, fsdp: int = 2, ep: int = 2,
+def use_fsdp_expert_parallel(cfg: pax_fiddle.Config,
+                             dp: int = 2,
+                             fsdp: int = 2,
+                             ep: int = 2,
                              fsdp_dim: str = "expert") -> None:
     """Fiddler (--fiddler='use_fsdp_expert_parallel(dp=2, fsdp=2, ep=2)'): data x fsdp x
     expert mesh."""

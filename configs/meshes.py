@@ -14,12 +14,15 @@ from configs.base import MeshConfig
 
 def data_parallel() -> fdl.Config:
     """All devices on one 'data' axis (the default: whatever the machine has)."""
-    return fdl.Config(MeshConfig, shape=(-1,), axis_names=("data",), dp="data")
+    return fdl.Config(MeshConfig, shape=(-1, ), axis_names=("data", ), dp="data")
 
 
 def expert_parallel(ep: int) -> fdl.Config:
     """data (the rest) x expert (ep): tokens over both, experts split over 'expert'."""
-    return fdl.Config(MeshConfig, shape=(-1, ep), axis_names=("data", "expert"), dp="data",
+    return fdl.Config(MeshConfig,
+                      shape=(-1, ep),
+                      axis_names=("data", "expert"),
+                      dp="data",
                       ep="expert")
 
 
@@ -27,5 +30,10 @@ def fsdp_expert_parallel(dp: int, fsdp: int, ep: int, fsdp_dim: str = "expert") 
     """data x fsdp x expert. Expert weights: expert dim over (expert, fsdp) with
     fsdp_dim='expert', or expert dim over 'expert' and d_model over 'fsdp' with 'model'.
     Dense weights are sharded over 'fsdp' (Praxis's canonical sharding)."""
-    return fdl.Config(MeshConfig, shape=(dp, fsdp, ep), axis_names=("data", "fsdp", "expert"),
-                      dp="data", fsdp="fsdp", ep="expert", fsdp_dim=fsdp_dim)
+    return fdl.Config(MeshConfig,
+                      shape=(dp, fsdp, ep),
+                      axis_names=("data", "fsdp", "expert"),
+                      dp="data",
+                      fsdp="fsdp",
+                      ep="expert",
+                      fsdp_dim=fsdp_dim)

@@ -20,7 +20,10 @@ def moe_layer_class():
     return moe_praxis.MoEFeedForward
 
 
-def moe_layer_tpl(*, top_k: int, moe_hidden_dims: int, aux_loss_coeff: float,
+def moe_layer_tpl(*,
+                  top_k: int,
+                  moe_hidden_dims: int,
+                  aux_loss_coeff: float,
                   gated: bool = True) -> pax_fiddle.Config:
     """The template StackedTransformer copies into each MoE layer (it sets num_experts,
     num_groups, min_group_size and gating_func itself): dropless softmax top-k routing
@@ -63,11 +66,15 @@ def transformer_lm(
     import jax.numpy as jnp
 
     dtype = jnp.dtype(fprop_dtype)
-    lm = pax_fiddle.Config(transformer_models.TransformerLm, name="lm", model_dims=model_dims,
-                           vocab_size=vocab_size, fprop_dtype=dtype)
+    lm = pax_fiddle.Config(transformer_models.TransformerLm,
+                           name="lm",
+                           model_dims=model_dims,
+                           vocab_size=vocab_size,
+                           fprop_dtype=dtype)
     lm.position_emb_tpl = None
     lm.softmax_tpl = pax_fiddle.Config(embedding_softmax.SharedEmbeddingSoftmax,
-                                       input_dims=model_dims, num_classes=vocab_size,
+                                       input_dims=model_dims,
+                                       num_classes=vocab_size,
                                        scale_sqrt_depth=True)
     if norm == "rms":
         lm.final_ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
@@ -90,7 +97,8 @@ def transformer_lm(
     layer.tr_fflayer_tpl.activation_tpl = pax_fiddle.Config(activations.SiLU)
     if norm == "rms":
         layer.tr_fflayer_tpl.ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
-    moe = moe_layer_tpl(top_k=top_k, moe_hidden_dims=moe_hidden_dims or hidden_dims,
+    moe = moe_layer_tpl(top_k=top_k,
+                        moe_hidden_dims=moe_hidden_dims or hidden_dims,
                         aux_loss_coeff=aux_loss_coeff)
     if norm == "rms":
         moe.ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
@@ -102,7 +110,8 @@ def transformer_lm(
                              "makes every layer MoE")
         block.num_layers = 1
         block.moe_layers = [0]
-        stack = pax_fiddle.Config(transformers.StackedTransformerRepeated, block=block,
+        stack = pax_fiddle.Config(transformers.StackedTransformerRepeated,
+                                  block=block,
                                   x_times=num_layers)
     else:
         block.num_layers = num_layers

@@ -103,8 +103,10 @@ class ByteDataset:
         n = num_batches * self.batch_size
         last = len(self.heldout) - self.seq_len - 1
         starts = np.linspace(0, last, n).astype(np.int64)
-        return [self._windows(self.heldout, starts[i * self.batch_size:(i + 1) * self.batch_size])
-                for i in range(num_batches)]
+        return [
+            self._windows(self.heldout, starts[i * self.batch_size:(i + 1) * self.batch_size])
+            for i in range(num_batches)
+        ]
 
 
 def load_dataset(config: DataConfig) -> ByteDataset:

@@ -43,8 +43,9 @@ _EXP = flags.DEFINE_string(
 _JOB_LOG_DIR = flags.DEFINE_string(
     "job_log_dir", None, "Where metrics.jsonl, TensorBoard events, checkpoints and the summary "
     "plot go; a run resumes from the latest checkpoint here. Default ./runs/<experiment>.")
-_MODE = flags.DEFINE_enum("mode", "train", MODES, "train: train (resuming if possible); "
-                          "eval: held-out loss of the latest checkpoint.")
+_MODE = flags.DEFINE_enum(
+    "mode", "train", MODES, "train: train (resuming if possible); "
+    "eval: held-out loss of the latest checkpoint.")
 _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", 1, "Processes in the job (jax.distributed.initialize num_processes).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index in [0, num_processes).")
@@ -64,7 +65,7 @@ class UsageError(ValueError):
 def _param_names(node) -> list[str]:
     if isinstance(node, fdl.Buildable):
         names = list(node.__signature_info__.parameters)
-        return [n for n in names if n not in ("parent",)]
+        return [n for n in names if n not in ("parent", )]
     if isinstance(node, dict):
         return [str(k) for k in node]
     return []
@@ -133,10 +134,11 @@ def config_from_flags():
             with _no_fdl_set(fv):
                 cfg = fdl_flags.create_buildable_from_flags(exp_module, allow_imports=True)
         except (ValueError, AttributeError, ModuleNotFoundError) as e:
-            names = [n for n in dir(exp_module) if not n.startswith("_")
-                     and callable(getattr(exp_module, n)) and n.islower()]
-            close = difflib.get_close_matches(str(fv["fdl_config"].value), names, n=5,
-                                              cutoff=0.5)
+            names = [
+                n for n in dir(exp_module)
+                if not n.startswith("_") and callable(getattr(exp_module, n)) and n.islower()
+            ]
+            close = difflib.get_close_matches(str(fv["fdl_config"].value), names, n=5, cutoff=0.5)
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             raise UsageError(f"--fdl_config={fv['fdl_config'].value!r}: {e}.{hint} Functions "
                              f"in configs.experiments: {', '.join(names)}") from None
@@ -190,7 +192,8 @@ def init_distributed(num_processes: int, process_id: int, coordinator_address) -
     # CPU processes exchange collectives through gloo (harmless where GPUs are used).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
+                               num_processes=num_processes,
+                               process_id=process_id)
 
 
 # ------------------------------------------------------------------------------------ main
@@ -215,9 +218,10 @@ def main(argv) -> int:
     chief = jax.process_index() == 0
     if chief:
         mesh = dict(zip(prep.mesh.axis_names, prep.mesh.devices.shape))
-        print(f"experiment {name}: {jax.device_count()} {jax.devices()[0].platform} devices in "
-              f"{jax.process_count()} process(es), mesh {mesh}; job_log_dir {job_log_dir}",
-              flush=True)
+        print(
+            f"experiment {name}: {jax.device_count()} {jax.devices()[0].platform} devices in "
+            f"{jax.process_count()} process(es), mesh {mesh}; job_log_dir {job_log_dir}",
+            flush=True)
     trainer = train.Trainer(prep, job_log_dir, progress=not _NO_PROGRESS.value)
     if _MODE.value == "eval":
         result = trainer.evaluate_latest()

@@ -107,10 +107,15 @@ def _annotate_model(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig,
 
     dp, fsdp, ep, tp = (one(mesh_cfg.role_axes(r)) for r in ("dp", "fsdp", "ep", "tp"))
     token_axes = mesh_cfg.token_axes()
-    transformer_models.TransformerLm.set_sharding_params_v1(
-        model_cfg, replica_axis=dp, data_axis=fsdp, mdl_axis=tp,
-        ici_mesh_shape=list(mesh_shape), mesh_axis_names=list(mesh_cfg.axis_names),
-        batch_axes=tuple(token_axes), training_optimized=True)
+    transformer_models.TransformerLm.set_sharding_params_v1(model_cfg,
+                                                            replica_axis=dp,
+                                                            data_axis=fsdp,
+                                                            mdl_axis=tp,
+                                                            ici_mesh_shape=list(mesh_shape),
+                                                            mesh_axis_names=list(
+                                                                mesh_cfg.axis_names),
+                                                            batch_axes=tuple(token_axes),
+                                                            training_optimized=True)
     block = models.stack_block(model_cfg)
     if not block.moe_layers:
         return
@@ -119,7 +124,9 @@ def _annotate_model(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig,
     resources = mesh_cfg.resources()
     mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), tuple(mesh_cfg.axis_names))
     try:  # resources.py is the one place that interprets the roles
-        layout = ep_bootstrap(mesh, resources, block.num_experts,
+        layout = ep_bootstrap(mesh,
+                              resources,
+                              block.num_experts,
                               d_model=model_cfg.model_dims,
                               d_ff=block.moe_layer_tpl.hidden_dims or block.hidden_dims)
     except ValueError as e:
@@ -228,15 +235,15 @@ def make_optimizer(opt: base.OptimizerConfig, num_steps: int) -> optax.GradientT
     sched = after if w == 0 else optax.join_schedules([optax.linear_schedule(0.0, lr, w), after],
                                                       [w])
     chain = [optax.clip_by_global_norm(opt.clip_norm)] if opt.clip_norm > 0 else []
-    chain.append(optax.adamw(sched, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                             weight_decay=opt.weight_decay))
+    chain.append(
+        optax.adamw(sched, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay))
     return optax.chain(*chain), sched
 
 
 def _flat_summaries(tree, prefix=()):
     if isinstance(tree, dict) or hasattr(tree, "items"):
         for k, v in tree.items():
-            yield from _flat_summaries(v, prefix + (str(k),))
+            yield from _flat_summaries(v, prefix + (str(k), ))
     else:
         yield prefix, tree
 
@@ -290,20 +297,33 @@ def make_step_fns(prep: Prepared) -> StepFns:
     token_axes = exp.mesh.token_axes()
     batch_spec = P(token_axes if token_axes else None, None)
     batch_sharding = jax.sharding.NamedSharding(mesh, batch_spec)
-    fake = {"ids": jax.ShapeDtypeStruct((b, s), jnp.int32),
-            "labels": jax.ShapeDtypeStruct((b, s), jnp.int32),
-            "weights": jax.ShapeDtypeStruct((b, s), jnp.float32)}
+    fake = {
+        "ids": jax.ShapeDtypeStruct((b, s), jnp.int32),
+        "labels": jax.ShapeDtypeStruct((b, s), jnp.int32),
+        "weights": jax.ShapeDtypeStruct((b, s), jnp.float32)
+    }
 
     def init_fn(key):
-        ids, paddings, labels = _model_inputs(
-            {k: jnp.zeros(v.shape, v.dtype) for k, v in fake.items()})
+        ids, paddings, labels = _model_inputs({
+            k: jnp.zeros(v.shape, v.dtype)
+            for k, v in fake.items()
+        })
         k1, k2 = jax.random.split(key)
-        variables = model.init({base_layer.PARAMS: k1, base_layer.RANDOM: k2}, ids, paddings,
+        variables = model.init({
+            base_layer.PARAMS: k1,
+            base_layer.RANDOM: k2
+        },
+                               ids,
+                               paddings,
                                labels=labels)
         params = variables[base_layer.PARAMS]
         rest = {k: v for k, v in variables.items() if k == base_layer.NON_TRAINABLE}
-        return {"step": jnp.zeros((), jnp.int32), "params": params,
-                "opt_state": tx.init(params), "non_trainable": rest}
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": tx.init(params),
+            "non_trainable": rest
+        }
 
     # Shardings: Praxis's WeightHParams split mappings when the model has a mesh, else
     # replicated parameters.
@@ -313,36 +333,48 @@ def make_step_fns(prep: Prepared) -> StepFns:
         ids, paddings, labels = _model_inputs(fake)
         with _mesh_scope(mesh):
             var_hparams = model.abstract_init_with_metadata(ids, paddings, labels=labels)
-        specs = base_layer.var_partition_specs(var_hparams, mesh_shape=model.ici_mesh_shape,
+        specs = base_layer.var_partition_specs(var_hparams,
+                                               mesh_shape=model.ici_mesh_shape,
                                                device_axis_names=model.mesh_axis_names)
         param_specs = specs[base_layer.PARAMS]
         nt_specs = {k: specs[k] for k in abstract["non_trainable"]}
     else:
         param_specs = jax.tree_util.tree_map(lambda _: P(), abstract["params"])
         nt_specs = jax.tree_util.tree_map(lambda _: P(), abstract["non_trainable"])
-    opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, abstract["opt_state"],
-                                      param_specs, transform_non_params=lambda _: P(),
+    opt_specs = optax.tree_map_params(tx,
+                                      lambda _, spec: spec,
+                                      abstract["opt_state"],
+                                      param_specs,
+                                      transform_non_params=lambda _: P(),
                                       is_leaf=lambda x: isinstance(x, P))
-    specs = {"step": P(), "params": param_specs, "opt_state": opt_specs,
-             "non_trainable": nt_specs}
+    specs = {"step": P(), "params": param_specs, "opt_state": opt_specs, "non_trainable": nt_specs}
     state_sharding = jax.tree_util.tree_map(lambda sp: jax.sharding.NamedSharding(mesh, sp),
-                                            specs, is_leaf=lambda x: isinstance(x, P))
+                                            specs,
+                                            is_leaf=lambda x: isinstance(x, P))
     replicated = jax.sharding.NamedSharding(mesh, P())
 
     def loss_fn(params, non_trainable, batch, key, do_eval):
         ids, paddings, labels = _model_inputs(batch)
         ctx = base_layer.JaxContext.HParams(do_eval=do_eval)
         with base_layer.JaxContext.new_context(hparams=ctx):
-            out, updated = model.apply({base_layer.PARAMS: params, **non_trainable}, ids,
-                                       paddings, labels=labels, rngs={base_layer.RANDOM: key},
+            out, updated = model.apply({
+                base_layer.PARAMS: params,
+                **non_trainable
+            },
+                                       ids,
+                                       paddings,
+                                       labels=labels,
+                                       rngs={base_layer.RANDOM: key},
                                        mutable=MUTABLE)
         return out.total_loss, (out, updated)
 
     def train_fn(state, batch):
         step = state["step"]
         key = jax.random.fold_in(jax.random.key(exp.train.seed + 1), step)
-        (loss, (out, updated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], state["non_trainable"], batch, key, False)
+        (loss, (out, updated)), grads = jax.value_and_grad(loss_fn,
+                                                           has_aux=True)(state["params"],
+                                                                         state["non_trainable"],
+                                                                         batch, key, False)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         nt = {k: updated.get(k, v) for k, v in state["non_trainable"].items()}
@@ -356,25 +388,35 @@ def make_step_fns(prep: Prepared) -> StepFns:
         load = expert_load(updated.get(base_layer.SUMMARIES, {}), nl, lpb)
         if load is not None:
             metrics["expert_load"] = load
-        new_state = {"step": step + 1, "params": params, "opt_state": opt_state,
-                     "non_trainable": nt}
+        new_state = {
+            "step": step + 1,
+            "params": params,
+            "opt_state": opt_state,
+            "non_trainable": nt
+        }
         return new_state, metrics
 
     def eval_fn(state, batch):
-        loss, (out, _) = loss_fn(state["params"], state["non_trainable"], batch,
-                                 jax.random.key(0), True)
+        loss, (out, _) = loss_fn(state["params"], state["non_trainable"], batch, jax.random.key(0),
+                                 True)
         return {"xent": out.avg_xent}
 
     init = jax.jit(init_fn, out_shardings=state_sharding)
-    train = jax.jit(train_fn, in_shardings=(state_sharding, batch_sharding),
-                    out_shardings=(state_sharding, replicated), donate_argnums=0)
-    evaluate = jax.jit(eval_fn, in_shardings=(state_sharding, batch_sharding),
+    train = jax.jit(train_fn,
+                    in_shardings=(state_sharding, batch_sharding),
+                    out_shardings=(state_sharding, replicated),
+                    donate_argnums=0)
+    evaluate = jax.jit(eval_fn,
+                       in_shardings=(state_sharding, batch_sharding),
                        out_shardings=replicated)
     abstract_state = jax.tree_util.tree_map(
-        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract,
-        state_sharding)
-    return StepFns(init=init, train=train, eval=evaluate, state_sharding=state_sharding,
-                   batch_sharding=batch_sharding, abstract_state=abstract_state,
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, state_sharding)
+    return StepFns(init=init,
+                   train=train,
+                   eval=evaluate,
+                   state_sharding=state_sharding,
+                   batch_sharding=batch_sharding,
+                   abstract_state=abstract_state,
                    schedule=schedule)
 
 
@@ -386,8 +428,10 @@ def _mesh_scope(mesh):
 
 def put_batch(batch: dict, sharding) -> dict:
     """Global numpy batch -> global jax arrays; each process fills only its own shards."""
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
-            for k, v in batch.items()}
+    return {
+        k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+        for k, v in batch.items()
+    }
 
 
 # ----------------------------------------------------------------------------- logging
@@ -454,10 +498,12 @@ def plot_summary(metrics_path, png_path, title: str = "") -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     ax = axes[0]
     if train:
-        ax.plot([r["step"] for r in train], [r["xent"] for r in train], lw=0.8,
+        ax.plot([r["step"] for r in train], [r["xent"] for r in train],
+                lw=0.8,
                 label="train cross-entropy")
     if ev:
-        ax.plot([r["step"] for r in ev], [r["heldout_loss"] for r in ev], "o-",
+        ax.plot([r["step"] for r in ev], [r["heldout_loss"] for r in ev],
+                "o-",
                 label="held-out loss")
     ax.set_xlabel("step")
     ax.set_ylabel("nats / byte")
@@ -503,8 +549,7 @@ class Trainer:
     def _manager(self):
         import orbax.checkpoint as ocp
 
-        opts = ocp.CheckpointManagerOptions(max_to_keep=self.exp.train.max_checkpoints,
-                                            create=True)
+        opts = ocp.CheckpointManagerOptions(max_to_keep=self.exp.train.max_checkpoints, create=True)
         return ocp.CheckpointManager(self.ckpt_dir, options=opts)
 
     def _save(self, mngr, state, step: int):
@@ -543,10 +588,11 @@ class Trainer:
                 raise FileNotFoundError(f"--mode=eval needs a checkpoint; {self.ckpt_dir} has "
                                         "none (train first, or point --job_log_dir at a run)")
             with jax.set_mesh(self.prep.mesh):
-                state = mngr.restore(step,
-                                     args=ocp.args.StandardRestore(self.fns.abstract_state))
-                batches = [put_batch(b, self.fns.batch_sharding)
-                           for b in self.dataset.eval_batches(self.exp.train.eval_batches)]
+                state = mngr.restore(step, args=ocp.args.StandardRestore(self.fns.abstract_state))
+                batches = [
+                    put_batch(b, self.fns.batch_sharding)
+                    for b in self.dataset.eval_batches(self.exp.train.eval_batches)
+                ]
                 result = {"step": step, **self._evaluate(state, batches)}
         finally:
             mngr.close()
@@ -560,17 +606,25 @@ class Trainer:
         writer = MetricsWriter(self.job_log_dir, self.is_chief)
         mngr = self._manager()
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        result = {"job_log_dir": str(self.job_log_dir), "metrics": str(writer.path),
-                  "tensorboard": str(writer.tb_dir), "checkpoints": str(self.ckpt_dir),
-                  "plot": str(self.png_path), "stopped_by": None, "last_eval": None}
+        result = {
+            "job_log_dir": str(self.job_log_dir),
+            "metrics": str(writer.path),
+            "tensorboard": str(writer.tb_dir),
+            "checkpoints": str(self.ckpt_dir),
+            "plot": str(self.png_path),
+            "stopped_by": None,
+            "last_eval": None
+        }
         try:
             with jax.set_mesh(self.prep.mesh):
                 state, restored = self._restore_or_init(mngr)
                 start = int(jax.device_get(state["step"]))
                 result["start_step"] = start
                 result["restored_from"] = restored
-                eval_batches = [put_batch(b, self.fns.batch_sharding)
-                                for b in self.dataset.eval_batches(tr.eval_batches)]
+                eval_batches = [
+                    put_batch(b, self.fns.batch_sharding)
+                    for b in self.dataset.eval_batches(tr.eval_batches)
+                ]
                 if start == 0:
                     ev = self._evaluate(state, eval_batches)
                     writer.write("eval", 0, ev)
@@ -580,8 +634,11 @@ class Trainer:
                 if self.progress and start < tr.num_steps:
                     from tqdm import tqdm
 
-                    bar = tqdm(total=tr.num_steps, initial=start, desc=exp.name,
-                               unit="step", dynamic_ncols=True)
+                    bar = tqdm(total=tr.num_steps,
+                               initial=start,
+                               desc=exp.name,
+                               unit="step",
+                               dynamic_ncols=True)
                 step = start
                 last = {}
                 t_prev = time.perf_counter()
@@ -597,8 +654,7 @@ class Trainer:
                     last = {k: float(v) for k, v in metrics.items()}
                     last["tokens_per_sec"] = tps
                     writer.write("train", step, last)
-                    if load is not None and (step % tr.summary_every == 0
-                                             or step == tr.num_steps):
+                    if load is not None and (step % tr.summary_every == 0 or step == tr.num_steps):
                         writer.write("expert_load", step, {"load": np.asarray(load)})
                     if bar is not None:
                         bar.update(1)

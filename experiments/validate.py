@@ -62,9 +62,10 @@ def validate(cfg, devices=None) -> dict:
         "mesh": dict(zip(prep.mesh.axis_names, prep.mesh.devices.shape)),
         "num_params": int(num_params),
         "state_bytes_per_device": int(_per_device_bytes(fns.abstract_state)),
-        "loss": [list(metrics["loss"].shape), str(metrics["loss"].dtype)],
-        "expert_load_shape": list(metrics["expert_load"].shape) if "expert_load" in metrics
-        else None,
+        "loss": [list(metrics["loss"].shape),
+                 str(metrics["loss"].dtype)],
+        "expert_load_shape":
+        list(metrics["expert_load"].shape) if "expert_load" in metrics else None,
         "seconds": round(time.perf_counter() - t0, 1),
     }
 

@@ -69,6 +69,7 @@ def test_bad_exp_flag_is_a_usage_error():
 
 
 def test_knobs_reach_the_config():
+
     class Deeper(experiments.Tiny):
         NUM_LAYERS = 3
         NUM_EXPERTS = 4
@@ -157,8 +158,11 @@ def test_invalid_config_stops_before_compilation(arg, pattern, monkeypatch):
 
 def test_mesh_errors_come_from_ep_bootstrap():
     cfg = experiments.tiny()
-    cfg.mesh = experiments.fdl.Config(base.MeshConfig, shape=(2, 4), axis_names=("data", "ex"),
-                                      dp="data", ep="ex")
+    cfg.mesh = experiments.fdl.Config(base.MeshConfig,
+                                      shape=(2, 4),
+                                      axis_names=("data", "ex"),
+                                      dp="data",
+                                      ep="ex")
     cfg.model.stacked_transformer_tpl.num_experts = 6
     with pytest.raises(train.ConfigError, match=r"num_experts=6.*ep"):
         train.prepare(cfg)
@@ -169,9 +173,12 @@ def test_mesh_errors_come_from_ep_bootstrap():
 
 def test_expert_parallel_mesh_annotates_the_moe_layer():
     cfg = experiments.tiny()
-    cfg.mesh = experiments.fdl.Config(base.MeshConfig, shape=(2, 2, 2),
-                                      axis_names=("data", "fsdp", "ex"), dp="data",
-                                      fsdp="fsdp", ep="ex")
+    cfg.mesh = experiments.fdl.Config(base.MeshConfig,
+                                      shape=(2, 2, 2),
+                                      axis_names=("data", "fsdp", "ex"),
+                                      dp="data",
+                                      fsdp="fsdp",
+                                      ep="ex")
     prep = train.prepare(cfg)
     moe = prep.model_config.stacked_transformer_tpl.moe_layer_tpl
     assert moe.mesh_resources.ep == "ex" and moe.mesh_resources.fsdp == "fsdp"
@@ -263,14 +270,36 @@ def test_synthetic_source_is_deterministic_and_low_entropy():
 def test_expert_load_from_summaries_stacked_and_repeated():
     rng = np.random.default_rng(0)
     loads = rng.dirichlet(np.ones(4), size=3)  # [L=3, E=4]
-    stacked = {"transformer": {f"x_layers_{l}": {"ff_layer": {
-        f"moe_expert_load_{e}_scalar": loads[l, e] for e in range(4)} | {"moe_aux_loss_scalar": 1.0}}
-        for l in (0, 2)}}
+    stacked = {
+        "transformer": {
+            f"x_layers_{l}": {
+                "ff_layer": {
+                    f"moe_expert_load_{e}_scalar": loads[l, e]
+                    for e in range(4)
+                } | {
+                    "moe_aux_loss_scalar": 1.0
+                }
+            }
+            for l in (0, 2)
+        }
+    }
     got = np.asarray(train.expert_load(stacked, 3))
     np.testing.assert_allclose(got[[0, 2]], loads[[0, 2]], rtol=1e-6)
     assert np.all(np.isnan(got[1]))  # a dense layer
-    repeated = {"transformer": {"repeat": {"sub": {"x_layers_0": {"ff_layer": {
-        f"moe_expert_load_{e}_scalar": loads[:, e].reshape(3, 1) for e in range(4)}}}}}}
+    repeated = {
+        "transformer": {
+            "repeat": {
+                "sub": {
+                    "x_layers_0": {
+                        "ff_layer": {
+                            f"moe_expert_load_{e}_scalar": loads[:, e].reshape(3, 1)
+                            for e in range(4)
+                        }
+                    }
+                }
+            }
+        }
+    }
     np.testing.assert_allclose(np.asarray(train.expert_load(repeated, 3)), loads, rtol=1e-6)
     assert train.expert_load({"a": {"b_scalar": 1.0}}, 2) is None
 
@@ -294,16 +323,24 @@ def test_read_metrics_keeps_the_last_record_per_step_and_plot(tmp_path):
 def test_optimizer_clips_and_schedules():
     import jax.numpy as jnp
 
-    opt = base.OptimizerConfig(learning_rate=1.0, warmup_steps=10, schedule="cosine",
-                               end_lr_fraction=0.1, clip_norm=0.5, weight_decay=0.0)
+    opt = base.OptimizerConfig(learning_rate=1.0,
+                               warmup_steps=10,
+                               schedule="cosine",
+                               end_lr_fraction=0.1,
+                               clip_norm=0.5,
+                               weight_decay=0.0)
     _, sched = train.make_optimizer(opt, num_steps=110)
     assert float(sched(0)) == 0.0 and abs(float(sched(10)) - 1.0) < 1e-6
     assert abs(float(sched(60)) - (0.1 + 0.9 * 0.5)) < 1e-5  # half way down the cosine
     assert abs(float(sched(110)) - 0.1) < 1e-6
     # Adam's first step is -lr * g / (|g| + eps) elementwise; with eps = 1 it depends on the
     # scale of g, so it shows whether g was clipped to global norm 0.5 first.
-    opt = base.OptimizerConfig(learning_rate=0.5, warmup_steps=0, schedule="constant", eps=1.0,
-                               clip_norm=0.5, weight_decay=0.0)
+    opt = base.OptimizerConfig(learning_rate=0.5,
+                               warmup_steps=0,
+                               schedule="constant",
+                               eps=1.0,
+                               clip_norm=0.5,
+                               weight_decay=0.0)
     tx, sched = train.make_optimizer(opt, num_steps=10)
     params = {"w": jnp.zeros(2)}
     g = {"w": jnp.array([3.0, 4.0])}  # global norm 5
@@ -323,8 +360,10 @@ def _doc():
 
 def test_docs_list_every_flag_of_main():
     doc = _doc()
-    ours = ["exp", "job_log_dir", "mode", "num_processes", "process_id", "coordinator_address",
-            "no_progress"]
+    ours = [
+        "exp", "job_log_dir", "mode", "num_processes", "process_id", "coordinator_address",
+        "no_progress"
+    ]
     for name in ours:
         assert f"`--{name}" in doc, name
         fl = flags.FLAGS[name]
@@ -337,12 +376,16 @@ def test_docs_list_every_flag_of_main():
         assert name in flags.FLAGS and f"`--{name}" in doc
 
 
-@pytest.mark.parametrize("cls", [base.DataConfig, base.OptimizerConfig, base.MeshConfig,
-                                 base.TrainConfig])
+@pytest.mark.parametrize("cls",
+                         [base.DataConfig, base.OptimizerConfig, base.MeshConfig, base.TrainConfig])
 def test_docs_list_every_config_field_with_its_default(cls):
     doc = _doc()
-    prefix = {"DataConfig": "data", "OptimizerConfig": "optimizer", "MeshConfig": "mesh",
-              "TrainConfig": "train"}[cls.__name__]
+    prefix = {
+        "DataConfig": "data",
+        "OptimizerConfig": "optimizer",
+        "MeshConfig": "mesh",
+        "TrainConfig": "train"
+    }[cls.__name__]
     for f in dataclasses.fields(cls):
         default = f.default
         row = re.search(rf"^\| `{prefix}\.{f.name}` \| ([^|]*)\|", doc, re.M)

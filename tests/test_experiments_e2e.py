@@ -31,8 +31,12 @@ def _env(devices: int) -> dict:
 
 
 def run_main(args, *, devices=1, check=True, timeout=300):
-    p = subprocess.run([sys.executable, "-m", "experiments.main", *args], cwd=ROOT,
-                       env=_env(devices), capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([sys.executable, "-m", "experiments.main", *args],
+                       cwd=ROOT,
+                       env=_env(devices),
+                       capture_output=True,
+                       text=True,
+                       timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
     return p
@@ -46,8 +50,10 @@ def records(job_dir, kind):
 
 def test_train_writes_everything_and_loss_falls(tmp_path):
     job = tmp_path / "job"
-    p = run_main([f"--job_log_dir={job}", "--fdl.train.num_steps=40",
-                  "--fdl.train.eval_every=20", "--fdl.train.checkpoint_every=20", *SMALL])
+    p = run_main([
+        f"--job_log_dir={job}", "--fdl.train.num_steps=40", "--fdl.train.eval_every=20",
+        "--fdl.train.checkpoint_every=20", *SMALL
+    ])
     out = p.stdout
     for what in ("metrics:", "tensorboard:", "checkpoints:", "plot:"):
         assert what in out, out
@@ -62,7 +68,8 @@ def test_train_writes_everything_and_loss_falls(tmp_path):
     assert all(r["tokens_per_sec"] > 0 and r["grad_norm"] > 0 for r in tr)
     assert all(0 < r["aux_loss"] < 1 for r in tr)  # the MoE aux loss reached total_loss
     np.testing.assert_allclose([r["loss"] - r["xent"] for r in tr], [r["aux_loss"] for r in tr],
-                               rtol=1e-4, atol=1e-6)
+                               rtol=1e-4,
+                               atol=1e-6)
     loads = records(job, "expert_load")
     assert loads and np.asarray(loads[-1]["load"]).shape == (2, 8)
     # each layer's per-expert fractions of routed copies sum to 1
@@ -82,13 +89,14 @@ def test_train_writes_everything_and_loss_falls(tmp_path):
 
 
 def test_sigterm_and_resume_reproduce_the_uninterrupted_losses(tmp_path):
-    common = ["--fdl.train.num_steps=120", "--fdl.train.eval_every=60",
-              "--fdl.train.checkpoint_every=50", *SMALL]
+    common = [
+        "--fdl.train.num_steps=120", "--fdl.train.eval_every=60", "--fdl.train.checkpoint_every=50",
+        *SMALL
+    ]
     ref = tmp_path / "ref"
     run_main([f"--job_log_dir={ref}", *common])
     job = tmp_path / "job"
-    p = run_main([f"--job_log_dir={job}", "--fdl.train.sigterm_at_step=60", *common],
-                 check=False)
+    p = run_main([f"--job_log_dir={job}", "--fdl.train.sigterm_at_step=60", *common], check=False)
     assert p.returncode == 128 + signal.SIGTERM, p.stderr[-3000:]
     assert "stopped by SIGTERM at step 60" in p.stdout
     assert 60 in [int(d.name) for d in (job / "checkpoints").iterdir() if d.name.isdigit()]
@@ -111,18 +119,24 @@ def _free_port() -> int:
 
 
 def test_two_processes_of_four_devices_equal_one_of_eight(tmp_path):
-    common = ["--fdl.train.num_steps=6", "--fdl.train.eval_every=3",
-              "--fdl.train.checkpoint_every=0", *SMALL]
+    common = [
+        "--fdl.train.num_steps=6", "--fdl.train.eval_every=3", "--fdl.train.checkpoint_every=0",
+        *SMALL
+    ]
     one = tmp_path / "one"
     run_main([f"--job_log_dir={one}", *common], devices=8)
     two = tmp_path / "two"
     port = _free_port()
     procs = [
-        subprocess.Popen([sys.executable, "-m", "experiments.main", f"--job_log_dir={two}",
-                          "--num_processes=2", f"--process_id={i}",
-                          f"--coordinator_address=localhost:{port}", *common], cwd=ROOT,
-                         env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)
+        subprocess.Popen([
+            sys.executable, "-m", "experiments.main", f"--job_log_dir={two}", "--num_processes=2",
+            f"--process_id={i}", f"--coordinator_address=localhost:{port}", *common
+        ],
+                         cwd=ROOT,
+                         env=_env(4),
+                         stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE,
+                         text=True) for i in range(2)
     ]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (o, e) in zip(procs, outs):
@@ -153,8 +167,11 @@ print(json.dumps(out))
 def test_gpu_presets_trace_on_fake_devices():
     """eval_shape of init and one train step of every GPU-scale preset on its own mesh of fake
     CPU devices (no allocation, no compilation), expert-parallel MoE path included."""
-    p = subprocess.run([sys.executable, "-c", VALIDATE, "small_gpu", "mixtral_8x7b",
-                        "deepseek_v3"], cwd=ROOT, env=_env(256), capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", VALIDATE, "small_gpu", "mixtral_8x7b", "deepseek_v3"],
+                       cwd=ROOT,
+                       env=_env(256),
+                       capture_output=True,
+                       text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     rep = json.loads(p.stdout.strip().splitlines()[-1])
@@ -163,12 +180,14 @@ def test_gpu_presets_trace_on_fake_devices():
     assert sg["mesh"] == {"data": 1}
     assert mx["mesh"] == {"data": 2, "fsdp": 4, "expert": 8}
     assert ds["mesh"] == {"data": 1, "fsdp": 8, "expert": 32}
+
     # Parameter counts from the layer shapes, written out independently:
     def lm_params(v, m, layers, heads, dh, e, h_moe):
         attn = 4 * m * heads * dh + 3 * heads * dh + m  # q,k,v,o weights + q,k,v and o biases
         moe = m * e + 3 * e * m * h_moe  # router + gate/up/down
         norms = 2 * m
         return v * m + v + layers * (attn + moe + norms) + m  # tied emb, logit bias, final norm
+
     assert mx["num_params"] == lm_params(32000, 4096, 32, 32, 128, 8, 14336)
     assert ds["num_params"] == lm_params(129280, 7168, 61, 128, 128, 256, 2048)
     assert sg["num_params"] == lm_params(256, 1024, 8, 16, 64, 8, 2048)
@@ -221,7 +240,9 @@ def test_cli_errors_exit_2_with_the_message_and_write_nothing(tmp_path):
         "did you mean configs.experiments.TinySynthetic" in p.stderr
     p = run_main(["--fdl.train.num_stepz=3", f"--job_log_dir={job}"], check=False, timeout=120)
     assert p.returncode == 2 and "did you mean num_steps" in p.stderr
-    p = run_main(["--fdl.data.batch_size=12", f"--job_log_dir={job}"], devices=8, check=False,
+    p = run_main(["--fdl.data.batch_size=12", f"--job_log_dir={job}"],
+                 devices=8,
+                 check=False,
                  timeout=120)
     assert p.returncode == 2 and "invalid config: --fdl.data.batch_size=12" in p.stderr
     assert not job.exists()
