@@ -25,6 +25,10 @@ Conventions (every kernel author follows these; the loader and the tests rely on
    linking, the build checks that every symbol in that table is exported by the library and
    fails, naming the missing ones, otherwise.
 
+Object cache: each object file is kept in ``build/kernels/`` (git-ignored) under a hash of
+its source, every ``kernels/*.h`` / ``*.cuh`` header, the flags, the targets and nvcc's
+version, and reused when nothing changed (``--no-cache`` compiles everything).
+
 Options: ``--output PATH``, ``--jobs N`` (parallel nvcc processes; default: CPU count),
 ``--nvcc PATH`` (default: ``$CUDA_HOME/bin/nvcc`` or ``nvcc`` on PATH), ``--only a.cu,b.cu``
 (compile a subset; skips the symbol check for symbols of other files; for development).
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import hashlib
 import os
 import re
 import shutil
@@ -48,6 +53,7 @@ LIB_NAME = "libmoe_praxis_kernels.so"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = REPO_ROOT / "kernels"
 DEFAULT_LIB = Path(__file__).resolve().parent / "lib" / LIB_NAME
+CACHE_DIR = REPO_ROOT / "build" / "kernels"
 
 GENCODES = {
     "sm_90a": "arch=compute_90a,code=sm_90a",
@@ -187,8 +193,18 @@ def _run(cmd: list[str]) -> tuple[float, str]:
     return time.time() - t0, p.stderr
 
 
+def _cache_key(nvcc: str, src: Path, cmd_tail: list[str]) -> str:
+    h = hashlib.sha256()
+    h.update(subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.encode())
+    h.update("\0".join(cmd_tail).encode())
+    h.update(src.read_bytes())
+    for hdr in sorted(list(KERNEL_DIR.glob("*.h")) + list(KERNEL_DIR.glob("*.cuh"))):
+        h.update(hdr.name.encode() + hdr.read_bytes())
+    return h.hexdigest()[:20]
+
+
 def build(output: Path | None = None, *, jobs: int | None = None, nvcc: str | None = None,
-          only: list[str] | None = None, verbose: bool = True) -> Path:
+          only: list[str] | None = None, verbose: bool = True, cache: bool = True) -> Path:
     """Compiles kernels/*.cu and links the library; returns its path. Raises BuildError."""
     t_start = time.time()
     nvcc = find_nvcc(nvcc)
@@ -203,17 +219,28 @@ def build(output: Path | None = None, *, jobs: int | None = None, nvcc: str | No
 
         def compile_one(src: Path):
             obj = Path(tmp) / (src.stem + ".o")
-            cmd = [nvcc, "-c", str(src), "-o", str(obj), *NVCC_FLAGS]
+            tail = [*NVCC_FLAGS]
             for g in gencodes_for(src):
-                cmd += ["-gencode", g]
-            cmd += [f"-I{d}" for d in incs]
-            secs, _ = _run(cmd)
+                tail += ["-gencode", g]
+            tail += [f"-I{d}" for d in incs]
+            cached = CACHE_DIR / f"{src.stem}-{_cache_key(nvcc, src, tail)}.o"
+            if cache and cached.is_file():
+                shutil.copyfile(cached, obj)
+                return src, obj, None
+            secs, _ = _run([nvcc, "-c", str(src), "-o", str(obj), *tail])
+            if cache:
+                CACHE_DIR.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(obj, str(cached) + ".tmp")
+                os.replace(str(cached) + ".tmp", cached)
             return src, obj, secs
 
         objs = []
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
             for src, obj, secs in pool.map(compile_one, srcs):
-                log(f"  compiled {src.relative_to(REPO_ROOT)} in {secs:.1f} s")
+                if secs is None:
+                    log(f"  compiled {src.relative_to(REPO_ROOT)}: unchanged, cached object")
+                else:
+                    log(f"  compiled {src.relative_to(REPO_ROOT)} in {secs:.1f} s")
                 objs.append(obj)
         tmp_lib = Path(tmp) / LIB_NAME
         secs, _ = _run([nvcc, "-shared", "-o", str(tmp_lib), *map(str, objs)])
@@ -232,10 +259,12 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes")
     ap.add_argument("--nvcc", default=None, help="path of nvcc")
     ap.add_argument("--only", default=None, help="comma-separated kernels/*.cu subset")
+    ap.add_argument("--no-cache", action="store_true",
+                    help=f"compile every source (ignore the object cache in {CACHE_DIR})")
     args = ap.parse_args(argv)
     try:
         build(args.output, jobs=args.jobs, nvcc=args.nvcc,
-              only=args.only.split(",") if args.only else None)
+              only=args.only.split(",") if args.only else None, cache=not args.no_cache)
     except BuildError as e:
         print(f"build_kernels: error: {e}", file=sys.stderr)
         return 1

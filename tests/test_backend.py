@@ -1,0 +1,244 @@
+"""Backend selection, the kernel library loader, and the CUDA primitives' shared code path,
+on the CPU (no GPU needed): every ops.cuda primitive runs its platform_dependent default
+branch (the reference) here, through the same custom_vjp the GPU uses."""
+
+import functools
+import os
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import moe_praxis as mp
+from moe_praxis import build_kernels, ops, routing
+from moe_praxis.config import MoEConfig
+from moe_praxis.ops import backend as backend_lib
+from moe_praxis.ops import cuda
+from tests import kernel_reference as ref
+
+REPO = Path(__file__).resolve().parent.parent
+F32_TOL = 1e-6
+
+
+def _has_gpu():
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+needs_no_gpu = pytest.mark.skipif(_has_gpu(), reason="checks the behaviour without a GPU")
+
+
+def test_backend_info_lists_every_backend_with_a_reason():
+    info = ops.backend_info()
+    assert set(info) == {"xla", "cuda"}
+    assert info["xla"]["usable"] is True
+    for name, entry in info.items():
+        assert isinstance(entry["usable"], bool) and entry["reason"], name
+    assert info["cuda"]["library"] == str(cuda.library_path())
+
+
+@needs_no_gpu
+def test_cuda_unusable_without_gpu_and_auto_falls_back():
+    info = ops.backend_info()["cuda"]
+    assert info["usable"] is False and "no GPU" in info["reason"]
+    for op in ("router", "swiglu", "permute", "aux_loss", "grouped_gemm", ""):
+        assert ops.resolve_backend("auto", op) == "xla"
+        assert ops.resolve_backend("xla", op) == "xla"
+
+
+@needs_no_gpu
+def test_cuda_requested_without_gpu_raises_clear_error():
+    with pytest.raises(RuntimeError, match=r"kernel_backend='cuda' requested for swiglu but no GPU"):
+        ops.resolve_backend("cuda", "swiglu")
+    x = jnp.ones((4, 8))
+    with pytest.raises(RuntimeError, match="no GPU"):
+        ops.swiglu(x, x, backend="cuda")
+    cfg = MoEConfig(d_model=8, d_ff=16, num_experts=4, top_k=2, kernel_backend="cuda")
+    params = mp.init_moe_params(jax.random.key(0), cfg)
+    with pytest.raises(RuntimeError, match="kernel_backend='cuda' requested for moe_block"):
+        mp.moe_block(params, jnp.ones((3, 8)), cfg)
+
+
+def test_invalid_backend_names_value_and_choices():
+    with pytest.raises(ValueError, match=r"kernel_backend='tpu' is invalid; valid: \('auto'"):
+        ops.resolve_backend("tpu", "router")
+
+
+def test_missing_library_reason_names_path_and_env_var(tmp_path, monkeypatch):
+    missing = tmp_path / "nope" / "libmoe_praxis_kernels.so"
+    monkeypatch.setenv(cuda.ENV_LIB, str(missing))
+    try:
+        assert cuda.library_path() == missing
+        assert build_kernels.library_path() == missing
+        ok, why = cuda.load_library(force=True)
+        assert not ok
+        assert str(missing) in why and "MOE_PRAXIS_KERNEL_LIB" in why
+        assert "python -m moe_praxis.build_kernels" in why
+        assert cuda.library_status() == (False, why)
+    finally:
+        monkeypatch.delenv(cuda.ENV_LIB)
+        cuda.load_library(force=True)
+
+
+def test_unloadable_library_gives_reason(tmp_path):
+    bad = tmp_path / "libmoe_praxis_kernels.so"
+    bad.write_bytes(b"not an ELF file")
+    try:
+        ok, why = cuda.load_library(bad)
+        assert not ok and "cannot open" in why and str(bad) in why
+    finally:
+        cuda.load_library(force=True)
+
+
+def test_default_library_location_and_env_var_documented():
+    """Docs and code in step: the env var and default path are what the code reads."""
+    assert cuda.ENV_LIB == build_kernels.ENV_LIB == "MOE_PRAXIS_KERNEL_LIB"
+    assert cuda.DEFAULT_LIB == build_kernels.DEFAULT_LIB
+    assert cuda.DEFAULT_LIB == REPO / "moe_praxis" / "lib" / "libmoe_praxis_kernels.so"
+    doc = (REPO / "docs" / "kernels.md").read_text()
+    assert "MOE_PRAXIS_KERNEL_LIB" in doc and "moe_praxis/lib/libmoe_praxis_kernels.so" in doc
+    assert "python -m moe_praxis.build_kernels" in doc
+    # every kernel in the one table is documented (here or on its own docs page)
+    all_docs = "".join(p.read_text() for p in (REPO / "docs").glob("*.md"))
+    for name in cuda.KERNELS:
+        assert f"`{name}`" in all_docs, f"no docs/*.md lists the FFI target {name}"
+    # the build's env var is read by the code (no documented-but-unread variables)
+    src = (REPO / "moe_praxis" / "ops" / "cuda.py").read_text()
+    assert "os.environ.get(ENV_LIB)" in src
+
+
+def test_every_table_symbol_is_defined_in_a_kernel_source():
+    defined = set()
+    for src in (REPO / "kernels").glob("*.cu"):
+        defined |= set(re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+)", src.read_text()))
+    missing = sorted(set(cuda.KERNELS.values()) - defined)
+    assert not missing, f"KERNELS symbols with no XLA_FFI_DEFINE_HANDLER_SYMBOL: {missing}"
+
+
+def test_ffi_helper_rejects_unknown_target():
+    with pytest.raises(KeyError, match="not in moe_praxis.ops.cuda.KERNELS"):
+        cuda.ffi("moe_nope", jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def test_unsupported_shapes_name_the_reason():
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=1024, top_k=16)
+    assert "num_experts=1024" in cuda.router_unsupported(1024, cfg)
+    assert cuda.router_unsupported(64, MoEConfig(d_model=8, d_ff=8, num_experts=64,
+                                                 top_k=8)) == ""
+    x = jnp.ones((4, 8))
+    assert "act='gelu'" in cuda.swiglu_unsupported(x, "gelu")
+    assert "float16" in cuda.swiglu_unsupported(x.astype(jnp.float16), "silu")
+    assert cuda.swiglu_unsupported(x, "silu") == ""
+    assert "float16" in cuda.permute_unsupported(x.astype(jnp.float16), jnp.zeros(3, jnp.int32))
+
+
+# ------------------------------------------------- the CUDA primitives' code path on the CPU
+
+ROUTER_CASES = [
+    (37, 16, 4, "softmax", True, True, 4, 2, 1.0, False),
+    (29, 64, 8, "sigmoid", True, True, 8, 4, 2.5, True),
+    (23, 8, 2, "softmax", False, True, 1, 1, 1.0, True),
+    (23, 8, 1, "softmax", True, True, 1, 1, 1.0, False),
+]
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_fused_router_path_matches_numpy_reference(case):
+    t, e, k, sf, pre, norm, g, gk, sc, use_bias = case
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=e, top_k=k, score_func=sf, pre_softmax=pre,
+                    norm_topk=norm, num_expert_groups=g, group_topk=gk,
+                    routed_scaling_factor=sc, use_expert_bias=use_bias)
+    s = ref.seed()
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(s), 4)
+    logits = jax.random.normal(k1, (t, e))
+    bias = 0.1 * jax.random.normal(k2, (e,)) if use_bias else jnp.zeros((e,))
+    probs, ids, w = jax.jit(functools.partial(cuda.fused_router, cfg))(logits, bias)
+    p64, ids64, w64 = ref.router(np.asarray(logits), top_k=k, score_func=sf, pre_softmax=pre,
+                                 norm_topk=norm, groups=g, group_topk=gk, scaling=sc,
+                                 bias=np.asarray(bias))
+    np.testing.assert_array_equal(np.asarray(ids), ids64, err_msg=f"seed={s}")
+    assert ref.rel_err(probs, p64) <= F32_TOL and ref.rel_err(w, w64) <= F32_TOL
+    # gradient of the custom_vjp (reference backward branch) == autodiff of the reference
+    dp, dw = jax.random.normal(k3, (t, e)), jax.random.normal(k4, (t, k))
+    f1 = lambda l: jnp.sum(cuda.fused_router(cfg, l, bias)[0] * dp) + jnp.sum(
+        cuda.fused_router(cfg, l, bias)[2] * dw)
+    r_bias = bias if use_bias else None
+    f2 = lambda l: jnp.sum(routing.route_logits_reference(l, cfg, r_bias).probs * dp) + jnp.sum(
+        routing.route_logits_reference(l, cfg, r_bias).weights * dw)
+    assert ref.rel_err(jax.grad(f1)(logits), jax.grad(f2)(logits)) <= F32_TOL
+
+
+def test_route_logits_backend_switch_on_cpu():
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=16, top_k=2)
+    logits = jax.random.normal(jax.random.key(ref.seed()), (11, 16))
+    a = routing.route_logits(logits, cfg, backend="auto")
+    b = routing.route_logits_reference(logits, cfg)
+    np.testing.assert_array_equal(np.asarray(a.expert_ids), np.asarray(b.expert_ids))
+
+
+def test_swiglu_permute_aux_paths_match_numpy_reference():
+    s = ref.seed()
+    rng = np.random.default_rng(s)
+    gate = jnp.asarray(rng.standard_normal((33, 24)), jnp.float32)
+    up = jnp.asarray(rng.standard_normal((33, 24)), jnp.float32)
+    w = jnp.asarray(rng.random(33), jnp.float32)
+    dout = jnp.asarray(rng.standard_normal((33, 24)), jnp.float32)
+    assert ref.rel_err(cuda.swiglu(gate, up, w), ref.swiglu(gate, up, w)) <= F32_TOL
+    assert ref.rel_err(cuda.swiglu(gate, up), ref.swiglu(gate, up)) <= F32_TOL
+    g = jax.grad(lambda a, b, c: jnp.sum(cuda.swiglu(a, b, c) * dout), argnums=(0, 1, 2))(gate,
+                                                                                       up, w)
+    for got, want in zip(g, ref.swiglu_grads(gate, up, w, dout)):
+        assert ref.rel_err(got, want) <= F32_TOL
+    t, k = 17, 3
+    row_map = jnp.asarray(ref.row_map_for(t, k, 8, rng))
+    x = jnp.asarray(rng.standard_normal((t, 5)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((t * k, 5)), jnp.float32)
+    np.testing.assert_allclose(cuda.permute(x, row_map), ref.permute(x, row_map), rtol=1e-7)
+    assert ref.rel_err(cuda.unpermute(y, row_map, t), ref.unpermute(y, row_map, t)) <= F32_TOL
+    cy = jnp.asarray(rng.standard_normal((t * k, 5)), jnp.float32)
+    gx = jax.grad(lambda a: jnp.sum(cuda.permute(a, row_map) * cy))(x)
+    assert ref.rel_err(gx, ref.unpermute(cy, row_map, t)) <= F32_TOL
+    probs = jax.nn.softmax(jnp.asarray(rng.standard_normal((40, 8)), jnp.float32))
+    f = jnp.asarray(rng.integers(0, 20, 8), jnp.int32)
+    got = cuda.aux_loss(probs, f, jnp.asarray(40), 2, 0.3)
+    assert abs(float(got) - ref.aux_loss(probs, f, top_k=2, coeff=0.3)) <= 1e-6 * float(got)
+
+
+def _aux_sharded(mesh_shape, axes, spec):
+    mesh = jax.make_mesh(mesh_shape, axes)
+    t, e, k = 64, 16, 2
+    s = ref.seed()
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(s), (t, e)), -1)
+    f = jax.random.randint(jax.random.key(s + 1), (e,), 0, 9)
+    probs = jax.device_put(probs, NamedSharding(mesh, spec))
+    fn = jax.jit(jax.value_and_grad(lambda p: 1.5 * cuda.aux_loss(p, f, jnp.asarray(t), k, 0.2)))
+    return fn, probs, f, (t, e, k)
+
+
+@pytest.mark.parametrize("spec", [P(("dp", "ep"), None), P("dp", "ep")])
+def test_aux_loss_jit_grad_sharded_on_cpu_mesh(spec):
+    """jit(grad) over a sharded probs runs the custom_partitioning rule under Shardy."""
+    fn, probs, f, (t, e, k) = _aux_sharded((4, 2), ("dp", "ep"), spec)
+    val, g = fn(probs)
+    assert abs(float(val) - 1.5 * ref.aux_loss(probs, f, top_k=k, coeff=0.2)) <= 1e-6 * float(val)
+    want = 1.5 * 0.2 * e / (k * t * t) * np.broadcast_to(np.asarray(f, np.float64), (t, e))
+    assert ref.rel_err(g, want) <= F32_TOL
+    assert g.sharding.is_equivalent_to(probs.sharding, 2), (g.sharding, probs.sharding)
+
+
+def test_aux_loss_sharded_lowering_for_cuda_keeps_cotangent_rank0():
+    """Lowered for CUDA (no GPU needed), the backward's Shardy rule takes a rank-0 cotangent."""
+    assert jax.config.jax_use_shardy_partitioner
+    fn, probs, _, (t, e, _) = _aux_sharded((4, 2), ("dp", "ep"), P(("dp", "ep"), None))
+    text = fn.trace(probs).lower(lowering_platforms=("cuda",)).as_text()
+    rules = re.findall(r"sdy\.op_sharding_rule<\(([^)]*)\)->\(([^)]*)\)", text)
+    assert ("[], [i, j], [j], []", "[i, j]") in rules, rules  # bwd: g [] , probs, f, scale []
+    assert ("[i, j], [j], []", "[]") in rules, rules  # fwd: loss [] reduced over i, j
+    assert f"(tensor<f32>, tensor<{t}x{e}xf32>, tensor<{e}xf32>, tensor<f32>)" in text
