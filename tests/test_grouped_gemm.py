@@ -115,6 +115,14 @@ def _inputs(m, k, n, e, kind, dtype, seed):
 # ------------------------------------------------------------------ CPU / every platform
 
 
+@pytest.fixture
+def f32_products():
+    """Full float32 products (XLA:GPU's default for float32 dots is TF32, ~3e-4)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.mark.usefixtures("f32_products")
 @pytest.mark.parametrize("kind", KINDS)
 def test_xla_forward_and_grads_match_loop(kind):
     seed = _seed()
@@ -135,6 +143,7 @@ def test_xla_forward_and_grads_match_loop(kind):
     np.testing.assert_array_equal(np.asarray(dlhs[total:]), 0.0, err_msg=msg)
 
 
+@pytest.mark.usefixtures("f32_products")
 def test_custom_vjp_matches_jax_grad_of_ragged_dot():
     seed = _seed()
     lhs, rhs, gs, dout = _inputs(29, 8, 16, 5, "skewed", jnp.float32, seed)
@@ -150,6 +159,7 @@ def test_custom_vjp_matches_jax_grad_of_ragged_dot():
         assert rel_err(got, want) < RTOL_F32, f"{name} seed={seed}"
 
 
+@pytest.mark.usefixtures("f32_products")
 def test_grad_under_jit_and_group_sizes_not_differentiated():
     seed = _seed()
     lhs, rhs, gs, dout = _inputs(20, 8, 8, 4, "random", jnp.float32, seed)

@@ -113,11 +113,15 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
             return config_name(*parse_config(forced))
         except ValueError as e:
             raise ValueError(f"${ENV_TILE}={forced!r} is invalid: {e}") from None
-    out_n = {"fwd": n, "dgrad": k, "wgrad": n}[op]
     rows_per_group = m / max(num_groups, 1)
-    if op != "wgrad" and (out_n <= 1024 or rows_per_group < 1024):
-        return config_name(1)  # small output width or fine-grained experts: ping-pong 128x128
-    return config_name(0)  # large problems: cooperative 256x128
+    if op == "wgrad":  # per group: (K, N, m_e); the mainloop is as long as the group
+        if rows_per_group >= 2048:
+            return config_name(2, 0)  # coop_128x256_c2x1/along_m
+        return config_name(1, 1)  # short mainloops: ping-pong 128x128 (epilogue overlapped)
+    out_n = n if op == "fwd" else k
+    if out_n <= 1024 or rows_per_group < 1024:
+        return config_name(1, 0)  # narrow output or fine-grained experts: ping-pong 128x128
+    return config_name(2, 0)  # coop_128x256_c2x1/along_m
 
 
 # ----------------------------------------------------------------------------- references
