@@ -224,7 +224,10 @@ def main(argv) -> int:
             flush=True)
     trainer = train.Trainer(prep, job_log_dir, progress=not _NO_PROGRESS.value)
     if _MODE.value == "eval":
-        result = trainer.evaluate_latest()
+        try:
+            result = trainer.evaluate_latest()
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
         if chief:
             print(json.dumps(result, indent=1))
         return 0
@@ -242,6 +245,9 @@ def main(argv) -> int:
             print(f"held-out loss {first['heldout_loss']:.4f} at step 0 -> "
                   f"{last['heldout_loss']:.4f} at step {result['final_step']} (perplexity "
                   f"{last['heldout_perplexity']:.3f})")
+        elif last:
+            print(f"held-out loss {last['heldout_loss']:.4f} at step {result['final_step']} "
+                  f"(perplexity {last['heldout_perplexity']:.3f})")
         print(f"metrics:     {result['metrics']}\ntensorboard: {result['tensorboard']}\n"
               f"checkpoints: {result['checkpoints']}")
         if not result["stopped_by"] and Path(result["plot"]).exists():

@@ -62,6 +62,7 @@ class Prepared:
     config: base.ExperimentConfig  # built; config.model is the (unbound) TransformerLm
     mesh: Any  # jax.sharding.Mesh or AbstractMesh
     model_config: pax_fiddle.Config  # the model config after mesh annotations
+    dataset: Any = None  # experiments.data.ByteDataset, read and split
 
     @property
     def model(self):
@@ -208,7 +209,11 @@ def prepare(cfg: pax_fiddle.Config, *, devices=None, abstract: bool = False) -> 
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--fdl.model: {e}") from e
     exp = dataclasses.replace(exp_stub, model=model)
-    return Prepared(config=exp, mesh=mesh, model_config=model_cfg)
+    try:
+        dataset = data_lib.load_dataset(exp.data)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--fdl.data: {e}") from e
+    return Prepared(config=exp, mesh=mesh, model_config=model_cfg, dataset=dataset)
 
 
 # ------------------------------------------------------------------------ model functions
@@ -513,7 +518,11 @@ def plot_summary(metrics_path, png_path, title: str = "") -> Path:
     ax = axes[1]
     if loads:
         mat = np.array(loads[-1]["load"], dtype=float)
-        im = ax.imshow(mat, aspect="auto", cmap="viridis", vmin=0.0)
+        im = ax.imshow(mat, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
+        if mat.shape[0] <= 64:
+            ax.set_yticks(range(mat.shape[0]))
+        if mat.shape[1] <= 32:
+            ax.set_xticks(range(mat.shape[1]))
         ax.set_xlabel("expert")
         ax.set_ylabel("layer")
         ax.set_title(f"expert load at step {loads[-1]['step']} (fraction of routed tokens)")
@@ -540,7 +549,7 @@ class Trainer:
         self.is_chief = jax.process_index() == 0
         self.progress = progress and self.is_chief
         self.fns = make_step_fns(prep)
-        self.dataset = data_lib.load_dataset(self.exp.data)
+        self.dataset = prep.dataset or data_lib.load_dataset(self.exp.data)
         self._stop_signal = None
         self.ckpt_dir = self.job_log_dir / "checkpoints"
         self.png_path = self.job_log_dir / "summary.png"

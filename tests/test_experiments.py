@@ -397,3 +397,10 @@ def test_docs_list_every_registered_experiment():
     doc = _doc()
     for full in registry.all_experiments():
         assert f"`{full}`" in doc, full
+
+
+def test_missing_text_path_is_a_config_error(tmp_path):
+    parse("--fdl.data.source='text'", f"--fdl.data.path='{tmp_path / 'missing'}'")
+    cfg, _ = main_lib.config_from_flags()
+    with pytest.raises(train.ConfigError, match=r"--fdl.data: .*missing' is neither a file"):
+        train.prepare(cfg)
