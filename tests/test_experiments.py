@@ -404,3 +404,12 @@ def test_missing_text_path_is_a_config_error(tmp_path):
     cfg, _ = main_lib.config_from_flags()
     with pytest.raises(train.ConfigError, match=r"--fdl.data: .*missing' is neither a file"):
         train.prepare(cfg)
+
+
+def test_docs_list_every_knob():
+    doc = _doc()
+    knobs = [k for k in vars(experiments.LanguageModel) if k.isupper()]
+    assert len(knobs) > 30
+    listed = set(re.findall(r"\b[A-Z][A-Z0-9_]+\b", doc.split("Knobs (class attributes")[1]
+                            .split("The model (")[0]))
+    assert listed == set(knobs), (set(knobs) - listed, listed - set(knobs))
