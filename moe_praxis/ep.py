@@ -9,10 +9,10 @@ Per device (see docs/parallelism.md for the picture):
      psum-ed over ALL token axes, so aux loss, z-loss and tokens_per_expert equal the
      single-device values on the global batch (each shard adds its share of the loss with
      the GLOBAL counts, then the shares are summed).
-  2. Capacity (optional): the keep mask is computed from the routing decisions (ids [T, k],
-     and the weights for drop_policy='weight') all-gathered over the token axes, with
-     capacity(T) of the global batch, so it is exactly the single-device mask; each device
-     keeps its slice. Only int32 ids / float32 weights travel, never token rows.
+  2. Capacity (optional): capacity(T) of the global batch and global priority, so the keep
+     mask is exactly the single-device one: 'position' from all-gathered per-shard counts
+     [k, E]; 'weight' from the routing decisions (ids, weights [T, k]) all-gathered over
+     the token axes. Token rows never travel for this.
   3. Local sort of the R copies by expert; the copies of EP rank r's experts are contiguous.
   4. Exchange to the owning rank: 'padded' (one all_to_all of a [ep, C, M] buffer each way)
      or 'ragged' (one jax.lax.ragged_all_to_all each way into a [B, M] buffer). Defaults:
@@ -109,7 +109,12 @@ def _experts(rows, keys, w, config, num_local, backend):
     perm = jnp.argsort(keys, stable=True)
     group_sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
     grouped = checkpoint_name(rows[perm], "moe_dispatched")
-    out = expert_ffn(grouped, group_sizes, w.get("wi_gate"), w["wi_up"], w["wo"], config,
+    out = expert_ffn(grouped,
+                     group_sizes,
+                     w.get("wi_gate"),
+                     w["wi_up"],
+                     w["wo"],
+                     config,
                      backend=backend)
     inv = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
     return out[inv]
@@ -205,13 +210,47 @@ def _ragged_exchange(x, row_tok, w_sorted, send_mat, layout, config, weights, ba
     return y, jnp.sum(send_tot - my_send)
 
 
+def _position_keep(ids, valid, config: MoEConfig, layout: EPLayout, shard, t_global):
+    """drop_policy='position' keep mask [Tl, k], equal to the single-device one, from counts.
+
+    Priority is (choice j, global token t). The position of copy (t, j) in expert e is
+        #{copies (t', j') -> e : j' < j}                     (all shards)
+      + #{copies (t', j) -> e : t' in an earlier token shard}
+      + #{copies (t', j) -> e : t' < t in this shard},
+    so only the per-shard counts [k, E] are all-gathered ([shards, k, E] int32), never the
+    routing decisions themselves."""
+    t_l, k = ids.shape
+    e = config.num_experts
+    axes = layout.token_axes
+    eid = jnp.where(valid[:, None], ids, e).astype(jnp.int32)  # [Tl, k], E = padded
+    local = jax.vmap(lambda c: jnp.bincount(c, length=e + 1), in_axes=1)(eid)  # [k, E+1]
+    every = jax.lax.all_gather(local, axes, axis=0, tiled=False) if axes else local[None]
+    before_j = _excl_cumsum(jnp.sum(every, axis=0), axis=0)  # [k, E+1] earlier choices
+    before_s = _excl_cumsum(every, axis=0)[shard]  # [k, E+1] earlier shards, same choice
+
+    def rank_in_expert(col):  # [Tl] expert ids -> rank among earlier tokens of that expert
+        order = jnp.argsort(col, stable=True)
+        srt = col[order]
+        start = jnp.searchsorted(srt, jnp.arange(e + 1, dtype=col.dtype), side="left")
+        return jnp.zeros_like(col).at[order].set(jnp.arange(t_l, dtype=col.dtype) - start[srt])
+
+    rank = jax.vmap(rank_in_expert, in_axes=1, out_axes=1)(eid)  # [Tl, k]
+    col = jnp.arange(k)[None, :]
+    pos = before_j[col, eid] + before_s[col, eid] + rank
+    return (pos < config.capacity(t_global)) & valid[:, None]
+
+
 def _global_keep(ids, weights, valid, config: MoEConfig, layout: EPLayout, shard, t_global):
     """Capacity keep mask [Tl, k] equal to the single-device one, and the global drop count.
 
-    The routing decisions are all-gathered over the token axes (in token-shard order, so row
-    s * Tl + t is global token s * Tl + t) and dispatch.capacity_keep runs on them with the
-    global capacity(T); each device slices its own rows."""
+    'position': from all-gathered per-shard counts (_position_keep). 'weight': the routing
+    decisions (ids and weights) are all-gathered over the token axes (in token-shard order,
+    so row s * Tl + t is global token s * Tl + t), dispatch.capacity_keep runs on them with
+    the global capacity(T), and each device slices its own rows."""
     axes = layout.token_axes
+    if config.drop_policy == "position":
+        keep = _position_keep(ids, valid, config, layout, shard, t_global)
+        return keep, _psum(jnp.sum(valid[:, None] & ~keep, dtype=jnp.int32), axes)
     t_l = ids.shape[0]
 
     def gather(a):
@@ -219,10 +258,7 @@ def _global_keep(ids, weights, valid, config: MoEConfig, layout: EPLayout, shard
 
     ids_g = gather(ids)
     valid_g = gather(valid.astype(jnp.int32)) > 0
-    if config.drop_policy == "weight":
-        w_g = gather(jax.lax.stop_gradient(weights))
-    else:
-        w_g = jnp.zeros(ids_g.shape, jnp.float32)  # unused by the 'position' policy
+    w_g = gather(jax.lax.stop_gradient(weights))
     keep_g = dispatch_lib.capacity_keep(ids_g, w_g, valid_g, config, config.capacity(t_global))
     keep = jax.lax.dynamic_slice_in_dim(keep_g, shard * t_l, t_l, axis=0)
     dropped = _psum(jnp.sum(valid[:, None] & ~keep, dtype=jnp.int32), axes)
@@ -276,8 +312,7 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
         n_valid = _psum(jnp.sum(valid.astype(jnp.int32)), token_axes)
         num_tokens = jnp.maximum(n_valid, 1)
         if config.aux_loss_type == "sequence":
-            local = routing.load_balance_loss(r, config, valid, seq_len=seq_len,
-                                              backend=backend)
+            local = routing.load_balance_loss(r, config, valid, seq_len=seq_len, backend=backend)
             aux = _psum(local * (t_l // seq_len), token_axes) / (t_global // seq_len)
         else:
             if config.aux_loss_type == "gshard":
@@ -285,18 +320,25 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
             else:
                 f = counts
             aux = _psum(
-                routing.load_balance_loss(r, config, valid, counts=f, num_tokens=num_tokens,
+                routing.load_balance_loss(r,
+                                          config,
+                                          valid,
+                                          counts=f,
+                                          num_tokens=num_tokens,
                                           backend=backend), token_axes)
-        zl = _psum(routing.z_loss(logits, valid, config.z_loss_coeff,
-                                  num_tokens=num_tokens.astype(jnp.float32)), token_axes)
+        zl = _psum(
+            routing.z_loss(logits,
+                           valid,
+                           config.z_loss_coeff,
+                           num_tokens=num_tokens.astype(jnp.float32)), token_axes)
 
     with jax.named_scope("moe_dispatch"):
         if config.capacity_factor is None:
             keep = jnp.broadcast_to(valid[:, None], (t_l, k))
             cap_dropped = jnp.zeros((), jnp.int32)
         else:
-            keep, cap_dropped = _global_keep(r.expert_ids, r.weights, valid, config, layout,
-                                             shard, t_global)
+            keep, cap_dropped = _global_keep(r.expert_ids, r.weights, valid, config, layout, shard,
+                                             t_global)
         flat_e = jnp.where(keep, r.expert_ids, e).reshape(-1).astype(jnp.int32)  # [R]
         order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
         sorted_e = flat_e[order]
@@ -309,16 +351,22 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
         if layout.ep_size == 1:
             rows = checkpoint_name(ops.permute(x, row_tok, backend=backend), "moe_dispatched")
             rows = _vary(rows, tuple(_varying_axes(weights["wi_up"])))
-            out = expert_ffn(rows, group_sizes, weights.get("wi_gate"), weights["wi_up"],
-                             weights["wo"], config, backend=backend)
-            y = ops.unpermute(out.astype(jnp.float32) * w_sorted[:, None], row_tok, t_l,
+            out = expert_ffn(rows,
+                             group_sizes,
+                             weights.get("wi_gate"),
+                             weights["wi_up"],
+                             weights["wo"],
+                             config,
+                             backend=backend)
+            y = ops.unpermute(out.astype(jnp.float32) * w_sorted[:, None],
+                              row_tok,
+                              t_l,
                               backend=backend)
             overflow = jnp.zeros((), jnp.int32)
         else:
             send_mat = group_sizes.reshape(layout.ep_size, layout.experts_per_rank)
             exchange = _ragged_exchange if kind == "ragged" else _padded_exchange
-            y, overflow = exchange(x, row_tok, w_sorted, send_mat, layout, config, weights,
-                                   backend)
+            y, overflow = exchange(x, row_tok, w_sorted, send_mat, layout, config, weights, backend)
         y = _psum(y, layout.tp_axes).astype(x.dtype)
     dropped = cap_dropped + _psum(overflow.astype(jnp.int32), token_axes)
     return y, aux, zl, counts, dropped
@@ -330,16 +378,25 @@ def sharded_fn(config: MoEConfig, layout: EPLayout, mesh, *, kind: str, seq_len,
     tokens_per_expert [E], dropped_tokens). `kind` is the exchange, 'ragged' or 'padded'."""
     specs = layout.weight_specs
     tok = layout.token_spec
-    body = functools.partial(_body, config=config, layout=layout, kind=kind, seq_len=seq_len,
-                             t_global=t_global, backend=backend)
-    return jax.shard_map(body, mesh=mesh,
-                         in_specs=({name: specs[name] for name in param_names}, P(*tok, None),
-                                   tok),
-                         out_specs=(P(*tok, None), P(), P(), P(None), P()), check_vma=True)
+    body = functools.partial(_body,
+                             config=config,
+                             layout=layout,
+                             kind=kind,
+                             seq_len=seq_len,
+                             t_global=t_global,
+                             backend=backend)
+    return jax.shard_map(body,
+                         mesh=mesh,
+                         in_specs=({
+                             name: specs[name]
+                             for name in param_names
+                         }, P(*tok, None), tok),
+                         out_specs=(P(*tok, None), P(), P(), P(None), P()),
+                         check_vma=True)
 
 
-def moe_sharded(params, x2, valid, config: MoEConfig, *, mesh, resources: MeshResources,
-                seq_len, backend):
+def moe_sharded(params, x2, valid, config: MoEConfig, *, mesh, resources: MeshResources, seq_len,
+                backend):
     """The MoE block expert-parallel over `mesh` with the roles in `resources`.
 
     params: full (global) parameter arrays; x2: [T, M]; valid: [T] bool (False = padded).
@@ -347,7 +404,10 @@ def moe_sharded(params, x2, valid, config: MoEConfig, *, mesh, resources: MeshRe
     """
     from moe_praxis.moe import MoEOutput  # moe imports this module lazily
 
-    layout = ep_bootstrap(mesh, resources, config.num_experts, d_model=config.d_model,
+    layout = ep_bootstrap(mesh,
+                          resources,
+                          config.num_experts,
+                          d_model=config.d_model,
                           d_ff=config.d_ff)
     t = x2.shape[0]
     n = layout.num_token_shards
@@ -369,8 +429,13 @@ def moe_sharded(params, x2, valid, config: MoEConfig, *, mesh, resources: MeshRe
         raise ValueError(f"MoEConfig.ep_exchange='ragged' needs jax.lax.ragged_all_to_all, which "
                          f"XLA on platform {mesh_platform(mesh)!r} cannot compile; use "
                          "ep_exchange='padded' (or 'auto', which picks it there)")
-    fn = sharded_fn(config, layout, mesh, kind=kind, seq_len=seq_len, t_global=t,
-                    param_names=tuple(params), backend=backend)
+    fn = sharded_fn(config,
+                    layout,
+                    mesh,
+                    kind=kind,
+                    seq_len=seq_len,
+                    t_global=t,
+                    param_names=tuple(params),
+                    backend=backend)
     y, aux, zl, counts, dropped = fn(params, x2, valid)
-    return MoEOutput(y=y, aux_loss=aux, z_loss=zl, tokens_per_expert=counts,
-                     dropped_tokens=dropped)
+    return MoEOutput(y=y, aux_loss=aux, z_loss=zl, tokens_per_expert=counts, dropped_tokens=dropped)

@@ -44,7 +44,7 @@ def _as_tuple(role: str, value) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
-        return (value,)
+        return (value, )
     if isinstance(value, (tuple, list)) and all(isinstance(a, str) for a in value):
         if len(set(value)) != len(value):
             raise ValueError(f"MeshResources.{role}={value!r} names an axis twice")
@@ -204,7 +204,11 @@ def gathered_experts(mesh, order: tuple[str, ...], ep_axes: tuple[str, ...],
     return sorted(experts)
 
 
-def ep_bootstrap(mesh, resources: MeshResources, num_experts: int, *, d_model: int = None,
+def ep_bootstrap(mesh,
+                 resources: MeshResources,
+                 num_experts: int,
+                 *,
+                 d_model: int = None,
                  d_ff: int = None) -> EPLayout:
     """Validates `resources` against `mesh` and returns the EPLayout.
 
@@ -222,9 +226,15 @@ def ep_bootstrap(mesh, resources: MeshResources, num_experts: int, *, d_model: i
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} is not divisible by the ep size {ep} (mesh "
                          f"axes {axes['ep']}); use an ep size that divides {num_experts}")
-    layout = EPLayout(num_experts=num_experts, dp_axes=axes["dp"], fsdp_axes=axes["fsdp"],
-                      ep_axes=axes["ep"], tp_axes=axes["tp"], dp_size=sizes["dp"],
-                      fsdp_size=sizes["fsdp"], ep_size=ep, tp_size=sizes["tp"],
+    layout = EPLayout(num_experts=num_experts,
+                      dp_axes=axes["dp"],
+                      fsdp_axes=axes["fsdp"],
+                      ep_axes=axes["ep"],
+                      tp_axes=axes["tp"],
+                      dp_size=sizes["dp"],
+                      fsdp_size=sizes["fsdp"],
+                      ep_size=ep,
+                      tp_size=sizes["tp"],
                       fsdp_dim=resources.fsdp_dim)
     if resources.fsdp_dim == "expert" and num_experts % (ep * sizes["fsdp"]):
         raise ValueError(
@@ -238,8 +248,8 @@ def ep_bootstrap(mesh, resources: MeshResources, num_experts: int, *, d_model: i
         raise ValueError(f"d_ff={d_ff} is not divisible by the tp size {sizes['tp']} (mesh axes "
                          f"{axes['tp']}); tp shards the expert hidden dimension")
     if resources.expert_dim_order is not None:
-        _check_expert_dim_order(mesh, layout, _as_tuple("expert_dim_order",
-                                                        resources.expert_dim_order))
+        _check_expert_dim_order(mesh, layout,
+                                _as_tuple("expert_dim_order", resources.expert_dim_order))
     return layout
 
 

@@ -38,8 +38,8 @@ MESHES = {
     "dp2xfsdp2xep2": ((2, 2, 2), ("dp", "fsdp", "ep"), dict(dp="dp", fsdp="fsdp", ep="ep")),
     "dp4xep2": ((4, 2), ("dp", "ep"), dict(dp="dp", ep="ep")),
     "fsdp4xep2": ((4, 2), ("fsdp", "ep"), dict(fsdp="fsdp", ep="ep")),
-    "dp2xfsdp2xep2_fsdp_on_model": ((2, 2, 2), ("dp", "fsdp", "ep"),
-                                    dict(dp="dp", fsdp="fsdp", ep="ep", fsdp_dim="model")),
+    "dp2xfsdp2xep2_fsdp_on_model":
+    ((2, 2, 2), ("dp", "fsdp", "ep"), dict(dp="dp", fsdp="fsdp", ep="ep", fsdp_dim="model")),
     "ep2xtp2xdp2": ((2, 2, 2), ("ep", "tp", "dp"), dict(ep="ep", tp="tp", dp="dp")),
     "dp2xep(2x2)": ((2, 2, 2), ("dp", "ea", "eb"), dict(dp="dp", ep=("ea", "eb"))),
 }
@@ -57,7 +57,11 @@ def _configs():
     for e in (8, 16):
         for k in (1, 2):
             for cap in (None, 0.5):  # 0.5: fewer slots than valid copies, so drops
-                kw = dict(d_model=D_MODEL, d_ff=D_FF, num_experts=e, top_k=k, z_loss_coeff=1e-3,
+                kw = dict(d_model=D_MODEL,
+                          d_ff=D_FF,
+                          num_experts=e,
+                          top_k=k,
+                          z_loss_coeff=1e-3,
                           capacity_factor=cap)
                 if cap is not None and (e + k) % 2:  # half the capacity cases drop by weight
                     kw["drop_policy"] = "weight"
@@ -132,7 +136,8 @@ def _compare(got, ref, msg):
             a, b = float(getattr(o, name)), float(getattr(ro, name))
             assert abs(a - b) <= RTOL * abs(b) + 1e-12, f"{m} {name}: {a} vs {b}"
         np.testing.assert_array_equal(np.asarray(o.tokens_per_expert),
-                                      np.asarray(ro.tokens_per_expert), err_msg=m)
+                                      np.asarray(ro.tokens_per_expert),
+                                      err_msg=m)
         assert int(o.dropped_tokens) == int(ro.dropped_tokens), m
         assert rel_err(gx, rx) < RTOL, f"{m} dx"
         for name in rp:
@@ -169,8 +174,12 @@ def test_mesh_matrix_equals_single_device(mesh_name, matrix_case):
 @pytest.mark.parametrize("aux_loss_type", ["sequence", "gshard"])
 def test_other_aux_losses_equal_single_device(aux_loss_type):
     seed = _seed()
-    cfg = mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8, top_k=2,
-                       aux_loss_type=aux_loss_type, aux_loss_coeff=0.1)
+    cfg = mp.MoEConfig(d_model=D_MODEL,
+                       d_ff=D_FF,
+                       num_experts=8,
+                       top_k=2,
+                       aux_loss_type=aux_loss_type,
+                       aux_loss_coeff=0.1)
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     params = _params(cfg, k1)
     # 8 sequences of 8 tokens: each of the 8 token shards holds one whole sequence.
@@ -223,7 +232,8 @@ def _compare_one(got, ref, msg):
     assert rel_err(o.y, ro.y) < RTOL, msg
     assert abs(float(o.aux_loss) - float(ro.aux_loss)) <= RTOL * abs(float(ro.aux_loss)), msg
     np.testing.assert_array_equal(np.asarray(o.tokens_per_expert),
-                                  np.asarray(ro.tokens_per_expert), err_msg=msg)
+                                  np.asarray(ro.tokens_per_expert),
+                                  err_msg=msg)
     assert int(o.dropped_tokens) == int(ro.dropped_tokens), msg
     assert rel_err(gx, rx) < RTOL, msg
     for name in rp:
@@ -244,16 +254,15 @@ def test_bounded_buffer_counts_overflow_and_never_writes_out_of_bounds():
     cap = ep_lib.pair_capacity(t_l * 1, 8, 2.0)
     assert cap == 2
     out = _fast_jit(lambda p, x: mp.moe_block(p, x, cfg, mesh=mesh, resources=res))(params, x)
-    ref = mp.moe_block(params, x, mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8,
-                                               top_k=1))
+    ref = mp.moe_block(params, x, mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8, top_k=1))
     assert int(out.dropped_tokens) == 8 * (t_l - cap)
     kept = (np.arange(BATCH * SEQ) % t_l < cap).reshape(BATCH, SEQ, 1)
     np.testing.assert_array_equal(np.asarray(out.y)[~kept[..., 0]], 0.0)
     assert rel_err(np.where(kept, out.y, 0.0), np.where(kept, ref.y, 0.0)) < RTOL
     np.testing.assert_array_equal(np.asarray(out.tokens_per_expert),
                                   np.asarray(ref.tokens_per_expert))
-    g = _fast_jit(jax.grad(lambda p: jnp.sum(
-        mp.moe_block(p, x, cfg, mesh=mesh, resources=res).y**2)))(params)
+    g = _fast_jit(
+        jax.grad(lambda p: jnp.sum(mp.moe_block(p, x, cfg, mesh=mesh, resources=res).y**2)))(params)
     assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(g))
 
 
@@ -270,6 +279,29 @@ def test_bounded_buffer_without_overflow_equals_single_device():
     ref = mp.moe_block(params, x, cfg)
     assert int(out.dropped_tokens) == 0
     assert rel_err(out.y, ref.y) < RTOL, f"seed={seed}"
+
+
+@pytest.mark.slow
+def test_all_tokens_padded_under_ep():
+    """Every token padded (the empty case): nothing routes, every statistic is zero, y is
+    zero and the gradients are finite, as on one device."""
+    mesh, res = make_mesh("dp2xfsdp2xep2")
+    cfg = mp.MoEConfig(d_model=D_MODEL,
+                       d_ff=D_FF,
+                       num_experts=8,
+                       top_k=2,
+                       z_loss_coeff=1e-3,
+                       capacity_factor=1.0)
+    params = _params(cfg, jax.random.key(_seed()))
+    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, D_MODEL))
+    paddings = jnp.ones((BATCH, SEQ), jnp.float32)
+    cot = jnp.ones_like(x)
+    (out, (gp, gx)), = _loss_and_grads([cfg], mesh, res)([params], x, paddings, cot)
+    assert float(jnp.max(jnp.abs(out.y))) == 0.0
+    assert float(out.aux_loss) == 0.0 and float(out.z_loss) == 0.0
+    assert int(jnp.sum(out.tokens_per_expert)) == 0 and int(out.dropped_tokens) == 0
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves((gp, gx)))
+    assert float(jnp.max(jnp.abs(gx))) == 0.0
 
 
 def test_buffer_sizes():
@@ -332,8 +364,14 @@ def test_ragged_exchange_lowers_with_one_ragged_all_to_all_each_way():
     params = mp.init_moe_params(jax.random.key(0), cfg)
     mesh, res = make_mesh("dp2xfsdp2xep2")
     layout = mp.ep_bootstrap(mesh, res, 8)
-    fn = ep_lib.sharded_fn(cfg, layout, mesh, kind="ragged", seq_len=None, t_global=64,
-                           param_names=tuple(params), backend="xla")
+    fn = ep_lib.sharded_fn(cfg,
+                           layout,
+                           mesh,
+                           kind="ragged",
+                           seq_len=None,
+                           t_global=64,
+                           param_names=tuple(params),
+                           backend="xla")
     x, valid = jnp.ones((64, D_MODEL)), jnp.ones((64, ), bool)
     text = jax.jit(fn).lower(params, x, valid).as_text()
     assert text.count("ragged_all_to_all") == 2, text.count("ragged_all_to_all")
@@ -393,8 +431,12 @@ def test_gpu_exchanges_equal_single_device(exchange):
     res = mp.MeshResources(ep="ep")
     seed = _seed()
     for skew in (False, True):
-        cfg = mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=2 * n, top_k=2,
-                           ep_exchange=exchange, kernel_backend="xla")
+        cfg = mp.MoEConfig(d_model=D_MODEL,
+                           d_ff=D_FF,
+                           num_experts=2 * n,
+                           top_k=2,
+                           ep_exchange=exchange,
+                           kernel_backend="xla")
         if skew:
             params, x, _ = _skewed(cfg, seed, n - 1, n)
         else:
@@ -405,9 +447,28 @@ def test_gpu_exchanges_equal_single_device(exchange):
             ref = _loss_and_grads([cfg])([params], x, None, cot)
         got = _loss_and_grads([cfg], mesh, res)([params], x, None, cot)
         _compare_one(got[0], ref[0], f"seed={seed} exchange={exchange} skew={skew}")
+    # the compiled forward moves token rows with exactly one exchange each way
+    cfg = mp.MoEConfig(d_model=D_MODEL,
+                       d_ff=D_FF,
+                       num_experts=2 * n,
+                       top_k=2,
+                       ep_exchange=exchange,
+                       kernel_backend="xla")
+    params = _params(cfg, jax.random.key(seed))
+    x = jax.random.normal(jax.random.key(seed + 1), (n, SEQ, D_MODEL))
+    hlo = jax.jit(lambda p, x: mp.moe_block(p, x, cfg, mesh=mesh, resources=res).y).lower(
+        params, x).compile().as_text()
+    op = "ragged-all-to-all" if exchange == "ragged" else "all-to-all"
+    moves = [l for l in hlo.splitlines() if f" {op}(" in l and "f32[" in l.split(f" {op}(")[0]]
+    assert len(moves) == 2, moves
     # bounded buffer with everything on one rank: counted overflow, y = 0 for dropped tokens
-    cfg = mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=2 * n, top_k=1,
-                       ep_exchange=exchange, ep_buffer_factor=1.0, kernel_backend="xla")
+    cfg = mp.MoEConfig(d_model=D_MODEL,
+                       d_ff=D_FF,
+                       num_experts=2 * n,
+                       top_k=1,
+                       ep_exchange=exchange,
+                       ep_buffer_factor=1.0,
+                       kernel_backend="xla")
     params, x, _ = _skewed(cfg, seed, 0, n)
     x = x[:n]
     out = jax.jit(lambda p, x: mp.moe_block(p, x, cfg, mesh=mesh, resources=res))(params, x)
@@ -429,13 +490,22 @@ def _praxis_lm(resources, gating_func):
     from praxis import base_layer, pax_fiddle
     from praxis.layers import transformer_models, transformers
 
-    moe = pax_fiddle.Config(mp.MoEFeedForward, mesh_resources=resources,
-                            router_z_loss_weight=1e-3)
-    st = pax_fiddle.Config(transformers.StackedTransformer, num_layers=2, moe_layers=[1],
-                           model_dims=D_MODEL, hidden_dims=24, num_heads=2, num_experts=8,
-                           num_groups=1, gating_func=gating_func, moe_layer_tpl=moe)
-    tpl = pax_fiddle.Config(transformer_models.TransformerLm, name="lm", model_dims=D_MODEL,
-                            vocab_size=32, stacked_transformer_tpl=st)
+    moe = pax_fiddle.Config(mp.MoEFeedForward, mesh_resources=resources, router_z_loss_weight=1e-3)
+    st = pax_fiddle.Config(transformers.StackedTransformer,
+                           num_layers=2,
+                           moe_layers=[1],
+                           model_dims=D_MODEL,
+                           hidden_dims=24,
+                           num_heads=2,
+                           num_experts=8,
+                           num_groups=1,
+                           gating_func=gating_func,
+                           moe_layer_tpl=moe)
+    tpl = pax_fiddle.Config(transformer_models.TransformerLm,
+                            name="lm",
+                            model_dims=D_MODEL,
+                            vocab_size=32,
+                            stacked_transformer_tpl=st)
     return base_layer.instantiate(tpl)
 
 
@@ -467,7 +537,10 @@ def test_praxis_lm_train_step_same_loss_on_dp8_and_dp2xfsdp2xep2(gating_func):
 
         def loss_fn(p):
             with base_layer.JaxContext.new_context():
-                out, _ = lm.apply({"params": p}, inp, pad, labels=labels,
+                out, _ = lm.apply({"params": p},
+                                  inp,
+                                  pad,
+                                  labels=labels,
                                   mutable=[base_layer.AUX_LOSS, base_layer.SUMMARIES])
             return out.total_loss
 

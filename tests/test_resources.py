@@ -27,24 +27,23 @@ BOOTSTRAP = [
     ((2, 4), ("dp", "ep"), dict(dp="dp", ep="ep"), 8, (4, 2, 2, 8, ("dp", "ep"))),
     ((2, 4), ("fsdp", "ep"), dict(fsdp="fsdp", ep="ep"), 8, (4, 2, 2, 8, ("fsdp", "ep"))),
     # DP2 x FSDP2 x EP2: dp AND fsdp make the groups: 4 groups of 2 (never 2 groups)
-    ((2, 2, 2), ("dp", "fsdp", "ep"), dict(dp="dp", fsdp="fsdp", ep="ep"), 8,
-     (2, 4, 4, 8, ("dp", "fsdp", "ep"))),
+    ((2, 2, 2), ("dp", "fsdp", "ep"), dict(dp="dp", fsdp="fsdp",
+                                           ep="ep"), 8, (2, 4, 4, 8, ("dp", "fsdp", "ep"))),
     ((4, 2), ("dp", "ep"), dict(dp="dp", ep="ep"), 8, (2, 4, 4, 8, ("dp", "ep"))),
     ((4, 2), ("fsdp", "ep"), dict(fsdp="fsdp", ep="ep"), 16, (2, 4, 8, 8, ("fsdp", "ep"))),
-    ((2, 2, 2), ("ep", "tp", "dp"), dict(ep="ep", tp="tp", dp="dp"), 8,
-     (2, 2, 4, 4, ("dp", "ep"))),
-    ((2, 2, 2), ("dp", "ea", "eb"), dict(dp="dp", ep=("ea", "eb")), 8,
-     (4, 2, 2, 8, ("dp", "ea", "eb"))),
-    ((2, 2, 2), ("d1", "d2", "ep"), dict(dp=("d1", "d2"), ep="ep"), 8,
-     (2, 4, 4, 8, ("d1", "d2", "ep"))),
+    ((2, 2, 2), ("ep", "tp", "dp"), dict(ep="ep", tp="tp", dp="dp"), 8, (2, 2, 4, 4, ("dp", "ep"))),
+    ((2, 2, 2), ("dp", "ea", "eb"), dict(dp="dp",
+                                         ep=("ea", "eb")), 8, (4, 2, 2, 8, ("dp", "ea", "eb"))),
+    ((2, 2, 2), ("d1", "d2", "ep"), dict(dp=("d1", "d2"),
+                                         ep="ep"), 8, (2, 4, 4, 8, ("d1", "d2", "ep"))),
 ]
 
 
 @pytest.mark.parametrize("shape,names,kw,e,want", BOOTSTRAP)
 def test_bootstrap_numbers(shape, names, kw, e, want):
     layout = mp.ep_bootstrap(mesh_of(shape, names), mp.MeshResources(**kw), e)
-    got = (layout.ep_size, layout.num_ep_groups, layout.experts_per_rank,
-           layout.num_token_shards, layout.token_axes)
+    got = (layout.ep_size, layout.num_ep_groups, layout.experts_per_rank, layout.num_token_shards,
+           layout.token_axes)
     assert got == want
     # every device belongs to exactly one EP group of ep_size ranks (tp replicates tokens)
     assert layout.num_ep_groups * layout.ep_size * layout.tp_size == math.prod(shape)
@@ -65,8 +64,8 @@ def test_dp2_fsdp2_ep2_specs():
 
 def test_fsdp_on_model_and_tp_specs():
     mesh = mesh_of((2, 2, 2), ("fsdp", "ep", "tp"))
-    layout = mp.ep_bootstrap(
-        mesh, mp.MeshResources(fsdp="fsdp", ep="ep", tp="tp", fsdp_dim="model"), 8)
+    layout = mp.ep_bootstrap(mesh, mp.MeshResources(fsdp="fsdp", ep="ep", tp="tp",
+                                                    fsdp_dim="model"), 8)
     assert layout.expert_spec == P("ep")
     assert layout.weight_specs["wi_gate"] == P("ep", "fsdp", "tp")
     assert layout.weight_specs["wo"] == P("ep", "tp", "fsdp")
@@ -95,11 +94,11 @@ def test_fsdp_first_expert_layout_is_refused():
     with pytest.raises(ValueError, match=r"\[0, 1, 4, 5\]"):
         mp.moe_block(params, np.ones((8, 8), np.float32), cfg, mesh=mesh, resources=bad)
     # the ep-first order is accepted, and so is any order when one of the sizes is 1
-    mp.ep_bootstrap(mesh, mp.MeshResources(fsdp="fsdp", ep="ep", expert_dim_order=("ep",
-                                                                                   "fsdp")), 8)
+    mp.ep_bootstrap(mesh, mp.MeshResources(fsdp="fsdp", ep="ep", expert_dim_order=("ep", "fsdp")),
+                    8)
     mesh41 = mesh_of((4, 1), ("ep", "fsdp"))
-    mp.ep_bootstrap(mesh41,
-                    mp.MeshResources(fsdp="fsdp", ep="ep", expert_dim_order=("fsdp", "ep")), 8)
+    mp.ep_bootstrap(mesh41, mp.MeshResources(fsdp="fsdp", ep="ep", expert_dim_order=("fsdp", "ep")),
+                    8)
 
 
 @pytest.mark.parametrize("kw,e,kwargs,match", [
@@ -117,7 +116,8 @@ def test_bootstrap_errors(kw, e, kwargs, match):
 
 
 def test_mesh_resources_validation():
-    with pytest.raises(ValueError, match="'x' is given two roles, MeshResources.dp and "
+    with pytest.raises(ValueError,
+                       match="'x' is given two roles, MeshResources.dp and "
                        "MeshResources.ep"):
         mp.MeshResources(dp="x", ep=("y", "x"))
     with pytest.raises(ValueError, match="fsdp_dim='hidden' is invalid"):
