@@ -48,8 +48,11 @@ RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
 
 def mesh_platform(mesh) -> str:
     """The platform of the mesh's devices ('cpu', 'gpu', 'tpu'); default backend if abstract."""
-    devices = getattr(mesh, "devices", None)
-    if devices is None or not hasattr(devices, "flat"):
+    try:
+        devices = mesh.devices  # an AbstractMesh raises ValueError here
+    except (AttributeError, ValueError):
+        return jax.default_backend()
+    if not hasattr(devices, "flat"):
         return jax.default_backend()
     return next(iter(devices.flat)).platform
 

@@ -403,10 +403,29 @@ def test_exchange_selection_by_platform_and_override():
     forced = mp.MoEConfig(d_model=8, d_ff=8, num_experts=4, ep_exchange="padded")
     assert ep_lib.exchange_kind(forced, _FakeMesh("gpu")) == "padded"
     assert ep_lib.exchange_kind(cfg, make_mesh("ep8")[0]) == "padded"
+    abstract = jax.sharding.AbstractMesh((2, 4), ("dp", "ep"))  # what jit sees under set_mesh
+    assert ep_lib.mesh_platform(abstract) == jax.default_backend()
     with pytest.raises(ValueError, match="ep_exchange='scatter'"):
         mp.MoEConfig(d_model=8, d_ff=8, num_experts=4, ep_exchange="scatter")
     with pytest.raises(ValueError, match="ep_buffer_factor=0"):
         mp.MoEConfig(d_model=8, d_ff=8, num_experts=4, ep_buffer_factor=0)
+
+
+@pytest.mark.slow
+def test_abstract_mesh_under_set_mesh():
+    """Inside jit under jax.set_mesh a layer may only see the AbstractMesh; that is enough."""
+    seed = _seed()
+    mesh, res = make_mesh("dp2xfsdp2xep2")
+    cfg = mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8, top_k=2)
+    params = _params(cfg, jax.random.key(seed))
+    x = jax.random.normal(jax.random.key(seed + 1), (BATCH, SEQ, D_MODEL))
+    with jax.set_mesh(mesh):
+        out = _fast_jit(lambda p, x: mp.moe_block(
+            p, x, cfg, mesh=jax.sharding.get_abstract_mesh(), resources=res))(params, x)
+    ref = mp.moe_block(params, x, cfg)
+    assert rel_err(out.y, ref.y) < RTOL, f"seed={seed}"
+    np.testing.assert_array_equal(np.asarray(out.tokens_per_expert),
+                                  np.asarray(ref.tokens_per_expert))
 
 
 def test_token_count_not_divisible_by_token_shards_raises():
