@@ -357,6 +357,26 @@ def test_padded_exchange_hlo_is_one_all_to_all_each_way():
 
 
 @pytest.mark.slow
+def test_fsdp_weight_gradients_are_reduce_scattered():
+    """fsdp2 x ep4: the three expert weights are all-gathered over fsdp in the forward and
+    their gradients reduce-scattered back to the [E/(ep*fsdp), ., .] shards (no all-reduce of
+    expert-weight gradients)."""
+    cfg = mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8, top_k=2)
+    params = mp.init_moe_params(jax.random.key(0), cfg)
+    mesh, res = make_mesh("fsdp2xep4")
+    grad = jax.jit(
+        jax.grad(lambda p, x: jnp.sum(mp.moe_block(p, x, cfg, mesh=mesh, resources=res).y**2)))
+    hlo = grad.lower(params, jnp.ones((64, D_MODEL))).compile().as_text()
+    shapes = {
+        op: re.findall(rf"= (f32\[[0-9,]*\])\S* {op}\(", hlo)
+        for op in ("reduce-scatter", "all-gather", "all-reduce")
+    }
+    assert sorted(shapes["reduce-scatter"]) == ["f32[1,16,32]", "f32[1,16,32]", "f32[1,32,16]"]
+    assert sorted(shapes["all-gather"]) == ["f32[2,16,32]", "f32[2,16,32]", "f32[2,32,16]"]
+    assert not [s for s in shapes["all-reduce"] if s.count(",") == 2], shapes
+
+
+@pytest.mark.slow
 def test_ragged_exchange_lowers_with_one_ragged_all_to_all_each_way():
     """XLA:CPU cannot compile ragged_all_to_all, so here the ragged path is traced and lowered
     (the GPU test below runs it)."""
