@@ -27,7 +27,7 @@ class MoEOutput:
     aux_loss: jax.Array  # [] float32, coefficient applied
     z_loss: jax.Array  # [] float32, coefficient applied
     tokens_per_expert: jax.Array  # [E] int32 token copies the router assigned (before drops)
-    dropped_tokens: jax.Array  # [] int32 token copies dropped by the capacity (0 if dropless)
+    dropped_tokens: jax.Array  # [] int32 copies dropped by the capacity or an EP buffer bound
 
 
 def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
