@@ -246,3 +246,46 @@ def test_cli_errors_exit_2_with_the_message_and_write_nothing(tmp_path):
                  timeout=120)
     assert p.returncode == 2 and "invalid config: --fdl.data.batch_size=12" in p.stderr
     assert not job.exists()
+
+
+def _wait_for_step(job, proc, step, timeout=180):
+    import time
+
+    path = Path(job) / "metrics.jsonl"
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"exited early: {proc.communicate()[1][-3000:]}")
+        if path.exists() and any('"kind": "train"' in l and f'"step": {step},' in l
+                                 for l in path.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def test_external_sigint_saves_the_step_in_flight(tmp_path):
+    """A signal from outside (here a user's Ctrl-C; SIGTERM takes the same handler, tested
+    above): the step in flight finishes, its state is checkpointed, the exit status is
+    128 + signal; a restart resumes from exactly that step."""
+    sig = signal.SIGINT
+    job = tmp_path / "job"
+    args = [
+        f"--job_log_dir={job}", "--fdl.train.num_steps=100000", "--fdl.train.eval_every=1000",
+        "--fdl.train.checkpoint_every=0", *SMALL
+    ]
+    p = subprocess.Popen([sys.executable, "-m", "experiments.main", *args],
+                         cwd=ROOT,
+                         env=_env(1),
+                         stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE,
+                         text=True)
+    _wait_for_step(job, p, 3)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + sig, err[-3000:]
+    last = max(r["step"] for r in records(job, "train"))
+    assert f"stopped by {signal.Signals(sig).name} at step {last}" in out
+    assert [int(d.name) for d in (job / "checkpoints").iterdir() if d.name.isdigit()] == [last]
+    p = run_main([f"--job_log_dir={job}", f"--fdl.train.num_steps={last + 2}", *SMALL])
+    steps = [r["step"] for r in records(job, "train")]
+    assert steps == list(range(1, last + 3))
