@@ -13,6 +13,7 @@ import io
 import pathlib
 import re
 
+import fiddle as fdl
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,6 +170,13 @@ def test_accepts_every_gshard_and_transformer_field():
         "gating_logit_cap"
     }
     assert written - ours == set()
+    # A user's GShard template switches class in place and keeps working.
+    tpl = _praxis_moe_tpl(**_with_defaults(dict(gating_func="top2", num_groups=2)))
+    tpl.weight_split_dims_mapping.emh = ["data", None, "mdl"]
+    fdl.update_callable(tpl, MoEFeedForward)
+    x, pad = _inputs(1)
+    params = _init_layer(tpl, x, pad)["params"]
+    assert sorted(params) == ["layer_norm", "router", "wi_up", "wo"]
     # The sharding names TransformerLm.set_sharding_params_v1 writes.
     wp = {f.name for f in dataclasses.fields(MoEFeedForward.WeightSharding)}
     ap = {f.name for f in dataclasses.fields(MoEFeedForward.ActivationSharding)}
