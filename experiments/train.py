@@ -63,6 +63,7 @@ class Prepared:
     mesh: Any  # jax.sharding.Mesh or AbstractMesh
     model_config: pax_fiddle.Config  # the model config after mesh annotations
     dataset: Any = None  # experiments.data.ByteDataset, read and split
+    layout: Any = None  # moe_praxis.EPLayout of the MoE layers (None: data parallel only)
 
     @property
     def model(self):
@@ -98,9 +99,10 @@ def _annotate_model(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig,
     expert-weight layout (expert dim over (ep, fsdp), hidden dim over tp).
 
     A pure data-parallel mesh needs none of it (weights replicated, batch split by the jit
-    input sharding), so nothing is written then."""
+    input sharding), so nothing is written then. Returns the MoE layers' ``EPLayout`` from
+    ``moe_praxis.ep_bootstrap`` (None when nothing was written)."""
     if not (mesh_cfg.fsdp or mesh_cfg.ep or mesh_cfg.tp):
-        return
+        return None
     from praxis.layers import transformer_models
 
     def one(axes):
@@ -119,7 +121,7 @@ def _annotate_model(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig,
                                                             training_optimized=True)
     block = models.stack_block(model_cfg)
     if not block.moe_layers:
-        return
+        return None
     from moe_praxis import ep_bootstrap
 
     resources = mesh_cfg.resources()
@@ -138,6 +140,7 @@ def _annotate_model(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig,
     moe.weight_split_dims_mapping.me = list(specs["router"])
     moe.weight_split_dims_mapping.emh = list(specs["wi_up"])
     moe.weight_split_dims_mapping.ehm = list(specs["wo"])
+    return layout
 
 
 def _validate(exp: base.ExperimentConfig, model_cfg, mesh_shape: tuple) -> None:
@@ -202,7 +205,7 @@ def prepare(cfg: pax_fiddle.Config, *, devices=None, abstract: bool = False) -> 
         raise ConfigError(f"--fdl.model must be a pax_fiddle.Config of a TransformerLm, got "
                           f"{type(model_cfg).__name__}")
     exp_stub = base.ExperimentConfig(name=cfg.name, model=None, **parts)
-    _annotate_model(model_cfg, mesh_cfg, mesh_shape)
+    layout = _annotate_model(model_cfg, mesh_cfg, mesh_shape)
     _validate(exp_stub, model_cfg, mesh_shape)
     try:
         model = pax_fiddle.build(model_cfg)
@@ -213,7 +216,7 @@ def prepare(cfg: pax_fiddle.Config, *, devices=None, abstract: bool = False) -> 
         dataset = data_lib.load_dataset(exp.data)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--fdl.data: {e}") from e
-    return Prepared(config=exp, mesh=mesh, model_config=model_cfg, dataset=dataset)
+    return Prepared(config=exp, mesh=mesh, model_config=model_cfg, dataset=dataset, layout=layout)
 
 
 # ------------------------------------------------------------------------ model functions
@@ -299,7 +302,8 @@ def make_step_fns(prep: Prepared) -> StepFns:
     lpb = models.stack_block(prep.model_config).num_layers
     tx, schedule = make_optimizer(exp.optimizer, exp.train.num_steps)
     b, s = exp.data.batch_size, exp.data.seq_len
-    token_axes = exp.mesh.token_axes()
+    # The batch is split over the token axes exactly as the MoE block splits its tokens.
+    token_axes = prep.layout.token_axes if prep.layout is not None else exp.mesh.token_axes()
     batch_spec = P(token_axes if token_axes else None, None)
     batch_sharding = jax.sharding.NamedSharding(mesh, batch_spec)
     fake = {
