@@ -114,14 +114,21 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
         except ValueError as e:
             raise ValueError(f"${ENV_TILE}={forced!r} is invalid: {e}") from None
     rows_per_group = m / max(num_groups, 1)
-    if op == "wgrad":  # per group: (K, N, m_e); the mainloop is as long as the group
-        if rows_per_group >= 2048:
-            return config_name(2, 0)  # coop_128x256_c2x1/along_m
-        return config_name(1, 1)  # short mainloops: ping-pong 128x128 (epilogue overlapped)
-    out_n = n if op == "fwd" else k
-    if out_n <= 1024 or rows_per_group < 1024:
-        return config_name(1, 0)  # narrow output or fine-grained experts: ping-pong 128x128
-    return config_name(2, 0)  # coop_128x256_c2x1/along_m
+    # Per group, the GEMM's output is out_rows x out_cols (wgrad: K x N, the same for every
+    # group; fwd/dgrad: the group's rows x N or K).
+    out_rows, out_cols = {"fwd": (rows_per_group, n), "dgrad": (rows_per_group, k),
+                          "wgrad": (k, n)}[op]
+    if op == "wgrad" and rows_per_group < 2048:
+        tile = 1  # short mainloops (the group's rows): ping-pong 128x128 hides the epilogue
+    else:
+        tile = 2  # coop_128x256_c2x1
+    # Raster: hand out tiles so that consecutive CTAs share the larger operand tile.
+    raster = 1 if out_rows >= out_cols else 0
+    # Swizzle 1: CUTLASS's group scheduler rounds each group's M and N tile counts up to a
+    # multiple of the swizzle (times the cluster), so with ragged groups a swizzle computes
+    # padding tiles (docs/grouped_gemm.md has the measurements).
+    swizzle = 1
+    return config_name(tile, raster, swizzle)
 
 
 # ----------------------------------------------------------------------------- references
