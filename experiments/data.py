@@ -50,8 +50,9 @@ def synthetic_corpus(num_bytes: int, seed: int) -> bytes:
 
 
 def text_corpus(path: str) -> bytes:
-    """The bytes of ``path`` (a file) or of every file under it (a directory, sorted paths,
-    hidden files and directories skipped), joined by blank lines."""
+    """The bytes of ``path`` (a file) or of every text file under it (a directory: sorted
+    paths; hidden files and directories, and binary files, i.e. ones with a NUL byte, are
+    skipped), joined by blank lines."""
     p = Path(path).expanduser()
     if p.is_file():
         return p.read_bytes()
@@ -61,9 +62,10 @@ def text_corpus(path: str) -> bytes:
     for root, dirs, names in os.walk(p):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         files += [Path(root) / n for n in sorted(names) if not n.startswith(".")]
-    if not files:
-        raise FileNotFoundError(f"DataConfig.path={path!r} is a directory with no files")
-    return b"\n\n".join(f.read_bytes() for f in sorted(files))
+    texts = [b for b in (f.read_bytes() for f in sorted(files)) if b"\0" not in b]
+    if not texts:
+        raise FileNotFoundError(f"DataConfig.path={path!r} is a directory with no text files")
+    return b"\n\n".join(texts)
 
 
 @dataclasses.dataclass

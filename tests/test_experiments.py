@@ -234,6 +234,7 @@ def test_text_file_and_directory(tmp_path):
     (tmp_path / "d" / "a.txt").write_bytes(b"A" * 300)
     (tmp_path / "d" / "sub" / "b.txt").write_bytes(b"B" * 300)
     (tmp_path / "d" / ".hidden").write_bytes(b"H" * 300)
+    (tmp_path / "d" / "sub" / "c.bin").write_bytes(b"C\0" * 300)  # binary: skipped
     ds = data_lib.load_dataset(_cfg(source="text", path=str(tmp_path / "d"), heldout_fraction=0.5))
     allb = ds.train.tobytes() + ds.heldout.tobytes()
     assert allb == b"A" * 300 + b"\n\n" + b"B" * 300
