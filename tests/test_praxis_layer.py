@@ -107,11 +107,11 @@ def _lm_tpl(moe_tpl, *, repeated=False, remat=False, policy=None, gating_func="d
                            num_groups=1,
                            gating_func=gating_func,
                            moe_layer_tpl=moe_tpl,
-                           remat=remat)
+                           remat=remat and not repeated)
+    if repeated:  # the repeat layer always remats each block, with its checkpoint_policy
+        st = pax_fiddle.Config(transformers.StackedTransformerRepeated, block=st, x_times=2)
     if policy is not None:
         st.checkpoint_policy = policy
-    if repeated:
-        st = pax_fiddle.Config(transformers.StackedTransformerRepeated, block=st, x_times=2)
     return pax_fiddle.Config(transformer_models.TransformerLm,
                              name="lm",
                              model_dims=M,
@@ -328,25 +328,32 @@ def _saved(fn, *args):
     return buf.getvalue().splitlines()
 
 
-def test_lm_remat_with_name_policy_trains_and_saves_our_residuals():
-    """remat=True with SAVE_DOT_EXCEPT_LOGITS (save_only_these_names incl. ffn1, ffn2)."""
+@pytest.mark.parametrize("repeated", [False, True], ids=["stacked", "repeated"])
+def test_lm_remat_with_name_policy_trains_and_saves_our_residuals(repeated):
+    """remat with SAVE_DOT_EXCEPT_LOGITS (save_only_these_names incl. ffn1, ffn2): our
+    expert activations are saved, and the LM trains."""
     moe = pax_fiddle.Config(MoEFeedForward)
-    rows = B * L * 2  # token copies: B*L tokens, top-2
-    named = {}
+    rows = B * L * 2  # token copies: B*L tokens, top-2 (dense FFN activations are [B, L, .])
+    saved = {}
     for policy in (AutodiffCheckpointType.SAVE_DOT_EXCEPT_LOGITS,
                    AutodiffCheckpointType.SAVE_NOTHING):
-        lm = base_layer.instantiate(_lm_tpl(moe, remat=True, policy=policy))
+        lm = base_layer.instantiate(_lm_tpl(moe, repeated=repeated, remat=True, policy=policy))
         params = _lm_init(lm, abstract=True)
         inp, tgt, pad = _lm_batch(jax.random.PRNGKey(1))
-        lines = _saved(lambda p: _lm_apply(lm, p, inp, tgt, pad)[0].total_loss, params)
-        named[policy] = [l for l in lines if "experts.py" in l and "named" in l]
-    # Our expert activations are [rows, H] / [rows, M] (dense FFN ones are [B, L, .]).
-    saved = named[AutodiffCheckpointType.SAVE_DOT_EXCEPT_LOGITS]
-    assert any(f"f32[{rows},{H}] named 'ffn1'" in l for l in saved), saved
-    assert any(f"f32[{rows},{M}] named 'ffn2'" in l for l in saved), saved
-    assert named[AutodiffCheckpointType.SAVE_NOTHING] == []
+        saved[policy] = _saved(lambda p: _lm_apply(lm, p, inp, tgt, pad)[0].total_loss, params)
+    if repeated:
+        # Residuals saved inside the layer scan leave it stacked over the 2 repeats.
+        want = [f"f32[2,{rows},{H}] output of scan", f"f32[2,{rows},{M}] output of scan"]
+    else:
+        want = [f"f32[{rows},{H}] named 'ffn1'", f"f32[{rows},{M}] named 'ffn2'"]
+    for w in want:
+        assert any(w in l for l in saved[AutodiffCheckpointType.SAVE_DOT_EXCEPT_LOGITS]), w
+        assert not any(w in l for l in saved[AutodiffCheckpointType.SAVE_NOTHING]), w
     lm = base_layer.instantiate(
-        _lm_tpl(moe, remat=True, policy=AutodiffCheckpointType.SAVE_DOT_EXCEPT_LOGITS))
+        _lm_tpl(moe,
+                repeated=repeated,
+                remat=True,
+                policy=AutodiffCheckpointType.SAVE_DOT_EXCEPT_LOGITS))
     params = _lm_init(lm)
     losses, trained = _train(lm, params, steps=30)
     xent = np.array([l[1] for l in losses])
