@@ -71,9 +71,9 @@ def make_sizes(kind, m, e, rng):
     """Group sizes [E] of one kind; their sum is <= m."""
     if kind == "balanced":
         s = np.full(e, m // e)
-        s[: m - s.sum()] += 1
+        s[:m - s.sum()] += 1
     elif kind == "skewed":  # Zipf-like: a few experts take most rows
-        w = 1.0 / np.arange(1, e + 1) ** 1.5
+        w = 1.0 / np.arange(1, e + 1)**1.5
         w = rng.permutation(w)
         s = np.floor(w / w.sum() * m).astype(int)
         s[np.argmax(s)] += m - s.sum()
@@ -151,10 +151,11 @@ def test_custom_vjp_matches_jax_grad_of_ragged_dot():
     def loss(fn, a, b):
         return jnp.sum(fn(a, b) * dout)
 
-    ours = jax.grad(lambda a, b: loss(lambda x, w: ops.grouped_gemm(x, w, gs, backend="xla"),
-                                      a, b), argnums=(0, 1))(lhs, rhs)
-    ref = jax.grad(lambda a, b: loss(lambda x, w: jax.lax.ragged_dot(
-        x, w, gs, precision=jax.lax.Precision.HIGHEST), a, b), argnums=(0, 1))(lhs, rhs)
+    ours = jax.grad(lambda a, b: loss(lambda x, w: ops.grouped_gemm(x, w, gs, backend="xla"), a, b),
+                    argnums=(0, 1))(lhs, rhs)
+    ref = jax.grad(lambda a, b: loss(
+        lambda x, w: jax.lax.ragged_dot(x, w, gs, precision=jax.lax.Precision.HIGHEST), a, b),
+                   argnums=(0, 1))(lhs, rhs)
     for got, want, name in zip(ours, ref, ("dlhs", "drhs")):
         assert rel_err(got, want) < RTOL_F32, f"{name} seed={seed}"
 
@@ -163,8 +164,9 @@ def test_custom_vjp_matches_jax_grad_of_ragged_dot():
 def test_grad_under_jit_and_group_sizes_not_differentiated():
     seed = _seed()
     lhs, rhs, gs, dout = _inputs(20, 8, 8, 4, "random", jnp.float32, seed)
-    f = jax.jit(jax.grad(lambda a, b, g: jnp.sum(ops.grouped_gemm(a, b, g, backend="xla") * dout),
-                         argnums=(0, 1)))
+    f = jax.jit(
+        jax.grad(lambda a, b, g: jnp.sum(ops.grouped_gemm(a, b, g, backend="xla") * dout),
+                 argnums=(0, 1)))
     dlhs, drhs = f(lhs, rhs, gs)
     ref_dlhs, ref_drhs = loop_grads(lhs, rhs, gs, dout)
     assert rel_err(dlhs, ref_dlhs) < RTOL_F32 and rel_err(drhs, ref_drhs) < RTOL_F32
@@ -192,8 +194,10 @@ def test_cuda_backend_without_usable_kernels_says_why():
     if ok:
         pytest.skip("the CUDA kernels are usable here")
     with pytest.raises(RuntimeError, match="kernel_backend='cuda' requested for grouped_gemm"):
-        ops.grouped_gemm(jnp.ones((8, 8), jnp.bfloat16), jnp.ones((2, 8, 8), jnp.bfloat16),
-                         jnp.array([4, 4]), backend="cuda")
+        ops.grouped_gemm(jnp.ones((8, 8), jnp.bfloat16),
+                         jnp.ones((2, 8, 8), jnp.bfloat16),
+                         jnp.array([4, 4]),
+                         backend="cuda")
 
 
 def test_tile_rule_env_override_and_docs_in_step(monkeypatch):
@@ -202,8 +206,8 @@ def test_tile_rule_env_override_and_docs_in_step(monkeypatch):
         assert f"`{name}`" in doc, f"docs/grouped_gemm.md does not describe tile {name}"
     assert f"`{gg.ENV_TILE}`" in doc
     # Every example of the rule in the docs is what choose_tile returns.
-    examples = re.findall(
-        r"`choose_config\('(\w+)', (\d+), (\d+), (\d+), (\d+)\)` -> `([\w/]+)`", doc)
+    examples = re.findall(r"`choose_config\('(\w+)', (\d+), (\d+), (\d+), (\d+)\)` -> `([\w/]+)`",
+                          doc)
     assert len(examples) >= 6, "docs/grouped_gemm.md lists the rule's examples"
     monkeypatch.delenv(gg.ENV_TILE, raising=False)
     for op, m, k, n, e, name in examples:
@@ -252,7 +256,6 @@ GPU_SHAPES = [  # (M, K, N, E): M not a multiple of any tile, N and K not of 128
     (1000, 136, 200, 8),
     (777, 64, 136, 5),
 ]
-
 
 # Every compiled tile, and the other raster order and a swizzle once.
 GPU_CONFIGS = list(gg.TILE_CONFIGS) + [gg.TILE_CONFIGS[0] + "/along_n/s2"]
@@ -325,7 +328,7 @@ def test_cuda_inside_jit_shard_map_ep_like():
     from jax.sharding import Mesh, PartitionSpec as P
 
     devs = jax.devices("gpu")
-    mesh = Mesh(np.array(devs), ("ep",))
+    mesh = Mesh(np.array(devs), ("ep", ))
     ep = len(devs)
     m, k, n, e_local = 512, 128, 256, 4
     seed = _seed()
@@ -337,8 +340,11 @@ def test_cuda_inside_jit_shard_map_ep_like():
         out, vjp = jax.vjp(lambda x, w: ops.grouped_gemm(x, w, g, backend="cuda"), a, b)
         return (out, *vjp(d))
 
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("ep"), P("ep"), P("ep"), P("ep")),
-                              out_specs=(P("ep"), P("ep"), P("ep"))))
+    f = jax.jit(
+        jax.shard_map(local,
+                      mesh=mesh,
+                      in_specs=(P("ep"), P("ep"), P("ep"), P("ep")),
+                      out_specs=(P("ep"), P("ep"), P("ep"))))
     out, dlhs, drhs = f(lhs, rhs, jnp.asarray(gs), dout)
     for r in range(ep):
         rows = slice(r * m, (r + 1) * m)

@@ -116,8 +116,11 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
     rows_per_group = m / max(num_groups, 1)
     # Per group, the GEMM's output is out_rows x out_cols (wgrad: K x N, the same for every
     # group; fwd/dgrad: the group's rows x N or K).
-    out_rows, out_cols = {"fwd": (rows_per_group, n), "dgrad": (rows_per_group, k),
-                          "wgrad": (k, n)}[op]
+    out_rows, out_cols = {
+        "fwd": (rows_per_group, n),
+        "dgrad": (rows_per_group, k),
+        "wgrad": (k, n)
+    }[op]
     if op == "wgrad" and rows_per_group < 2048:
         tile = 1  # short mainloops (the group's rows): ping-pong 128x128 hides the epilogue
     else:
@@ -136,7 +139,9 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
 
 def grouped_gemm_reference(lhs, rhs, group_sizes, *, preferred_element_type=None):
     """Pure-JAX reference: jax.lax.ragged_dot. lhs [M,K], rhs [E,K,N] -> [M,N]."""
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
+    return jax.lax.ragged_dot(lhs,
+                              rhs,
+                              group_sizes.astype(jnp.int32),
                               preferred_element_type=preferred_element_type)
 
 
@@ -152,7 +157,10 @@ def grouped_gemm_wgrad_reference(lhs, dout, group_sizes):
         lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[],
     )
-    out = jax.lax.ragged_dot_general(lhs, dout, group_sizes.astype(jnp.int32), dims,
+    out = jax.lax.ragged_dot_general(lhs,
+                                     dout,
+                                     group_sizes.astype(jnp.int32),
+                                     dims,
                                      preferred_element_type=jnp.float32)
     return out.astype(lhs.dtype)
 
@@ -162,11 +170,15 @@ def grouped_gemm_wgrad_reference(lhs, dout, group_sizes):
 
 def _ffi(op: str, out_shape, a, b, group_sizes, config: str):
     tile, raster, swizzle = parse_config(config)
-    out, _ = _cuda.ffi(
-        _TARGETS[op],
-        (jax.ShapeDtypeStruct(out_shape, a.dtype),
-         jax.ShapeDtypeStruct((workspace_bytes(group_sizes.shape[0]),), jnp.uint8)),
-        a, b, group_sizes.astype(jnp.int32), tile=tile, raster=raster, swizzle=swizzle)
+    out, _ = _cuda.ffi(_TARGETS[op], (jax.ShapeDtypeStruct(out_shape, a.dtype),
+                                      jax.ShapeDtypeStruct(
+                                          (workspace_bytes(group_sizes.shape[0]), ), jnp.uint8)),
+                       a,
+                       b,
+                       group_sizes.astype(jnp.int32),
+                       tile=tile,
+                       raster=raster,
+                       swizzle=swizzle)
     return out
 
 
@@ -235,8 +247,10 @@ def _resolve(backend: str, lhs, rhs) -> str:
         return "cuda"
     if why not in _warned:
         _warned.add(why)
-        warnings.warn(f"grouped_gemm: {why}; running the XLA reference (jax.lax.ragged_dot) "
-                      "instead", stacklevel=3)
+        warnings.warn(
+            f"grouped_gemm: {why}; running the XLA reference (jax.lax.ragged_dot) "
+            "instead",
+            stacklevel=3)
     return "xla"
 
 
@@ -254,9 +268,9 @@ def _fwd_impl(lhs, rhs, group_sizes, impl):
     if impl[0] == "xla" or _empty(m, k, n, e):
         return grouped_gemm_reference(lhs, rhs, group_sizes).astype(lhs.dtype)
     cfg = impl[1] if impl[1] is not None else choose_config("fwd", m, k, n, e)
-    return _cuda.platform_call(
-        lambda a, b, g: cuda_fwd(a, b, g, cfg),
-        lambda a, b, g: grouped_gemm_reference(a, b, g).astype(a.dtype), lhs, rhs, group_sizes)
+    return _cuda.platform_call(lambda a, b, g: cuda_fwd(a, b, g, cfg),
+                               lambda a, b, g: grouped_gemm_reference(a, b, g).astype(a.dtype), lhs,
+                               rhs, group_sizes)
 
 
 def _dgrad_impl(dout, rhs, group_sizes, impl):
@@ -282,7 +296,7 @@ def _wgrad_impl(lhs, dout, group_sizes, impl):
                                grouped_gemm_wgrad_reference, lhs, dout, group_sizes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, ))
 def _grouped_gemm(lhs, rhs, group_sizes, impl):
     return _fwd_impl(lhs, rhs, group_sizes, impl)
 
@@ -314,7 +328,7 @@ def grouped_gemm(lhs, rhs, group_sizes, *, backend: str = "auto", config: str | 
     """
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"grouped_gemm needs lhs [M,K], rhs [E,K,N]; got {lhs.shape}, {rhs.shape}")
-    if group_sizes.shape != (rhs.shape[0],):
+    if group_sizes.shape != (rhs.shape[0], ):
         raise ValueError(f"group_sizes must be [E={rhs.shape[0]}], got {group_sizes.shape}")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"group_sizes must be integers, got dtype {group_sizes.dtype}")
