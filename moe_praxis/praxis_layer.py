@@ -366,7 +366,11 @@ class MoEFeedForward(base_layer.BaseLayer):
         return (c - 0.5) * e / (k * s), groups
 
     def _moe(self, x, paddings):
-        """x: [..., M] normalised input; paddings: x.shape[:-1] or None -> (y, MoEOutput stats)."""
+        """x: [..., M] normalised input; paddings: x.shape[:-1] or None.
+
+        Returns (y [..., M], aux_loss [], z_loss [], tokens_per_expert [E], dropped []): with
+        several GShard groups the losses are the groups' means and the counts their sums.
+        """
         names = ("router", "wi_gate", "wi_up",
                  "wo") if self.use_gated_activation else ("router", "wi_up", "wo")
         params = {name: self.theta[name] for name in names}
@@ -398,6 +402,7 @@ class MoEFeedForward(base_layer.BaseLayer):
                 jnp.sum(out.tokens_per_expert, axis=0), jnp.sum(out.dropped_tokens))
 
     def _add_summaries(self, x, paddings, aux, zl, counts, dropped):
+        """Scalar summaries (docs/praxis.md); x: [..., M] the router's input, no gradient."""
         config = self.moe_config()
         x2 = jax.lax.stop_gradient(x).reshape(-1, x.shape[-1])
         valid = (jnp.ones((x2.shape[0], ), jnp.float32) if paddings is None else
