@@ -471,6 +471,12 @@ class MetricsWriter:
             rec[k] = v.tolist() if v.ndim else float(v)
             if v.ndim == 0:
                 self._tb.add_scalar(f"{kind}/{k}", float(v), int(step))
+            elif v.ndim == 2:  # the [layers, experts] load as a grey image (white = max)
+                img = np.nan_to_num(v.astype(np.float32))
+                self._tb.add_image(f"{kind}/{k}",
+                                   img / max(float(img.max()), 1e-9),
+                                   int(step),
+                                   dataformats="HW")
         self._file.write(json.dumps(rec) + "\n")
 
     def close(self):

@@ -48,6 +48,27 @@ def records(job_dir, kind):
     return [r for r in read_metrics(Path(job_dir) / "metrics.jsonl") if r["kind"] == kind]
 
 
+def _tensorboard_tags(tb_dir):
+    """(tag, kind) of every summary value in the event files (TFRecord framing: length u64,
+    crc u32, Event proto, crc u32)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    tags = set()
+    files = list(Path(tb_dir).glob("events.out.tfevents.*"))
+    assert files
+    for f in files:
+        b, i = f.read_bytes(), 0
+        while i < len(b):
+            n = struct.unpack("<Q", b[i:i + 8])[0]
+            e = event_pb2.Event()
+            e.ParseFromString(b[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            tags |= {(v.tag, v.WhichOneof("value")) for v in e.summary.value}
+    return tags
+
+
 def test_train_writes_everything_and_loss_falls(tmp_path):
     job = tmp_path / "job"
     p = run_main([
@@ -75,7 +96,10 @@ def test_train_writes_everything_and_loss_falls(tmp_path):
     # each layer's per-expert fractions of routed copies sum to 1
     np.testing.assert_allclose(np.asarray(loads[-1]["load"]).sum(-1), 1.0, rtol=1e-5)
     assert (job / "summary.png").read_bytes()[:4] == b"\x89PNG"
-    assert list((job / "tensorboard").glob("events.out.tfevents.*"))
+    tags = _tensorboard_tags(job / "tensorboard")
+    assert {("train/loss", "simple_value"), ("train/tokens_per_sec", "simple_value"),
+            ("train/aux_loss", "simple_value"), ("eval/heldout_loss", "simple_value"),
+            ("eval/heldout_perplexity", "simple_value"), ("expert_load/load", "image")} <= tags
     assert sorted(int(d.name) for d in (job / "checkpoints").iterdir()
                   if d.name.isdigit()) == [20, 40]
     # --mode=eval restores the latest checkpoint and gets the last eval's numbers back.
