@@ -21,8 +21,13 @@ if ! python3 -c "from moe_praxis.ops import cuda; ok, why = cuda.load_library();
   python3 -m moe_praxis.build_kernels --jobs 16 2>&1 | tee "$OUT/build.log"
 fi
 python3 -c "import moe_praxis.ops as o; print(o.backend_info())" 2>&1 | tee -a "$OUT/load.log"
-timeout "$TEST_T" python3 -m pytest -q -m gpu tests/test_kernels_gpu.py --durations=8 -rfE "$@" 2>&1 \
-  | tee "$OUT/tests.log" | grep -v "^tests/test_kernels_gpu.py [.sFE]*$" | tail -60
+# router tests first (their failures print before anything can time out), then the rest
+START=$(date +%s)
+timeout "$TEST_T" python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k router --tb=short \
+  -rfE "$@" 2>&1 | tee "$OUT/tests_router.log" | tail -40
+LEFT=$(( TEST_T - ($(date +%s) - START) ))
+timeout "$LEFT" python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "not router" \
+  --tb=short --durations=8 -rfE "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
 echo "tests rc=$?"
 timeout "$BENCH_T" python3 -m experiments.bench_kernels --out "$OUT/bench_kernels.json" 2>&1 \
   | tee "$OUT/bench.log" | tail -30

@@ -160,7 +160,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeAuxLossFwd, moe::AuxLossFwdImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // f [E]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // scale []
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()      // loss []
-);
+,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeAuxLossBwd, moe::AuxLossBwdImpl,
                               xla::ffi::Ffi::Bind()
@@ -170,4 +171,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeAuxLossBwd, moe::AuxLossBwdImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // f [E]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // scale []
                                   .Ret<xla::ffi::AnyBuffer>()                  // dprobs [T, E]
-);
+,
+                              {xla::ffi::Traits::kCmdBufferCompatible});

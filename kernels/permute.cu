@@ -6,14 +6,13 @@
 //
 // x: [T, M], y: [R, M], f32 or bf16; row_map: [R] int32. Each is the other's backward.
 // unpermute builds the inverse map (CSR: per-token row lists) in an explicit int32 workspace
-// output of 2 * T + 2 + R elements (XLA's scratch allocator is not used), then one warp per
-// token sums its rows with 16-byte vector loads.
+// output of 2 * T + 2 + R elements (XLA's scratch allocator is not used), sorts each token's
+// rows, then one thread per 16-byte output vector sums its token's rows in order.
 #include "moe_common.h"
 
 namespace moe {
 namespace {
 
-constexpr int kWarps = 8;
 constexpr int kScanThreads = 1024;
 
 // Copies/sums rows as 16-byte vectors of `VEC` elements when the row size allows, else 1.
@@ -22,25 +21,37 @@ struct alignas(sizeof(T) * VEC) Vec {
   T v[VEC];
 };
 
+constexpr int kFlatThreads = 256;
+constexpr int kUnroll = 4;
+
+// Flat copy over R * M / VEC vectors: vector i belongs to row r = i / nv, reads its token's
+// row (zeros for rows mapped outside [0, T)). kUnroll independent vectors per thread.
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kFlatThreads)
     permute_kernel(const T* __restrict__ x, const int32_t* __restrict__ row_map,
-                   T* __restrict__ y, int64_t rows, int64_t tokens, int64_t m) {
-  const int lane = threadIdx.x & 31;
-  const int64_t nv = m / VEC;
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); r < rows;
-       r += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const int64_t t = row_map[r];
-    auto* dst = reinterpret_cast<Vec<T, VEC>*>(y + r * m);
-    if (t >= 0 && t < tokens) {
-      const auto* src = reinterpret_cast<const Vec<T, VEC>*>(x + t * m);
-      for (int64_t i = lane; i < nv; i += 32) dst[i] = src[i];
-    } else {
-      Vec<T, VEC> z;
+                   T* __restrict__ y, int64_t rows, int64_t tokens, int64_t nv) {
+  using V = Vec<T, VEC>;
+  const int64_t total = rows * nv;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kUnroll + threadIdx.x;
+  V v[kUnroll];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) z.v[j] = from_f32<T>(0.f);
-      for (int64_t i = lane; i < nv; i += 32) dst[i] = z;
+  for (int q = 0; q < kUnroll; ++q) {
+    const int64_t i = base + q * kFlatThreads;
+    if (i < total) {
+      const int64_t r = i / nv, c = i - r * nv;
+      const int64_t t = __ldg(row_map + r);
+      if (t >= 0 && t < tokens) {
+        v[q] = reinterpret_cast<const V*>(x)[t * nv + c];
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[q].v[j] = from_f32<T>(0.f);
+      }
     }
+  }
+#pragma unroll
+  for (int q = 0; q < kUnroll; ++q) {
+    const int64_t i = base + q * kFlatThreads;
+    if (i < total) reinterpret_cast<V*>(y)[i] = v[q];
   }
 }
 
@@ -86,59 +97,76 @@ __global__ void fill_kernel(const int32_t* __restrict__ row_map, int32_t* __rest
   }
 }
 
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kWarps * 32)
-    unpermute_kernel(const T* __restrict__ y, const int32_t* __restrict__ offsets,
-                     int32_t* __restrict__ lists, T* __restrict__ x, int64_t tokens,
-                     int64_t m) {
-  const int lane = threadIdx.x & 31;
-  const int64_t nv = m / VEC;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); t < tokens;
-       t += static_cast<int64_t>(gridDim.x) * kWarps) {
+// Sorts each token's row list ascending (the fill order is racy; the sum order must not be).
+__global__ void sort_lists_kernel(const int32_t* __restrict__ offsets, int32_t* __restrict__ lists,
+                                  int64_t tokens) {
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < tokens;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int32_t lo = offsets[t], hi = offsets[t + 1];
-    // sort this token's rows ascending (fill order is racy; the sum order must not be)
-    if (lane == 0) {
-      for (int32_t i = lo + 1; i < hi; ++i) {
-        const int32_t v = lists[i];
-        int32_t j = i - 1;
-        while (j >= lo && lists[j] > v) {
-          lists[j + 1] = lists[j];
-          --j;
-        }
-        lists[j + 1] = v;
+    for (int32_t i = lo + 1; i < hi; ++i) {
+      const int32_t v = lists[i];
+      int32_t j = i - 1;
+      while (j >= lo && lists[j] > v) {
+        lists[j + 1] = lists[j];
+        --j;
       }
+      lists[j + 1] = v;
     }
-    __syncwarp();
-    auto* dst = reinterpret_cast<Vec<T, VEC>*>(x + t * m);
-    for (int64_t i = lane; i < nv; i += 32) {
-      float acc[VEC];
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
-      for (int32_t q = lo; q < hi; ++q) {
-        const Vec<T, VEC> v = reinterpret_cast<const Vec<T, VEC>*>(y + lists[q] * m)[i];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[j] += to_f32(v.v[j]);
-      }
-      Vec<T, VEC> o;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) o.v[j] = from_f32<T>(acc[j]);
-      dst[i] = o;
-    }
-    __syncwarp();
   }
+}
+
+// Flat over T * M / VEC output vectors: vector (t, c) sums y[r, c] over t's rows in order.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kFlatThreads)
+    unpermute_kernel(const T* __restrict__ y, const int32_t* __restrict__ offsets,
+                     const int32_t* __restrict__ lists, T* __restrict__ x, int64_t tokens,
+                     int64_t nv) {
+  using V = Vec<T, VEC>;
+  const int64_t total = tokens * nv;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x;
+  if (i >= total) return;
+  const int64_t t = i / nv, c = i - t * nv;
+  const int32_t lo = __ldg(offsets + t), hi = __ldg(offsets + t + 1);
+  float acc[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+  int32_t q = lo;
+  for (; q + kUnroll <= hi; q += kUnroll) {  // kUnroll independent row loads in flight
+    V v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      v[u] = reinterpret_cast<const V*>(y)[static_cast<int64_t>(__ldg(lists + q + u)) * nv + c];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] += to_f32(v[u].v[j]);
+    }
+  }
+  for (; q < hi; ++q) {
+    const V v = reinterpret_cast<const V*>(y)[static_cast<int64_t>(__ldg(lists + q)) * nv + c];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] += to_f32(v.v[j]);
+  }
+  V o;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) o.v[j] = from_f32<T>(acc[j]);
+  reinterpret_cast<V*>(x)[i] = o;
 }
 
 template <typename T>
 ffi::Error launch_permute(cudaStream_t stream, const void* x, const int32_t* row_map, void* y,
                           int64_t rows, int64_t tokens, int64_t m) {
   constexpr int kVec = 16 / sizeof(T);
-  const int grid = grid_for(rows, kWarps, 132 * 16);
-  if (m % kVec == 0) {
-    permute_kernel<T, kVec><<<grid, kWarps * 32, 0, stream>>>(
-        static_cast<const T*>(x), row_map, static_cast<T*>(y), rows, tokens, m);
+  const int vec = m % kVec == 0 ? kVec : 1;
+  const int64_t nv = m / vec;
+  const auto grid = static_cast<unsigned>(ceil_div(rows * nv, kFlatThreads * kUnroll));
+  if (vec == kVec) {
+    permute_kernel<T, kVec><<<grid, kFlatThreads, 0, stream>>>(
+        static_cast<const T*>(x), row_map, static_cast<T*>(y), rows, tokens, nv);
   } else {
-    permute_kernel<T, 1><<<grid, kWarps * 32, 0, stream>>>(
-        static_cast<const T*>(x), row_map, static_cast<T*>(y), rows, tokens, m);
+    permute_kernel<T, 1><<<grid, kFlatThreads, 0, stream>>>(
+        static_cast<const T*>(x), row_map, static_cast<T*>(y), rows, tokens, nv);
   }
   MOE_LAUNCH_CHECK("permute");
   return ffi::Error::Success();
@@ -162,14 +190,18 @@ ffi::Error launch_unpermute(cudaStream_t stream, const void* y, const int32_t* r
     fill_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(row_map, cursor, lists, rows, tokens);
     MOE_LAUNCH_CHECK("unpermute fill");
   }
+  sort_lists_kernel<<<grid_for(tokens, 256), 256, 0, stream>>>(offsets, lists, tokens);
+  MOE_LAUNCH_CHECK("unpermute sort");
   constexpr int kVec = 16 / sizeof(T);
-  const int grid = grid_for(tokens, kWarps, 132 * 16);
-  if (m % kVec == 0) {
-    unpermute_kernel<T, kVec><<<grid, kWarps * 32, 0, stream>>>(
-        static_cast<const T*>(y), offsets, lists, static_cast<T*>(x), tokens, m);
+  const int vec = m % kVec == 0 ? kVec : 1;
+  const int64_t nv = m / vec;
+  const auto grid = static_cast<unsigned>(ceil_div(tokens * nv, kFlatThreads));
+  if (vec == kVec) {
+    unpermute_kernel<T, kVec><<<grid, kFlatThreads, 0, stream>>>(
+        static_cast<const T*>(y), offsets, lists, static_cast<T*>(x), tokens, nv);
   } else {
-    unpermute_kernel<T, 1><<<grid, kWarps * 32, 0, stream>>>(
-        static_cast<const T*>(y), offsets, lists, static_cast<T*>(x), tokens, m);
+    unpermute_kernel<T, 1><<<grid, kFlatThreads, 0, stream>>>(
+        static_cast<const T*>(y), offsets, lists, static_cast<T*>(x), tokens, nv);
   }
   MOE_LAUNCH_CHECK("unpermute");
   return ffi::Error::Success();
@@ -233,7 +265,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermute, moe::PermuteImpl,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()              // x [T, M]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [R]
-                                  .Ret<xla::ffi::AnyBuffer>());            // y [R, M]
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});            // y [R, M]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermute, moe::UnpermuteImpl,
                               xla::ffi::Ffi::Bind()
@@ -241,4 +274,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermute, moe::UnpermuteImpl,
                                   .Arg<xla::ffi::AnyBuffer>()              // y [R, M]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [R]
                                   .Ret<xla::ffi::AnyBuffer>()              // x [T, M]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());  // workspace
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});  // workspace

@@ -58,6 +58,30 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
   return v > bv || (v == bv && i < bi);
 }
 
+// (value, index) packed into one 64-bit key whose unsigned order is "larger value first, then
+// lower index": the high word is the float mapped to an order-preserving uint32, the low word
+// the bit-inverted index. 0 means "no candidate" (below every float, -inf included).
+__device__ __forceinline__ unsigned long long pack_key(float v, int idx) {
+  const uint32_t u = __float_as_uint(v);
+  const uint32_t ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(ord) << 32) | (0xffffffffu - static_cast<uint32_t>(idx));
+}
+__device__ __forceinline__ int key_index(unsigned long long key) {
+  return key == 0ull ? kNoIndex : static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
+}
+__device__ __forceinline__ float key_value(unsigned long long key) {
+  const uint32_t ord = static_cast<uint32_t>(key >> 32);
+  return __uint_as_float((ord & 0x80000000u) ? (ord & 0x7fffffffu) : ~ord);
+}
+__device__ __forceinline__ unsigned long long warp_max_key(unsigned long long k) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long k2 = __shfl_xor_sync(0xffffffffu, k, o);
+    k = k2 > k ? k2 : k;
+  }
+  return k;
+}
+
 // Dense scores of one token: softmax or sigmoid of x (invalid slots: 0).
 template <int VPT>
 __device__ __forceinline__ void dense_scores(const float (&x)[VPT], float (&d)[VPT], int lane,
@@ -132,19 +156,18 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       unsigned taken = 0;
       float gs = 0.f;
       for (int r = 0; r < m; ++r) {
-        float bv = -INFINITY, bp = 0.f;
-        int bi = kNoIndex;
+        unsigned long long best = 0ull;
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
           const int col = lane + 32 * j;
-          if (col < e && col / per_group == g && !((taken >> j) & 1u) &&
-              better(sel[j], col, bv, bi)) {
-            bv = sel[j];
-            bi = col;
+          if (col < e && col / per_group == g && !((taken >> j) & 1u)) {
+            const unsigned long long kk = pack_key(sel[j], col);
+            best = kk > best ? kk : best;
           }
         }
-        warp_argmax(bv, bi, bp);
-        gs += bv;
+        best = warp_max_key(best);
+        const int bi = key_index(best);
+        gs += key_value(best);
         if (bi != kNoIndex && (bi & 31) == lane) taken |= 1u << (bi >> 5);
       }
       if (lane == g) my_group_score = gs;
@@ -170,18 +193,23 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 #pragma unroll
   for (int r = 0; r < kMaxK; ++r) {
     if (r < prm.k) {
-      float bv = -INFINITY, bp = 0.f;
-      int bi = kNoIndex;
+      unsigned long long best = 0ull;
+      float bp = 0.f;
 #pragma unroll
       for (int j = 0; j < VPT; ++j) {
         const int col = lane + 32 * j;
-        if (col < e && !((taken >> j) & 1u) && better(sel[j], col, bv, bi)) {
-          bv = sel[j];
-          bi = col;
-          bp = prm.mode == kSoftmaxPost ? x[j] : d[j];
+        if (col < e && !((taken >> j) & 1u)) {
+          const unsigned long long kk = pack_key(sel[j], col);
+          if (kk > best) {
+            best = kk;
+            bp = prm.mode == kSoftmaxPost ? x[j] : d[j];
+          }
         }
       }
-      warp_argmax(bv, bi, bp);
+      const unsigned long long win = warp_max_key(best);
+      const int bi = key_index(win);
+      // the payload (dense score or logit) comes from the winning lane's own best
+      bp = __shfl_sync(0xffffffffu, bp, bi == kNoIndex ? 0 : (bi & 31));
       if (bi != kNoIndex && (bi & 31) == lane) taken |= 1u << (bi >> 5);
       ids[r] = bi;
       pay[r] = bp;
@@ -259,12 +287,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 #pragma unroll
   for (int r = 0; r < kMaxK; ++r) {
     if (r < prm.k) {
+      // every lane picks its slot ids[r] / 32; the owner lane ids[r] % 32 broadcasts it
+      const int slot = ids[r] >> 5;
       float mine = 0.f;
 #pragma unroll
       for (int j = 0; j < VPT; ++j) {
-        if (lane + 32 * j == ids[r]) mine = prm.mode == kSoftmaxPost ? x[j] : d[j];
+        if (j == slot) mine = prm.mode == kSoftmaxPost ? x[j] : d[j];
       }
-      u[r] = warp_sum(mine);  // exactly one lane holds it
+      u[r] = __shfl_sync(0xffffffffu, mine, ids[r] & 31);
     }
   }
   // du_r: cotangent of the selected score (pre / sigmoid) or selected logit (post)
@@ -446,7 +476,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouterFwd, moe::RouterFwdImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // probs [T, E]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // ids [T, k]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // weights [T, k]
-                                      MOE_ROUTER_ATTRS);
+                                      MOE_ROUTER_ATTRS,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouterBwd, moe::RouterBwdImpl,
                               xla::ffi::Ffi::Bind()
@@ -456,4 +487,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouterBwd, moe::RouterBwdImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dprobs [T, E]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dweights [T, k]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dlogits [T, E]
-                                      MOE_ROUTER_ATTRS);
+                                      MOE_ROUTER_ATTRS,
+                              {xla::ffi::Traits::kCmdBufferCompatible});

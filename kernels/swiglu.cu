@@ -4,8 +4,9 @@
 //   dgate = dout * w * up * silu'(gate),  dup = dout * w * silu(gate),
 //   dw[r] = sum_h dout[r, h] * silu(gate[r, h]) * up[r, h]
 //
-// Math in f32, outputs rounded once to the input dtype (as the reference). One warp per row,
-// 16-byte vector accesses when H is a multiple of the vector width.
+// Math in f32, outputs rounded once to the input dtype (as the reference). Flat elementwise
+// passes (the backward with weights: one warp per row, for the row sums of dw), 16-byte vector
+// accesses when H is a multiple of the vector width.
 #include "moe_common.h"
 
 namespace moe {
@@ -20,27 +21,82 @@ struct alignas(sizeof(T) * VEC) Vec {
   T v[VEC];
 };
 
+constexpr int kFlatThreads = 256;
+constexpr int kUnroll = 4;
+
+// Elementwise forward over R * H / VEC vectors, kUnroll independent vectors per thread (loads
+// first, then math and stores) for memory-level parallelism. The routing weight of vector i is
+// w[i / vec_per_row] (VEC divides H, so a vector never straddles two rows).
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kWarps * 32)
-    swiglu_fwd_kernel(const T* __restrict__ gate, const T* __restrict__ up,
-                      const float* __restrict__ w, T* __restrict__ out, int64_t rows,
-                      int64_t h) {
-  const int lane = threadIdx.x & 31;
-  const int64_t nv = h / VEC;
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); r < rows;
-       r += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const float wr = w ? w[r] : 1.f;
-    const auto* g = reinterpret_cast<const Vec<T, VEC>*>(gate + r * h);
-    const auto* u = reinterpret_cast<const Vec<T, VEC>*>(up + r * h);
-    auto* o = reinterpret_cast<Vec<T, VEC>*>(out + r * h);
-    for (int64_t i = lane; i < nv; i += 32) {
-      Vec<T, VEC> gv = g[i], uv = u[i], ov;
+__global__ void __launch_bounds__(kFlatThreads)
+    swiglu_fwd_flat(const T* __restrict__ gate, const T* __restrict__ up,
+                    const float* __restrict__ w, T* __restrict__ out, int64_t nvec,
+                    int64_t vec_per_row) {
+  const auto* g = reinterpret_cast<const Vec<T, VEC>*>(gate);
+  const auto* u = reinterpret_cast<const Vec<T, VEC>*>(up);
+  auto* o = reinterpret_cast<Vec<T, VEC>*>(out);
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kUnroll + threadIdx.x;
+  Vec<T, VEC> gv[kUnroll], uv[kUnroll];
+#pragma unroll
+  for (int q = 0; q < kUnroll; ++q) {
+    const int64_t i = base + q * kFlatThreads;
+    if (i < nvec) {
+      gv[q] = g[i];
+      uv[q] = u[i];
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kUnroll; ++q) {
+    const int64_t i = base + q * kFlatThreads;
+    if (i < nvec) {
+      const float wr = w ? w[i / vec_per_row] : 1.f;
+      Vec<T, VEC> ov;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const float x = to_f32(gv.v[j]);
-        ov.v[j] = from_f32<T>(x * sigmoidf(x) * to_f32(uv.v[j]) * wr);
+        const float x = to_f32(gv[q].v[j]);
+        ov.v[j] = from_f32<T>(x * sigmoidf(x) * to_f32(uv[q].v[j]) * wr);
       }
       o[i] = ov;
+    }
+  }
+}
+
+// Elementwise backward without routing weights (no row reduction needed).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kFlatThreads)
+    swiglu_bwd_flat(const T* __restrict__ gate, const T* __restrict__ up,
+                    const T* __restrict__ dout, T* __restrict__ dgate, T* __restrict__ dup,
+                    int64_t nvec) {
+  const auto* g = reinterpret_cast<const Vec<T, VEC>*>(gate);
+  const auto* u = reinterpret_cast<const Vec<T, VEC>*>(up);
+  const auto* d = reinterpret_cast<const Vec<T, VEC>*>(dout);
+  auto* dg = reinterpret_cast<Vec<T, VEC>*>(dgate);
+  auto* du = reinterpret_cast<Vec<T, VEC>*>(dup);
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kUnroll + threadIdx.x;
+  Vec<T, VEC> gv[kUnroll], uv[kUnroll], dv[kUnroll];
+#pragma unroll
+  for (int q = 0; q < kUnroll; ++q) {
+    const int64_t i = base + q * kFlatThreads;
+    if (i < nvec) {
+      gv[q] = g[i];
+      uv[q] = u[i];
+      dv[q] = d[i];
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kUnroll; ++q) {
+    const int64_t i = base + q * kFlatThreads;
+    if (i < nvec) {
+      Vec<T, VEC> dgv, duv;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float x = to_f32(gv[q].v[j]), y = to_f32(uv[q].v[j]), dy = to_f32(dv[q].v[j]);
+        const float sg = sigmoidf(x);
+        dgv.v[j] = from_f32<T>(dy * y * (sg * (1.f + x * (1.f - sg))));
+        duv.v[j] = from_f32<T>(dy * (x * sg));
+      }
+      dg[i] = dgv;
+      du[i] = duv;
     }
   }
 }
@@ -88,13 +144,16 @@ template <typename T>
 ffi::Error launch_fwd(cudaStream_t stream, const void* g, const void* u, const float* w,
                       void* o, int64_t rows, int64_t h) {
   constexpr int kVec = 16 / sizeof(T);
-  const int grid = grid_for(rows, kWarps, 132 * 16);
-  if (h % kVec == 0) {
-    swiglu_fwd_kernel<T, kVec><<<grid, kWarps * 32, 0, stream>>>(
-        static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<T*>(o), rows, h);
+  const int vec = h % kVec == 0 ? kVec : 1;
+  const int64_t nvec = rows * h / vec;
+  const auto grid = static_cast<unsigned>(ceil_div(nvec, kFlatThreads * kUnroll));
+  if (vec == kVec) {
+    swiglu_fwd_flat<T, kVec><<<grid, kFlatThreads, 0, stream>>>(
+        static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<T*>(o), nvec,
+        h / kVec);
   } else {
-    swiglu_fwd_kernel<T, 1><<<grid, kWarps * 32, 0, stream>>>(
-        static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<T*>(o), rows, h);
+    swiglu_fwd_flat<T, 1><<<grid, kFlatThreads, 0, stream>>>(
+        static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<T*>(o), nvec, h);
   }
   MOE_LAUNCH_CHECK("swiglu_fwd");
   return ffi::Error::Success();
@@ -104,7 +163,23 @@ template <typename T>
 ffi::Error launch_bwd(cudaStream_t stream, const void* g, const void* u, const float* w,
                       const void* d, void* dg, void* du, float* dw, int64_t rows, int64_t h) {
   constexpr int kVec = 16 / sizeof(T);
-  const int grid = grid_for(rows, kWarps, 132 * 16);
+  if (dw == nullptr) {  // no routing weight: a flat elementwise pass
+    const int vec = h % kVec == 0 ? kVec : 1;
+    const int64_t nvec = rows * h / vec;
+    const auto fgrid = static_cast<unsigned>(ceil_div(nvec, kFlatThreads * kUnroll));
+    if (vec == kVec) {
+      swiglu_bwd_flat<T, kVec><<<fgrid, kFlatThreads, 0, stream>>>(
+          static_cast<const T*>(g), static_cast<const T*>(u), static_cast<const T*>(d),
+          static_cast<T*>(dg), static_cast<T*>(du), nvec);
+    } else {
+      swiglu_bwd_flat<T, 1><<<fgrid, kFlatThreads, 0, stream>>>(
+          static_cast<const T*>(g), static_cast<const T*>(u), static_cast<const T*>(d),
+          static_cast<T*>(dg), static_cast<T*>(du), nvec);
+    }
+    MOE_LAUNCH_CHECK("swiglu_bwd");
+    return ffi::Error::Success();
+  }
+  const int grid = grid_for(rows, kWarps, 1 << 20);
   if (h % kVec == 0) {
     swiglu_bwd_kernel<T, kVec><<<grid, kWarps * 32, 0, stream>>>(
         static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<const T*>(d),
@@ -188,7 +263,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeSwigluFwd, moe::SwigluFwdImpl,
                                   .Arg<xla::ffi::AnyBuffer>()              // up [R, H]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w [R] or [0]
                                   .Ret<xla::ffi::AnyBuffer>()              // out [R, H]
-                                  .Attr<bool>("has_weight"));
+                                  .Attr<bool>("has_weight"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeSwigluBwd, moe::SwigluBwdImpl,
                               xla::ffi::Ffi::Bind()
@@ -200,4 +276,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeSwigluBwd, moe::SwigluBwdImpl,
                                   .Ret<xla::ffi::AnyBuffer>()              // dgate [R, H]
                                   .Ret<xla::ffi::AnyBuffer>()              // dup [R, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dw [R] or [0]
-                                  .Attr<bool>("has_weight"));
+                                  .Attr<bool>("has_weight"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
