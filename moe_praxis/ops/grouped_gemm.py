@@ -49,7 +49,9 @@ TILE_CONFIGS = (
     "coop_128x256_c2x1",  # 2: cooperative, tile 128x256x64, cluster 2x1
 )
 # Run-time scheduling of the persistent tile scheduler (FFI attributes `raster`, `swizzle`):
-# the order in which a group's output tiles are handed out, and the swizzle width.
+# the order in which a group's output tiles are handed out, and the swizzle width. (Without
+# host problem shapes CUTLASS's group scheduler derives swizzle 1 whatever is passed: see
+# docs/grouped_gemm.md.)
 RASTERS = ("along_m", "along_n")
 SWIZZLES = (1, 2, 4, 8)
 # Environment variable that forces one kernel configuration (see `parse_config`) for all three
@@ -127,10 +129,7 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
         tile = 2  # coop_128x256_c2x1
     # Raster: hand out tiles so that consecutive CTAs share the larger operand tile.
     raster = 1 if out_rows >= out_cols else 0
-    # Swizzle 1: CUTLASS's group scheduler rounds each group's M and N tile counts up to a
-    # multiple of the swizzle (times the cluster), so with ragged groups a swizzle computes
-    # padding tiles (docs/grouped_gemm.md has the measurements).
-    swizzle = 1
+    swizzle = 1  # the only value CUTLASS's group scheduler uses here (docs/grouped_gemm.md)
     return config_name(tile, raster, swizzle)
 
 
