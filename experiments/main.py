@@ -226,12 +226,15 @@ def main(argv) -> int:
     if _MODE.value == "eval":
         try:
             result = trainer.evaluate_latest()
-        except FileNotFoundError as e:
+        except (FileNotFoundError, train.ConfigError) as e:
             raise UsageError(str(e)) from None
         if chief:
             print(json.dumps(result, indent=1))
         return 0
-    result = trainer.run()
+    try:
+        result = trainer.run()
+    except train.ConfigError as e:
+        raise UsageError(str(e)) from None
     if chief:
         first, last = result.get("first_eval"), result.get("last_eval")
         if result["stopped_by"]:

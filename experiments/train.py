@@ -579,13 +579,21 @@ class Trainer:
         mngr.save(step, args=ocp.args.StandardSave(state), force=True)
 
     def _restore_or_init(self, mngr):
-        import orbax.checkpoint as ocp
-
         latest = mngr.latest_step()
         if latest is None:
             return self.fns.init(jax.random.key(self.exp.train.seed)), None
-        state = mngr.restore(latest, args=ocp.args.StandardRestore(self.fns.abstract_state))
-        return state, latest
+        return self._restore(mngr, latest), latest
+
+    def _restore(self, mngr, step: int):
+        import orbax.checkpoint as ocp
+
+        try:
+            return mngr.restore(step, args=ocp.args.StandardRestore(self.fns.abstract_state))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(
+                f"the checkpoint of step {step} in {self.ckpt_dir} does not fit this "
+                f"experiment's state (written by a different model or optimizer config?); use "
+                f"another --job_log_dir. orbax said: {e}") from e
 
     # -- signals
     def _on_signal(self, signum, frame):
@@ -598,8 +606,6 @@ class Trainer:
 
     def evaluate_latest(self) -> dict:
         """Held-out loss and perplexity of the latest checkpoint (``--mode=eval``)."""
-        import orbax.checkpoint as ocp
-
         mngr = self._manager()
         try:
             step = mngr.latest_step()
@@ -607,7 +613,7 @@ class Trainer:
                 raise FileNotFoundError(f"--mode=eval needs a checkpoint; {self.ckpt_dir} has "
                                         "none (train first, or point --job_log_dir at a run)")
             with jax.set_mesh(self.prep.mesh):
-                state = mngr.restore(step, args=ocp.args.StandardRestore(self.fns.abstract_state))
+                state = self._restore(mngr, step)
                 batches = [
                     put_batch(b, self.fns.batch_sharding)
                     for b in self.dataset.eval_batches(self.exp.train.eval_batches)
