@@ -65,7 +65,10 @@ def transformer_lm(
     """
     import jax.numpy as jnp
 
-    dtype = jnp.dtype(fprop_dtype)
+    if fprop_dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"fprop_dtype={fprop_dtype!r} is invalid; valid: 'float32', "
+                         "'bfloat16', 'float16'")
+    dtype = getattr(jnp, fprop_dtype)  # the scalar type, as Praxis writes it (serializable)
     lm = pax_fiddle.Config(transformer_models.TransformerLm,
                            name="lm",
                            model_dims=model_dims,

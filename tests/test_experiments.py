@@ -414,3 +414,18 @@ def test_docs_list_every_knob():
     listed = set(re.findall(r"\b[A-Z][A-Z0-9_]+\b", doc.split("Knobs (class attributes")[1]
                             .split("The model (")[0]))
     assert listed == set(knobs), (set(knobs) - listed, listed - set(knobs))
+
+
+def test_fdl_config_file_round_trip(tmp_path):
+    from fiddle.experimental import serialization
+
+    for fn in (experiments.tiny, experiments.deepseek_v3):
+        path = tmp_path / f"{fn.__name__}.json"
+        path.write_text(serialization.dump_json(fn()))
+        parse(f"--fdl_config_file={path}", "--fdl.train.num_steps=3")
+        cfg, name = main_lib.config_from_flags()
+        want = fn()
+        want.train.num_steps = 3
+        assert cfg == want and name == want.name
+        if fn is experiments.tiny:
+            assert train.prepare(cfg).config.train.num_steps == 3  # the loaded config builds
