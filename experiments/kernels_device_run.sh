@@ -26,6 +26,7 @@ START=$(date +%s)
 timeout "$TEST_T" python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k router --tb=short \
   -rfE "$@" 2>&1 | tee "$OUT/tests_router.log" | tail -40
 LEFT=$(( TEST_T - ($(date +%s) - START) ))
+[ "$LEFT" -lt 30 ] && LEFT=30
 timeout "$LEFT" python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "not router" \
   --tb=short --durations=8 -rfE "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
 echo "tests rc=$?"

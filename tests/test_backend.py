@@ -132,6 +132,10 @@ def test_unsupported_shapes_name_the_reason():
     assert "num_experts=1024" in cuda.router_unsupported(1024, cfg)
     assert cuda.router_unsupported(64, MoEConfig(d_model=8, d_ff=8, num_experts=64,
                                                  top_k=8)) == ""
+    grouped = MoEConfig(d_model=8, d_ff=8, num_experts=64, top_k=8, num_expert_groups=8,
+                        group_topk=4)
+    assert ("num_expert_groups=8" in cuda.router_unsupported(64, grouped)) == (
+        not cuda.ROUTER_GROUP_LIMITED)
     x = jnp.ones((4, 8))
     assert "act='gelu'" in cuda.swiglu_unsupported(x, "gelu")
     assert "float16" in cuda.swiglu_unsupported(x.astype(jnp.float16), "silu")

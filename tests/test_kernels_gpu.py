@@ -44,12 +44,21 @@ def poison(nbytes: int = 1 << 30):
     a.delete()
 
 
-def _check_ids(ids_k, ids_r, sel_r, tag):
-    """ids equal, or the differing picks are near-ties of the reference's selection scores."""
+def _group_near_tie(sel_row, groups, group_topk, m):
+    """True if the group_topk-th and next best group scores are within 1e-6 relative."""
+    g = np.sort(np.sort(sel_row.reshape(groups, -1), axis=1)[:, ::-1][:, :m].sum(1))[::-1]
+    return abs(g[group_topk - 1] - g[group_topk]) <= 1e-6 * abs(g[group_topk - 1])
+
+
+def _check_ids(ids_k, ids_r, sel_r, tag, groups=1, group_topk=1, top_k=1):
+    """ids equal, or the differing picks are near-ties of the reference's selection scores
+    (with group-limited routing: or the choice of groups is a near-tie)."""
     ids_k, ids_r = np.asarray(ids_k), np.asarray(ids_r)
     bad = np.any(ids_k != ids_r, axis=1)
     assert bad.mean() < 0.01, f"{tag}: {bad.sum()} of {len(bad)} tokens pick other experts"
     for t in np.nonzero(bad)[0]:
+        if groups > 1 and _group_near_tie(sel_r[t], groups, group_topk, top_k // group_topk):
+            continue
         a = np.sort(sel_r[t, ids_k[t]])
         b = np.sort(sel_r[t, ids_r[t]])
         np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=f"{tag}: token {t} not a near-tie")
@@ -64,9 +73,13 @@ ROUTER_CASES = [
     (4099, 32, 1, "softmax", True, True, 1, 1, 1.0, False),
     (1003, 128, 4, "softmax", False, True, 1, 1, 1.0, True),
     (1003, 64, 6, "sigmoid", True, True, 1, 1, 2.5, True),
+    (513, 200, 3, "softmax", True, True, 1, 1, 1.0, False),  # E not a multiple of 32
+]
+# Group-limited routing: the kernel implements it, but routing does not use it yet
+# (ops.cuda.ROUTER_GROUP_LIMITED); these cases call the kernel directly and run LAST.
+GROUP_CASES = [
     (4099, 256, 8, "sigmoid", True, True, 8, 4, 2.5, True),  # DeepSeek-V3 routing
     (777, 256, 8, "softmax", True, True, 16, 2, 1.0, False),
-    (513, 200, 3, "softmax", True, True, 1, 1, 1.0, False),  # E not a multiple of 32
 ]
 
 
@@ -90,6 +103,10 @@ def _selection_scores(logits, cfg, bias):
 
 @pytest.mark.parametrize("case", ROUTER_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_router_matches_reference(case):
+    _router_case(case)
+
+
+def _router_case(case):
     t, e, k, sf, pre, norm, g, gk, sc, use_bias = case
     cfg = _router_config(e, k, sf, pre, norm, g, gk, sc, use_bias)
     s = ref.seed()
@@ -106,14 +123,15 @@ def test_router_matches_reference(case):
     tag = f"seed={s} case={case}"
     assert ids.dtype == jnp.int32 and ids.shape == (t, k)
     assert np.all((np.asarray(ids) >= 0) & (np.asarray(ids) < e)), tag
-    same = _check_ids(ids, r.expert_ids, _selection_scores(logits, cfg, bias), tag)
+    sel = _selection_scores(logits, cfg, bias)
+    same = _check_ids(ids, r.expert_ids, sel, tag, g, gk, k)
     assert ref.rel_err(probs, r.probs) <= F32_TOL, tag
     assert ref.rel_err(np.asarray(w)[same], np.asarray(r.weights)[same]) <= F32_TOL, tag
     # and against the independent float64 NumPy reference
     p64, ids64, w64 = ref.router(np.asarray(logits), top_k=k, score_func=sf, pre_softmax=pre,
                                  norm_topk=norm, groups=g, group_topk=gk, scaling=sc,
                                  bias=np.asarray(bias))
-    same64 = _check_ids(ids, ids64, _selection_scores(logits, cfg, bias), tag + " (numpy)")
+    same64 = _check_ids(ids, ids64, sel, tag + " (numpy)", g, gk, k)
     assert ref.rel_err(probs, p64) <= F32_TOL, tag
     assert ref.rel_err(np.asarray(w)[same64], w64[same64]) <= F32_TOL, tag
 
@@ -289,3 +307,10 @@ def test_moe_block_cuda_backend_matches_xla():
     assert abs(float(oc.aux_loss) - float(ox.aux_loss)) <= 1e-6 * abs(float(ox.aux_loss))
     for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(gx)):
         assert ref.rel_err(a, b) <= 1e-5, f"seed={s}"
+
+
+@pytest.mark.parametrize("case", GROUP_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_router_group_limited_kernel_matches_reference(case):
+    """Runs last: on 2026-11-29 the first case failed (before the near-tie rule for groups) and,
+    with a later kernel version, did not finish within the run's time limit."""
+    _router_case(case)
