@@ -64,14 +64,14 @@ def cases(t, e, k, d, h):
     """name -> (bytes moved, make_inputs(n), ours(*inputs), xla(*inputs))."""
     r = t * k
     cfg = MoEConfig(d_model=d, d_ff=h, num_experts=e, top_k=k)
-    bias = jnp.zeros((e,), jnp.float32)
-    f_counts = jnp.full((e,), r // e, jnp.int32)
+    bias = jnp.zeros((e, ), jnp.float32)
+    f_counts = jnp.full((e, ), r // e, jnp.int32)
 
     def logits_in(n):
-        return [(2 * jax.random.normal(kk, (t, e), jnp.float32),) for kk in _keys(1, n)]
+        return [(2 * jax.random.normal(kk, (t, e), jnp.float32), ) for kk in _keys(1, n)]
 
     def probs_in(n):
-        return [(jax.nn.softmax(jax.random.normal(kk, (t, e), jnp.float32), -1),)
+        return [(jax.nn.softmax(jax.random.normal(kk, (t, e), jnp.float32), -1), )
                 for kk in _keys(2, n)]
 
     def router_ours(l):
@@ -82,6 +82,7 @@ def cases(t, e, k, d, h):
         return o.probs, o.expert_ids, o.weights
 
     def fwd_bwd(fn):
+
         def run(l):
             out, pull = jax.vjp(lambda x: (lambda o: (o[0], o[2]))(fn(x)), l)
             return out, pull((jnp.ones_like(out[0]) * 1e-3, jnp.ones_like(out[1])))[0]
@@ -101,6 +102,7 @@ def cases(t, e, k, d, h):
         return out
 
     def swiglu_bwd(backend):
+
         def run(g, u, dy):
             _, pull = jax.vjp(lambda a, b: ops.swiglu(a, b, backend=backend), g, u)
             return pull(dy)
@@ -113,32 +115,31 @@ def cases(t, e, k, d, h):
     row_map = jnp.asarray(order // k, jnp.int32)
 
     def x_in(n):
-        return [(jax.random.normal(kk, (t, d), jnp.bfloat16),) for kk in _keys(4, n)]
+        return [(jax.random.normal(kk, (t, d), jnp.bfloat16), ) for kk in _keys(4, n)]
 
     def y_in(n):
-        return [(jax.random.normal(kk, (r, d), jnp.bfloat16),) for kk in _keys(5, n)]
+        return [(jax.random.normal(kk, (r, d), jnp.bfloat16), ) for kk in _keys(5, n)]
 
     def perm_unperm(backend):
-        return lambda x: ops.unpermute(ops.permute(x, row_map, backend=backend), row_map, t,
-                                       backend=backend)
+        return lambda x: ops.unpermute(
+            ops.permute(x, row_map, backend=backend), row_map, t, backend=backend)
 
     te4, tk8, rd2, td2, rh2 = t * e * 4, t * k * 8, r * d * 2, t * d * 2, r * h * 2
     return {
         "aux_loss fwd": (te4 + e * 4, probs_in, aux_ours, aux_xla),
         "aux_loss bwd": (te4, probs_in, jax.grad(aux_ours), jax.grad(aux_xla)),
         "router fwd": (2 * te4 + tk8, logits_in, router_ours, router_xla),
-        "router fwd+bwd": (2 * te4 + tk8 + 3 * te4 + tk8, logits_in, fwd_bwd(router_ours),
-                           fwd_bwd(router_xla)),
+        "router fwd+bwd":
+        (2 * te4 + tk8 + 3 * te4 + tk8, logits_in, fwd_bwd(router_ours), fwd_bwd(router_xla)),
         "swiglu fwd bf16": (3 * rh2, gu_in, lambda g, u: ops.swiglu(g, u, backend="cuda"),
                             lambda g, u: ops.swiglu(g, u, backend="xla")),
-        "swiglu bwd bf16": (5 * rh2, functools.partial(gu_in, dout=True), swiglu_bwd("cuda"),
-                            swiglu_bwd("xla")),
-        "permute bf16": (td2 + rd2 + r * 4, x_in,
-                         lambda x: ops.permute(x, row_map, backend="cuda"),
+        "swiglu bwd bf16":
+        (5 * rh2, functools.partial(gu_in, dout=True), swiglu_bwd("cuda"), swiglu_bwd("xla")),
+        "permute bf16": (td2 + rd2 + r * 4, x_in, lambda x: ops.permute(x, row_map, backend="cuda"),
                          lambda x: ops.permute(x, row_map, backend="xla")),
-        "unpermute bf16": (rd2 + td2 + r * 4, y_in,
-                           lambda y: ops.unpermute(y, row_map, t, backend="cuda"),
-                           lambda y: ops.unpermute(y, row_map, t, backend="xla")),
+        "unpermute bf16":
+        (rd2 + td2 + r * 4, y_in, lambda y: ops.unpermute(y, row_map, t, backend="cuda"),
+         lambda y: ops.unpermute(y, row_map, t, backend="xla")),
         "permute+unpermute bf16": (2 * (td2 + rd2 + r * 4), x_in, perm_unperm("cuda"),
                                    perm_unperm("xla")),
     }
@@ -147,7 +148,7 @@ def cases(t, e, k, d, h):
 def copy_bandwidth(reps):
     """Bytes/s of an elementwise float32 x * 2 over 2 GiB (read + write), the best of 2 runs."""
     n_el = 1 << 29
-    xs = [(jax.random.normal(kk, (n_el,), jnp.float32),) for kk in _keys(9, 3)]
+    xs = [(jax.random.normal(kk, (n_el, ), jnp.float32), ) for kk in _keys(9, 3)]
     sec = min(_time(lambda x: x * 2, xs, reps) for _ in range(2))
     del xs
     return 2 * n_el * 4 / sec
@@ -171,10 +172,15 @@ def main(argv=None):
     dev = jax.devices()[0]
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": dev.device_kind, "jax": jax.__version__,
+        "device": dev.device_kind,
+        "jax": jax.__version__,
         "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
-        "python": platform.python_version(), "library": info["cuda"]["reason"],
-        "T": args.tokens, "E": args.experts, "k": args.top_k, "d": args.d_model,
+        "python": platform.python_version(),
+        "library": info["cuda"]["reason"],
+        "T": args.tokens,
+        "E": args.experts,
+        "k": args.top_k,
+        "d": args.d_model,
         "H": args.hidden,
     }
     copy_bw = copy_bandwidth(args.reps)
@@ -190,8 +196,9 @@ def main(argv=None):
         n = int(min(64, max(4, 8e9 // max(nbytes, 1) // 4)))
         inputs = make(n)
         try:
-            err = _rel(jax.tree.leaves(jax.jit(ours)(*inputs[0]))[0],
-                       jax.tree.leaves(jax.jit(xla)(*inputs[0]))[0])
+            err = _rel(
+                jax.tree.leaves(jax.jit(ours)(*inputs[0]))[0],
+                jax.tree.leaves(jax.jit(xla)(*inputs[0]))[0])
             t_ours = _time(ours, inputs, args.reps)
             t_xla = _time(xla, inputs, args.reps)
         except Exception as ex:  # noqa: BLE001 - report and go on
@@ -201,10 +208,16 @@ def main(argv=None):
         finally:
             del inputs
         row = {
-            "kernel": name, "bytes": nbytes, "n": n, "ours_us": t_ours * 1e6,
-            "xla_us": t_xla * 1e6, "speedup": t_xla / t_ours, "ours_TBps": nbytes / t_ours / 1e12,
-            "xla_TBps": nbytes / t_xla / 1e12, "ours_frac_nominal": nbytes / t_ours /
-            NOMINAL_COPY_BW, "ours_frac_measured": nbytes / t_ours / copy_bw,
+            "kernel": name,
+            "bytes": nbytes,
+            "n": n,
+            "ours_us": t_ours * 1e6,
+            "xla_us": t_xla * 1e6,
+            "speedup": t_xla / t_ours,
+            "ours_TBps": nbytes / t_ours / 1e12,
+            "xla_TBps": nbytes / t_xla / 1e12,
+            "ours_frac_nominal": nbytes / t_ours / NOMINAL_COPY_BW,
+            "ours_frac_measured": nbytes / t_ours / copy_bw,
             "rel_err_first_output": err,
         }
         rows.append(row)
@@ -216,10 +229,11 @@ def main(argv=None):
         if "error" in r:
             lines.append(f"| {r['kernel']} | failed: {r['error'][:60]} |")
             continue
-        lines.append(f"| {r['kernel']} | {r['ours_us']:.1f} | {r['xla_us']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['ours_TBps']:.2f} | "
-                     f"{100 * r['ours_frac_nominal']:.0f}% | {100 * r['ours_frac_measured']:.0f}% | "
-                     f"{r['xla_TBps']:.2f} | {r['rel_err_first_output']:.1e} |")
+        lines.append(
+            f"| {r['kernel']} | {r['ours_us']:.1f} | {r['xla_us']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['ours_TBps']:.2f} | "
+            f"{100 * r['ours_frac_nominal']:.0f}% | {100 * r['ours_frac_measured']:.0f}% | "
+            f"{r['xla_TBps']:.2f} | {r['rel_err_first_output']:.1e} |")
     print("\n".join(lines))
     import os
 

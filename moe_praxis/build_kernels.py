@@ -62,8 +62,8 @@ GENCODES = {
 }
 _GENCODE_LINE = re.compile(r"//\s*moe-praxis-gencode:\s*([\w, ]+)")
 NVCC_FLAGS = [
-    "-O3", "-std=c++17", "-Xcompiler=-fPIC", "--expt-relaxed-constexpr",
-    "--expt-extended-lambda", "-DNDEBUG", "-lineinfo", "-diag-suppress=940,2473", "--threads=0"
+    "-O3", "-std=c++17", "-Xcompiler=-fPIC", "--expt-relaxed-constexpr", "--expt-extended-lambda",
+    "-DNDEBUG", "-lineinfo", "-diag-suppress=940,2473", "--threads=0"
 ]
 
 
@@ -158,7 +158,9 @@ def exported_symbols(lib: Path) -> set[str]:
     nm = shutil.which("nm")
     if nm is None:
         raise BuildError("nm (binutils) not found; cannot check the exported symbols")
-    out = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True,
+    out = subprocess.run([nm, "-D", "--defined-only", str(lib)],
+                         capture_output=True,
+                         text=True,
                          check=True).stdout
     return {line.split()[-1] for line in out.splitlines() if line.strip()}
 
@@ -203,8 +205,13 @@ def _cache_key(nvcc: str, src: Path, cmd_tail: list[str]) -> str:
     return h.hexdigest()[:20]
 
 
-def build(output: Path | None = None, *, jobs: int | None = None, nvcc: str | None = None,
-          only: list[str] | None = None, verbose: bool = True, cache: bool = True) -> Path:
+def build(output: Path | None = None,
+          *,
+          jobs: int | None = None,
+          nvcc: str | None = None,
+          only: list[str] | None = None,
+          verbose: bool = True,
+          cache: bool = True) -> Path:
     """Compiles kernels/*.cu and links the library; returns its path. Raises BuildError."""
     t_start = time.time()
     nvcc = find_nvcc(nvcc)
@@ -254,17 +261,22 @@ def build(output: Path | None = None, *, jobs: int | None = None, nvcc: str | No
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moe_praxis.build_kernels",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--output", default=None,
+    ap.add_argument("--output",
+                    default=None,
                     help=f"library path (default: ${ENV_LIB} or {DEFAULT_LIB})")
     ap.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes")
     ap.add_argument("--nvcc", default=None, help="path of nvcc")
     ap.add_argument("--only", default=None, help="comma-separated kernels/*.cu subset")
-    ap.add_argument("--no-cache", action="store_true",
+    ap.add_argument("--no-cache",
+                    action="store_true",
                     help=f"compile every source (ignore the object cache in {CACHE_DIR})")
     args = ap.parse_args(argv)
     try:
-        build(args.output, jobs=args.jobs, nvcc=args.nvcc,
-              only=args.only.split(",") if args.only else None, cache=not args.no_cache)
+        build(args.output,
+              jobs=args.jobs,
+              nvcc=args.nvcc,
+              only=args.only.split(",") if args.only else None,
+              cache=not args.no_cache)
     except BuildError as e:
         print(f"build_kernels: error: {e}", file=sys.stderr)
         return 1

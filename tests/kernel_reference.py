@@ -29,8 +29,16 @@ def _topk_ids(v, k):
     return np.argsort(-v, kind="stable")[:k]
 
 
-def router(logits, *, top_k, score_func="softmax", pre_softmax=True, norm_topk=True, groups=1,
-           group_topk=1, scaling=1.0, bias=None):
+def router(logits,
+           *,
+           top_k,
+           score_func="softmax",
+           pre_softmax=True,
+           norm_topk=True,
+           groups=1,
+           group_topk=1,
+           scaling=1.0,
+           bias=None):
     """logits [T, E] -> probs [T, E], ids [T, k], weights [T, k] (float64 math)."""
     x = np.asarray(logits, np.float64)
     t, e = x.shape
@@ -51,8 +59,8 @@ def router(logits, *, top_k, score_func="softmax", pre_softmax=True, norm_topk=T
         if groups > 1:
             per = e // groups
             m = top_k // group_topk
-            gscore = np.array([np.sort(sel[g * per:(g + 1) * per])[::-1][:m].sum()
-                               for g in range(groups)])
+            gscore = np.array(
+                [np.sort(sel[g * per:(g + 1) * per])[::-1][:m].sum() for g in range(groups)])
             keep = _topk_ids(gscore, group_topk)
             mask = np.full(e, -np.inf)
             for g in keep:
@@ -92,7 +100,7 @@ def swiglu_grads(gate, up, weights, dout):
 
 def permute(x, row_map):
     x = np.asarray(x, np.float64)
-    out = np.zeros((len(row_map),) + x.shape[1:])
+    out = np.zeros((len(row_map), ) + x.shape[1:])
     for r, t in enumerate(np.asarray(row_map)):
         if 0 <= t < x.shape[0]:
             out[r] = x[t]
@@ -101,7 +109,7 @@ def permute(x, row_map):
 
 def unpermute(y, row_map, num_tokens):
     y = np.asarray(y, np.float64)
-    out = np.zeros((num_tokens,) + y.shape[1:])
+    out = np.zeros((num_tokens, ) + y.shape[1:])
     for r, t in enumerate(np.asarray(row_map)):
         if 0 <= t < num_tokens:
             out[t] += y[r]

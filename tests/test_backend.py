@@ -3,7 +3,6 @@ on the CPU (no GPU needed): every ops.cuda primitive runs its platform_dependent
 branch (the reference) here, through the same custom_vjp the GPU uses."""
 
 import functools
-import os
 import re
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from jax.sharding import PartitionSpec as P
 import moe_praxis as mp
 from moe_praxis import build_kernels, ops, routing
 from moe_praxis.config import MoEConfig
-from moe_praxis.ops import backend as backend_lib
 from moe_praxis.ops import cuda
 from tests import kernel_reference as ref
 
@@ -55,7 +53,8 @@ def test_cuda_unusable_without_gpu_and_auto_falls_back():
 
 @needs_no_gpu
 def test_cuda_requested_without_gpu_raises_clear_error():
-    with pytest.raises(RuntimeError, match=r"kernel_backend='cuda' requested for swiglu but no GPU"):
+    with pytest.raises(RuntimeError,
+                       match=r"kernel_backend='cuda' requested for swiglu but no GPU"):
         ops.resolve_backend("cuda", "swiglu")
     x = jnp.ones((4, 8))
     with pytest.raises(RuntimeError, match="no GPU"):
@@ -130,12 +129,15 @@ def test_ffi_helper_rejects_unknown_target():
 def test_unsupported_shapes_name_the_reason():
     cfg = MoEConfig(d_model=8, d_ff=8, num_experts=1024, top_k=16)
     assert "num_experts=1024" in cuda.router_unsupported(1024, cfg)
-    assert cuda.router_unsupported(64, MoEConfig(d_model=8, d_ff=8, num_experts=64,
-                                                 top_k=8)) == ""
-    grouped = MoEConfig(d_model=8, d_ff=8, num_experts=64, top_k=8, num_expert_groups=8,
+    assert cuda.router_unsupported(64, MoEConfig(d_model=8, d_ff=8, num_experts=64, top_k=8)) == ""
+    grouped = MoEConfig(d_model=8,
+                        d_ff=8,
+                        num_experts=64,
+                        top_k=8,
+                        num_expert_groups=8,
                         group_topk=4)
-    assert ("num_expert_groups=8" in cuda.router_unsupported(64, grouped)) == (
-        not cuda.ROUTER_GROUP_LIMITED)
+    assert ("num_expert_groups=8"
+            in cuda.router_unsupported(64, grouped)) == (not cuda.ROUTER_GROUP_LIMITED)
     x = jnp.ones((4, 8))
     assert "act='gelu'" in cuda.swiglu_unsupported(x, "gelu")
     assert "float16" in cuda.swiglu_unsupported(x.astype(jnp.float16), "silu")
@@ -156,16 +158,30 @@ ROUTER_CASES = [
 @pytest.mark.parametrize("case", ROUTER_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_fused_router_path_matches_numpy_reference(case):
     t, e, k, sf, pre, norm, g, gk, sc, use_bias = case
-    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=e, top_k=k, score_func=sf, pre_softmax=pre,
-                    norm_topk=norm, num_expert_groups=g, group_topk=gk,
-                    routed_scaling_factor=sc, use_expert_bias=use_bias)
+    cfg = MoEConfig(d_model=8,
+                    d_ff=8,
+                    num_experts=e,
+                    top_k=k,
+                    score_func=sf,
+                    pre_softmax=pre,
+                    norm_topk=norm,
+                    num_expert_groups=g,
+                    group_topk=gk,
+                    routed_scaling_factor=sc,
+                    use_expert_bias=use_bias)
     s = ref.seed()
     k1, k2, k3, k4 = jax.random.split(jax.random.key(s), 4)
     logits = jax.random.normal(k1, (t, e))
-    bias = 0.1 * jax.random.normal(k2, (e,)) if use_bias else jnp.zeros((e,))
+    bias = 0.1 * jax.random.normal(k2, (e, )) if use_bias else jnp.zeros((e, ))
     probs, ids, w = jax.jit(functools.partial(cuda.fused_router, cfg))(logits, bias)
-    p64, ids64, w64 = ref.router(np.asarray(logits), top_k=k, score_func=sf, pre_softmax=pre,
-                                 norm_topk=norm, groups=g, group_topk=gk, scaling=sc,
+    p64, ids64, w64 = ref.router(np.asarray(logits),
+                                 top_k=k,
+                                 score_func=sf,
+                                 pre_softmax=pre,
+                                 norm_topk=norm,
+                                 groups=g,
+                                 group_topk=gk,
+                                 scaling=sc,
                                  bias=np.asarray(bias))
     np.testing.assert_array_equal(np.asarray(ids), ids64, err_msg=f"seed={s}")
     assert ref.rel_err(probs, p64) <= F32_TOL and ref.rel_err(w, w64) <= F32_TOL
@@ -196,8 +212,8 @@ def test_swiglu_permute_aux_paths_match_numpy_reference():
     dout = jnp.asarray(rng.standard_normal((33, 24)), jnp.float32)
     assert ref.rel_err(cuda.swiglu(gate, up, w), ref.swiglu(gate, up, w)) <= F32_TOL
     assert ref.rel_err(cuda.swiglu(gate, up), ref.swiglu(gate, up)) <= F32_TOL
-    g = jax.grad(lambda a, b, c: jnp.sum(cuda.swiglu(a, b, c) * dout), argnums=(0, 1, 2))(gate,
-                                                                                       up, w)
+    g = jax.grad(lambda a, b, c: jnp.sum(cuda.swiglu(a, b, c) * dout), argnums=(0, 1, 2))(gate, up,
+                                                                                          w)
     for got, want in zip(g, ref.swiglu_grads(gate, up, w, dout)):
         assert ref.rel_err(got, want) <= F32_TOL
     t, k = 17, 3
@@ -220,7 +236,7 @@ def _aux_sharded(mesh_shape, axes, spec):
     t, e, k = 64, 16, 2
     s = ref.seed()
     probs = jax.nn.softmax(jax.random.normal(jax.random.key(s), (t, e)), -1)
-    f = jax.random.randint(jax.random.key(s + 1), (e,), 0, 9)
+    f = jax.random.randint(jax.random.key(s + 1), (e, ), 0, 9)
     probs = jax.device_put(probs, NamedSharding(mesh, spec))
     fn = jax.jit(jax.value_and_grad(lambda p: 1.5 * cuda.aux_loss(p, f, jnp.asarray(t), k, 0.2)))
     return fn, probs, f, (t, e, k)
@@ -241,7 +257,7 @@ def test_aux_loss_sharded_lowering_for_cuda_keeps_cotangent_rank0():
     """Lowered for CUDA (no GPU needed), the backward's Shardy rule takes a rank-0 cotangent."""
     assert jax.config.jax_use_shardy_partitioner
     fn, probs, _, (t, e, _) = _aux_sharded((4, 2), ("dp", "ep"), P(("dp", "ep"), None))
-    text = fn.trace(probs).lower(lowering_platforms=("cuda",)).as_text()
+    text = fn.trace(probs).lower(lowering_platforms=("cuda", )).as_text()
     rules = re.findall(r"sdy\.op_sharding_rule<\(([^)]*)\)->\(([^)]*)\)", text)
     assert ("[], [i, j], [j], []", "[i, j]") in rules, rules  # bwd: g [] , probs, f, scale []
     assert ("[i, j], [j], []", "[]") in rules, rules  # fwd: loss [] reduced over i, j

@@ -30,8 +30,12 @@ def built_library(tmp_path_factory):
     if nvcc is None:
         pytest.skip("nvcc not found (PATH, $CUDA_HOME, /usr/local/cuda): cannot build kernels")
     out = tmp_path_factory.mktemp("kernels") / build_kernels.LIB_NAME
-    p = subprocess.run([sys.executable, "-m", "moe_praxis.build_kernels", "--output", str(out)],
-                       capture_output=True, text=True, cwd=REPO, timeout=3600)
+    p = subprocess.run([sys.executable, "-m", "moe_praxis.build_kernels", "--output",
+                        str(out)],
+                       capture_output=True,
+                       text=True,
+                       cwd=REPO,
+                       timeout=3600)
     assert p.returncode == 0, f"build failed:\n{p.stdout}\n{p.stderr}"
     return out, p.stdout
 
@@ -55,8 +59,8 @@ def test_built_library_has_hopper_and_ampere_code(built_library):
         tool = shutil.which("cuobjdump")
     if not tool:
         pytest.skip("cuobjdump not found (next to nvcc or on PATH): cannot list the targets")
-    out = subprocess.run([str(tool), "--list-elf", "--list-ptx", str(lib)], capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        [str(tool), "--list-elf", "--list-ptx", str(lib)], capture_output=True, text=True).stdout
     assert "sm_90a" in out, out[:2000]
     assert "sm_80" in out, out[:2000]
     assert ".ptx" in out or "compute_80" in out, out[:2000]
@@ -83,8 +87,8 @@ def test_symbol_check_names_missing_symbols(built_library, monkeypatch):
 def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CUDA_HOME", raising=False)
-    monkeypatch.setattr(build_kernels.os.path, "isfile",
-                        lambda p: False if str(p).endswith("nvcc") else os.path.isfile(p))
+    monkeypatch.setattr(build_kernels.os.path, "isfile", lambda p: False
+                        if str(p).endswith("nvcc") else os.path.isfile(p))
     with pytest.raises(build_kernels.BuildError, match="nvcc not found"):
         build_kernels.find_nvcc()
     # the command line reports it as an error and exit status 1

@@ -39,7 +39,7 @@ def _need_cuda_kernels():
 
 def poison(nbytes: int = 1 << 30):
     """Fills and frees `nbytes` of device memory with NaN (see the module docstring)."""
-    a = jnp.full((nbytes // 4,), jnp.nan, jnp.float32)
+    a = jnp.full((nbytes // 4, ), jnp.nan, jnp.float32)
     a.block_until_ready()
     a.delete()
 
@@ -84,9 +84,17 @@ GROUP_CASES = [
 
 
 def _router_config(e, k, sf, pre, norm, g, gk, sc, use_bias):
-    return MoEConfig(d_model=8, d_ff=8, num_experts=e, top_k=k, score_func=sf, pre_softmax=pre,
-                     norm_topk=norm, num_expert_groups=g, group_topk=gk,
-                     routed_scaling_factor=sc, use_expert_bias=use_bias)
+    return MoEConfig(d_model=8,
+                     d_ff=8,
+                     num_experts=e,
+                     top_k=k,
+                     score_func=sf,
+                     pre_softmax=pre,
+                     norm_topk=norm,
+                     num_expert_groups=g,
+                     group_topk=gk,
+                     routed_scaling_factor=sc,
+                     use_expert_bias=use_bias)
 
 
 def _selection_scores(logits, cfg, bias):
@@ -112,7 +120,7 @@ def _router_case(case):
     s = ref.seed()
     k1, k2, k3, k4 = jax.random.split(jax.random.key(s), 4)
     logits = 2.0 * jax.random.normal(k1, (t, e), jnp.float32)
-    bias = (0.1 * jax.random.normal(k2, (e,)) if use_bias else jnp.zeros((e,), jnp.float32))
+    bias = (0.1 * jax.random.normal(k2, (e, )) if use_bias else jnp.zeros((e, ), jnp.float32))
     dprobs = jax.random.normal(k3, (t, e), jnp.float32)
     dw = jax.random.normal(k4, (t, k), jnp.float32)
 
@@ -128,8 +136,14 @@ def _router_case(case):
     assert ref.rel_err(probs, r.probs) <= F32_TOL, tag
     assert ref.rel_err(np.asarray(w)[same], np.asarray(r.weights)[same]) <= F32_TOL, tag
     # and against the independent float64 NumPy reference
-    p64, ids64, w64 = ref.router(np.asarray(logits), top_k=k, score_func=sf, pre_softmax=pre,
-                                 norm_topk=norm, groups=g, group_topk=gk, scaling=sc,
+    p64, ids64, w64 = ref.router(np.asarray(logits),
+                                 top_k=k,
+                                 score_func=sf,
+                                 pre_softmax=pre,
+                                 norm_topk=norm,
+                                 groups=g,
+                                 group_topk=gk,
+                                 scaling=sc,
                                  bias=np.asarray(bias))
     same64 = _check_ids(ids, ids64, sel, tag + " (numpy)", g, gk, k)
     assert ref.rel_err(probs, p64) <= F32_TOL, tag
@@ -141,8 +155,8 @@ def _router_case(case):
         return pull((dprobs, dw))[0]
 
     poison()
-    g_k = jax.jit(lambda: vjp_of(lambda l: (lambda o: (o[0], o[2]))(cuda.fused_router(
-        cfg, l, bias))))()
+    g_k = jax.jit(lambda: vjp_of(lambda l: (lambda o: (o[0], o[2]))
+                                 (cuda.fused_router(cfg, l, bias))))()
     g_r = jax.jit(lambda: vjp_of(lambda l: (lambda o: (o.probs, o.weights))(
         routing.route_logits_reference(l, cfg, bias if use_bias else None))))()
     assert ref.rel_err(np.asarray(g_k)[same], np.asarray(g_r)[same]) <= F32_TOL, tag
@@ -156,7 +170,7 @@ def test_router_exact_ties_break_to_lower_index(sf, pre):
     # integer logits in {0, 1, 2}: every token has many exactly tied experts
     logits = jax.random.randint(jax.random.key(s), (t, e), 0, 3).astype(jnp.float32)
     poison()
-    _, ids, w = jax.jit(functools.partial(cuda.fused_router, cfg))(logits, jnp.zeros((e,)))
+    _, ids, w = jax.jit(functools.partial(cuda.fused_router, cfg))(logits, jnp.zeros((e, )))
     r = routing.route_logits_reference(logits, cfg)
     _, ids64, w64 = ref.router(np.asarray(logits), top_k=k, score_func=sf, pre_softmax=pre)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(r.expert_ids), err_msg=f"seed={s}")
@@ -172,7 +186,7 @@ def test_swiglu_matches_reference(dtype, rows, h, with_weights):
     ks = jax.random.split(jax.random.key(s), 4)
     gate = (2 * jax.random.normal(ks[0], (rows, h))).astype(dtype)
     up = jax.random.normal(ks[1], (rows, h)).astype(dtype)
-    w = jax.random.uniform(ks[2], (rows,), jnp.float32) if with_weights else None
+    w = jax.random.uniform(ks[2], (rows, ), jnp.float32) if with_weights else None
     dout = jax.random.normal(ks[3], (rows, h)).astype(dtype)
     tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
     tag = f"seed={s}"
@@ -185,8 +199,7 @@ def test_swiglu_matches_reference(dtype, rows, h, with_weights):
 
     def grads(backend):
         fn = lambda g, u, ww: jnp.sum(
-            (ops.swiglu(g, u, ww, backend=backend).astype(jnp.float32) * dout.astype(
-                jnp.float32)))
+            (ops.swiglu(g, u, ww, backend=backend).astype(jnp.float32) * dout.astype(jnp.float32)))
         argnums = (0, 1, 2) if with_weights else (0, 1)
         return jax.jit(jax.grad(fn, argnums=argnums))(gate, up, w)
 
@@ -221,11 +234,13 @@ def test_permute_unpermute_match_reference(dtype, t, k, m):
     cx = jnp.asarray(rng.standard_normal((t * k, m)), jnp.float32)
     cy = jnp.asarray(rng.standard_normal((t, m)), jnp.float32)
     poison()
-    gx = jax.jit(jax.grad(lambda a: jnp.sum(ops.permute(a, row_map, backend="cuda").astype(
-        jnp.float32) * cx)))(x)
+    gx = jax.jit(
+        jax.grad(
+            lambda a: jnp.sum(ops.permute(a, row_map, backend="cuda").astype(jnp.float32) * cx)))(x)
     assert ref.rel_err(gx, ref.unpermute(cx.astype(dtype), row_map, t)) <= tol, tag
-    gy = jax.jit(jax.grad(lambda b: jnp.sum(ops.unpermute(b, row_map, t, backend="cuda").astype(
-        jnp.float32) * cy)))(y)
+    gy = jax.jit(
+        jax.grad(lambda b: jnp.sum(
+            ops.unpermute(b, row_map, t, backend="cuda").astype(jnp.float32) * cy)))(y)
     assert ref.rel_err(gy, ref.permute(cy.astype(dtype), row_map)) <= tol, tag
 
 
@@ -235,7 +250,7 @@ def test_aux_loss_matches_reference(dtype, t, e, k):
     s = ref.seed()
     k1, k2 = jax.random.split(jax.random.key(s))
     probs = jax.nn.softmax(jax.random.normal(k1, (t, e)), -1).astype(dtype)
-    f = jax.random.randint(k2, (e,), 0, 2 * t * k // e + 2)
+    f = jax.random.randint(k2, (e, ), 0, 2 * t * k // e + 2)
     coeff = 0.37
     fn = lambda p: ops.aux_loss(p, f, top_k=k, coeff=coeff, backend="cuda")
     poison()
@@ -254,9 +269,10 @@ def test_aux_loss_per_sequence_vmap():
     probs = jax.nn.softmax(jax.random.normal(k1, (b, sl, e)), -1)
     f = jax.random.randint(k2, (b, e), 0, 40)
     n = jnp.array([129, 100, 7])
-    fn = lambda backend: jax.jit(jax.value_and_grad(lambda p: jnp.sum(jax.vmap(
-        lambda pp, ff, nn: ops.aux_loss(pp, ff, top_k=k, coeff=0.1, num_tokens=nn,
-                                        backend=backend))(p, f, n))))(probs)
+    fn = lambda backend: jax.jit(
+        jax.value_and_grad(lambda p: jnp.sum(
+            jax.vmap(lambda pp, ff, nn: ops.aux_loss(
+                pp, ff, top_k=k, coeff=0.1, num_tokens=nn, backend=backend))(p, f, n))))(probs)
     (lk, gk), (lr, gr) = fn("cuda"), fn("xla")
     assert abs(float(lk) - float(lr)) <= F32_TOL * abs(float(lr)), f"seed={s}"
     assert ref.rel_err(gk, gr) <= F32_TOL, f"seed={s}"
@@ -265,7 +281,7 @@ def test_aux_loss_per_sequence_vmap():
 def test_jit_grad_aux_loss_on_sharded_input():
     s = ref.seed()
     devs = jax.devices()
-    mesh = jax.make_mesh((len(devs),), ("data",), devices=devs)
+    mesh = jax.make_mesh((len(devs), ), ("data", ), devices=devs)
     t, e, k = 512 * len(devs), 64, 8
     probs = jax.nn.softmax(jax.random.normal(jax.random.key(s), (t, e)), -1)
     probs = jax.device_put(probs, NamedSharding(mesh, P("data", None)))
@@ -275,8 +291,8 @@ def test_jit_grad_aux_loss_on_sharded_input():
     text = fn.lower(probs).as_text()
     assert "sdy" in text or "mhlo.sharding" in text
     val, g = fn(probs)
-    assert abs(float(val) - 3.0 * ref.aux_loss(probs, f, top_k=k, coeff=0.1)) <= 1e-6 * abs(
-        float(val))
+    assert abs(float(val) -
+               3.0 * ref.aux_loss(probs, f, top_k=k, coeff=0.1)) <= 1e-6 * abs(float(val))
     assert ref.rel_err(g, 3.0 * 0.1 * e / (k * t * t) * np.broadcast_to(np.arange(e), (t, e))) \
         <= F32_TOL
 
@@ -290,6 +306,7 @@ def test_moe_block_cuda_backend_matches_xla():
     x = jax.random.normal(jax.random.key(s + 1), (2, 333, 64))
 
     def run(c):
+
         def loss(p, xx):
             o = mp.moe_block(p, xx, c)
             return jnp.sum(o.y * jnp.sin(xx)) + o.aux_loss, o
@@ -301,8 +318,8 @@ def test_moe_block_cuda_backend_matches_xla():
     with jax.default_matmul_precision("float32"):
         lc, oc, gc = run(c_cuda)
         lx, ox, gx = run(c_xla)
-    np.testing.assert_array_equal(np.asarray(oc.tokens_per_expert), np.asarray(
-        ox.tokens_per_expert))
+    np.testing.assert_array_equal(np.asarray(oc.tokens_per_expert),
+                                  np.asarray(ox.tokens_per_expert))
     assert ref.rel_err(oc.y, ox.y) <= 1e-5, f"seed={s}"
     assert abs(float(oc.aux_loss) - float(ox.aux_loss)) <= 1e-6 * abs(float(ox.aux_loss))
     for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(gx)):

@@ -44,8 +44,9 @@ def _cuda_status(op: str = "") -> tuple[bool, str]:
     need = _cuda.min_compute_capability(op)
     have = min(_compute_capability(d) for d in gpus)
     if have < need:
-        return False, (f"{op or 'the kernels'} need compute capability >= {need // 10}.{need % 10}, "
-                       f"the GPU {gpus[0].device_kind!r} has {have // 10}.{have % 10}")
+        return False, (
+            f"{op or 'the kernels'} need compute capability >= {need // 10}.{need % 10}, "
+            f"the GPU {gpus[0].device_kind!r} has {have // 10}.{have % 10}")
     return True, f"{why}; GPU {gpus[0].device_kind} (compute capability {have // 10}.{have % 10})"
 
 
@@ -57,8 +58,15 @@ def backend_info() -> dict[str, dict]:
     """
     ok, why = _cuda_status()
     return {
-        "xla": {"usable": True, "reason": "pure-JAX reference, runs on every platform"},
-        "cuda": {"usable": ok, "reason": why, "library": str(_cuda.library_path())},
+        "xla": {
+            "usable": True,
+            "reason": "pure-JAX reference, runs on every platform"
+        },
+        "cuda": {
+            "usable": ok,
+            "reason": why,
+            "library": str(_cuda.library_path())
+        },
     }
 
 

@@ -97,8 +97,7 @@ def load_library(path: Optional[os.PathLike] = None, *, force: bool = False) -> 
         return False, _state.reason
     try:
         for name, sym in KERNELS.items():
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, sym)),
-                                        platform="CUDA")
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, sym)), platform="CUDA")
     except Exception as e:  # noqa: BLE001 - registration failures become a reason
         _state.loaded, _state.reason = False, f"registering the FFI targets failed: {e}"
         return False, _state.reason
@@ -155,6 +154,7 @@ def _match_vma(fn: Callable, vma: frozenset) -> Callable:
     call's outputs carry no varying axes while the reference's do; the branches must agree)."""
 
     def wrapped(*args):
+
         def fix(o):
             missing = tuple(sorted(vma - _vma(o)))
             return jax.lax.pcast(o, missing, to="varying") if missing else o
@@ -174,7 +174,6 @@ def platform_call(cuda_fn: Callable, reference_fn: Callable, *args):
 
 
 load_library()
-
 
 # ----------------------------------------------------------------------------- primitives
 #
@@ -251,7 +250,7 @@ def _spec_axes(spec) -> tuple:
 
 def _probs_spec(sharding, ndim=2):
     spec = tuple(getattr(sharding, "spec", ()))
-    return spec + (None,) * (ndim - len(spec))
+    return spec + (None, ) * (ndim - len(spec))
 
 
 def _aux_fwd_partition(mesh, arg_shapes, result_shape):
@@ -262,8 +261,9 @@ def _aux_fwd_partition(mesh, arg_shapes, result_shape):
         loss = _aux_fwd_local(probs, f, scale)
         return jax.lax.psum(loss, axes) if axes else loss
 
-    args = (NamedSharding(mesh, P(t_spec, e_spec)), NamedSharding(mesh, P(e_spec)),
-            NamedSharding(mesh, P()))
+    args = (NamedSharding(mesh, P(t_spec,
+                                  e_spec)), NamedSharding(mesh,
+                                                          P(e_spec)), NamedSharding(mesh, P()))
     return mesh, lower, NamedSharding(mesh, P()), args
 
 
@@ -274,8 +274,9 @@ def _aux_fwd_infer(mesh, arg_shapes, result_shape):
 def _aux_bwd_partition(mesh, arg_shapes, result_shape):
     t_spec, e_spec = _probs_spec(arg_shapes[1].sharding)
     probs_sharding = NamedSharding(mesh, P(t_spec, e_spec))
-    args = (NamedSharding(mesh, P()), probs_sharding, NamedSharding(mesh, P(e_spec)),
-            NamedSharding(mesh, P()))
+    args = (NamedSharding(mesh,
+                          P()), probs_sharding, NamedSharding(mesh,
+                                                              P(e_spec)), NamedSharding(mesh, P()))
     return mesh, _aux_bwd_local, probs_sharding, args
 
 
@@ -288,7 +289,8 @@ def _aux_bwd_infer(mesh, arg_shapes, result_shape):
 aux_loss_fwd_p = custom_partitioning(_aux_fwd_local)
 aux_loss_fwd_p.def_partition(partition=_aux_fwd_partition,
                              infer_sharding_from_operands=_aux_fwd_infer,
-                             sharding_rule="t e, e, -> ", reduction_factors=("t", "e"))
+                             sharding_rule="t e, e, -> ",
+                             reduction_factors=("t", "e"))
 # g [] (the rank-0 cotangent, never reshaped), probs [T, E], f [E], scale [] -> dprobs [T, E].
 aux_loss_bwd_p = custom_partitioning(_aux_bwd_local)
 aux_loss_bwd_p.def_partition(partition=_aux_bwd_partition,
@@ -307,8 +309,7 @@ def aux_loss(probs, tokens_per_expert, num_tokens, top_k: int, coeff: float):
 
     probs: [T, E]; tokens_per_expert: [E]; num_tokens: rank-0 count T.
     """
-    return _aux_fwd_batched(probs, *_aux_consts(probs, tokens_per_expert, num_tokens, top_k,
-                                                coeff))
+    return _aux_fwd_batched(probs, *_aux_consts(probs, tokens_per_expert, num_tokens, top_k, coeff))
 
 
 def _aux_consts(probs, tpe, num_tokens, top_k, coeff):
@@ -357,9 +358,12 @@ def router_unsupported(num_experts: int, config) -> str:
 
 
 def _router_attrs(config) -> dict:
-    return dict(top_k=config.top_k, mode=_ROUTER_MODES[(config.score_func, config.pre_softmax)],
-                norm_topk=bool(config.norm_topk), num_groups=config.num_expert_groups,
-                group_topk=config.group_topk, scaling=float(config.routed_scaling_factor))
+    return dict(top_k=config.top_k,
+                mode=_ROUTER_MODES[(config.score_func, config.pre_softmax)],
+                norm_topk=bool(config.norm_topk),
+                num_groups=config.num_expert_groups,
+                group_topk=config.group_topk,
+                scaling=float(config.routed_scaling_factor))
 
 
 def _router_ref(config, logits, bias):
@@ -372,8 +376,8 @@ def _router_ref(config, logits, bias):
 def _router_fwd_ffi(config, logits, bias):
     t, e = logits.shape
     k = config.top_k
-    out = (jax.ShapeDtypeStruct((t, e), jnp.float32), jax.ShapeDtypeStruct((t, k), jnp.int32),
-           jax.ShapeDtypeStruct((t, k), jnp.float32))
+    out = (jax.ShapeDtypeStruct((t, e), jnp.float32), jax.ShapeDtypeStruct(
+        (t, k), jnp.int32), jax.ShapeDtypeStruct((t, k), jnp.float32))
     return tuple(ffi("moe_router_fwd", out, logits, bias, **_router_attrs(config)))
 
 
@@ -389,7 +393,7 @@ def _router_bwd_ffi(config, logits, bias, ids, dprobs, dweights):
                dprobs, dweights, **_router_attrs(config))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, ))
 def fused_router(config, logits, bias):
     """logits: [T, E] f32, bias: [E] f32 (zeros = none; selection only, no gradient)
     -> (probs [T, E] f32, expert_ids [T, k] int32, weights [T, k] f32), as
@@ -425,7 +429,11 @@ def _swiglu_ref(gate, up, w, has_weight):
 
 
 def _swiglu_fwd_ffi(gate, up, w, has_weight):
-    return ffi("moe_swiglu_fwd", jax.ShapeDtypeStruct(gate.shape, gate.dtype), gate, up, w,
+    return ffi("moe_swiglu_fwd",
+               jax.ShapeDtypeStruct(gate.shape, gate.dtype),
+               gate,
+               up,
+               w,
                has_weight=has_weight)
 
 
@@ -441,7 +449,7 @@ def _swiglu_bwd_ffi(gate, up, w, dout, has_weight):
     return tuple(ffi("moe_swiglu_bwd", out, gate, up, w, dout, has_weight=has_weight))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, ))
 def _swiglu(gate, up, w, has_weight):
     return platform_call(functools.partial(_swiglu_fwd_ffi, has_weight=has_weight),
                          functools.partial(_swiglu_ref, has_weight=has_weight), gate, up, w)
@@ -454,8 +462,8 @@ def _swiglu_vjp_fwd(gate, up, w, has_weight):
 def _swiglu_vjp_bwd(has_weight, res, dout):
     gate, up, w = res
     dg, du, dw = platform_call(functools.partial(_swiglu_bwd_ffi, has_weight=has_weight),
-                               functools.partial(_swiglu_bwd_ref, has_weight=has_weight), gate,
-                               up, w, dout)
+                               functools.partial(_swiglu_bwd_ref, has_weight=has_weight), gate, up,
+                               w, dout)
     return dg, du, dw
 
 
@@ -478,7 +486,7 @@ def swiglu(gate, up, weights=None):
     weights: optional [R] (gradient returned in its dtype). Output in gate.dtype."""
     up = up.astype(gate.dtype)
     if weights is None:
-        return _swiglu(gate, up, jnp.zeros((0,), jnp.float32), False)
+        return _swiglu(gate, up, jnp.zeros((0, ), jnp.float32), False)
     # autodiff of the cast returns the weights' gradient in their own dtype
     return _swiglu(gate, up, weights.astype(jnp.float32), True)
 
@@ -500,13 +508,14 @@ def _unpermute_ref(num_tokens, y, row_map):
 
 def _permute_ffi(x, row_map):
     r = row_map.shape[0]
-    return ffi("moe_permute", jax.ShapeDtypeStruct((r,) + x.shape[1:], x.dtype), x, row_map)
+    return ffi("moe_permute", jax.ShapeDtypeStruct((r, ) + x.shape[1:], x.dtype), x, row_map)
 
 
 def _unpermute_ffi(num_tokens, y, row_map):
     r = row_map.shape[0]
-    out = (jax.ShapeDtypeStruct((num_tokens,) + y.shape[1:], y.dtype),
-           jax.ShapeDtypeStruct((2 * num_tokens + 2 + r,), jnp.int32))
+    out = (jax.ShapeDtypeStruct((num_tokens, ) + y.shape[1:],
+                                y.dtype), jax.ShapeDtypeStruct((2 * num_tokens + 2 + r, ),
+                                                               jnp.int32))
     return ffi("moe_unpermute", out, y, row_map)[0]
 
 
@@ -538,7 +547,7 @@ def _permute_bwd(res, dy):
 permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, ))
 def unpermute(y, row_map, num_tokens: int):
     """x[t] = sum_{r: row_map[r] = t} y[r]. y: [R, M] f32/bf16; row_map: [R] int32 -> [T, M].
     Backward: permute."""
