@@ -128,9 +128,7 @@ class MoEConfig:
         if self.num_expert_groups > 1:
             per_group = self.num_experts // self.num_expert_groups
             if self.top_k % self.group_topk:
-                raise _err(
-                    "group_topk", self.group_topk, f"must divide top_k={self.top_k}"
-                )
+                raise _err("group_topk", self.group_topk, f"must divide top_k={self.top_k}")
             if self.top_k // self.group_topk > per_group:
                 raise _err(
                     "group_topk",
@@ -190,7 +188,8 @@ def field_docs() -> dict[str, str]:
         if not stripped:
             continue
         head, sep, rest = stripped.partition(":")
-        if sep and line.startswith("      ") and not line.startswith("        ") and head.isidentifier():
+        if sep and line.startswith(
+                "      ") and not line.startswith("        ") and head.isidentifier():
             name = head
             out[name] = rest.strip()
         elif name:

@@ -39,8 +39,8 @@ def capacity_keep(expert_ids, weights, valid, config: MoEConfig, capacity: int):
     e = config.num_experts
     flat_e = jnp.where(valid[:, None], expert_ids, e).reshape(-1)
     if config.drop_policy == "position":
-        key = (jnp.arange(k, dtype=jnp.int32)[None, :] * t
-               + jnp.arange(t, dtype=jnp.int32)[:, None]).reshape(-1)  # copy t*k+j -> j*T+t
+        key = (jnp.arange(k, dtype=jnp.int32)[None, :] * t +
+               jnp.arange(t, dtype=jnp.int32)[:, None]).reshape(-1)  # copy t*k+j -> j*T+t
         by_prio = jnp.argsort(key, stable=True)
     else:
         by_prio = jnp.argsort(-weights.reshape(-1), stable=True)
@@ -66,8 +66,11 @@ def make_dispatch(expert_ids, weights, valid, config: MoEConfig) -> Dispatch:
     sorted_e = flat_e[order]
     row_map = jnp.where(sorted_e < e, order // k, t).astype(jnp.int32)
     group_sizes = jnp.bincount(flat_e, length=e + 1)[:e].astype(jnp.int32)
-    return Dispatch(order=order, row_map=row_map, sorted_experts=sorted_e,
-                    group_sizes=group_sizes, dropped_tokens=dropped)
+    return Dispatch(order=order,
+                    row_map=row_map,
+                    sorted_experts=sorted_e,
+                    group_sizes=group_sizes,
+                    dropped_tokens=dropped)
 
 
 def dispatch_rows(x, d: Dispatch, *, backend: str = "auto"):

@@ -21,7 +21,6 @@ from jax.ad_checkpoint import checkpoint_name
 from moe_praxis import ops
 from moe_praxis.config import MoEConfig
 
-
 _CUDNN_WARNED: set[str] = set()
 
 
@@ -52,8 +51,10 @@ def _warn_cudnn_fallback(backend: str) -> None:
     _, why = cudnn_fusion_status()
     if why not in _CUDNN_WARNED:
         _CUDNN_WARNED.add(why)
-        warnings.warn(f"use_cudnn_fusion=True is not honoured here: {why}. Running the "
-                      f"{backend!r}-backend grouped GEMM + SwiGLU instead.", stacklevel=3)
+        warnings.warn(
+            f"use_cudnn_fusion=True is not honoured here: {why}. Running the "
+            f"{backend!r}-backend grouped GEMM + SwiGLU instead.",
+            stacklevel=3)
 
 
 def expert_ffn(rows, group_sizes, wi_gate, wi_up, wo, config: MoEConfig, *, backend="auto"):

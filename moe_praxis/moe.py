@@ -37,7 +37,7 @@ def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
     if config.gated:
         shapes["wi_gate"] = (e, m, h)
     if config.use_expert_bias:
-        shapes["expert_bias"] = (e,)
+        shapes["expert_bias"] = (e, )
     return shapes
 
 
@@ -80,7 +80,7 @@ def _flatten(x, paddings, config: MoEConfig):
         raise ValueError(f"x must be [..., d_model={config.d_model}], got shape {x.shape}")
     x2 = x.reshape(-1, config.d_model)
     if paddings is None:
-        valid = jnp.ones((x2.shape[0],), bool)
+        valid = jnp.ones((x2.shape[0], ), bool)
     else:
         if paddings.shape != x.shape[:-1]:
             raise ValueError(f"paddings must have shape x.shape[:-1]={x.shape[:-1]}, "
@@ -101,14 +101,27 @@ def moe_local(params, x2, valid, config: MoEConfig, *, seq_len=None, backend="xl
     zl = routing.z_loss(logits, valid, config.z_loss_coeff)
     d = dispatch_lib.make_dispatch(r.expert_ids, r.weights, valid, config)
     rows = checkpoint_name(dispatch_lib.dispatch_rows(x2, d, backend=backend), "moe_dispatched")
-    out_rows = expert_ffn(rows, d.group_sizes, params.get("wi_gate"), params["wi_up"],
-                          params["wo"], config, backend=backend)
+    out_rows = expert_ffn(rows,
+                          d.group_sizes,
+                          params.get("wi_gate"),
+                          params["wi_up"],
+                          params["wo"],
+                          config,
+                          backend=backend)
     y = dispatch_lib.combine_rows(out_rows, r.weights, d, t, backend=backend)
-    return MoEOutput(y=y, aux_loss=aux, z_loss=zl, tokens_per_expert=counts,
+    return MoEOutput(y=y,
+                     aux_loss=aux,
+                     z_loss=zl,
+                     tokens_per_expert=counts,
                      dropped_tokens=d.dropped_tokens)
 
 
-def moe_block(params: dict, x, config: MoEConfig, *, mesh=None, resources=None,
+def moe_block(params: dict,
+              x,
+              config: MoEConfig,
+              *,
+              mesh=None,
+              resources=None,
               paddings: Optional[jax.Array] = None) -> MoEOutput:
     """The MoE feed-forward block.
 
@@ -127,8 +140,14 @@ def moe_block(params: dict, x, config: MoEConfig, *, mesh=None, resources=None,
                              f"(got mesh={mesh!r}, resources={resources!r})")
         from moe_praxis import ep
 
-        out = ep.moe_sharded(params, x2, valid, config, mesh=mesh, resources=resources,
-                             seq_len=seq_len, backend=backend)
+        out = ep.moe_sharded(params,
+                             x2,
+                             valid,
+                             config,
+                             mesh=mesh,
+                             resources=resources,
+                             seq_len=seq_len,
+                             backend=backend)
     else:
         out = moe_local(params, x2, valid, config, seq_len=seq_len, backend=backend)
     return dataclasses.replace(out, y=out.y.reshape(x.shape).astype(x.dtype))

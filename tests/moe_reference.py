@@ -40,7 +40,9 @@ def reference_decisions(x2, params, cfg, valid):
             g = cfg.num_expert_groups
             per = e // g
             n_in_group = k // cfg.group_topk
-            gscore = [np.sort(sel[i * per:(i + 1) * per])[::-1][:n_in_group].sum() for i in range(g)]
+            gscore = [
+                np.sort(sel[i * per:(i + 1) * per])[::-1][:n_in_group].sum() for i in range(g)
+            ]
             keep_groups = np.argsort(-np.asarray(gscore), kind="stable")[:cfg.group_topk]
             masked = np.full(e, -np.inf)
             for gi in keep_groups:
@@ -91,9 +93,11 @@ def reference_weights(x2, params, cfg, ids):
 
 
 def _act(name):
-    return {"silu": lambda v: v / (1 + jnp.exp(-v)),
-            "relu": lambda v: jnp.maximum(v, 0),
-            "gelu": lambda v: jax.nn.gelu(v)}[name]
+    return {
+        "silu": lambda v: v / (1 + jnp.exp(-v)),
+        "relu": lambda v: jnp.maximum(v, 0),
+        "gelu": lambda v: jax.nn.gelu(v)
+    }[name]
 
 
 def reference_moe(params, x, cfg, valid=None, decisions=None):

@@ -16,8 +16,10 @@ from moe_praxis import compat
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                          capture_output=True,
+                          text=True,
+                          timeout=300)
 
 
 def test_without_shims_praxis_layers_fails_to_import():
@@ -79,8 +81,11 @@ def _mesh_env():
 def test_global_mesh_defined_sees_set_mesh(shim):
     setup = "import moe_praxis" if shim else ""
     code = textwrap.dedent(_MESH_CODE.format(setup=setup))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=300, env=_mesh_env())
+    r = subprocess.run([sys.executable, "-c", code],
+                       capture_output=True,
+                       text=True,
+                       timeout=300,
+                       env=_mesh_env())
     assert r.returncode == 0, r.stderr[-2000:]
     # Without the shim Praxis silently drops the constraint; with it the HLO keeps it.
     assert f"DEFINED {shim}" in r.stdout, r.stdout
@@ -89,8 +94,9 @@ def test_global_mesh_defined_sees_set_mesh(shim):
 
 def test_mesh_helpers_in_process():
     assert not compat.mesh_defined() and compat.current_mesh() is None
-    mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = jax.make_mesh((2, 2), ("x", "y"),
+                         devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto, ) * 2)
     with jax.set_mesh(mesh):
         assert compat.mesh_defined()
         assert compat.current_mesh().shape == mesh.shape

@@ -47,5 +47,5 @@ def test_readme_quick_start_is_the_two_make_commands():
     commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
     assert commands == ["make run", "make test"], commands
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r"^run: install$", makefile, re.M) and re.search(r"^test: install$",
-                                                                          makefile, re.M)
+    assert re.search(r"^run: install$", makefile, re.M) and re.search(r"^test: install$", makefile,
+                                                                      re.M)

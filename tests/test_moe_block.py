@@ -32,8 +32,8 @@ def _setup(cfg, shape=(3, 7), seed=None, skew=False):
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     params = mp.init_moe_params(k1, cfg)
     if "expert_bias" in params:
-        params["expert_bias"] = 0.1 * jax.random.normal(k3, (cfg.num_experts,))
-    x = jax.random.normal(k2, shape + (cfg.d_model,), jnp.float32)
+        params["expert_bias"] = 0.1 * jax.random.normal(k3, (cfg.num_experts, ))
+    x = jax.random.normal(k2, shape + (cfg.d_model, ), jnp.float32)
     if skew:  # every token prefers the same experts: a strong constant direction
         params["router"] = params["router"].at[:, 0].add(3.0)
         x = x + 3.0 * params["router"][:, 0] / jnp.linalg.norm(params["router"][:, 0])
@@ -102,7 +102,9 @@ ROUTER_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("opts", ROUTER_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("opts",
+                         ROUTER_OPTIONS,
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_router_options(opts):
     cfg = mp.MoEConfig(d_model=8, d_ff=12, num_experts=8, top_k=2, z_loss_coeff=1e-3, **opts)
     _check(cfg)
@@ -125,7 +127,11 @@ def test_skewed_routing_all_tokens_one_expert():
 @pytest.mark.parametrize("policy", ["position", "weight"])
 @pytest.mark.parametrize("cf,k", [(0.5, 2), (1.0, 1), (1.25, 2), (0.3, 3)])
 def test_capacity_drops(policy, cf, k):
-    cfg = mp.MoEConfig(d_model=8, d_ff=6, num_experts=4, top_k=k, capacity_factor=cf,
+    cfg = mp.MoEConfig(d_model=8,
+                       d_ff=6,
+                       num_experts=4,
+                       top_k=k,
+                       capacity_factor=cf,
                        drop_policy=policy)
     out = _check(cfg, shape=(4, 8), skew=True)
     assert int(out.dropped_tokens) > 0  # skewed routing with a capacity must drop
@@ -168,15 +174,22 @@ def test_bad_params_and_inputs_are_named():
     with pytest.raises(ValueError, match=r"missing \['wi_gate'\]"):
         mp.moe_block({k: v for k, v in params.items() if k != "wi_gate"}, x, cfg)
     with pytest.raises(ValueError, match="paddings must have shape"):
-        mp.moe_block(params, x, cfg, paddings=jnp.zeros((3,)))
+        mp.moe_block(params, x, cfg, paddings=jnp.zeros((3, )))
 
 
 def test_init_param_keys_and_shapes():
     cfg = mp.MoEConfig(d_model=8, d_ff=6, num_experts=4, top_k=2, use_expert_bias=True)
     p = mp.init_moe_params(jax.random.key(0), cfg)
-    assert {k: v.shape for k, v in p.items()} == {
-        "router": (8, 4), "wi_gate": (4, 8, 6), "wi_up": (4, 8, 6), "wo": (4, 6, 8),
-        "expert_bias": (4,)}
-    p2 = mp.init_moe_params(jax.random.key(0), dataclasses.replace(cfg, gated=False,
-                                                                   use_expert_bias=False))
+    assert {
+        k: v.shape
+        for k, v in p.items()
+    } == {
+        "router": (8, 4),
+        "wi_gate": (4, 8, 6),
+        "wi_up": (4, 8, 6),
+        "wo": (4, 6, 8),
+        "expert_bias": (4, )
+    }
+    p2 = mp.init_moe_params(jax.random.key(0),
+                            dataclasses.replace(cfg, gated=False, use_expert_bias=False))
     assert set(p2) == {"router", "wi_up", "wo"}

@@ -25,7 +25,7 @@ def test_aux_loss_value_and_grad_match_formula(t, e, k):
     seed = _seed()
     k1, k2 = jax.random.split(jax.random.key(seed))
     probs = jax.nn.softmax(jax.random.normal(k1, (t, e)), -1)
-    f = jax.random.randint(k2, (e,), 0, t * k // e + 3)
+    f = jax.random.randint(k2, (e, ), 0, t * k // e + 3)
     coeff = 0.37
     p64, f64 = np.asarray(probs, np.float64), np.asarray(f, np.float64)
     want = coeff * e / (k * t * t) * np.sum(p64.sum(0) * f64)
@@ -40,9 +40,8 @@ def test_aux_loss_value_and_grad_match_formula(t, e, k):
 def test_aux_loss_balanced_routing_equals_coeff():
     t, e, k = 64, 8, 2
     probs = jnp.full((t, e), 1.0 / e)
-    f = jnp.full((e,), t * k // e)
-    np.testing.assert_allclose(float(ops.aux_loss(probs, f, top_k=k, coeff=0.01)), 0.01,
-                               rtol=1e-6)
+    f = jnp.full((e, ), t * k // e)
+    np.testing.assert_allclose(float(ops.aux_loss(probs, f, top_k=k, coeff=0.01)), 0.01, rtol=1e-6)
 
 
 def test_aux_loss_num_tokens_shards_sum_to_global():
@@ -50,8 +49,9 @@ def test_aux_loss_num_tokens_shards_sum_to_global():
     probs = jax.nn.softmax(jax.random.normal(jax.random.key(seed), (40, 8)), -1)
     f = jnp.arange(8) * 3
     full = ops.aux_loss(probs, f, top_k=2, coeff=0.1)
-    parts = sum(ops.aux_loss(probs[i:i + 10], f, top_k=2, coeff=0.1, num_tokens=40)
-                for i in range(0, 40, 10))
+    parts = sum(
+        ops.aux_loss(probs[i:i + 10], f, top_k=2, coeff=0.1, num_tokens=40)
+        for i in range(0, 40, 10))
     np.testing.assert_allclose(float(parts), float(full), rtol=1e-6)
 
 
@@ -64,7 +64,7 @@ def test_aux_loss_backward_keeps_rank0_cotangent():
     f = jnp.array([3, 5])
     # The backward rule rejects anything but a rank-0 cotangent.
     with pytest.raises(ValueError, match="rank 0"):
-        al.aux_loss_bwd_reference(jnp.ones((1,)), probs, f, top_k=2, coeff=1.0)
+        al.aux_loss_bwd_reference(jnp.ones((1, )), probs, f, top_k=2, coeff=1.0)
     # And what autodiff hands it is rank 0: the custom_vjp backward sees shape ().
     seen = []
     orig = al.aux_loss_bwd_reference
@@ -82,8 +82,9 @@ def test_aux_loss_backward_keeps_rank0_cotangent():
 
 
 def test_aux_loss_jit_grad_on_sharded_probs_lowers():
-    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices()[:4],
-                         axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = jax.make_mesh((4, ), ("d", ),
+                         devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Explicit, ))
     probs = jax.nn.softmax(jax.random.normal(jax.random.key(_seed()), (32, 8)), -1)
     probs = jax.device_put(probs, NamedSharding(mesh, P("d", None)))
     f = jnp.arange(8)
@@ -95,22 +96,27 @@ def test_aux_loss_jit_grad_on_sharded_probs_lowers():
 
 def test_aux_loss_bad_shapes():
     with pytest.raises(ValueError, match=r"probs must be \[T, E\]"):
-        ops.aux_loss(jnp.ones((4,)), jnp.ones((4,)), top_k=1, coeff=1.0)
+        ops.aux_loss(jnp.ones((4, )), jnp.ones((4, )), top_k=1, coeff=1.0)
     with pytest.raises(ValueError, match=r"tokens_per_expert must be \[E=3\]"):
-        ops.aux_loss(jnp.ones((4, 3)), jnp.ones((4,)), top_k=1, coeff=1.0)
+        ops.aux_loss(jnp.ones((4, 3)), jnp.ones((4, )), top_k=1, coeff=1.0)
 
 
 # ---------------------------------------------------------------------------------- router
 
 
 def test_expert_bias_steers_selection_only():
-    cfg = mp.MoEConfig(d_model=4, d_ff=4, num_experts=4, top_k=1, use_expert_bias=True,
+    cfg = mp.MoEConfig(d_model=4,
+                       d_ff=4,
+                       num_experts=4,
+                       top_k=1,
+                       use_expert_bias=True,
                        norm_topk=False)
     logits = jnp.array([[2.0, 1.0, 0.0, -1.0]])
     bias = jnp.array([0.0, 0.0, 0.0, 5.0])
     r = routing.route_logits(logits, cfg, bias)
     assert int(r.expert_ids[0, 0]) == 3  # the bias picked expert 3 ...
-    np.testing.assert_allclose(float(r.weights[0, 0]), float(jax.nn.softmax(logits)[0, 3]),
+    np.testing.assert_allclose(float(r.weights[0, 0]),
+                               float(jax.nn.softmax(logits)[0, 3]),
                                rtol=1e-6)  # ... but its weight is the unbiased score
     gb = jax.grad(lambda b: routing.route_logits(logits, cfg, b).weights.sum())(bias)
     assert float(jnp.abs(gb).max()) == 0.0
@@ -118,8 +124,13 @@ def test_expert_bias_steers_selection_only():
 
 def test_group_limited_topk_keeps_best_groups():
     # 8 experts in 4 groups of 2; top_k=4 from group_topk=2 groups; group score = top-2 sum.
-    cfg = mp.MoEConfig(d_model=4, d_ff=4, num_experts=8, top_k=4, num_expert_groups=4,
-                       group_topk=2, score_func="sigmoid")
+    cfg = mp.MoEConfig(d_model=4,
+                       d_ff=4,
+                       num_experts=8,
+                       top_k=4,
+                       num_expert_groups=4,
+                       group_topk=2,
+                       score_func="sigmoid")
     # Expert 0 alone is the best, but its group (0,1) sums lower than groups (2,3) and (6,7).
     logits = jnp.array([[4.0, -4.0, 2.0, 2.0, 0.0, 0.0, 1.9, 1.9]])
     r = routing.route_logits(logits, cfg)
@@ -133,7 +144,11 @@ def test_ties_go_to_the_lower_index():
 
 
 def test_post_softmax_weights_sum_to_one_and_scaling():
-    cfg = mp.MoEConfig(d_model=4, d_ff=4, num_experts=8, top_k=3, pre_softmax=False,
+    cfg = mp.MoEConfig(d_model=4,
+                       d_ff=4,
+                       num_experts=8,
+                       top_k=3,
+                       pre_softmax=False,
                        routed_scaling_factor=2.0)
     logits = jax.random.normal(jax.random.key(_seed()), (5, 8))
     r = routing.route_logits(logits, cfg)
@@ -153,7 +168,7 @@ def test_z_loss_formula():
     logits = jax.random.normal(jax.random.key(_seed()), (6, 5))
     valid = jnp.array([1, 1, 0, 1, 1, 1], bool)
     lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
-    want = 0.3 * np.mean((lse ** 2)[np.asarray(valid)])
+    want = 0.3 * np.mean((lse**2)[np.asarray(valid)])
     np.testing.assert_allclose(float(routing.z_loss(logits, valid, 0.3)), want, rtol=1e-6)
 
 
@@ -195,9 +210,9 @@ def test_config_rejects_bad_values_naming_them(kw, pattern):
 
 def test_config_defaults_are_mixtral_gshard_routing():
     c = mp.MoEConfig(d_model=8, d_ff=8, num_experts=8)
-    assert (c.score_func, c.pre_softmax, c.norm_topk, c.gated, c.activation,
-            c.capacity_factor, c.kernel_backend, c.use_cudnn_fusion) == (
-                "softmax", True, True, True, "silu", None, "auto", False)
+    assert (c.score_func, c.pre_softmax, c.norm_topk, c.gated, c.activation, c.capacity_factor,
+            c.kernel_backend, c.use_cudnn_fusion) == ("softmax", True, True, True, "silu", None,
+                                                      "auto", False)
     assert dataclasses.is_dataclass(c)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.top_k = 3
