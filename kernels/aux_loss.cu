@@ -159,8 +159,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeAuxLossFwd, moe::AuxLossFwdImpl,
                                   .Arg<xla::ffi::AnyBuffer>()                  // probs [T, E]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // f [E]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // scale []
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()      // loss []
-,
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),     // loss []
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeAuxLossBwd, moe::AuxLossBwdImpl,
@@ -170,6 +169,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeAuxLossBwd, moe::AuxLossBwdImpl,
                                   .Arg<xla::ffi::AnyBuffer>()                  // probs [T, E]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // f [E]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // scale []
-                                  .Ret<xla::ffi::AnyBuffer>()                  // dprobs [T, E]
-,
+                                  .Ret<xla::ffi::AnyBuffer>(),                 // dprobs [T, E]
                               {xla::ffi::Traits::kCmdBufferCompatible});

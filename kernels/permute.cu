@@ -265,8 +265,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermute, moe::PermuteImpl,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()              // x [T, M]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [R]
-                                  .Ret<xla::ffi::AnyBuffer>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});            // y [R, M]
+                                  .Ret<xla::ffi::AnyBuffer>(),            // y [R, M]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermute, moe::UnpermuteImpl,
                               xla::ffi::Ffi::Bind()
@@ -274,5 +274,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermute, moe::UnpermuteImpl,
                                   .Arg<xla::ffi::AnyBuffer>()              // y [R, M]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [R]
                                   .Ret<xla::ffi::AnyBuffer>()              // x [T, M]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});  // workspace
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),  // workspace
+                              {xla::ffi::Traits::kCmdBufferCompatible});

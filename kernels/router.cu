@@ -54,10 +54,6 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i, float& p) {
     }
   }
 }
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
-  return v > bv || (v == bv && i < bi);
-}
-
 // (value, index) packed into one 64-bit key whose unsigned order is "larger value first, then
 // lower index": the high word is the float mapped to an order-preserving uint32, the low word
 // the bit-inverted index. 0 means "no candidate" (below every float, -inf included).
