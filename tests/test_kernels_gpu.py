@@ -74,6 +74,7 @@ ROUTER_CASES = [
     (1003, 128, 4, "softmax", False, True, 1, 1, 1.0, True),
     (1003, 64, 6, "sigmoid", True, True, 1, 1, 2.5, True),
     (513, 200, 3, "softmax", True, True, 1, 1, 1.0, False),  # E not a multiple of 32
+    (2051, 256, 8, "sigmoid", True, True, 1, 1, 2.5, True),  # E = 256 without groups
 ]
 # Group-limited routing: the kernel implements it, but routing does not use it yet
 # (ops.cuda.ROUTER_GROUP_LIMITED); these cases call the kernel directly and run LAST.
