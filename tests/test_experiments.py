@@ -411,8 +411,9 @@ def test_docs_list_every_knob():
     doc = _doc()
     knobs = [k for k in vars(experiments.LanguageModel) if k.isupper()]
     assert len(knobs) > 30
-    listed = set(re.findall(r"\b[A-Z][A-Z0-9_]+\b", doc.split("Knobs (class attributes")[1]
-                            .split("The model (")[0]))
+    listed = set(
+        re.findall(r"\b[A-Z][A-Z0-9_]+\b",
+                   doc.split("Knobs (class attributes")[1].split("The model (")[0]))
     assert listed == set(knobs), (set(knobs) - listed, listed - set(knobs))
 
 
