@@ -430,3 +430,25 @@ def test_fdl_config_file_round_trip(tmp_path):
         assert cfg == want and name == want.name
         if fn is experiments.tiny:
             assert train.prepare(cfg).config.train.num_steps == 3  # the loaded config builds
+
+
+def test_current_mesh_inside_jit_is_the_concrete_mesh():
+    """The trainer jits under jax.set_mesh; the MoE layer asks compat.current_mesh() while
+    traced, where jax.sharding.get_mesh() refuses to run."""
+    import jax
+    import jax.numpy as jnp
+
+    from moe_praxis import compat
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    seen = []
+
+    def f(x):
+        seen.append(compat.current_mesh())
+        return x + 1
+
+    with jax.set_mesh(mesh):
+        jax.jit(f)(jnp.zeros(8))
+    assert seen[0] == mesh and isinstance(seen[0], jax.sharding.Mesh)
+    jax.jit(f)(jnp.ones(8))
+    assert seen[1] is None
