@@ -251,6 +251,8 @@ def main(argv) -> int:
         elif last:
             print(f"held-out loss {last['heldout_loss']:.4f} at step {result['final_step']} "
                   f"(perplexity {last['heldout_perplexity']:.3f})")
+        if "compile_seconds" in result:
+            print(f"train step compiled in {result['compile_seconds']:.1f} s")
         print(f"metrics:     {result['metrics']}\ntensorboard: {result['tensorboard']}\n"
               f"checkpoints: {result['checkpoints']}")
         if not result["stopped_by"] and Path(result["plot"]).exists():

@@ -655,6 +655,13 @@ class Trainer:
                     writer.write("eval", 0, ev)
                     result["first_eval"] = ev
                 tokens = exp.data.batch_size * exp.data.seq_len
+                train_step = self.fns.train
+                if start < tr.num_steps:  # compile ahead, so tokens/s is the step's own
+                    t0 = time.perf_counter()
+                    train_step = self.fns.train.lower(
+                        state, put_batch(self.dataset.train_batch(start),
+                                         self.fns.batch_sharding)).compile()
+                    result["compile_seconds"] = time.perf_counter() - t0
                 bar = None
                 if self.progress and start < tr.num_steps:
                     from tqdm import tqdm
@@ -669,7 +676,7 @@ class Trainer:
                 t_prev = time.perf_counter()
                 while step < tr.num_steps and self._stop_signal is None:
                     batch = put_batch(self.dataset.train_batch(step), self.fns.batch_sharding)
-                    state, metrics = self.fns.train(state, batch)
+                    state, metrics = train_step(state, batch)
                     metrics = jax.device_get(metrics)
                     step += 1
                     now = time.perf_counter()
