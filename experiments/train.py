@@ -85,13 +85,6 @@ def make_mesh(mesh_cfg: base.MeshConfig, devices=None) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices).reshape(shape), mesh_cfg.axis_names)
 
 
-def abstract_mesh(mesh_cfg: base.MeshConfig) -> jax.sharding.AbstractMesh:
-    """A device-free mesh of the preset's shape (every size must be given, no -1)."""
-    if -1 in mesh_cfg.shape:
-        raise ConfigError(f"MeshConfig.shape={mesh_cfg.shape}: an abstract mesh needs every size")
-    return jax.sharding.AbstractMesh(tuple(mesh_cfg.shape), tuple(mesh_cfg.axis_names))
-
-
 def _annotate_model(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig,
                     mesh_shape: tuple) -> None:
     """Writes the mesh into the model config: Praxis's canonical sharding (weights over fsdp
@@ -163,11 +156,8 @@ def _validate(exp: base.ExperimentConfig, model_cfg, mesh_shape: tuple) -> None:
         if not 1 <= k <= block.num_experts:
             raise ConfigError(f"num_experts_per_token={k} must be in [1, num_experts="
                               f"{block.num_experts}]")
+    # (experts vs the ep size and every other role check: ep_bootstrap, in _annotate_model)
     sizes = dict(zip(exp.mesh.axis_names, mesh_shape))
-    ep = math.prod(sizes[a] for a in exp.mesh.role_axes("ep"))
-    if block.moe_layers and block.num_experts % ep:
-        raise ConfigError(f"num_experts={block.num_experts} is not divisible by the ep size {ep} "
-                          f"of mesh {sizes}")
     tokens = math.prod(sizes[a] for a in exp.mesh.token_axes())
     if exp.data.batch_size % tokens:
         raise ConfigError(f"--fdl.data.batch_size={exp.data.batch_size} is not divisible by the "
@@ -177,12 +167,12 @@ def _validate(exp: base.ExperimentConfig, model_cfg, mesh_shape: tuple) -> None:
         raise ConfigError(f"the model has {nl} layers; it needs at least 1")
 
 
-def prepare(cfg: pax_fiddle.Config, *, devices=None, abstract: bool = False) -> Prepared:
-    """Validates and builds an experiment config. No tracing, no compilation.
+def prepare(cfg: pax_fiddle.Config, *, devices=None) -> Prepared:
+    """Validates and builds an experiment config and reads its data. No tracing, no
+    compilation. Raises ConfigError naming the problem.
 
-    devices: the devices of the mesh (default: all, over every process).
-    abstract: build a device-free ``AbstractMesh`` of the preset's shape instead (for
-      ``jax.eval_shape`` validation of GPU-scale presets on a CPU).
+    devices: the devices of the mesh (default: all, over every process; fake host devices
+      for ``experiments.validate``).
     """
     if not isinstance(cfg, fdl.Buildable) or cfg.__fn_or_cls__ is not base.ExperimentConfig:
         got = getattr(cfg, "__fn_or_cls__", type(cfg))
@@ -191,15 +181,11 @@ def prepare(cfg: pax_fiddle.Config, *, devices=None, abstract: bool = False) -> 
     cfg = copy.deepcopy(cfg)
     parts = {f: _build_part(cfg, f) for f in ("data", "optimizer", "mesh", "train")}
     mesh_cfg = parts["mesh"]
-    if abstract:
-        mesh = abstract_mesh(mesh_cfg)
-        mesh_shape = tuple(mesh_cfg.shape)
-    else:
-        try:
-            mesh = make_mesh(mesh_cfg, devices)
-        except ValueError as e:
-            raise ConfigError(f"--fdl.mesh: {e}") from e
-        mesh_shape = tuple(mesh.devices.shape)
+    try:
+        mesh = make_mesh(mesh_cfg, devices)
+    except ValueError as e:
+        raise ConfigError(f"--fdl.mesh: {e}") from e
+    mesh_shape = tuple(mesh.devices.shape)
     model_cfg = cfg.model
     if not isinstance(model_cfg, pax_fiddle.Config):
         raise ConfigError(f"--fdl.model must be a pax_fiddle.Config of a TransformerLm, got "
@@ -336,11 +322,11 @@ def make_step_fns(prep: Prepared) -> StepFns:
 
     # Shardings: Praxis's WeightHParams split mappings when the model has a mesh, else
     # replicated parameters.
-    with _mesh_scope(mesh):
+    with jax.set_mesh(mesh):
         abstract = jax.eval_shape(init_fn, jax.random.key(0))
     if getattr(model, "ici_mesh_shape", None) is not None:
         ids, paddings, labels = _model_inputs(fake)
-        with _mesh_scope(mesh):
+        with jax.set_mesh(mesh):
             var_hparams = model.abstract_init_with_metadata(ids, paddings, labels=labels)
         specs = base_layer.var_partition_specs(var_hparams,
                                                mesh_shape=model.ici_mesh_shape,
@@ -427,12 +413,6 @@ def make_step_fns(prep: Prepared) -> StepFns:
                    batch_sharding=batch_sharding,
                    abstract_state=abstract_state,
                    schedule=schedule)
-
-
-def _mesh_scope(mesh):
-    if isinstance(mesh, jax.sharding.AbstractMesh):
-        return jax.sharding.use_abstract_mesh(mesh)
-    return jax.set_mesh(mesh)
 
 
 def put_batch(batch: dict, sharding) -> dict:
