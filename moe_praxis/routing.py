@@ -38,7 +38,8 @@ class RouteOutput:
 
 def router_logits(x, w_router, config: MoEConfig):
     """x: [T, M] -> float32 logits [T, E] (soft-capped when router_logit_cap > 0)."""
-    logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32),
+    logits = jnp.dot(x.astype(jnp.float32),
+                     w_router.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
     if config.router_logit_cap > 0:
         cap = config.router_logit_cap
@@ -58,7 +59,10 @@ def _group_limit(sel, config: MoEConfig):
     return jnp.where(keep_mask, sel, -jnp.inf)
 
 
-def route_logits(logits, config: MoEConfig, expert_bias: Optional[jax.Array] = None, *,
+def route_logits(logits,
+                 config: MoEConfig,
+                 expert_bias: Optional[jax.Array] = None,
+                 *,
                  backend: str = "auto"):
     """logits: [T, E] float32 -> RouteOutput. See the module docstring for the math.
 
@@ -70,7 +74,7 @@ def route_logits(logits, config: MoEConfig, expert_bias: Optional[jax.Array] = N
         why = ops.cuda.router_unsupported(logits.shape[-1], config)
         if not why:
             logits = logits.astype(jnp.float32)
-            bias = (jnp.zeros((logits.shape[-1],), jnp.float32) if expert_bias is None else
+            bias = (jnp.zeros((logits.shape[-1], ), jnp.float32) if expert_bias is None else
                     jax.lax.stop_gradient(expert_bias.astype(jnp.float32)))
             probs, ids, weights = ops.cuda.fused_router(config, logits, bias)
             return RouteOutput(logits=logits, probs=probs, expert_ids=ids, weights=weights)
@@ -105,7 +109,9 @@ def route_logits_reference(logits, config: MoEConfig, expert_bias: Optional[jax.
         elif config.norm_topk:
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     weights = weights * config.routed_scaling_factor
-    return RouteOutput(logits=logits, probs=probs, expert_ids=ids.astype(jnp.int32),
+    return RouteOutput(logits=logits,
+                       probs=probs,
+                       expert_ids=ids.astype(jnp.int32),
                        weights=weights)
 
 
@@ -125,8 +131,14 @@ def tokens_per_expert(expert_ids, num_experts: int, valid=None):
 # ----------------------------------------------------------------------------- losses
 
 
-def load_balance_loss(route_out: RouteOutput, config: MoEConfig, valid, *, seq_len=None,
-                      counts=None, num_tokens=None, backend: str = "auto"):
+def load_balance_loss(route_out: RouteOutput,
+                      config: MoEConfig,
+                      valid,
+                      *,
+                      seq_len=None,
+                      counts=None,
+                      num_tokens=None,
+                      backend: str = "auto"):
     """The configured load-balancing loss (coefficient applied), float32 scalar.
 
     valid: [T] bool, False for padded tokens (they count in no statistic).
@@ -149,18 +161,25 @@ def load_balance_loss(route_out: RouteOutput, config: MoEConfig, valid, *, seq_l
         v = valid.reshape(b, seq_len)
         f = jax.vmap(lambda i, m: tokens_per_expert(i, e, m))(ids, v)  # [B, E]
         n = jnp.maximum(jnp.sum(v, axis=1), 1)
-        per_seq = jax.vmap(
-            lambda pp, ff, nn: ops.aux_loss(pp, ff, top_k=k, coeff=config.aux_loss_coeff,
-                                            num_tokens=nn, backend=backend))(p, f, n)
+        per_seq = jax.vmap(lambda pp, ff, nn: ops.aux_loss(
+            pp, ff, top_k=k, coeff=config.aux_loss_coeff, num_tokens=nn, backend=backend))(p, f, n)
         return jnp.mean(per_seq)
     if num_tokens is None:
         num_tokens = jnp.maximum(jnp.sum(valid.astype(jnp.int32)), 1)
     if config.aux_loss_type == "gshard":
         f1 = tokens_per_expert(route_out.expert_ids[:, :1], e, valid) if counts is None else counts
-        return ops.aux_loss(probs, f1, top_k=1, coeff=config.aux_loss_coeff,
-                            num_tokens=num_tokens, backend=backend)
+        return ops.aux_loss(probs,
+                            f1,
+                            top_k=1,
+                            coeff=config.aux_loss_coeff,
+                            num_tokens=num_tokens,
+                            backend=backend)
     f = tokens_per_expert(route_out.expert_ids, e, valid) if counts is None else counts
-    return ops.aux_loss(probs, f, top_k=k, coeff=config.aux_loss_coeff, num_tokens=num_tokens,
+    return ops.aux_loss(probs,
+                        f,
+                        top_k=k,
+                        coeff=config.aux_loss_coeff,
+                        num_tokens=num_tokens,
                         backend=backend)
 
 

@@ -39,7 +39,12 @@ def aux_loss_reference(probs, tokens_per_expert, *, top_k: int, coeff: float, nu
     return _scale(t, probs.shape[1], top_k, coeff) * jnp.sum(jnp.sum(p, axis=0) * f)
 
 
-def aux_loss_bwd_reference(g, probs, tokens_per_expert, *, top_k: int, coeff: float,
+def aux_loss_bwd_reference(g,
+                           probs,
+                           tokens_per_expert,
+                           *,
+                           top_k: int,
+                           coeff: float,
                            num_tokens=None):
     """dL/dp: [T, E] in probs.dtype; g is the rank-0 cotangent."""
     if jnp.ndim(g) != 0:
@@ -60,7 +65,10 @@ def _zero_cotangent(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _aux_loss(probs, tokens_per_expert, num_tokens, top_k, coeff):
-    return aux_loss_reference(probs, tokens_per_expert, top_k=top_k, coeff=coeff,
+    return aux_loss_reference(probs,
+                              tokens_per_expert,
+                              top_k=top_k,
+                              coeff=coeff,
                               num_tokens=num_tokens)
 
 
@@ -78,7 +86,12 @@ def _bwd(top_k, coeff, res, g):
 _aux_loss.defvjp(_fwd, _bwd)
 
 
-def aux_loss(probs, tokens_per_expert, *, top_k: int, coeff: float, num_tokens=None,
+def aux_loss(probs,
+             tokens_per_expert,
+             *,
+             top_k: int,
+             coeff: float,
+             num_tokens=None,
              backend: str = "auto"):
     """Switch load-balancing loss (float32 scalar, coefficient applied). See the module doc.
 
@@ -89,10 +102,9 @@ def aux_loss(probs, tokens_per_expert, *, top_k: int, coeff: float, num_tokens=N
     """
     if probs.ndim != 2:
         raise ValueError(f"probs must be [T, E], got shape {probs.shape}")
-    if tokens_per_expert.shape != (probs.shape[1],):
+    if tokens_per_expert.shape != (probs.shape[1], ):
         raise ValueError(
-            f"tokens_per_expert must be [E={probs.shape[1]}], got {tokens_per_expert.shape}"
-        )
+            f"tokens_per_expert must be [E={probs.shape[1]}], got {tokens_per_expert.shape}")
     if top_k < 1:
         raise ValueError(f"top_k={top_k} must be >= 1")
     if num_tokens is None:

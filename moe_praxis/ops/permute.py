@@ -20,7 +20,7 @@ def permute_reference(x, row_map):
 
 
 def unpermute_reference(y, row_map, num_tokens: int):
-    out = jnp.zeros((num_tokens,) + y.shape[1:], y.dtype)
+    out = jnp.zeros((num_tokens, ) + y.shape[1:], y.dtype)
     return out.at[row_map].add(y, mode="drop")
 
 
