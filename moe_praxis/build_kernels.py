@@ -252,7 +252,11 @@ def build(output: Path | None = None,
         tmp_lib = Path(tmp) / LIB_NAME
         secs, _ = _run([nvcc, "-shared", "-o", str(tmp_lib), *map(str, objs)])
         check_symbols(tmp_lib, only)
-        shutil.copyfile(tmp_lib, out)
+        # Copy next to the target, then rename: a process that has the old library mapped keeps
+        # a valid mapping (overwriting it in place can crash that process).
+        staged = out.with_name(out.name + f".{os.getpid()}.tmp")
+        shutil.copyfile(tmp_lib, staged)
+        os.replace(staged, out)
     log(f"built {out} ({out.stat().st_size / 1e6:.1f} MB) from {len(srcs)} sources "
         f"for {', '.join(GENCODES)} in {time.time() - t_start:.1f} s")
     return out
