@@ -6,17 +6,7 @@ ops/aux_loss.py, loop by loop, so that a shared bug in the JAX reference and a k
 
 import numpy as np
 
-
-def seed() -> int:
-    return int(np.random.SeedSequence().generate_state(1)[0])
-
-
-def rel_err(got, want) -> float:
-    """||got - want|| / ||want|| in float64 (inf if got has NaN / inf where want is finite)."""
-    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if not np.all(np.isfinite(g)):
-        return float("inf")
-    return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+from tests.testutil import rel_err, seed  # noqa: F401  (re-exported for the kernel tests)
 
 
 def _softmax(x):

@@ -18,6 +18,7 @@ from moe_praxis import build_kernels, ops, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.ops import cuda
 from tests import kernel_reference as ref
+from tests.testutil import router_config
 
 REPO = Path(__file__).resolve().parent.parent
 F32_TOL = 1e-6
@@ -158,17 +159,7 @@ ROUTER_CASES = [
 @pytest.mark.parametrize("case", ROUTER_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_fused_router_path_matches_numpy_reference(case):
     t, e, k, sf, pre, norm, g, gk, sc, use_bias = case
-    cfg = MoEConfig(d_model=8,
-                    d_ff=8,
-                    num_experts=e,
-                    top_k=k,
-                    score_func=sf,
-                    pre_softmax=pre,
-                    norm_topk=norm,
-                    num_expert_groups=g,
-                    group_topk=gk,
-                    routed_scaling_factor=sc,
-                    use_expert_bias=use_bias)
+    cfg = router_config(e, k, sf, pre, norm, g, gk, sc, use_bias)
     s = ref.seed()
     k1, k2, k3, k4 = jax.random.split(jax.random.key(s), 4)
     logits = jax.random.normal(k1, (t, e))

@@ -23,6 +23,8 @@ from jax.sharding import Mesh
 
 import moe_praxis as mp
 from moe_praxis import ep as ep_lib
+from tests.testutil import rel_err
+from tests.testutil import seed as _seed
 
 RTOL = 1e-5
 D_MODEL, D_FF = 16, 32
@@ -72,16 +74,6 @@ def _configs():
 
 
 CONFIGS = _configs()
-
-
-def rel_err(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-def _seed():
-    return int(np.random.SeedSequence().generate_state(1)[0])  # fresh every run
 
 
 def _params(cfg, key):

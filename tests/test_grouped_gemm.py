@@ -9,7 +9,6 @@ Tolerances (norm-wise relative error ||out - ref|| / ||ref||):
 Inputs are fresh random draws every run (the seed is printed on failure).
 """
 
-import os
 import re
 from pathlib import Path
 
@@ -19,6 +18,8 @@ import numpy as np
 import pytest
 
 from moe_praxis import ops
+from tests.testutil import rel_err
+from tests.testutil import seed as _seed
 import importlib
 
 # The module (the attribute ops.grouped_gemm is the function).
@@ -27,16 +28,6 @@ gg = importlib.import_module("moe_praxis.ops.grouped_gemm")
 REPO = Path(__file__).resolve().parent.parent
 RTOL_F32 = 1e-5
 RTOL_BF16 = 1e-2
-
-
-def rel_err(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-def _seed():
-    return int(np.random.SeedSequence().generate_state(1)[0])
 
 
 def loop_reference(lhs, rhs, group_sizes):

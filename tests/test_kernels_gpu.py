@@ -24,6 +24,7 @@ from moe_praxis import ops, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.ops import cuda
 from tests import kernel_reference as ref
+from tests.testutil import router_config
 
 pytestmark = pytest.mark.gpu
 
@@ -84,20 +85,6 @@ GROUP_CASES = [
 ]
 
 
-def _router_config(e, k, sf, pre, norm, g, gk, sc, use_bias):
-    return MoEConfig(d_model=8,
-                     d_ff=8,
-                     num_experts=e,
-                     top_k=k,
-                     score_func=sf,
-                     pre_softmax=pre,
-                     norm_topk=norm,
-                     num_expert_groups=g,
-                     group_topk=gk,
-                     routed_scaling_factor=sc,
-                     use_expert_bias=use_bias)
-
-
 def _selection_scores(logits, cfg, bias):
     x = np.asarray(logits, np.float64)
     if cfg.score_func == "sigmoid":
@@ -117,7 +104,7 @@ def test_router_matches_reference(case):
 
 def _router_case(case):
     t, e, k, sf, pre, norm, g, gk, sc, use_bias = case
-    cfg = _router_config(e, k, sf, pre, norm, g, gk, sc, use_bias)
+    cfg = router_config(e, k, sf, pre, norm, g, gk, sc, use_bias)
     s = ref.seed()
     k1, k2, k3, k4 = jax.random.split(jax.random.key(s), 4)
     logits = 2.0 * jax.random.normal(k1, (t, e), jnp.float32)
@@ -167,7 +154,7 @@ def _router_case(case):
 def test_router_exact_ties_break_to_lower_index(sf, pre):
     s = ref.seed()
     t, e, k = 1003, 64, 8
-    cfg = _router_config(e, k, sf, pre, True, 1, 1, 1.0, False)
+    cfg = router_config(e, k, sf, pre, True, 1, 1, 1.0, False)
     # integer logits in {0, 1, 2}: every token has many exactly tied experts
     logits = jax.random.randint(jax.random.key(s), (t, e), 0, 3).astype(jnp.float32)
     poison()

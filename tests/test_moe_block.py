@@ -13,18 +13,10 @@ import pytest
 
 import moe_praxis as mp
 from tests.moe_reference import reference_decisions, reference_moe
+from tests.testutil import rel_err
+from tests.testutil import seed as _seed
 
 RTOL = 1e-5
-
-
-def rel_err(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
-def _seed():
-    return int(np.random.SeedSequence().generate_state(1)[0])  # fresh every run
 
 
 def _setup(cfg, shape=(3, 7), seed=None, skew=False):

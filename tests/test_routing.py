@@ -11,11 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import moe_praxis as mp
 from moe_praxis import ops, routing
-
-
-def _seed():
-    return int(np.random.SeedSequence().generate_state(1)[0])
-
+from tests.testutil import seed as _seed
 
 # ------------------------------------------------------------------ aux loss (ops.aux_loss)
 
