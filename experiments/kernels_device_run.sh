@@ -1,13 +1,14 @@
 #!/bin/bash
-# One call on the GPU machine for the issue-6 kernels: load the carried library (or build it),
-# run the GPU tests, run the benchmark; everything is logged under $OUT.
-#   bash experiments/kernels_device_run.sh [TEST_TIMEOUT_S] [BENCH_TIMEOUT_S] [PYTEST_ARGS...]
+# One call on the GPU machine for the CUDA kernels: load the carried library (or build it), run
+# the GPU tests (pytest-timeout per test, so a hang names its test), then the kernel benchmark;
+# everything is logged under $OUT.
+#   bash experiments/kernels_device_run.sh [TEST_BUDGET_S] [BENCH_BUDGET_S] [PYTEST_ARGS...]
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/kernels_out}
 mkdir -p "$OUT"
-TEST_T=${1:-240}
-BENCH_T=${2:-200}
+TEST_T=${1:-300}
+BENCH_T=${2:-150}
 shift 2 2>/dev/null
 {
   date -u
@@ -21,15 +22,16 @@ if ! python3 -c "from moe_praxis.ops import cuda; ok, why = cuda.load_library();
   python3 -m moe_praxis.build_kernels --jobs 16 2>&1 | tee "$OUT/build.log"
 fi
 python3 -c "import moe_praxis.ops as o; print(o.backend_info())" 2>&1 | tee -a "$OUT/load.log"
-# router tests first (their failures print before anything can time out), then the rest
+PYT="python3 -m pytest -q -m gpu --tb=short -rfE -p no:cacheprovider --timeout 120"
 START=$(date +%s)
-timeout "$TEST_T" python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k router --tb=short \
-  -rfE "$@" 2>&1 | tee "$OUT/tests_router.log" | tail -40
-LEFT=$(( TEST_T - ($(date +%s) - START) ))
-[ "$LEFT" -lt 30 ] && LEFT=30
-timeout "$LEFT" python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k "not router" \
-  --tb=short --durations=8 -rfE "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
-echo "tests rc=$?"
+left() { local l=$(( TEST_T - ($(date +%s) - START) )); [ "$l" -lt 30 ] && l=30; echo "$l"; }
+# router tests first (the group-limited ones among them), then the other kernels, grouped GEMM
+timeout "$(left)" $PYT tests/test_kernels_gpu.py -k router "$@" 2>&1 | tee "$OUT/tests_router.log" | tail -15
+timeout "$(left)" $PYT tests/test_kernels_gpu.py -k "not router" --durations=5 "$@" 2>&1 \
+  | tee "$OUT/tests.log" | tail -15
+timeout "$(left)" $PYT tests/test_grouped_gemm.py tests/test_ep.py --durations=5 "$@" 2>&1 \
+  | tee "$OUT/tests_gg.log" | tail -15
+echo "tests done in $(( $(date +%s) - START )) s"
 timeout "$BENCH_T" python3 -m experiments.bench_kernels --out "$OUT/bench_kernels.json" 2>&1 \
-  | tee "$OUT/bench.log" | tail -30
+  | tee "$OUT/bench.log" | tail -14
 echo "bench rc=$?"

@@ -3,7 +3,8 @@
 //   L = coeff * E / (k * T^2) * sum_{t,e} p[t, e] * f[e]          (forward, one pass over p)
 //   dL/dp[t, e] = g * coeff * E / (k * T^2) * f[e]                (backward, write-only)
 //
-// p: [T, E] f32 or bf16; f: [E] f32; scale: rank-0 f32 buffer holding coeff * E / (k * T^2)
+// p: [T, E] f32 or bf16; f: [E] f32 or int32 (counts are read as they are: no convert kernel
+// before the call); scale: rank-0 f32 buffer holding coeff * E / (k * T^2)
 // (computed in JAX: T is traced and may be a global count); g: the rank-0 f32 cotangent buffer
 // (never reshaped to [1]).
 #include "moe_common.h"
@@ -13,8 +14,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <typename T, int VEC>
-__global__ void aux_loss_fwd_kernel(const T* __restrict__ p, const float* __restrict__ f,
+template <typename T, typename F, int VEC>
+__global__ void aux_loss_fwd_kernel(const T* __restrict__ p, const F* __restrict__ f,
                                     const float* __restrict__ scale, float* __restrict__ out,
                                     int64_t n, int e) {
   struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
@@ -27,14 +28,14 @@ __global__ void aux_loss_fwd_kernel(const T* __restrict__ p, const float* __rest
     int col = static_cast<int>((i * VEC) % e);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      acc += to_f32(v.v[j]) * __ldg(f + col);
+      acc += to_f32(v.v[j]) * static_cast<float>(__ldg(f + col));
       col = (col + 1 == e) ? 0 : col + 1;
     }
   }
   // tail (n % VEC elements), handled by block 0
   if (blockIdx.x == 0) {
     for (int64_t i = nvec * VEC + threadIdx.x; i < n; i += blockDim.x) {
-      acc += to_f32(p[i]) * f[i % e];
+      acc += to_f32(p[i]) * static_cast<float>(f[i % e]);
     }
   }
   // block reduction
@@ -51,8 +52,8 @@ __global__ void aux_loss_fwd_kernel(const T* __restrict__ p, const float* __rest
   }
 }
 
-template <typename T, int VEC>
-__global__ void aux_loss_bwd_kernel(const float* __restrict__ g, const float* __restrict__ f,
+template <typename T, typename F, int VEC>
+__global__ void aux_loss_bwd_kernel(const float* __restrict__ g, const F* __restrict__ f,
                                     const float* __restrict__ scale, T* __restrict__ dp,
                                     int64_t n, int e) {
   struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
@@ -65,60 +66,86 @@ __global__ void aux_loss_bwd_kernel(const float* __restrict__ g, const float* __
     int col = static_cast<int>((i * VEC) % e);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      v.v[j] = from_f32<T>(s * __ldg(f + col));
+      v.v[j] = from_f32<T>(s * static_cast<float>(__ldg(f + col)));
       col = (col + 1 == e) ? 0 : col + 1;
     }
     reinterpret_cast<Vec*>(dp)[i] = v;
   }
   if (blockIdx.x == 0) {
     for (int64_t i = nvec * VEC + threadIdx.x; i < n; i += blockDim.x) {
-      dp[i] = from_f32<T>(s * f[i % e]);
+      dp[i] = from_f32<T>(s * static_cast<float>(f[i % e]));
     }
   }
 }
 
-ffi::Error check_common(const ffi::AnyBuffer& probs, const ffi::Buffer<ffi::F32>& tpe,
+ffi::Error check_common(const ffi::AnyBuffer& probs, const ffi::AnyBuffer& tpe,
                         const ffi::Buffer<ffi::F32>& scale) {
   if (probs.dimensions().size() != 2) return MOE_INVALID("aux loss: probs must be [T, E]");
   if (tpe.element_count() != static_cast<size_t>(cols_of(probs))) {
     return MOE_INVALID("aux loss: tokens_per_expert must have E=" +
                        std::to_string(cols_of(probs)) + " elements");
   }
+  if (tpe.element_type() != ffi::F32 && tpe.element_type() != ffi::S32) {
+    return MOE_INVALID("aux loss: tokens_per_expert must be float32 or int32");
+  }
   if (scale.dimensions().size() != 0) return MOE_INVALID("aux loss: scale must be rank 0");
   return ffi::Error::Success();
 }
 
-ffi::Error AuxLossFwdImpl(cudaStream_t stream, ffi::AnyBuffer probs, ffi::Buffer<ffi::F32> tpe,
+// Launches KERNEL<T, F, VEC> for probs dtype T (f32: VEC 4, bf16: VEC 8) and counts dtype F.
+template <template <typename, typename, int> class Launch, typename... Args>
+ffi::Error dispatch(const ffi::AnyBuffer& probs, const ffi::AnyBuffer& tpe, Args&&... args) {
+  const bool f32_counts = tpe.element_type() == ffi::F32;
+  switch (probs.element_type()) {
+    case ffi::F32:
+      return f32_counts ? Launch<float, float, 4>::run(probs, tpe, args...)
+                        : Launch<float, int32_t, 4>::run(probs, tpe, args...);
+    case ffi::BF16:
+      return f32_counts ? Launch<__nv_bfloat16, float, 8>::run(probs, tpe, args...)
+                        : Launch<__nv_bfloat16, int32_t, 8>::run(probs, tpe, args...);
+    default:
+      return MOE_INVALID("aux loss: probs must be float32 or bfloat16");
+  }
+}
+
+template <typename T, typename F, int VEC>
+struct LaunchFwd {
+  static ffi::Error run(const ffi::AnyBuffer& probs, const ffi::AnyBuffer& tpe,
+                        cudaStream_t stream, const float* scale, float* out, int64_t n, int e) {
+    const int grid = grid_for(n / VEC + 1, kThreads, 132 * 8);
+    aux_loss_fwd_kernel<T, F, VEC><<<grid, kThreads, 0, stream>>>(
+        reinterpret_cast<const T*>(probs.untyped_data()),
+        reinterpret_cast<const F*>(tpe.untyped_data()), scale, out, n, e);
+    MOE_LAUNCH_CHECK("aux_loss_fwd");
+    return ffi::Error::Success();
+  }
+};
+
+template <typename T, typename F, int VEC>
+struct LaunchBwd {
+  static ffi::Error run(const ffi::AnyBuffer& probs, const ffi::AnyBuffer& tpe,
+                        cudaStream_t stream, const float* g, const float* scale, void* dp,
+                        int64_t n, int e) {
+    aux_loss_bwd_kernel<T, F, VEC><<<grid_for(n / VEC + 1, kThreads), kThreads, 0, stream>>>(
+        g, reinterpret_cast<const F*>(tpe.untyped_data()), scale, reinterpret_cast<T*>(dp), n,
+        e);
+    MOE_LAUNCH_CHECK("aux_loss_bwd");
+    return ffi::Error::Success();
+  }
+};
+
+ffi::Error AuxLossFwdImpl(cudaStream_t stream, ffi::AnyBuffer probs, ffi::AnyBuffer tpe,
                           ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   if (auto err = check_common(probs, tpe, scale); !err.success()) return err;
   const int64_t n = probs.element_count();
   const int e = static_cast<int>(cols_of(probs));
   MOE_CUDA_CHECK(cudaMemsetAsync(out->typed_data(), 0, sizeof(float), stream));
   if (n == 0) return ffi::Error::Success();
-  switch (probs.element_type()) {
-    case ffi::F32: {
-      int grid = grid_for(n / 4 + 1, kThreads, 132 * 8);
-      aux_loss_fwd_kernel<float, 4><<<grid, kThreads, 0, stream>>>(
-          reinterpret_cast<const float*>(probs.untyped_data()), tpe.typed_data(),
-          scale.typed_data(), out->typed_data(), n, e);
-      break;
-    }
-    case ffi::BF16: {
-      int grid = grid_for(n / 8 + 1, kThreads, 132 * 8);
-      aux_loss_fwd_kernel<__nv_bfloat16, 8><<<grid, kThreads, 0, stream>>>(
-          reinterpret_cast<const __nv_bfloat16*>(probs.untyped_data()), tpe.typed_data(),
-          scale.typed_data(), out->typed_data(), n, e);
-      break;
-    }
-    default:
-      return MOE_INVALID("aux loss: probs must be float32 or bfloat16");
-  }
-  MOE_LAUNCH_CHECK("aux_loss_fwd");
-  return ffi::Error::Success();
+  return dispatch<LaunchFwd>(probs, tpe, stream, scale.typed_data(), out->typed_data(), n, e);
 }
 
 ffi::Error AuxLossBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> g, ffi::AnyBuffer probs,
-                          ffi::Buffer<ffi::F32> tpe, ffi::Buffer<ffi::F32> scale,
+                          ffi::AnyBuffer tpe, ffi::Buffer<ffi::F32> scale,
                           ffi::Result<ffi::AnyBuffer> dp) {
   if (g.dimensions().size() != 0) {
     return MOE_INVALID("aux loss bwd: the cotangent must be rank 0, got rank " +
@@ -127,27 +154,12 @@ ffi::Error AuxLossBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> g, ffi::Any
   if (auto err = check_common(probs, tpe, scale); !err.success()) return err;
   const int64_t n = probs.element_count();
   const int e = static_cast<int>(cols_of(probs));
-  if (n == 0) return ffi::Error::Success();
   if (dp->element_type() != probs.element_type()) {
     return MOE_INVALID("aux loss bwd: dprobs must have the dtype of probs");
   }
-  switch (probs.element_type()) {
-    case ffi::F32:
-      aux_loss_bwd_kernel<float, 4><<<grid_for(n / 4 + 1, kThreads), kThreads, 0, stream>>>(
-          g.typed_data(), tpe.typed_data(), scale.typed_data(),
-          reinterpret_cast<float*>(dp->untyped_data()), n, e);
-      break;
-    case ffi::BF16:
-      aux_loss_bwd_kernel<__nv_bfloat16, 8>
-          <<<grid_for(n / 8 + 1, kThreads), kThreads, 0, stream>>>(
-              g.typed_data(), tpe.typed_data(), scale.typed_data(),
-              reinterpret_cast<__nv_bfloat16*>(dp->untyped_data()), n, e);
-      break;
-    default:
-      return MOE_INVALID("aux loss bwd: probs must be float32 or bfloat16");
-  }
-  MOE_LAUNCH_CHECK("aux_loss_bwd");
-  return ffi::Error::Success();
+  if (n == 0) return ffi::Error::Success();
+  return dispatch<LaunchBwd>(probs, tpe, stream, g.typed_data(), scale.typed_data(),
+                             dp->untyped_data(), n, e);
 }
 
 }  // namespace
@@ -157,7 +169,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeAuxLossFwd, moe::AuxLossFwdImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()                  // probs [T, E]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // f [E]
+                                  .Arg<xla::ffi::AnyBuffer>()                  // f [E] f32/s32
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // scale []
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),     // loss []
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -167,7 +179,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeAuxLossBwd, moe::AuxLossBwdImpl,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // g []
                                   .Arg<xla::ffi::AnyBuffer>()                  // probs [T, E]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // f [E]
+                                  .Arg<xla::ffi::AnyBuffer>()                  // f [E] f32/s32
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // scale []
                                   .Ret<xla::ffi::AnyBuffer>(),                 // dprobs [T, E]
                               {xla::ffi::Traits::kCmdBufferCompatible});

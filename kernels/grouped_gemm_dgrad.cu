@@ -62,4 +62,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmDgrad, moe_gg::GroupedGemmDgradImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
                                   .Attr<int64_t>("tile")
                                   .Attr<int64_t>("raster")
-                                  .Attr<int64_t>("swizzle"));
+                                  .Attr<int64_t>("swizzle"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

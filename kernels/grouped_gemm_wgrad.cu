@@ -65,4 +65,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmWgrad, moe_gg::GroupedGemmWgradImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
                                   .Attr<int64_t>("tile")
                                   .Attr<int64_t>("raster")
-                                  .Attr<int64_t>("swizzle"));
+                                  .Attr<int64_t>("swizzle"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -5,9 +5,14 @@
 //              rounded once; deterministic)
 //
 // x: [T, M], y: [R, M], f32 or bf16; row_map: [R] int32. Each is the other's backward.
-// unpermute builds the inverse map (CSR: per-token row lists) in an explicit int32 workspace
-// output of 2 * T + 2 + R elements (XLA's scratch allocator is not used), sorts each token's
-// rows, then one thread per 16-byte output vector sums its token's rows in order.
+// Both build the inverse map (CSR: per-token row lists) in an explicit int32 workspace output
+// of 2 * T + 4 + R elements (XLA's scratch allocator is not used):
+//   permute (rows of >= 512 bytes): one block per token reads x[t] ONCE and writes it to each of
+//     its rows (the row-major gather read each token k times: 0.42 of copy bandwidth on the
+//     H200); rows mapped outside [0, T) form one extra "sink" list that a few blocks zero.
+//     Narrower rows keep the row-major gather (no CSR).
+//   unpermute: sorts each token's rows, then one thread per 16-byte output vector sums its
+//     token's rows in increasing row order (deterministic).
 #include "moe_common.h"
 
 namespace moe {
@@ -55,12 +60,65 @@ __global__ void __launch_bounds__(kFlatThreads)
   }
 }
 
+constexpr int kTokenThreads = 128;
+constexpr int kSinkBlocks = 264;  // blocks that zero the rows mapped outside [0, T)
+
+// Token-major permute: block b < T reads x[b] once (kUnroll 16-byte vectors per thread in
+// flight) and stores it to each row of its list; blocks T .. T + kSinkBlocks - 1 share the sink
+// list (rows mapped outside [0, T)) and write zeros there.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kTokenThreads)
+    permute_tokens_kernel(const T* __restrict__ x, const int32_t* __restrict__ offsets,
+                          const int32_t* __restrict__ lists, T* __restrict__ y, int64_t tokens,
+                          int64_t nv) {
+  using V = Vec<T, VEC>;
+  const int64_t b = blockIdx.x;
+  V* out = reinterpret_cast<V*>(y);
+  if (b < tokens) {
+    const int32_t lo = __ldg(offsets + b), hi = __ldg(offsets + b + 1);
+    if (lo == hi) return;
+    const V* src = reinterpret_cast<const V*>(x) + b * nv;
+    for (int64_t c0 = threadIdx.x; c0 < nv; c0 += kTokenThreads * kUnroll) {
+      V v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t c = c0 + u * kTokenThreads;
+        if (c < nv) v[u] = src[c];
+      }
+      for (int32_t q = lo; q < hi; ++q) {
+        V* dst = out + static_cast<int64_t>(__ldg(lists + q)) * nv;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t c = c0 + u * kTokenThreads;
+          if (c < nv) dst[c] = v[u];
+        }
+      }
+    }
+  } else {
+    const int32_t lo = __ldg(offsets + tokens), hi = __ldg(offsets + tokens + 1);
+    V z;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) z.v[j] = from_f32<T>(0.f);
+    for (int32_t q = lo + static_cast<int32_t>(b - tokens); q < hi; q += kSinkBlocks) {
+      V* dst = out + static_cast<int64_t>(__ldg(lists + q)) * nv;
+      for (int64_t c = threadIdx.x; c < nv; c += kTokenThreads) dst[c] = z;
+    }
+  }
+}
+
+// The CSR slot of row r: its token, or (with `sink`) slot T for rows mapped outside [0, T);
+// -1: not listed.
+__device__ __forceinline__ int64_t csr_slot(int32_t t, int64_t tokens, bool sink) {
+  if (t >= 0 && t < tokens) return t;
+  return sink ? tokens : -1;
+}
+
 __global__ void histogram_kernel(const int32_t* __restrict__ row_map, int32_t* __restrict__ cnt,
-                                 int64_t rows, int64_t tokens) {
+                                 int64_t rows, int64_t tokens, bool sink) {
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = row_map[r];
-    if (t >= 0 && t < tokens) atomicAdd(cnt + t + 1, 1);
+    const int64_t slot = csr_slot(row_map[r], tokens, sink);
+    if (slot >= 0) atomicAdd(cnt + slot + 1, 1);
   }
 }
 
@@ -89,11 +147,12 @@ __global__ void __launch_bounds__(kScanThreads)
 }
 
 __global__ void fill_kernel(const int32_t* __restrict__ row_map, int32_t* __restrict__ cursor,
-                            int32_t* __restrict__ lists, int64_t rows, int64_t tokens) {
+                            int32_t* __restrict__ lists, int64_t rows, int64_t tokens,
+                            bool sink) {
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = row_map[r];
-    if (t >= 0 && t < tokens) lists[atomicAdd(cursor + t, 1)] = static_cast<int32_t>(r);
+    const int64_t slot = csr_slot(row_map[r], tokens, sink);
+    if (slot >= 0) lists[atomicAdd(cursor + slot, 1)] = static_cast<int32_t>(r);
   }
 }
 
@@ -154,12 +213,57 @@ __global__ void __launch_bounds__(kFlatThreads)
   reinterpret_cast<V*>(x)[i] = o;
 }
 
+// Workspace: offsets [T + 2] (offsets[s] = rows listed in slots < s; slot T is the sink),
+// cursor [T + 2], lists [R].
+inline int64_t workspace_size(int64_t tokens, int64_t rows) { return 2 * tokens + 4 + rows; }
+
+// Builds the CSR inverse of row_map in ws: slots 0..T-1 (tokens) and, with `sink`, slot T
+// (rows mapped outside [0, T)); with `sorted`, each list in increasing row order.
+ffi::Error build_csr(cudaStream_t stream, const int32_t* row_map, int32_t* ws, int64_t rows,
+                     int64_t tokens, bool sink, bool sorted) {
+  const int64_t slots = tokens + 1;
+  int32_t* offsets = ws;
+  int32_t* cursor = ws + slots + 1;
+  int32_t* lists = ws + 2 * slots + 2;
+  MOE_CUDA_CHECK(cudaMemsetAsync(offsets, 0, (slots + 1) * sizeof(int32_t), stream));
+  if (rows > 0) {
+    histogram_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(row_map, offsets, rows, tokens,
+                                                              sink);
+    MOE_LAUNCH_CHECK("permute histogram");
+  }
+  // histogram counts slot s at offsets[s + 1]; its inclusive scan gives the offsets
+  scan_kernel<<<1, kScanThreads, 0, stream>>>(offsets, cursor, slots + 1);
+  MOE_LAUNCH_CHECK("permute scan");
+  if (rows > 0) {
+    fill_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(row_map, cursor, lists, rows, tokens,
+                                                         sink);
+    MOE_LAUNCH_CHECK("permute fill");
+  }
+  if (sorted) {
+    sort_lists_kernel<<<grid_for(tokens, 256), 256, 0, stream>>>(offsets, lists, tokens);
+    MOE_LAUNCH_CHECK("unpermute sort");
+  }
+  return ffi::Error::Success();
+}
+
 template <typename T>
 ffi::Error launch_permute(cudaStream_t stream, const void* x, const int32_t* row_map, void* y,
-                          int64_t rows, int64_t tokens, int64_t m) {
+                          int32_t* ws, int64_t rows, int64_t tokens, int64_t m) {
   constexpr int kVec = 16 / sizeof(T);
   const int vec = m % kVec == 0 ? kVec : 1;
   const int64_t nv = m / vec;
+  if (vec == kVec && nv >= 32 && tokens > 0) {  // rows of >= 512 bytes: token-major
+    if (auto err = build_csr(stream, row_map, ws, rows, tokens, /*sink=*/true, /*sorted=*/false);
+        !err.success())
+      return err;
+    const int32_t* offsets = ws;
+    const int32_t* lists = ws + 2 * (tokens + 1) + 2;
+    permute_tokens_kernel<T, kVec>
+        <<<static_cast<unsigned>(tokens + kSinkBlocks), kTokenThreads, 0, stream>>>(
+            static_cast<const T*>(x), offsets, lists, static_cast<T*>(y), tokens, nv);
+    MOE_LAUNCH_CHECK("permute");
+    return ffi::Error::Success();
+  }
   const auto grid = static_cast<unsigned>(ceil_div(rows * nv, kFlatThreads * kUnroll));
   if (vec == kVec) {
     permute_kernel<T, kVec><<<grid, kFlatThreads, 0, stream>>>(
@@ -175,23 +279,11 @@ ffi::Error launch_permute(cudaStream_t stream, const void* x, const int32_t* row
 template <typename T>
 ffi::Error launch_unpermute(cudaStream_t stream, const void* y, const int32_t* row_map,
                             void* x, int32_t* ws, int64_t rows, int64_t tokens, int64_t m) {
-  int32_t* offsets = ws;                 // [T + 1]: offsets[t] = rows of tokens < t
-  int32_t* cursor = ws + tokens + 1;     // [T + 1]: fill cursors, start at offsets
-  int32_t* lists = ws + 2 * tokens + 2;  // [R]: rows of each token, grouped by token
-  MOE_CUDA_CHECK(cudaMemsetAsync(offsets, 0, (tokens + 1) * sizeof(int32_t), stream));
-  if (rows > 0) {
-    histogram_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(row_map, offsets, rows, tokens);
-    MOE_LAUNCH_CHECK("unpermute histogram");
-  }
-  // histogram counts token t at offsets[t + 1]; its inclusive scan gives the offsets
-  scan_kernel<<<1, kScanThreads, 0, stream>>>(offsets, cursor, tokens + 1);
-  MOE_LAUNCH_CHECK("unpermute scan");
-  if (rows > 0) {
-    fill_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(row_map, cursor, lists, rows, tokens);
-    MOE_LAUNCH_CHECK("unpermute fill");
-  }
-  sort_lists_kernel<<<grid_for(tokens, 256), 256, 0, stream>>>(offsets, lists, tokens);
-  MOE_LAUNCH_CHECK("unpermute sort");
+  if (auto err = build_csr(stream, row_map, ws, rows, tokens, /*sink=*/false, /*sorted=*/true);
+      !err.success())
+    return err;
+  const int32_t* offsets = ws;
+  const int32_t* lists = ws + 2 * (tokens + 1) + 2;
   constexpr int kVec = 16 / sizeof(T);
   const int vec = m % kVec == 0 ? kVec : 1;
   const int64_t nv = m / vec;
@@ -208,7 +300,7 @@ ffi::Error launch_unpermute(cudaStream_t stream, const void* y, const int32_t* r
 }
 
 ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_map,
-                       ffi::Result<ffi::AnyBuffer> y) {
+                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> ws) {
   if (x.dimensions().size() != 2) return MOE_INVALID("permute: x must be [T, M]");
   const int64_t tokens = x.dimensions()[0], m = x.dimensions()[1];
   const int64_t rows = row_map.element_count();
@@ -216,14 +308,18 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
       y->element_type() != x.element_type()) {
     return MOE_INVALID("permute: y must be [R, M] in x's dtype");
   }
+  if (static_cast<int64_t>(ws->element_count()) != workspace_size(tokens, rows)) {
+    return MOE_INVALID("permute: workspace must have 2 * T + 4 + R int32 elements");
+  }
   if (rows == 0 || m == 0) return ffi::Error::Success();
   switch (x.element_type()) {
     case ffi::F32:
       return launch_permute<float>(stream, x.untyped_data(), row_map.typed_data(),
-                                   y->untyped_data(), rows, tokens, m);
+                                   y->untyped_data(), ws->typed_data(), rows, tokens, m);
     case ffi::BF16:
       return launch_permute<__nv_bfloat16>(stream, x.untyped_data(), row_map.typed_data(),
-                                           y->untyped_data(), rows, tokens, m);
+                                           y->untyped_data(), ws->typed_data(), rows, tokens,
+                                           m);
     default:
       return MOE_INVALID("permute: x must be float32 or bfloat16");
   }
@@ -240,8 +336,8 @@ ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi:
     return MOE_INVALID("unpermute: x must be [T, M] in y's dtype");
   }
   const int64_t tokens = x->dimensions()[0];
-  if (static_cast<int64_t>(ws->element_count()) != 2 * tokens + 2 + rows) {
-    return MOE_INVALID("unpermute: workspace must have 2 * T + 2 + R int32 elements");
+  if (static_cast<int64_t>(ws->element_count()) != workspace_size(tokens, rows)) {
+    return MOE_INVALID("unpermute: workspace must have 2 * T + 4 + R int32 elements");
   }
   if (tokens == 0 || m == 0) return ffi::Error::Success();
   switch (y.element_type()) {
@@ -265,7 +361,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermute, moe::PermuteImpl,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()              // x [T, M]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [R]
-                                  .Ret<xla::ffi::AnyBuffer>(),            // y [R, M]
+                                  .Ret<xla::ffi::AnyBuffer>()              // y [R, M]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),  // workspace
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermute, moe::UnpermuteImpl,

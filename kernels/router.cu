@@ -1,10 +1,15 @@
 // Fused router: logits -> scores -> (group-limited) top-k ids and weights + dense probs, and
 // its backward (see moe_praxis/routing.py for the math; this kernel computes the same).
 //
-// One warp per token; lane l holds experts e = l + 32 * j (j < VPT, VPT = ceil(E / 32)), so a
-// warp reads a token's logits coalesced. Ties in the selection go to the lower expert index
-// (jax.lax.top_k's order). Limits (checked; the Python side falls back to the reference
-// beyond them): E <= 512, k <= 8, num_expert_groups <= 32.
+// LANES lanes per token (a power of two <= 32, so 32 / LANES tokens per warp); lane l of a
+// token's group holds experts e = l + LANES * j (j < VPT), so the group reads a token's logits
+// coalesced. The launcher picks LANES so that VPT is about 8 (E = 64: 8 lanes, 4 tokens per
+// warp): the k rounds of arg-max then need log2(LANES) shuffle steps, not 5. (One warp per
+// token at E = 64 made the forward instruction-bound: 40 us at T = 16384 on the H200.)
+// Group-limited routing needs num_expert_groups <= LANES (the launcher raises LANES).
+// Ties in the selection go to the lower expert index (jax.lax.top_k's order). Limits (checked;
+// the Python side falls back to the reference beyond them): E <= 512, k <= 8,
+// num_expert_groups <= 32.
 //
 // Forward:  logits [T, E] f32, bias [E] f32 (zeros = no bias: x + 0 == x exactly)
 //           -> probs [T, E] f32, ids [T, k] i32, weights [T, k] f32
@@ -20,6 +25,7 @@ constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxK = 8;
 constexpr int kMaxGroups = 32;
 constexpr int kNoIndex = 0x7fffffff;
+constexpr unsigned kFull = 0xffffffffu;
 
 enum ScoreMode : int { kSoftmaxPre = 0, kSoftmaxPost = 1, kSigmoid = 2 };
 
@@ -30,27 +36,29 @@ struct RouterParams {
   float scaling;
 };
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Reductions over the LANES lanes of one token (xor offsets < LANES stay inside the group).
+template <int LANES>
+__device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
+template <int LANES>
+__device__ __forceinline__ float group_max(float v) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = LANES / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
   return v;
 }
-// Butterfly arg-max over (value, index) with ties to the lower index; carries a payload.
-__device__ __forceinline__ void warp_argmax(float& v, int& i, float& p) {
+// Arg-max over (value, index) with ties to the lower index.
+template <int LANES>
+__device__ __forceinline__ void group_argmax(float& v, int& i) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    float v2 = __shfl_xor_sync(0xffffffffu, v, o);
-    int i2 = __shfl_xor_sync(0xffffffffu, i, o);
-    float p2 = __shfl_xor_sync(0xffffffffu, p, o);
+  for (int o = LANES / 2; o > 0; o >>= 1) {
+    const float v2 = __shfl_xor_sync(kFull, v, o);
+    const int i2 = __shfl_xor_sync(kFull, i, o);
     if (v2 > v || (v2 == v && i2 < i)) {
       v = v2;
       i = i2;
-      p = p2;
     }
   }
 }
@@ -69,81 +77,102 @@ __device__ __forceinline__ float key_value(unsigned long long key) {
   const uint32_t ord = static_cast<uint32_t>(key >> 32);
   return __uint_as_float((ord & 0x80000000u) ? (ord & 0x7fffffffu) : ~ord);
 }
-__device__ __forceinline__ unsigned long long warp_max_key(unsigned long long k) {
+template <int LANES>
+__device__ __forceinline__ unsigned long long group_max_key(unsigned long long k) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const unsigned long long k2 = __shfl_xor_sync(0xffffffffu, k, o);
+  for (int o = LANES / 2; o > 0; o >>= 1) {
+    const unsigned long long k2 = __shfl_xor_sync(kFull, k, o);
     k = k2 > k ? k2 : k;
   }
   return k;
 }
 
+// Where a token's lanes sit in the warp, and which token they hold.
+template <int LANES>
+struct TokenLanes {
+  int l;       // lane within the token's group
+  int base;    // warp lane of the group's lane 0
+  int64_t t;   // token (may be >= T: then nothing is loaded or stored)
+  bool valid;
+  __device__ __forceinline__ TokenLanes(int64_t tokens) {
+    const int lane = threadIdx.x & 31;
+    l = lane & (LANES - 1);
+    base = lane - l;
+    t = (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5)) * (32 / LANES) +
+        lane / LANES;
+    valid = t < tokens;
+  }
+};
+
 // Dense scores of one token: softmax or sigmoid of x (invalid slots: 0).
-template <int VPT>
-__device__ __forceinline__ void dense_scores(const float (&x)[VPT], float (&d)[VPT], int lane,
-                                             int e, int mode, float& denom) {
+template <int VPT, int LANES>
+__device__ __forceinline__ void dense_scores(const float (&x)[VPT], float (&d)[VPT], int l, int e,
+                                             int mode, float& denom) {
   if (mode == kSigmoid) {
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      const bool ok = lane + 32 * j < e;
+      const bool ok = l + LANES * j < e;
       d[j] = ok ? 1.f / (1.f + expf(-x[j])) : 0.f;
       s += d[j];
     }
-    denom = warp_sum(s);  // probs = d / denom
+    denom = group_sum<LANES>(s);  // probs = d / denom
   } else {
     float m = -INFINITY;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      if (lane + 32 * j < e) m = fmaxf(m, x[j]);
+      if (l + LANES * j < e) m = fmaxf(m, x[j]);
     }
-    m = warp_max(m);
+    m = group_max<LANES>(m);
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      d[j] = lane + 32 * j < e ? expf(x[j] - m) : 0.f;
+      d[j] = l + LANES * j < e ? expf(x[j] - m) : 0.f;
       s += d[j];
     }
-    s = warp_sum(s);
+    s = group_sum<LANES>(s);
 #pragma unroll
     for (int j = 0; j < VPT; ++j) d[j] = d[j] / s;
     denom = 1.f;
   }
 }
 
-template <int VPT>
+template <int VPT, int LANES>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     router_fwd_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
                       float* __restrict__ probs, int32_t* __restrict__ ids_out,
                       float* __restrict__ w_out, RouterParams prm) {
-  const int lane = threadIdx.x & 31;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  if (t >= prm.tokens) return;
+  const TokenLanes<LANES> tl(prm.tokens);
+  const int l = tl.l;
+  const int64_t t = tl.t;
   const int e = prm.e;
   const float* row = logits + t * e;
   float x[VPT], d[VPT], sel[VPT];
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
-    const int col = lane + 32 * j;
-    x[j] = col < e ? row[col] : 0.f;
+    const int col = l + LANES * j;
+    x[j] = tl.valid && col < e ? row[col] : 0.f;
   }
   float denom;
-  dense_scores<VPT>(x, d, lane, e, prm.mode, denom);
+  dense_scores<VPT, LANES>(x, d, l, e, prm.mode, denom);
   // dense probabilities for the aux loss
-  float* prow = probs + t * e;
+  if (tl.valid) {
+    float* prow = probs + t * e;
 #pragma unroll
-  for (int j = 0; j < VPT; ++j) {
-    const int col = lane + 32 * j;
-    if (col < e) prow[col] = prm.mode == kSigmoid ? d[j] / denom : d[j];
+    for (int j = 0; j < VPT; ++j) {
+      const int col = l + LANES * j;
+      if (col < e) prow[col] = prm.mode == kSigmoid ? d[j] / denom : d[j];
+    }
   }
   // selection scores (+ bias), payload = what the weight is made of
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
-    const int col = lane + 32 * j;
+    const int col = l + LANES * j;
     const float base = prm.mode == kSoftmaxPost ? x[j] : d[j];
     sel[j] = col < e ? base + __ldg(bias + col) : -INFINITY;
   }
-  // group-limited routing: keep the best `group_topk` groups, scored by their top-m sum
+  // group-limited routing: keep the best `group_topk` groups, scored by their top-m sum;
+  // group g's score is kept by lane l == g (groups <= LANES, checked by the launcher)
   if (prm.groups > 1) {
     const int per_group = e / prm.groups;
     const int m = prm.k / prm.group_topk;
@@ -155,34 +184,34 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
         unsigned long long best = 0ull;
 #pragma unroll
         for (int j = 0; j < VPT; ++j) {
-          const int col = lane + 32 * j;
+          const int col = l + LANES * j;
           if (col < e && col / per_group == g && !((taken >> j) & 1u)) {
             const unsigned long long kk = pack_key(sel[j], col);
             best = kk > best ? kk : best;
           }
         }
-        best = warp_max_key(best);
+        best = group_max_key<LANES>(best);
         const int bi = key_index(best);
         gs += key_value(best);
-        if (bi != kNoIndex && (bi & 31) == lane) taken |= 1u << (bi >> 5);
+        if (bi != kNoIndex && (bi & (LANES - 1)) == l) taken |= 1u << (bi / LANES);
       }
-      if (lane == g) my_group_score = gs;
+      if (l == g) my_group_score = gs;
     }
     unsigned keep = 0;
     for (int r = 0; r < prm.group_topk; ++r) {
-      float bv = lane < prm.groups && !((keep >> lane) & 1u) ? my_group_score : -INFINITY;
-      int bi = lane < prm.groups && !((keep >> lane) & 1u) ? lane : kNoIndex;
-      float bp = 0.f;
-      warp_argmax(bv, bi, bp);
+      const bool cand = l < prm.groups && !((keep >> l) & 1u);
+      float bv = cand ? my_group_score : -INFINITY;
+      int bi = cand ? l : kNoIndex;
+      group_argmax<LANES>(bv, bi);
       if (bi != kNoIndex) keep |= 1u << bi;
     }
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      const int col = lane + 32 * j;
+      const int col = l + LANES * j;
       if (col < e && !((keep >> (col / per_group)) & 1u)) sel[j] = -INFINITY;
     }
   }
-  // top-k: k rounds of warp arg-max; payload = dense score (pre / sigmoid) or logit (post)
+  // top-k: k rounds of arg-max; payload = dense score (pre / sigmoid) or logit (post)
   int ids[kMaxK];
   float pay[kMaxK];
   unsigned taken = 0;
@@ -193,7 +222,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       float bp = 0.f;
 #pragma unroll
       for (int j = 0; j < VPT; ++j) {
-        const int col = lane + 32 * j;
+        const int col = l + LANES * j;
         if (col < e && !((taken >> j) & 1u)) {
           const unsigned long long kk = pack_key(sel[j], col);
           if (kk > best) {
@@ -202,11 +231,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
           }
         }
       }
-      const unsigned long long win = warp_max_key(best);
+      const unsigned long long win = group_max_key<LANES>(best);
       const int bi = key_index(win);
       // the payload (dense score or logit) comes from the winning lane's own best
-      bp = __shfl_sync(0xffffffffu, bp, bi == kNoIndex ? 0 : (bi & 31));
-      if (bi != kNoIndex && (bi & 31) == lane) taken |= 1u << (bi >> 5);
+      bp = __shfl_sync(kFull, bp, tl.base + (bi == kNoIndex ? 0 : (bi & (LANES - 1))));
+      if (bi != kNoIndex && (bi & (LANES - 1)) == l) taken |= 1u << (bi / LANES);
       ids[r] = bi;
       pay[r] = bp;
     }
@@ -241,56 +270,62 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       for (int r = 0; r < kMaxK; ++r) w[r] = w[r] / s;
     }
   }
+  // lane l writes the picks r with r % LANES == l
+  if (tl.valid) {
 #pragma unroll
-  for (int r = 0; r < kMaxK; ++r) {
-    if (r < prm.k && lane == r) {
-      ids_out[t * prm.k + r] = ids[r];
-      w_out[t * prm.k + r] = w[r] * prm.scaling;
+    for (int r = 0; r < kMaxK; ++r) {
+      if (r < prm.k && (r & (LANES - 1)) == l) {
+        ids_out[t * prm.k + r] = ids[r];
+        w_out[t * prm.k + r] = w[r] * prm.scaling;
+      }
     }
   }
 }
 
-template <int VPT>
+template <int VPT, int LANES>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     router_bwd_kernel(const float* __restrict__ logits, const int32_t* __restrict__ ids_in,
                       const float* __restrict__ dprobs, const float* __restrict__ dw_in,
                       float* __restrict__ dlogits, RouterParams prm) {
-  const int lane = threadIdx.x & 31;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  if (t >= prm.tokens) return;
+  const TokenLanes<LANES> tl(prm.tokens);
+  const int l = tl.l;
+  const int64_t t = tl.t;
   const int e = prm.e;
   const float* row = logits + t * e;
   const float* dprow = dprobs + t * e;
   float x[VPT], d[VPT], dp[VPT];
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
-    const int col = lane + 32 * j;
-    x[j] = col < e ? row[col] : 0.f;
-    dp[j] = col < e ? dprow[col] : 0.f;
+    const int col = l + LANES * j;
+    const bool ok = tl.valid && col < e;
+    x[j] = ok ? row[col] : 0.f;
+    dp[j] = ok ? dprow[col] : 0.f;
   }
   float denom;
-  dense_scores<VPT>(x, d, lane, e, prm.mode, denom);
-  // the k selected ids and their weight cotangents (lane-uniform loads)
+  dense_scores<VPT, LANES>(x, d, l, e, prm.mode, denom);
+  // the k selected ids and their weight cotangents (loads uniform over the token's lanes)
   int ids[kMaxK];
   float dw[kMaxK], u[kMaxK];
 #pragma unroll
   for (int r = 0; r < kMaxK; ++r) {
-    ids[r] = r < prm.k ? ids_in[t * prm.k + r] : -1;
-    dw[r] = r < prm.k ? dw_in[t * prm.k + r] * prm.scaling : 0.f;
+    const bool ok = tl.valid && r < prm.k;
+    ids[r] = ok ? ids_in[t * prm.k + r] : -1;
+    dw[r] = ok ? dw_in[t * prm.k + r] * prm.scaling : 0.f;
     u[r] = 0.f;
   }
   // gather u_r = (dense or logit)[ids[r]] from the owning lane
 #pragma unroll
   for (int r = 0; r < kMaxK; ++r) {
     if (r < prm.k) {
-      // every lane picks its slot ids[r] / 32; the owner lane ids[r] % 32 broadcasts it
-      const int slot = ids[r] >> 5;
+      // every lane picks its slot ids[r] / LANES; the owner lane ids[r] % LANES broadcasts it
+      const int id = ids[r] < 0 ? 0 : ids[r];
+      const int slot = id / LANES;
       float mine = 0.f;
 #pragma unroll
       for (int j = 0; j < VPT; ++j) {
         if (j == slot) mine = prm.mode == kSoftmaxPost ? x[j] : d[j];
       }
-      u[r] = __shfl_sync(0xffffffffu, mine, ids[r] & 31);
+      u[r] = __shfl_sync(kFull, mine, tl.base + (id & (LANES - 1)));
     }
   }
   // du_r: cotangent of the selected score (pre / sigmoid) or selected logit (post)
@@ -337,7 +372,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     sel_grad[j] = 0.f;
 #pragma unroll
     for (int r = 0; r < kMaxK; ++r)
-      if (r < prm.k && ids[r] == lane + 32 * j) sel_grad[j] += du[r];
+      if (r < prm.k && ids[r] == l + LANES * j) sel_grad[j] += du[r];
   }
   float* drow = dlogits + t * e;
   if (prm.mode == kSigmoid) {
@@ -345,12 +380,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     float pd = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) pd += dp[j] * d[j];
-    pd = warp_sum(pd);
+    pd = group_sum<LANES>(pd);
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      const int col = lane + 32 * j;
+      const int col = l + LANES * j;
       const float dd = dp[j] / denom - pd / (denom * denom) + sel_grad[j];
-      if (col < e) drow[col] = dd * d[j] * (1.f - d[j]);
+      if (tl.valid && col < e) drow[col] = dd * d[j] * (1.f - d[j]);
     }
   } else {
     // softmax s = d: dx = s * (ds - sum(s * ds)); post-softmax adds the selected-logit grads
@@ -358,14 +393,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     float sds = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) sds += d[j] * (dp[j] + (pre ? sel_grad[j] : 0.f));
-    sds = warp_sum(sds);
+    sds = group_sum<LANES>(sds);
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      const int col = lane + 32 * j;
+      const int col = l + LANES * j;
       const float ds = dp[j] + (pre ? sel_grad[j] : 0.f);
       float g = d[j] * (ds - sds);
       if (!pre) g += sel_grad[j];
-      if (col < e) drow[col] = g;
+      if (tl.valid && col < e) drow[col] = g;
     }
   }
 }
@@ -389,21 +424,60 @@ ffi::Error make_params(int64_t tokens, int64_t e, int64_t k, int64_t groups, int
   return ffi::Error::Success();
 }
 
-#define MOE_ROUTER_DISPATCH(KERNEL, VPT_RUNTIME, ...)          \
-  switch (VPT_RUNTIME) {                                        \
-    case 1: KERNEL<1><<<grid, block, 0, stream>>>(__VA_ARGS__); break;   \
-    case 2: KERNEL<2><<<grid, block, 0, stream>>>(__VA_ARGS__); break;   \
-    case 4: KERNEL<4><<<grid, block, 0, stream>>>(__VA_ARGS__); break;   \
-    case 8: KERNEL<8><<<grid, block, 0, stream>>>(__VA_ARGS__); break;   \
-    default: KERNEL<16><<<grid, block, 0, stream>>>(__VA_ARGS__); break; \
-  }
-
-int vpt_for(int e) {
-  int v = static_cast<int>(ceil_div(e, 32));
-  int p = 1;
-  while (p < v) p <<= 1;
-  return p;
+// (VPT, LANES) for E experts and G groups: LANES = the power of two near E / 8 (at least G),
+// VPT = the power of two with LANES * VPT >= E.
+struct Shape {
+  int vpt, lanes;
+};
+Shape shape_for(int e, int groups) {
+  int lanes = 1;
+  while (lanes < 32 && lanes * 8 < e) lanes <<= 1;
+  while (lanes < groups) lanes <<= 1;
+  int vpt = 1;
+  while (vpt * lanes < e) vpt <<= 1;
+  return Shape{vpt, lanes};
 }
+
+// Launches KERNEL<VPT, LANES> for the shapes shape_for can return (E <= 512, groups <= 32).
+#define MOE_ROUTER_LAUNCH(KERNEL, VPT, LANES)                                                \
+  KERNEL<VPT, LANES><<<static_cast<unsigned>(ceil_div(t, kWarpsPerBlock * (32 / LANES))),   \
+                       kWarpsPerBlock * 32, 0, stream>>>
+#define MOE_ROUTER_DISPATCH(KERNEL, SHAPE, ...)                                    \
+  do {                                                                             \
+    const Shape sh_ = (SHAPE);                                                     \
+    const int key_ = sh_.vpt * 64 + sh_.lanes;                                     \
+    switch (key_) {                                                                \
+      case 1 * 64 + 1: MOE_ROUTER_LAUNCH(KERNEL, 1, 1)(__VA_ARGS__); break;        \
+      case 2 * 64 + 1: MOE_ROUTER_LAUNCH(KERNEL, 2, 1)(__VA_ARGS__); break;        \
+      case 4 * 64 + 1: MOE_ROUTER_LAUNCH(KERNEL, 4, 1)(__VA_ARGS__); break;        \
+      case 8 * 64 + 1: MOE_ROUTER_LAUNCH(KERNEL, 8, 1)(__VA_ARGS__); break;        \
+      case 8 * 64 + 2: MOE_ROUTER_LAUNCH(KERNEL, 8, 2)(__VA_ARGS__); break;        \
+      case 8 * 64 + 4: MOE_ROUTER_LAUNCH(KERNEL, 8, 4)(__VA_ARGS__); break;        \
+      case 8 * 64 + 8: MOE_ROUTER_LAUNCH(KERNEL, 8, 8)(__VA_ARGS__); break;        \
+      case 8 * 64 + 16: MOE_ROUTER_LAUNCH(KERNEL, 8, 16)(__VA_ARGS__); break;      \
+      case 8 * 64 + 32: MOE_ROUTER_LAUNCH(KERNEL, 8, 32)(__VA_ARGS__); break;      \
+      case 16 * 64 + 32: MOE_ROUTER_LAUNCH(KERNEL, 16, 32)(__VA_ARGS__); break;    \
+      /* groups > E / 8 raise LANES above E / 8: then VPT < 8 */                   \
+      case 1 * 64 + 2: MOE_ROUTER_LAUNCH(KERNEL, 1, 2)(__VA_ARGS__); break;        \
+      case 1 * 64 + 4: MOE_ROUTER_LAUNCH(KERNEL, 1, 4)(__VA_ARGS__); break;        \
+      case 1 * 64 + 8: MOE_ROUTER_LAUNCH(KERNEL, 1, 8)(__VA_ARGS__); break;        \
+      case 1 * 64 + 16: MOE_ROUTER_LAUNCH(KERNEL, 1, 16)(__VA_ARGS__); break;      \
+      case 1 * 64 + 32: MOE_ROUTER_LAUNCH(KERNEL, 1, 32)(__VA_ARGS__); break;      \
+      case 2 * 64 + 2: MOE_ROUTER_LAUNCH(KERNEL, 2, 2)(__VA_ARGS__); break;        \
+      case 2 * 64 + 4: MOE_ROUTER_LAUNCH(KERNEL, 2, 4)(__VA_ARGS__); break;        \
+      case 2 * 64 + 8: MOE_ROUTER_LAUNCH(KERNEL, 2, 8)(__VA_ARGS__); break;        \
+      case 2 * 64 + 16: MOE_ROUTER_LAUNCH(KERNEL, 2, 16)(__VA_ARGS__); break;      \
+      case 2 * 64 + 32: MOE_ROUTER_LAUNCH(KERNEL, 2, 32)(__VA_ARGS__); break;      \
+      case 4 * 64 + 2: MOE_ROUTER_LAUNCH(KERNEL, 4, 2)(__VA_ARGS__); break;        \
+      case 4 * 64 + 4: MOE_ROUTER_LAUNCH(KERNEL, 4, 4)(__VA_ARGS__); break;        \
+      case 4 * 64 + 8: MOE_ROUTER_LAUNCH(KERNEL, 4, 8)(__VA_ARGS__); break;        \
+      case 4 * 64 + 16: MOE_ROUTER_LAUNCH(KERNEL, 4, 16)(__VA_ARGS__); break;      \
+      case 4 * 64 + 32: MOE_ROUTER_LAUNCH(KERNEL, 4, 32)(__VA_ARGS__); break;      \
+      default:                                                                     \
+        return MOE_INVALID("router: no kernel for VPT=" + std::to_string(sh_.vpt) + \
+                           ", LANES=" + std::to_string(sh_.lanes));                \
+    }                                                                              \
+  } while (0)
 
 ffi::Error RouterFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,
                          ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::Buffer<ffi::F32>> probs,
@@ -421,8 +495,7 @@ ffi::Error RouterFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,
       !err.success())
     return err;
   if (t == 0) return ffi::Error::Success();
-  const dim3 grid(static_cast<unsigned>(ceil_div(t, kWarpsPerBlock))), block(kWarpsPerBlock * 32);
-  MOE_ROUTER_DISPATCH(router_fwd_kernel, vpt_for(e), logits.typed_data(), bias.typed_data(),
+  MOE_ROUTER_DISPATCH(router_fwd_kernel, shape_for(e, prm.groups), logits.typed_data(), bias.typed_data(),
                       probs->typed_data(), ids->typed_data(), weights->typed_data(), prm);
   MOE_LAUNCH_CHECK("router_fwd");
   return ffi::Error::Success();
@@ -446,8 +519,7 @@ ffi::Error RouterBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,
     return MOE_INVALID("router bwd: ids/dweights must be [T, k] and dprobs [T, E]");
   }
   if (t == 0) return ffi::Error::Success();
-  const dim3 grid(static_cast<unsigned>(ceil_div(t, kWarpsPerBlock))), block(kWarpsPerBlock * 32);
-  MOE_ROUTER_DISPATCH(router_bwd_kernel, vpt_for(e), logits.typed_data(), ids.typed_data(),
+  MOE_ROUTER_DISPATCH(router_bwd_kernel, shape_for(e, prm.groups), logits.typed_data(), ids.typed_data(),
                       dprobs.typed_data(), dweights.typed_data(), dlogits->typed_data(), prm);
   MOE_LAUNCH_CHECK("router_bwd");
   return ffi::Error::Success();

@@ -232,13 +232,14 @@ def test_permute_unpermute_match_reference(dtype, t, k, m):
     assert ref.rel_err(gy, ref.permute(cy.astype(dtype), row_map)) <= tol, tag
 
 
+@pytest.mark.parametrize("fdtype", [jnp.int32, jnp.float32])  # counts read as they are
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("t,e,k", [(1, 8, 2), (4099, 64, 8), (1003, 256, 8)])
-def test_aux_loss_matches_reference(dtype, t, e, k):
+def test_aux_loss_matches_reference(dtype, t, e, k, fdtype):
     s = ref.seed()
     k1, k2 = jax.random.split(jax.random.key(s))
     probs = jax.nn.softmax(jax.random.normal(k1, (t, e)), -1).astype(dtype)
-    f = jax.random.randint(k2, (e, ), 0, 2 * t * k // e + 2)
+    f = jax.random.randint(k2, (e, ), 0, 2 * t * k // e + 2).astype(fdtype)
     coeff = 0.37
     fn = lambda p: ops.aux_loss(p, f, top_k=k, coeff=coeff, backend="cuda")
     poison()

@@ -214,7 +214,7 @@ def _float_ok(*xs) -> bool:
 
 
 def _aux_fwd_ref(probs, f, scale):
-    return scale * jnp.sum(jnp.sum(probs.astype(jnp.float32), axis=0) * f)
+    return scale * jnp.sum(jnp.sum(probs.astype(jnp.float32), axis=0) * f.astype(jnp.float32))
 
 
 def _aux_fwd_ffi(probs, f, scale):
@@ -222,7 +222,7 @@ def _aux_fwd_ffi(probs, f, scale):
 
 
 def _aux_bwd_ref(g, probs, f, scale):
-    row = g * scale * f
+    row = g * scale * f.astype(jnp.float32)
     return jnp.broadcast_to(row[None, :], probs.shape).astype(probs.dtype)
 
 
@@ -315,7 +315,9 @@ def aux_loss(probs, tokens_per_expert, num_tokens, top_k: int, coeff: float):
 def _aux_consts(probs, tpe, num_tokens, top_k, coeff):
     t = jnp.asarray(num_tokens, jnp.float32)
     scale = (coeff * probs.shape[-1] / top_k) / (t * t)
-    return tpe.astype(jnp.float32), scale.astype(jnp.float32)
+    # the kernels read int32 or float32 counts as they are (no convert kernel before the call)
+    f = tpe if tpe.dtype in (jnp.int32, jnp.float32) else tpe.astype(jnp.float32)
+    return f, scale.astype(jnp.float32)
 
 
 def _aux_loss_vjp_fwd(probs, tpe, num_tokens, top_k, coeff):
@@ -506,16 +508,21 @@ def _unpermute_ref(num_tokens, y, row_map):
     return unpermute_reference(y, row_map, num_tokens)
 
 
+def _permute_workspace(num_tokens: int, rows: int):
+    """The kernels' int32 workspace: the CSR inverse of row_map (2 * T + 4 + R elements)."""
+    return jax.ShapeDtypeStruct((2 * num_tokens + 4 + rows, ), jnp.int32)
+
+
 def _permute_ffi(x, row_map):
     r = row_map.shape[0]
-    return ffi("moe_permute", jax.ShapeDtypeStruct((r, ) + x.shape[1:], x.dtype), x, row_map)
+    out = (jax.ShapeDtypeStruct((r, ) + x.shape[1:], x.dtype), _permute_workspace(x.shape[0], r))
+    return ffi("moe_permute", out, x, row_map)[0]
 
 
 def _unpermute_ffi(num_tokens, y, row_map):
     r = row_map.shape[0]
     out = (jax.ShapeDtypeStruct((num_tokens, ) + y.shape[1:],
-                                y.dtype), jax.ShapeDtypeStruct((2 * num_tokens + 2 + r, ),
-                                                               jnp.int32))
+                                y.dtype), _permute_workspace(num_tokens, r))
     return ffi("moe_unpermute", out, y, row_map)[0]
 
 
