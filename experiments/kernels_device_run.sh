@@ -22,16 +22,22 @@ if ! python3 -c "from moe_praxis.ops import cuda; ok, why = cuda.load_library();
   python3 -m moe_praxis.build_kernels --jobs 16 2>&1 | tee "$OUT/build.log"
 fi
 python3 -c "import moe_praxis.ops as o; print(o.backend_info())" 2>&1 | tee -a "$OUT/load.log"
-PYT="python3 -m pytest -q -m gpu --tb=short -rfE -p no:cacheprovider --timeout 120"
+# Three pytest processes share the GPU (no preallocation; compiles are CPU-bound, 16 cores);
+# -v names each test as it ends; a test past 100 s has its stacks dumped and the process ends.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+PYT="python3 -m pytest -v -m gpu --tb=short -rfE -p no:cacheprovider --timeout 100 --timeout_method=thread --durations=8"
 START=$(date +%s)
-left() { local l=$(( TEST_T - ($(date +%s) - START) )); [ "$l" -lt 30 ] && l=30; echo "$l"; }
-# router tests first (the group-limited ones among them), then the other kernels, grouped GEMM
-timeout "$(left)" $PYT tests/test_kernels_gpu.py -k router "$@" 2>&1 | tee "$OUT/tests_router.log" | tail -15
-timeout "$(left)" $PYT tests/test_kernels_gpu.py -k "not router" --durations=5 "$@" 2>&1 \
-  | tee "$OUT/tests.log" | tail -15
-timeout "$(left)" $PYT tests/test_grouped_gemm.py tests/test_ep.py --durations=5 "$@" 2>&1 \
-  | tee "$OUT/tests_gg.log" | tail -15
+timeout 90 python3 -m experiments.debug_router_groups > "$OUT/debug_groups.log" 2>&1 &
+timeout "$TEST_T" $PYT tests/test_kernels_gpu.py -k router "$@" > "$OUT/tests_router.log" 2>&1 &
+timeout "$TEST_T" $PYT tests/test_kernels_gpu.py -k "not router" "$@" > "$OUT/tests.log" 2>&1 &
+timeout "$TEST_T" $PYT tests/test_grouped_gemm.py tests/test_ep.py "$@" > "$OUT/tests_gg.log" 2>&1 &
+wait
 echo "tests done in $(( $(date +%s) - START )) s"
+for f in debug_groups tests_router tests tests_gg; do
+  echo "=== $f"; grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed|done in|err|case" "$OUT/$f.log" \
+    | grep -v "^tests/.*PASSED" | tail -25
+done
+[ "$BENCH_T" -gt 0 ] || exit 0
 timeout "$BENCH_T" python3 -m experiments.bench_kernels --out "$OUT/bench_kernels.json" 2>&1 \
   | tee "$OUT/bench.log" | tail -14
 echo "bench rc=$?"
