@@ -22,6 +22,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import platform
 import statistics
 import sys
@@ -164,6 +165,16 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--only", default=None, help="comma-separated case names")
     ap.add_argument("--out", default="runs/bench_kernels.json")
+    ap.add_argument("--n",
+                    type=int,
+                    default=None,
+                    help="input sets per timed call (default: enough for ~2 GB of traffic)")
+    ap.add_argument("--no-copy-bw",
+                    action="store_true",
+                    help="skip measuring copy bandwidth (use the nominal 4.3 TB/s; for profilers)")
+    ap.add_argument("--hlo-dir",
+                    default=None,
+                    help="write the optimized HLO of each case's ours / XLA function here")
     args = ap.parse_args(argv)
     info = ops.backend_info()
     if not info["cuda"]["usable"]:
@@ -183,7 +194,7 @@ def main(argv=None):
         "d": args.d_model,
         "H": args.hidden,
     }
-    copy_bw = copy_bandwidth(args.reps)
+    copy_bw = NOMINAL_COPY_BW if args.no_copy_bw else copy_bandwidth(args.reps)
     meta["copy_bw_measured"] = copy_bw
     print(f"# {meta['date']} {meta['device']} jax {meta['jax']}; T={args.tokens} "
           f"E={args.experts} k={args.top_k} d={args.d_model} H={args.hidden}; copy bandwidth "
@@ -193,8 +204,15 @@ def main(argv=None):
     if args.only:
         todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
     for name, (nbytes, make, ours, xla) in todo.items():
-        n = int(min(64, max(4, 8e9 // max(nbytes, 1) // 4)))
+        n = args.n or int(min(64, max(4, 8e9 // max(nbytes, 1) // 4)))
         inputs = make(n)
+        if args.hlo_dir:
+            os.makedirs(args.hlo_dir, exist_ok=True)
+            for tag, fn in (("ours", ours), ("xla", xla)):
+                text = jax.jit(fn).lower(*inputs[0]).compile().as_text()
+                with open(os.path.join(args.hlo_dir, f"{name.replace(' ', '_')}.{tag}.hlo"),
+                          "w") as fh:
+                    fh.write(text)
         try:
             err = _rel(
                 jax.tree.leaves(jax.jit(ours)(*inputs[0]))[0],
@@ -235,8 +253,6 @@ def main(argv=None):
             f"{100 * r['ours_frac_nominal']:.0f}% | {100 * r['ours_frac_measured']:.0f}% | "
             f"{r['xla_TBps']:.2f} | {r['rel_err_first_output']:.1e} |")
     print("\n".join(lines))
-    import os
-
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)

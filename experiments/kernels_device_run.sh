@@ -17,27 +17,35 @@ shift 2 2>/dev/null
   nvcc --version | tail -2
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-if ! python3 -c "from moe_praxis.ops import cuda; ok, why = cuda.load_library(); print(why); raise SystemExit(0 if ok else 1)" 2>&1 | tee "$OUT/load.log"; then
+if ! python3 -c "from moe_praxis.ops import cuda; ok, why = cuda.load_library(); print(why); raise SystemExit(0 if ok else 1)" 2>&1 | tee -a "$OUT/env.txt"; then
   echo "carried library not loadable: building here"
   python3 -m moe_praxis.build_kernels --jobs 16 2>&1 | tee "$OUT/build.log"
 fi
-python3 -c "import moe_praxis.ops as o; print(o.backend_info())" 2>&1 | tee -a "$OUT/load.log"
+python3 -c "import moe_praxis.ops as o; print(o.backend_info())" 2>&1 | tee -a "$OUT/env.txt"
 # Three pytest processes share the GPU (no preallocation; compiles are CPU-bound, 16 cores);
 # -v names each test as it ends; a test past 100 s has its stacks dumped and the process ends.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 PYT="python3 -m pytest -v -m gpu --tb=short -rfE -p no:cacheprovider --timeout 100 --timeout_method=thread --durations=8"
 START=$(date +%s)
-timeout 90 python3 -m experiments.debug_router_groups > "$OUT/debug_groups.log" 2>&1 &
 timeout "$TEST_T" $PYT tests/test_kernels_gpu.py -k router "$@" > "$OUT/tests_router.log" 2>&1 &
 timeout "$TEST_T" $PYT tests/test_kernels_gpu.py -k "not router" "$@" > "$OUT/tests.log" 2>&1 &
 timeout "$TEST_T" $PYT tests/test_grouped_gemm.py tests/test_ep.py "$@" > "$OUT/tests_gg.log" 2>&1 &
 wait
 echo "tests done in $(( $(date +%s) - START )) s"
-for f in debug_groups tests_router tests tests_gg; do
+for f in tests_router tests tests_gg; do
   echo "=== $f"; grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed|done in|err|case" "$OUT/$f.log" \
     | grep -v "^tests/.*PASSED" | tail -25
 done
 [ "$BENCH_T" -gt 0 ] || exit 0
+# kernel durations (Nsight Compute, clocks left alone) and the optimized HLO of the small ops
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+if [ -n "$NCU" ] && [ -n "${NCU_CASES:-}" ]; then
+  timeout 150 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv \
+    --log-file "$OUT/ncu.csv" python3 -m experiments.bench_kernels --only "$NCU_CASES" --n 1 \
+    --reps 1 --no-copy-bw --hlo-dir /tmp/hlo --out /tmp/ncu_bench.json > /tmp/ncu_run.log 2>&1
+  echo "ncu rc=$? ($(wc -l < "$OUT/ncu.csv") lines)"; tail -3 /tmp/ncu_run.log
+  tar czf "$OUT/hlo.tgz" -C /tmp hlo 2>/dev/null
+fi
 timeout "$BENCH_T" python3 -m experiments.bench_kernels --out "$OUT/bench_kernels.json" 2>&1 \
   | tee "$OUT/bench.log" | tail -14
 echo "bench rc=$?"

@@ -260,11 +260,19 @@ inline ffi::Error check_schedule(Schedule s) {
   return ffi::Error::Success();
 }
 
+}  // namespace moe_gg
+
+// kernels/call_stats.cu: counts calls, and calls made during CUDA-graph capture (for tests).
+extern "C" void moe_praxis_note_stream(cudaStream_t stream);
+
+namespace moe_gg {
+
 template <class Def>
 ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::StrideA sa,
                        typename Def::StrideB sb, typename Def::StrideD sd, uint8_t* workspace,
                        int64_t workspace_bytes, Schedule sched) {
   using Gemm = typename Def::Gemm;
+  moe_praxis_note_stream(stream);
   const int e = p.num_groups;
   auto g = carve_group_arrays<typename Def::StrideA, typename Def::StrideB, typename Def::StrideD>(
       workspace, e);

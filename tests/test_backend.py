@@ -137,8 +137,9 @@ def test_unsupported_shapes_name_the_reason():
                         top_k=8,
                         num_expert_groups=8,
                         group_topk=4)
-    assert ("num_expert_groups=8"
-            in cuda.router_unsupported(64, grouped)) == (not cuda.ROUTER_GROUP_LIMITED)
+    assert cuda.router_unsupported(64, grouped) == ""  # group-limited top-k runs in the kernel
+    assert "num_expert_groups=64" in cuda.router_unsupported(
+        64, MoEConfig(d_model=8, d_ff=8, num_experts=64, top_k=1, num_expert_groups=64))
     x = jnp.ones((4, 8))
     assert "act='gelu'" in cuda.swiglu_unsupported(x, "gelu")
     assert "float16" in cuda.swiglu_unsupported(x.astype(jnp.float16), "silu")

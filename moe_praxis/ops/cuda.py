@@ -106,6 +106,21 @@ def load_library(path: Optional[os.PathLike] = None, *, force: bool = False) -> 
     return True, _state.reason
 
 
+def call_stats() -> dict:
+    """Grouped GEMM handler calls so far in this process, and how many of them ran while XLA
+    was capturing their stream into a CUDA graph (command buffer); for tests and debugging.
+    Raises RuntimeError when the library is not loaded."""
+    if _state.lib is None:
+        raise RuntimeError(f"the CUDA kernel library is not loaded: {_state.reason}")
+    out = {}
+    for key, sym in (("calls", "moe_praxis_stream_calls"), ("captured",
+                                                            "moe_praxis_captured_calls")):
+        fn = getattr(_state.lib, sym)
+        fn.restype = ctypes.c_longlong
+        out[key] = int(fn())
+    return out
+
+
 def library_status() -> tuple[bool, str]:
     """(loaded, reason) of the last load attempt (loads once if never tried)."""
     if not _state.loaded and _state.path is None:
@@ -338,10 +353,6 @@ aux_loss.defvjp(_aux_loss_vjp_fwd, _aux_loss_vjp_bwd)
 # --- fused router ---------------------------------------------------------------------------
 
 ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_MAX_GROUPS = 512, 8, 32
-# The kernel implements group-limited top-k, but its GPU test for DeepSeek-V3 routing (sigmoid,
-# E=256, 8 groups, top-4 groups) failed on the H200 (2026-11-29) and, after a change, did not
-# finish in the time limit; until it passes, group-limited configs run the reference.
-ROUTER_GROUP_LIMITED = False
 _ROUTER_MODES = {("softmax", True): 0, ("softmax", False): 1, ("sigmoid", True): 2}
 
 
@@ -351,9 +362,6 @@ def router_unsupported(num_experts: int, config) -> str:
         return f"num_experts={num_experts} > {ROUTER_MAX_EXPERTS}"
     if config.top_k > ROUTER_MAX_TOP_K:
         return f"top_k={config.top_k} > {ROUTER_MAX_TOP_K}"
-    if config.num_expert_groups > 1 and not ROUTER_GROUP_LIMITED:
-        return (f"num_expert_groups={config.num_expert_groups}: group-limited routing in the "
-                "kernel is not verified on a GPU yet (docs/kernels.md)")
     if config.num_expert_groups > ROUTER_MAX_GROUPS:
         return f"num_expert_groups={config.num_expert_groups} > {ROUTER_MAX_GROUPS}"
     return ""
