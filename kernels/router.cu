@@ -211,10 +211,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       if (col < e && !((keep >> (col / per_group)) & 1u)) sel[j] = -INFINITY;
     }
   }
-  // top-k: k rounds of arg-max; payload = dense score (pre / sigmoid) or logit (post)
+  // top-k: k rounds of arg-max over keys packed once (a taken key becomes 0, "no candidate");
+  // payload = dense score (pre / sigmoid) or logit (post)
+  unsigned long long keys[VPT];
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int col = l + LANES * j;
+    keys[j] = col < e ? pack_key(sel[j], col) : 0ull;
+  }
   int ids[kMaxK];
   float pay[kMaxK];
-  unsigned taken = 0;
 #pragma unroll
   for (int r = 0; r < kMaxK; ++r) {
     if (r < prm.k) {
@@ -222,20 +228,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       float bp = 0.f;
 #pragma unroll
       for (int j = 0; j < VPT; ++j) {
-        const int col = l + LANES * j;
-        if (col < e && !((taken >> j) & 1u)) {
-          const unsigned long long kk = pack_key(sel[j], col);
-          if (kk > best) {
-            best = kk;
-            bp = prm.mode == kSoftmaxPost ? x[j] : d[j];
-          }
+        if (keys[j] > best) {
+          best = keys[j];
+          bp = prm.mode == kSoftmaxPost ? x[j] : d[j];
         }
       }
       const unsigned long long win = group_max_key<LANES>(best);
       const int bi = key_index(win);
       // the payload (dense score or logit) comes from the winning lane's own best
       bp = __shfl_sync(kFull, bp, tl.base + (bi == kNoIndex ? 0 : (bi & (LANES - 1))));
-      if (bi != kNoIndex && (bi & (LANES - 1)) == l) taken |= 1u << (bi / LANES);
+      if (bi != kNoIndex && (bi & (LANES - 1)) == l) {
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) keys[j] = j == bi / LANES ? 0ull : keys[j];
+      }
       ids[r] = bi;
       pay[r] = bp;
     }
