@@ -11,6 +11,8 @@ Timing: one jitted function applies the op to `n` independent input sets (distin
 no CSE, no loop-invariant hoisting, every output returned so nothing is dead), warmed up,
 then called `reps` times; the median wall time between block_until_ready calls, divided by n.
 Host dispatch is amortised over the n calls inside one executable.
+`--device-time` also sums each op's GPU kernel (and memset) durations from a JAX profiler trace
+(perfetto JSON): the GPU time without launch gaps, and the kernels per call.
 
 Targets (issue 6): no kernel slower than its XLA reference; fused router fwd+bwd and
 permute+unpermute at least 2x faster than XLA; every kernel at 60% or more of copy bandwidth.
@@ -49,6 +51,50 @@ def _time(fn, inputs, reps):
         jax.block_until_ready(f(inputs))
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) / len(inputs)
+
+
+def device_kernels(fn, inputs, reps, trace_dir):
+    """Device time per op call from JAX's profiler (CUPTI): `reps` calls of the jitted `fn` over
+    all `inputs` under jax.profiler.trace; returns (us per op call, kernels per op call,
+    {kernel name: us per op call}), summed over the GPU streams' kernel and memset events.
+    This is the time the GPU spends in the op's kernels, without the launch gaps that the
+    wall-clock numbers include."""
+    import collections
+    import glob
+    import gzip
+    import shutil
+
+    f = jax.jit(lambda ins: [fn(*i) for i in ins])
+    jax.block_until_ready(f(inputs))
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(reps):
+            jax.block_until_ready(f(inputs))
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                            recursive=True))[-1]
+    with gzip.open(path) as fh:
+        trace = json.load(fh)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e["tid"])] = e["args"]["name"]
+    gpu = {pid for pid, name in procs.items() if "GPU" in name}
+    # kernels and memsets sit on the "Stream #..." lines; "XLA Ops" etc. repeat them
+    streams = {k for k, name in threads.items() if k[0] in gpu and name.startswith("Stream")}
+    if not streams:
+        raise RuntimeError(f"no GPU stream lines in the trace: processes {sorted(procs.values())}, "
+                           f"GPU threads {sorted(n for k, n in threads.items() if k[0] in gpu)}")
+    calls = reps * len(inputs)
+    per_name = collections.Counter()
+    count = 0
+    for e in events:
+        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
+            per_name[e.get("name", "?")] += float(e.get("dur", 0.0)) / calls
+            count += 1
+    return sum(per_name.values()), count / calls, dict(per_name.most_common())
 
 
 def _rel(a, b):
@@ -188,6 +234,9 @@ def main(argv=None):
     ap.add_argument("--no-copy-bw",
                     action="store_true",
                     help="skip measuring copy bandwidth (use the nominal 4.3 TB/s; for profilers)")
+    ap.add_argument("--device-time",
+                    action="store_true",
+                    help="also measure each op's GPU kernel time with JAX's profiler (perfetto)")
     ap.add_argument("--hlo-dir",
                     default=None,
                     help="write the optimized HLO of each case's ours / XLA function here")
@@ -235,6 +284,16 @@ def main(argv=None):
                 jax.tree.leaves(jax.jit(xla)(*inputs[0]))[0])
             t_ours = _time(ours, inputs, args.reps)
             t_xla = _time(xla, inputs, args.reps)
+            dev = {}
+            if args.device_time:
+                try:  # a profiler problem costs the GPU-time columns, not the row
+                    for tag, fn in (("ours", ours), ("xla", xla)):
+                        us, nk, names = device_kernels(fn, inputs, 3,
+                                                       f"/tmp/bench_kernels_trace_{tag}")
+                        dev[tag] = {"device_us": us, "kernels_per_call": nk, "by_kernel_us": names}
+                except Exception as ex:  # noqa: BLE001
+                    print(f"{name}: --device-time failed: {type(ex).__name__}: {str(ex)[:300]}")
+                    dev = {}
         except Exception as ex:  # noqa: BLE001 - report and go on
             print(f"{name}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
             rows.append({"kernel": name, "error": f"{type(ex).__name__}: {str(ex)[:300]}"})
@@ -254,6 +313,10 @@ def main(argv=None):
             "ours_frac_measured": nbytes / t_ours / copy_bw,
             "rel_err_first_output": err,
         }
+        if dev:
+            row["device"] = dev
+            row["ours_device_frac_nominal"] = nbytes / (dev["ours"]["device_us"] * 1e-6) / \
+                NOMINAL_COPY_BW
         rows.append(row)
         print(f"  {name}: {row['ours_us']:.1f} us vs XLA {row['xla_us']:.1f} us", flush=True)
     hdr = (f"| kernel | ours (us) | XLA (us) | speedup | ours TB/s | % of 4.3 TB/s | "
@@ -269,6 +332,19 @@ def main(argv=None):
             f"{100 * r['ours_frac_nominal']:.0f}% | {100 * r['ours_frac_measured']:.0f}% | "
             f"{r['xla_TBps']:.2f} | {r['rel_err_first_output']:.1e} |")
     print("\n".join(lines))
+    dev_rows = [r for r in rows if "device" in r]
+    if dev_rows:
+        lines = [
+            "| kernel | ours GPU us | kernels | XLA GPU us | kernels | ours % of 4.3 TB/s (GPU time) |",
+            "|" + "---|" * 6
+        ]
+        for r in dev_rows:
+            o, x = r["device"]["ours"], r["device"]["xla"]
+            lines.append(f"| {r['kernel']} | {o['device_us']:.1f} | {o['kernels_per_call']:.1f} | "
+                         f"{x['device_us']:.1f} | {x['kernels_per_call']:.1f} | "
+                         f"{100 * r['ours_device_frac_nominal']:.0f}% |")
+        print("GPU kernel time per call (JAX profiler; launch gaps excluded):")
+        print("\n".join(lines))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)

@@ -46,6 +46,6 @@ if [ -n "$NCU" ] && [ -n "${NCU_CASES:-}" ]; then
   echo "ncu rc=$? ($(wc -l < "$OUT/ncu.csv") lines)"; tail -3 /tmp/ncu_run.log
   tar czf "$OUT/hlo.tgz" -C /tmp hlo 2>/dev/null
 fi
-timeout "$BENCH_T" python3 -m experiments.bench_kernels --out "$OUT/bench_kernels.json" 2>&1 \
-  | tee "$OUT/bench.log" | tail -14
+timeout "$BENCH_T" python3 -m experiments.bench_kernels --device-time --out "$OUT/bench_kernels.json" 2>&1 \
+  | tee "$OUT/bench.log" | tail -26
 echo "bench rc=$?"
