@@ -3,6 +3,9 @@
 # the GPU tests (pytest-timeout per test, so a hang names its test), then the kernel benchmark;
 # everything is logged under $OUT.
 #   bash experiments/kernels_device_run.sh [TEST_BUDGET_S] [BENCH_BUDGET_S] [PYTEST_ARGS...]
+# BENCH_BUDGET_S=0 skips the benchmarks; NCU_CASES="case,case" adds an Nsight Compute pass over
+# those bench cases (ncu segfaulted under JAX on 2026-11-29); GG_BENCH_S=N adds the grouped GEMM
+# benchmark with an N-second limit.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/kernels_out}
@@ -49,3 +52,8 @@ fi
 timeout "$BENCH_T" python3 -m experiments.bench_kernels --device-time --out "$OUT/bench_kernels.json" 2>&1 \
   | tee "$OUT/bench.log" | tail -26
 echo "bench rc=$?"
+if [ "${GG_BENCH_S:-0}" -gt 0 ]; then
+  timeout "$GG_BENCH_S" python3 -m experiments.bench_grouped_gemm --out "$OUT/bench_grouped_gemm.json" \
+    2>&1 | tee "$OUT/bench_gg.log" | tail -30
+  echo "grouped GEMM bench rc=$?"
+fi
