@@ -256,3 +256,18 @@ def test_aux_loss_sharded_lowering_for_cuda_keeps_cotangent_rank0():
     # the counts f go to the kernel as they are (int32 here, float32 when given as floats)
     assert re.search(rf"\(tensor<f32>, tensor<{t}x{e}xf32>, tensor<{e}x(f32|i32)>, tensor<f32>\)",
                      text), text[-2000:]
+
+
+def test_call_stats_says_why_without_library(monkeypatch):
+    monkeypatch.setattr(cuda._state, "lib", None)
+    monkeypatch.setattr(cuda._state, "reason", "the library is not built: /x/lib.so")
+    with pytest.raises(RuntimeError, match="not built: /x/lib.so"):
+        cuda.call_stats()
+
+
+def test_call_stats_reads_the_counters_when_loaded():
+    if cuda._state.lib is None:
+        pytest.skip(f"kernel library not loaded here: {cuda._state.reason}")
+    stats = cuda.call_stats()
+    assert set(stats) == {"calls", "captured"}
+    assert 0 <= stats["captured"] <= stats["calls"]
