@@ -41,8 +41,13 @@ from moe_praxis.ops import cuda
 NOMINAL_COPY_BW = 4.3e12  # bytes/s, device-to-device copy on the H200 (read + write)
 
 
+def _batched(fn):
+    """One executable applying fn to every input set (host dispatch amortised over them)."""
+    return jax.jit(lambda ins: [fn(*i) for i in ins])
+
+
 def _time(fn, inputs, reps):
-    f = jax.jit(lambda ins: [fn(*i) for i in ins])
+    f = _batched(fn)
     jax.block_until_ready(f(inputs))  # compile + warm up
     jax.block_until_ready(f(inputs))
     ts = []
@@ -64,7 +69,7 @@ def device_kernels(fn, inputs, reps, trace_dir):
     import gzip
     import shutil
 
-    f = jax.jit(lambda ins: [fn(*i) for i in ins])
+    f = _batched(fn)
     jax.block_until_ready(f(inputs))
     shutil.rmtree(trace_dir, ignore_errors=True)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):

@@ -172,7 +172,7 @@ def _ragged_move_bwd(out_rows, axes, vary, res, g):
     (fwd, bwd), n = res
     buf = _vary(jnp.zeros((n, ) + g.shape[1:], g.dtype), vary)
     g_rows = _vary(jax.lax.ragged_all_to_all(_vary(g, vary), buf, *bwd, axis_name=axes), vary)
-    return g_rows, jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), (fwd, bwd))
+    return g_rows, jax.tree.map(ops.cuda.zero_cotangent, (fwd, bwd))
 
 
 _ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)

@@ -68,6 +68,19 @@ def router(logits,
     return probs, ids, w * scaling
 
 
+def router_for(logits, cfg, bias):
+    """router() with the routing fields of an MoEConfig."""
+    return router(np.asarray(logits),
+                  top_k=cfg.top_k,
+                  score_func=cfg.score_func,
+                  pre_softmax=cfg.pre_softmax,
+                  norm_topk=cfg.norm_topk,
+                  groups=cfg.num_expert_groups,
+                  group_topk=cfg.group_topk,
+                  scaling=cfg.routed_scaling_factor,
+                  bias=np.asarray(bias))
+
+
 def swiglu(gate, up, weights=None):
     g, u = np.asarray(gate, np.float64), np.asarray(up, np.float64)
     out = g / (1.0 + np.exp(-g)) * u

@@ -461,13 +461,13 @@ def test_gpu_exchanges_equal_single_device(exchange):
     mesh = Mesh(np.array(gpus), ("ep", ))
     res = mp.MeshResources(ep="ep")
     seed = _seed()
+    cfg = mp.MoEConfig(d_model=D_MODEL,
+                       d_ff=D_FF,
+                       num_experts=2 * n,
+                       top_k=2,
+                       ep_exchange=exchange,
+                       kernel_backend="xla")
     for skew in (False, True):
-        cfg = mp.MoEConfig(d_model=D_MODEL,
-                           d_ff=D_FF,
-                           num_experts=2 * n,
-                           top_k=2,
-                           ep_exchange=exchange,
-                           kernel_backend="xla")
         if skew:
             params, x, _ = _skewed(cfg, seed, n - 1, n)
         else:
@@ -479,12 +479,6 @@ def test_gpu_exchanges_equal_single_device(exchange):
         got = _loss_and_grads([cfg], mesh, res)([params], x, None, cot)
         _compare_one(got[0], ref[0], f"seed={seed} exchange={exchange} skew={skew}")
     # the compiled forward moves token rows with exactly one exchange each way
-    cfg = mp.MoEConfig(d_model=D_MODEL,
-                       d_ff=D_FF,
-                       num_experts=2 * n,
-                       top_k=2,
-                       ep_exchange=exchange,
-                       kernel_backend="xla")
     params = _params(cfg, jax.random.key(seed))
     x = jax.random.normal(jax.random.key(seed + 1), (n, SEQ, D_MODEL))
     hlo = jax.jit(lambda p, x: mp.moe_block(p, x, cfg, mesh=mesh, resources=res).y).lower(

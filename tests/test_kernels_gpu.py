@@ -123,15 +123,7 @@ def _router_case(case):
     assert ref.rel_err(probs, r.probs) <= F32_TOL, tag
     assert ref.rel_err(np.asarray(w)[same], np.asarray(r.weights)[same]) <= F32_TOL, tag
     # and against the independent float64 NumPy reference
-    p64, ids64, w64 = ref.router(np.asarray(logits),
-                                 top_k=k,
-                                 score_func=sf,
-                                 pre_softmax=pre,
-                                 norm_topk=norm,
-                                 groups=g,
-                                 group_topk=gk,
-                                 scaling=sc,
-                                 bias=np.asarray(bias))
+    p64, ids64, w64 = ref.router_for(logits, cfg, bias)
     same64 = _check_ids(ids, ids64, sel, tag + " (numpy)", g, gk, k)
     assert ref.rel_err(probs, p64) <= F32_TOL, tag
     assert ref.rel_err(np.asarray(w)[same64], w64[same64]) <= F32_TOL, tag

@@ -20,13 +20,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from moe_praxis.ops import cuda
 from moe_praxis.ops.backend import resolve_backend
 
 
-def _scale(num_tokens, num_experts, top_k, coeff):
+def aux_loss_scale(num_tokens, num_experts: int, top_k: int, coeff: float):
+    """coeff * E / (k * T^2) as a float32 scalar (T may be traced)."""
     t = jnp.asarray(num_tokens, jnp.float32)
     return coeff * num_experts / (top_k * t * t)
 
@@ -36,7 +36,7 @@ def aux_loss_reference(probs, tokens_per_expert, *, top_k: int, coeff: float, nu
     t = probs.shape[0] if num_tokens is None else num_tokens
     p = probs.astype(jnp.float32)
     f = tokens_per_expert.astype(jnp.float32)
-    return _scale(t, probs.shape[1], top_k, coeff) * jnp.sum(jnp.sum(p, axis=0) * f)
+    return aux_loss_scale(t, probs.shape[1], top_k, coeff) * jnp.sum(jnp.sum(p, axis=0) * f)
 
 
 def aux_loss_bwd_reference(g,
@@ -51,16 +51,10 @@ def aux_loss_bwd_reference(g,
         raise ValueError(f"aux-loss cotangent must be rank 0, got shape {jnp.shape(g)}")
     t = probs.shape[0] if num_tokens is None else num_tokens
     f = tokens_per_expert.astype(jnp.float32)
-    row = g.astype(jnp.float32) * _scale(t, probs.shape[1], top_k, coeff) * f
+    row = g.astype(jnp.float32) * aux_loss_scale(t, probs.shape[1], top_k, coeff) * f
     # ones_like keeps probs' sharding (a plain broadcast would be replicated, which an
     # Explicit-sharding mesh rejects as the cotangent of a sharded input).
     return (row[None, :] * jnp.ones_like(probs, dtype=jnp.float32)).astype(probs.dtype)
-
-
-def _zero_cotangent(x):
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -80,7 +74,7 @@ def _fwd(probs, tokens_per_expert, num_tokens, top_k, coeff):
 def _bwd(top_k, coeff, res, g):
     probs, tpe, t = res
     dp = aux_loss_bwd_reference(g, probs, tpe, top_k=top_k, coeff=coeff, num_tokens=t)
-    return dp, _zero_cotangent(tpe), _zero_cotangent(t)
+    return dp, cuda.zero_cotangent(tpe), cuda.zero_cotangent(t)
 
 
 _aux_loss.defvjp(_fwd, _bwd)

@@ -215,7 +215,8 @@ def warn_fallback(op: str, why: str) -> None:
                       stacklevel=3)
 
 
-def _zero_cotangent(x):
+def zero_cotangent(x):
+    """The zero cotangent of x: zeros for float x, float0 zeros for integer x (counts, maps)."""
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return jnp.zeros_like(x)
     return np.zeros(x.shape, jax.dtypes.float0)
@@ -328,8 +329,9 @@ def aux_loss(probs, tokens_per_expert, num_tokens, top_k: int, coeff: float):
 
 
 def _aux_consts(probs, tpe, num_tokens, top_k, coeff):
-    t = jnp.asarray(num_tokens, jnp.float32)
-    scale = (coeff * probs.shape[-1] / top_k) / (t * t)
+    from moe_praxis.ops.aux_loss import aux_loss_scale
+
+    scale = aux_loss_scale(num_tokens, probs.shape[-1], top_k, coeff)
     # the kernels read int32 or float32 counts as they are (no convert kernel before the call)
     f = tpe if tpe.dtype in (jnp.int32, jnp.float32) else tpe.astype(jnp.float32)
     return f, scale.astype(jnp.float32)
@@ -345,7 +347,7 @@ def _aux_loss_vjp_bwd(top_k, coeff, res, g):
         raise ValueError(f"aux-loss cotangent must be rank 0, got shape {jnp.shape(g)}")
     f, scale = _aux_consts(probs, tpe, num_tokens, top_k, coeff)
     dp = _aux_bwd_batched(g.astype(jnp.float32), probs, f, scale)
-    return dp, _zero_cotangent(tpe), _zero_cotangent(num_tokens)
+    return dp, zero_cotangent(tpe), zero_cotangent(num_tokens)
 
 
 aux_loss.defvjp(_aux_loss_vjp_fwd, _aux_loss_vjp_bwd)
@@ -556,7 +558,7 @@ def _permute_fwd(x, row_map):
 
 def _permute_bwd(res, dy):
     row_map, t = res
-    return _unpermute_call(t, dy, row_map), _zero_cotangent(row_map)
+    return _unpermute_call(t, dy, row_map), zero_cotangent(row_map)
 
 
 permute.defvjp(_permute_fwd, _permute_bwd)
@@ -574,7 +576,7 @@ def _unpermute_fwd(y, row_map, num_tokens):
 
 
 def _unpermute_bwd(num_tokens, row_map, dx):
-    return _permute_call(dx, row_map), _zero_cotangent(row_map)
+    return _permute_call(dx, row_map), zero_cotangent(row_map)
 
 
 unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)

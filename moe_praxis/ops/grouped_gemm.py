@@ -261,38 +261,33 @@ def _empty(m, k, n, e) -> bool:
     return 0 in (m, k, n, e)
 
 
+def _run(op, dims, reference, cuda_fn, a, b, group_sizes, impl):
+    """One of the three GEMMs: the reference for impl 'xla' or an empty problem, else the CUDA
+    kernel (configuration: impl's, or choose_config's for the forward dims (m, k, n, e))."""
+    if impl[0] == "xla" or _empty(*dims):
+        return reference(a, b, group_sizes)
+    cfg = impl[1] if impl[1] is not None else choose_config(op, *dims)
+    return _cuda.platform_call(lambda x, y, g: cuda_fn(x, y, g, cfg), reference, a, b, group_sizes)
+
+
 def _fwd_impl(lhs, rhs, group_sizes, impl):
-    m, k = lhs.shape
-    e, _, n = rhs.shape
-    if impl[0] == "xla" or _empty(m, k, n, e):
-        return grouped_gemm_reference(lhs, rhs, group_sizes).astype(lhs.dtype)
-    cfg = impl[1] if impl[1] is not None else choose_config("fwd", m, k, n, e)
-    return _cuda.platform_call(lambda a, b, g: cuda_fwd(a, b, g, cfg),
-                               lambda a, b, g: grouped_gemm_reference(a, b, g).astype(a.dtype), lhs,
-                               rhs, group_sizes)
+    (m, k), (e, _, n) = lhs.shape, rhs.shape
+    return _run("fwd", (m, k, n, e),
+                lambda a, b, g: grouped_gemm_reference(a, b, g).astype(a.dtype), cuda_fwd, lhs, rhs,
+                group_sizes, impl)
 
 
 def _dgrad_impl(dout, rhs, group_sizes, impl):
-    m, n = dout.shape
-    e, k, _ = rhs.shape
-    if impl[0] == "xla" or _empty(m, k, n, e):
-        return grouped_gemm_dgrad_reference(dout, rhs, group_sizes).astype(dout.dtype)
-    cfg = impl[1] if impl[1] is not None else choose_config("dgrad", m, k, n, e)
-    return _cuda.platform_call(
-        lambda a, b, g: cuda_dgrad(a, b, g, cfg),
-        lambda a, b, g: grouped_gemm_dgrad_reference(a, b, g).astype(a.dtype), dout, rhs,
-        group_sizes)
+    (m, n), (e, k, _) = dout.shape, rhs.shape
+    return _run("dgrad", (m, k, n, e),
+                lambda a, b, g: grouped_gemm_dgrad_reference(a, b, g).astype(a.dtype), cuda_dgrad,
+                dout, rhs, group_sizes, impl)
 
 
 def _wgrad_impl(lhs, dout, group_sizes, impl):
-    m, k = lhs.shape
-    n = dout.shape[1]
-    e = group_sizes.shape[0]
-    if impl[0] == "xla" or _empty(m, k, n, e):
-        return grouped_gemm_wgrad_reference(lhs, dout, group_sizes)
-    cfg = impl[1] if impl[1] is not None else choose_config("wgrad", m, k, n, e)
-    return _cuda.platform_call(lambda a, b, g: cuda_wgrad(a, b, g, cfg),
-                               grouped_gemm_wgrad_reference, lhs, dout, group_sizes)
+    (m, k), n, e = lhs.shape, dout.shape[1], group_sizes.shape[0]
+    return _run("wgrad", (m, k, n, e), grouped_gemm_wgrad_reference, cuda_wgrad, lhs, dout,
+                group_sizes, impl)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, ))
@@ -309,7 +304,7 @@ def _vjp_bwd(impl, res, dout):
     dout = dout.astype(lhs.dtype)
     dlhs = _dgrad_impl(dout, rhs, group_sizes, impl)
     drhs = _wgrad_impl(lhs, dout, group_sizes, impl).astype(rhs.dtype)
-    return dlhs, drhs, np.zeros(group_sizes.shape, jax.dtypes.float0)
+    return dlhs, drhs, _cuda.zero_cotangent(group_sizes)
 
 
 _grouped_gemm.defvjp(_vjp_fwd, _vjp_bwd)
