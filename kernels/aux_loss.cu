@@ -18,13 +18,13 @@ template <typename T, typename F, int VEC>
 __global__ void aux_loss_fwd_kernel(const T* __restrict__ p, const F* __restrict__ f,
                                     const float* __restrict__ scale, float* __restrict__ out,
                                     int64_t n, int e) {
-  struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
+  using V = Vec<T, VEC>;
   float acc = 0.f;
   const int64_t nvec = n / VEC;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < nvec;
        i += stride) {
-    Vec v = reinterpret_cast<const Vec*>(p)[i];
+    V v = reinterpret_cast<const V*>(p)[i];
     int col = static_cast<int>((i * VEC) % e);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -56,20 +56,20 @@ template <typename T, typename F, int VEC>
 __global__ void aux_loss_bwd_kernel(const float* __restrict__ g, const F* __restrict__ f,
                                     const float* __restrict__ scale, T* __restrict__ dp,
                                     int64_t n, int e) {
-  struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
+  using V = Vec<T, VEC>;
   const float s = g[0] * scale[0];
   const int64_t nvec = n / VEC;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < nvec;
        i += stride) {
-    Vec v;
+    V v;
     int col = static_cast<int>((i * VEC) % e);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       v.v[j] = from_f32<T>(s * static_cast<float>(__ldg(f + col)));
       col = (col + 1 == e) ? 0 : col + 1;
     }
-    reinterpret_cast<Vec*>(dp)[i] = v;
+    reinterpret_cast<V*>(dp)[i] = v;
   }
   if (blockIdx.x == 0) {
     for (int64_t i = nvec * VEC + threadIdx.x; i < n; i += blockDim.x) {

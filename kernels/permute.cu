@@ -20,12 +20,7 @@ namespace {
 
 constexpr int kScanThreads = 1024;
 
-// Copies/sums rows as 16-byte vectors of `VEC` elements when the row size allows, else 1.
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Vec {
-  T v[VEC];
-};
-
+// Rows are copied / summed as 16-byte vectors (moe_common.h's Vec) when the row size allows.
 constexpr int kFlatThreads = 256;
 constexpr int kUnroll = 4;
 
@@ -240,16 +235,25 @@ __global__ void __launch_bounds__(kFlatThreads)
 
 // Workspace: offsets [T + 2] (offsets[s] = rows listed in slots < s; slot T is the sink),
 // cursor [T + 2], lists [R].
-inline int64_t workspace_size(int64_t tokens, int64_t rows) { return 2 * tokens + 4 + rows; }
+inline int64_t workspace_size(int64_t tokens, int64_t rows) { return 2 * (tokens + 2) + rows; }
 
-// Builds the CSR inverse of row_map in ws: slots 0..T-1 (tokens) and, with `sink`, slot T
+struct Csr {
+  int32_t* offsets;
+  int32_t* cursor;
+  int32_t* lists;
+};
+inline Csr csr_view(int32_t* ws, int64_t tokens) {
+  return Csr{ws, ws + tokens + 2, ws + 2 * (tokens + 2)};
+}
+
+// Builds the CSR inverse of row_map in `c`: slots 0..T-1 (tokens) and, with `sink`, slot T
 // (rows mapped outside [0, T)); with `sorted`, each list in increasing row order.
-ffi::Error build_csr(cudaStream_t stream, const int32_t* row_map, int32_t* ws, int64_t rows,
+ffi::Error build_csr(cudaStream_t stream, const int32_t* row_map, const Csr& c, int64_t rows,
                      int64_t tokens, bool sink, bool sorted) {
   const int64_t slots = tokens + 1;
-  int32_t* offsets = ws;
-  int32_t* cursor = ws + slots + 1;
-  int32_t* lists = ws + 2 * slots + 2;
+  int32_t* offsets = c.offsets;
+  int32_t* cursor = c.cursor;
+  int32_t* lists = c.lists;
   MOE_CUDA_CHECK(cudaMemsetAsync(offsets, 0, (slots + 1) * sizeof(int32_t), stream));
   if (rows > 0) {
     histogram_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(row_map, offsets, rows, tokens,
@@ -278,14 +282,13 @@ ffi::Error launch_permute(cudaStream_t stream, const void* x, const int32_t* row
   const int vec = m % kVec == 0 ? kVec : 1;
   const int64_t nv = m / vec;
   if (vec == kVec && nv >= 32 && tokens > 0) {  // rows of >= 512 bytes: token-major
-    if (auto err = build_csr(stream, row_map, ws, rows, tokens, /*sink=*/true, /*sorted=*/false);
+    const Csr c = csr_view(ws, tokens);
+    if (auto err = build_csr(stream, row_map, c, rows, tokens, /*sink=*/true, /*sorted=*/false);
         !err.success())
       return err;
-    const int32_t* offsets = ws;
-    const int32_t* lists = ws + 2 * (tokens + 1) + 2;
     permute_tokens_kernel<T, kVec>
         <<<static_cast<unsigned>(tokens + kSinkBlocks), kTokenThreads, 0, stream>>>(
-            static_cast<const T*>(x), offsets, lists, static_cast<T*>(y), tokens, nv);
+            static_cast<const T*>(x), c.offsets, c.lists, static_cast<T*>(y), tokens, nv);
     MOE_LAUNCH_CHECK("permute");
     return ffi::Error::Success();
   }
@@ -304,11 +307,12 @@ ffi::Error launch_permute(cudaStream_t stream, const void* x, const int32_t* row
 template <typename T>
 ffi::Error launch_unpermute(cudaStream_t stream, const void* y, const int32_t* row_map,
                             void* x, int32_t* ws, int64_t rows, int64_t tokens, int64_t m) {
-  if (auto err = build_csr(stream, row_map, ws, rows, tokens, /*sink=*/false, /*sorted=*/true);
+  const Csr c = csr_view(ws, tokens);
+  if (auto err = build_csr(stream, row_map, c, rows, tokens, /*sink=*/false, /*sorted=*/true);
       !err.success())
     return err;
-  const int32_t* offsets = ws;
-  const int32_t* lists = ws + 2 * (tokens + 1) + 2;
+  const int32_t* offsets = c.offsets;
+  const int32_t* lists = c.lists;
   constexpr int kVec = 16 / sizeof(T);
   const int vec = m % kVec == 0 ? kVec : 1;
   const int64_t nv = m / vec;

@@ -28,11 +28,6 @@ __device__ __forceinline__ float sigmoid_t<__nv_bfloat16>(float g) {
   return __fdividef(1.f, 1.f + __expf(-g));
 }
 
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Vec {
-  T v[VEC];
-};
-
 constexpr int kFlatThreads = 256;
 constexpr int kUnroll = 4;
 
