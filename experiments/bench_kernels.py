@@ -222,7 +222,7 @@ def copy_bandwidth(reps):
     return 2 * n_el * 4 / sec
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--experts", type=int, default=64)
@@ -245,6 +245,11 @@ def main(argv=None):
     ap.add_argument("--hlo-dir",
                     default=None,
                     help="write the optimized HLO of each case's ours / XLA function here")
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
     info = ops.backend_info()
     if not info["cuda"]["usable"]:

@@ -49,3 +49,27 @@ def test_readme_quick_start_is_the_two_make_commands():
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^run: install$", makefile, re.M) and re.search(r"^test: install$", makefile,
                                                                       re.M)
+
+
+def test_benchmark_options_and_device_script_knobs_are_documented():
+    """Every option of the kernel benchmark and every knob of the device script is in
+    docs/kernels.md, and the doc names no option the benchmark lacks."""
+    from experiments import bench_kernels
+
+    text = (ROOT / "docs/kernels.md").read_text()
+    parser_opts = {
+        o
+        for a in bench_kernels.build_parser()._actions
+        for o in a.option_strings if o.startswith("--") and o != "--help"
+    }
+    assert parser_opts, "no options found"
+    missing = sorted(o for o in parser_opts if f"`{o}" not in text)
+    assert not missing, f"bench_kernels options missing from docs/kernels.md: {missing}"
+    section = text.split("## Benchmark and the device script", 1)[1].split("\n## ", 1)[0]
+    unknown = sorted(set(re.findall(r"`(--[a-z-]+)", section)) - parser_opts)
+    assert not unknown, f"docs/kernels.md names options bench_kernels lacks: {unknown}"
+    script = (ROOT / "experiments/kernels_device_run.sh").read_text()
+    knobs = set(re.findall(r"\$\{([A-Z_]+):-", script))
+    assert knobs >= {"NCU_CASES", "GG_BENCH_S"}, knobs
+    for knob in knobs - {"OUT"}:
+        assert knob in section, f"device-script knob {knob} is not in docs/kernels.md"
