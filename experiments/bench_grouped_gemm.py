@@ -63,7 +63,9 @@ SWEEP = [gg.config_name(2, 0, s) for s in (1, 2, 4, 8)] + [
     gg.config_name(2, 1),
     gg.config_name(1, 1),
     gg.config_name(1, 0),
-    gg.config_name(0, 1)
+    gg.config_name(0, 1),
+    gg.config_name(3, 0),
+    gg.config_name(3, 1),
 ]
 
 

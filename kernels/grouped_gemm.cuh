@@ -69,7 +69,14 @@ struct CoopWide {  // tile 2: cooperative, 128x256x64, cluster 2x1
   using Tile = Shape<_128, _256, _64>;
   using Cluster = Shape<_2, _1, _1>;
 };
-constexpr int kNumTiles = 3;
+struct PingpongThin {  // tile 3: ping-pong, 64x256x64, cluster 2x1 (many small / ragged groups:
+                      // 64-row tiles waste less at each group's ragged end)
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+  using Tile = Shape<_64, _256, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+};
+constexpr int kNumTiles = 4;
 
 template <class LayoutA, class LayoutB, class Config>
 struct GemmDef {
@@ -348,6 +355,8 @@ ffi::Error dispatch_tile(int64_t tile, Schedule sched, F&& f) {
       return f(PingpongSmall{});
     case 2:
       return f(CoopWide{});
+    case 3:
+      return f(PingpongThin{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: tile=" + std::to_string(tile) +
                                          " is invalid; valid: 0.." +

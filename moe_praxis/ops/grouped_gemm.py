@@ -47,6 +47,7 @@ TILE_CONFIGS = (
     "coop_256x128_c2x1",  # 0: cooperative, tile 256x128x64, cluster 2x1
     "pingpong_128x128_c2x1",  # 1: ping-pong, tile 128x128x64, cluster 2x1
     "coop_128x256_c2x1",  # 2: cooperative, tile 128x256x64, cluster 2x1
+    "pingpong_64x256_c2x1",  # 3: ping-pong, tile 64x256x64, cluster 2x1 (ragged small groups)
 )
 # Run-time scheduling of the persistent tile scheduler (FFI attributes `raster`, `swizzle`):
 # the order in which a group's output tiles are handed out, and the swizzle width. (Without
