@@ -1,6 +1,7 @@
 // Switch load-balancing loss, forward and backward (see moe_praxis/ops/aux_loss.py).
 //
-//   L = coeff * E / (k * T^2) * sum_{t,e} p[t, e] * f[e]          (forward, one pass over p)
+//   L = coeff * E / (k * T^2) * sum_{t,e} p[t, e] * f[e]          (forward, one pass over p,
+//                                                                   then one block: no atomics)
 //   dL/dp[t, e] = g * coeff * E / (k * T^2) * f[e]                (backward, write-only)
 //
 // p: [T, E] f32 or bf16; f: [E] f32 or int32 (counts are read as they are: no convert kernel
@@ -14,42 +15,68 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// Forward, pass 1: block b writes its partial sum of p * f to partials[b] (no atomics, no
+// memset); pass 2 (one block) adds the partials in a fixed order and scales: the loss is
+// bitwise reproducible from call to call.
+constexpr int kFwdThreads = 512;
+constexpr int kMaxPartials = 512;  // the workspace output's length (ops/cuda.py)
+
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float acc) {
+  __shared__ float warp_sums[THREADS / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  acc = 0.f;
+  if (threadIdx.x < 32) {
+    acc = threadIdx.x < (THREADS / 32) ? warp_sums[threadIdx.x] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  }
+  return acc;  // valid in thread 0
+}
+
 template <typename T, typename F, int VEC>
-__global__ void aux_loss_fwd_kernel(const T* __restrict__ p, const F* __restrict__ f,
-                                    const float* __restrict__ scale, float* __restrict__ out,
-                                    int64_t n, int e) {
+__global__ void __launch_bounds__(kFwdThreads)
+    aux_loss_partials_kernel(const T* __restrict__ p, const F* __restrict__ f,
+                             float* __restrict__ partials, int64_t n, int e) {
   using V = Vec<T, VEC>;
   float acc = 0.f;
   const int64_t nvec = n / VEC;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < nvec;
-       i += stride) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFwdThreads;
+  // the column of a vector's first element, advanced by the stride mod E (no 64-bit modulo in
+  // the loop)
+  const int step = static_cast<int>((stride * VEC) % e);
+  int64_t i = blockIdx.x * static_cast<int64_t>(kFwdThreads) + threadIdx.x;
+  int col0 = static_cast<int>((i * VEC) % e);
+  for (; i < nvec; i += stride) {
     V v = reinterpret_cast<const V*>(p)[i];
-    int col = static_cast<int>((i * VEC) % e);
+    int col = col0;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       acc += to_f32(v.v[j]) * static_cast<float>(__ldg(f + col));
       col = (col + 1 == e) ? 0 : col + 1;
     }
+    col0 += step;
+    if (col0 >= e) col0 -= e;
   }
   // tail (n % VEC elements), handled by block 0
   if (blockIdx.x == 0) {
-    for (int64_t i = nvec * VEC + threadIdx.x; i < n; i += blockDim.x) {
-      acc += to_f32(p[i]) * static_cast<float>(f[i % e]);
+    for (int64_t t = nvec * VEC + threadIdx.x; t < n; t += kFwdThreads) {
+      acc += to_f32(p[t]) * static_cast<float>(f[t % e]);
     }
   }
-  // block reduction
-  __shared__ float warp_sums[kThreads / 32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    acc = threadIdx.x < (blockDim.x >> 5) ? warp_sums[threadIdx.x] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (threadIdx.x == 0) atomicAdd(out, acc * scale[0]);
-  }
+  acc = block_sum<kFwdThreads>(acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+__global__ void __launch_bounds__(kFwdThreads)
+    aux_loss_finish_kernel(const float* __restrict__ partials, int num,
+                           const float* __restrict__ scale, float* __restrict__ out) {
+  float acc = threadIdx.x < num ? partials[threadIdx.x] : 0.f;
+  acc = block_sum<kFwdThreads>(acc);
+  if (threadIdx.x == 0) out[0] = acc * scale[0];
 }
 
 template <typename T, typename F, int VEC>
@@ -111,12 +138,16 @@ ffi::Error dispatch(const ffi::AnyBuffer& probs, const ffi::AnyBuffer& tpe, Args
 template <typename T, typename F, int VEC>
 struct LaunchFwd {
   static ffi::Error run(const ffi::AnyBuffer& probs, const ffi::AnyBuffer& tpe,
-                        cudaStream_t stream, const float* scale, float* out, int64_t n, int e) {
-    const int grid = grid_for(n / VEC + 1, kThreads, 132 * 8);
-    aux_loss_fwd_kernel<T, F, VEC><<<grid, kThreads, 0, stream>>>(
+                        cudaStream_t stream, const float* scale, float* out, float* partials,
+                        int64_t n, int e) {
+    // 2 blocks of 512 threads per SM on a 132-SM H200: one wave, every SM streaming
+    const int grid = grid_for(n / VEC + 1, kFwdThreads, 264);
+    aux_loss_partials_kernel<T, F, VEC><<<grid, kFwdThreads, 0, stream>>>(
         reinterpret_cast<const T*>(probs.untyped_data()),
-        reinterpret_cast<const F*>(tpe.untyped_data()), scale, out, n, e);
-    MOE_LAUNCH_CHECK("aux_loss_fwd");
+        reinterpret_cast<const F*>(tpe.untyped_data()), partials, n, e);
+    MOE_LAUNCH_CHECK("aux_loss_partials");
+    aux_loss_finish_kernel<<<1, kFwdThreads, 0, stream>>>(partials, grid, scale, out);
+    MOE_LAUNCH_CHECK("aux_loss_finish");
     return ffi::Error::Success();
   }
 };
@@ -135,13 +166,22 @@ struct LaunchBwd {
 };
 
 ffi::Error AuxLossFwdImpl(cudaStream_t stream, ffi::AnyBuffer probs, ffi::AnyBuffer tpe,
-                          ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                          ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                          ffi::Result<ffi::Buffer<ffi::F32>> partials) {
   if (auto err = check_common(probs, tpe, scale); !err.success()) return err;
+  if (partials->element_count() != static_cast<size_t>(kMaxPartials)) {
+    return MOE_INVALID("aux loss: the workspace must have " + std::to_string(kMaxPartials) +
+                       " float32 elements, got " + std::to_string(partials->element_count()));
+  }
   const int64_t n = probs.element_count();
   const int e = static_cast<int>(cols_of(probs));
-  MOE_CUDA_CHECK(cudaMemsetAsync(out->typed_data(), 0, sizeof(float), stream));
-  if (n == 0) return ffi::Error::Success();
-  return dispatch<LaunchFwd>(probs, tpe, stream, scale.typed_data(), out->typed_data(), n, e);
+  if (n == 0) {
+    MOE_CUDA_CHECK(cudaMemsetAsync(out->typed_data(), 0, sizeof(float), stream));
+    return ffi::Error::Success();
+  }
+  static_assert(264 <= kMaxPartials && kMaxPartials <= kFwdThreads, "partials fit one block");
+  return dispatch<LaunchFwd>(probs, tpe, stream, scale.typed_data(), out->typed_data(),
+                             partials->typed_data(), n, e);
 }
 
 ffi::Error AuxLossBwdImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> g, ffi::AnyBuffer probs,
@@ -171,7 +211,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeAuxLossFwd, moe::AuxLossFwdImpl,
                                   .Arg<xla::ffi::AnyBuffer>()                  // probs [T, E]
                                   .Arg<xla::ffi::AnyBuffer>()                  // f [E] f32/s32
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // scale []
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),     // loss []
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()      // loss []
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),     // partials [512]
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeAuxLossBwd, moe::AuxLossBwdImpl,

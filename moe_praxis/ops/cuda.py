@@ -233,8 +233,16 @@ def _aux_fwd_ref(probs, f, scale):
     return scale * jnp.sum(jnp.sum(probs.astype(jnp.float32), axis=0) * f.astype(jnp.float32))
 
 
+# The forward's workspace: one float32 partial sum per block of its first pass, added in a fixed
+# order by its second (kMaxPartials in kernels/aux_loss.cu): the loss is bitwise reproducible.
+AUX_PARTIALS = 512
+
+
 def _aux_fwd_ffi(probs, f, scale):
-    return ffi("moe_aux_loss_fwd", jax.ShapeDtypeStruct((), jnp.float32), probs, f, scale)
+    loss, _ = ffi("moe_aux_loss_fwd", (jax.ShapeDtypeStruct((), jnp.float32),
+                                       jax.ShapeDtypeStruct((AUX_PARTIALS, ), jnp.float32)), probs,
+                  f, scale)
+    return loss
 
 
 def _aux_bwd_ref(g, probs, f, scale):
