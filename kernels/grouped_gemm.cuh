@@ -56,18 +56,21 @@ struct CoopLarge {  // tile 0: cooperative, 256x128x64, cluster 2x1
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
   using Tile = Shape<_256, _128, _64>;
   using Cluster = Shape<_2, _1, _1>;
+  static constexpr int kTilesInFlight = 1;  // output tiles a CTA works on at once
 };
 struct PingpongSmall {  // tile 1: ping-pong, 128x128x64, cluster 2x1 (small N, small groups)
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
   using Tile = Shape<_128, _128, _64>;
   using Cluster = Shape<_2, _1, _1>;
+  static constexpr int kTilesInFlight = 2;  // one per consumer warpgroup
 };
 struct CoopWide {  // tile 2: cooperative, 128x256x64, cluster 2x1
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
   using Tile = Shape<_128, _256, _64>;
   using Cluster = Shape<_2, _1, _1>;
+  static constexpr int kTilesInFlight = 1;
 };
 struct PingpongThin {  // tile 3: ping-pong, 64x256x64, cluster 2x1 (many small / ragged groups:
                       // 64-row tiles waste less at each group's ragged end)
@@ -75,8 +78,23 @@ struct PingpongThin {  // tile 3: ping-pong, 64x256x64, cluster 2x1 (many small 
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
   using Tile = Shape<_64, _256, _64>;
   using Cluster = Shape<_2, _1, _1>;
+  static constexpr int kTilesInFlight = 2;
 };
-constexpr int kNumTiles = 4;
+// tile 4: adaptive, chosen on the device at every call from the group sizes: the prepare kernel
+// counts the output tiles each of First and Second would issue and keeps the cheaper one
+// (cost = waves x work per wave; Second's cost x kSecondCostPct / 100, its measured per-FLOP
+// overhead when neither wastes a tile); both kernels are launched, the other one gets no tiles
+// (an empty persistent launch: a few microseconds).
+template <class A, class B, int kSecondCostPctV>
+struct Adaptive {
+  using First = A;
+  using Second = B;
+  static constexpr int kSecondCostPct = kSecondCostPctV;
+};
+// 64x256 ping-pong measured 1.04x-1.07x the time of 128x256 cooperative on balanced groups
+// (shapes A, B, C of the benchmark, H200, 2026-11-29).
+using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 105>;
+constexpr int kNumTiles = 5;
 
 template <class LayoutA, class LayoutB, class Config>
 struct GemmDef {
@@ -101,6 +119,25 @@ struct GemmDef {
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
+  using TileConfig = Config;
+  static constexpr bool kAdaptive = false;
+};
+
+// The adaptive pair: two kernels sharing the operand arrays (the strides must agree).
+template <class LayoutA, class LayoutB, class A, class B, int kPct>
+struct GemmDef<LayoutA, LayoutB, Adaptive<A, B, kPct>> {
+  using First = GemmDef<LayoutA, LayoutB, A>;
+  using Second = GemmDef<LayoutA, LayoutB, B>;
+  using Kernel = typename First::Kernel;
+  using StrideA = typename First::StrideA;
+  using StrideB = typename First::StrideB;
+  using StrideD = typename First::StrideD;
+  static_assert(std::is_same_v<StrideA, typename Second::StrideA> &&
+                    std::is_same_v<StrideB, typename Second::StrideB> &&
+                    std::is_same_v<StrideD, typename Second::StrideD>,
+                "an adaptive pair must share its operand strides");
+  static constexpr bool kAdaptive = true;
+  static constexpr int kSecondCostPct = kPct;
 };
 
 // Where group e's operands start: base + e * per_expert + row_offset(e) * per_row (elements).
@@ -125,6 +162,15 @@ struct PrepareParams {
   bool zero_empty_experts;
   int64_t zero_row;
   int64_t zero_expert;
+  // Adaptive tile (alt_shapes != nullptr): every shape is also written to alt_shapes (the second
+  // kernel's); block 0 counts both configurations' output tiles and empties (M = 0) the shapes
+  // of the costlier one. Per configuration c: tile_m, tile_n, the tiles in flight over the
+  // whole GPU (slots: CTAs x tiles a CTA works on at once), cost_pct.
+  UnderlyingShape* alt_shapes;
+  int tile_m[2], tile_n[2];
+  int64_t slots[2];
+  int cost_pct[2];
+  int32_t* chose_second;  // where block 0 records its choice (1: second), or nullptr
 };
 
 template <class StrideA, class StrideB, class StrideD>
@@ -160,6 +206,12 @@ inline GroupArrays<StrideA, StrideB, StrideD> carve_group_arrays(uint8_t* ws, in
 inline int64_t group_array_bytes(int e) {
   return (kGroupArrayBytesPerGroup * e + kAlign - 1) / kAlign * kAlign;
 }
+// Adaptive tiles: the second kernel's shapes, then one 256-byte slot whose first int32 is the
+// choice (1: second), read by tests.
+inline int64_t adaptive_bytes(int e) {
+  return (static_cast<int64_t>(sizeof(UnderlyingShape)) * e + kAlign - 1) / kAlign * kAlign +
+         kAlign;
+}
 
 constexpr int kPrepareThreads = 256;
 
@@ -177,6 +229,8 @@ __global__ void __launch_bounds__(kPrepareThreads)
   using BlockScan = cub::BlockScan<int64_t, kPrepareThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ int64_t carry;
+  __shared__ int use_second;
+  int64_t tiles[2] = {0, 0};  // this thread's groups' output tiles (adaptive)
   extern __shared__ int32_t rows_smem[];  // clamped rows per group (expert-zeroing mode)
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
@@ -194,9 +248,19 @@ __global__ void __launch_bounds__(kPrepareThreads)
       const int64_t hi = min(start + size, p.rows);
       const int m = static_cast<int>(hi - lo);
       if (p.zero_empty_experts) rows_smem[e] = m;
+      const UnderlyingShape shape = p.ragged_k ? UnderlyingShape(m > 0 ? p.dim_a : 0, p.dim_b, m)
+                                               : UnderlyingShape(m, p.dim_a, p.dim_b);
+      if (p.alt_shapes != nullptr) {
+        const int64_t out_rows = get<0>(shape), out_cols = get<1>(shape);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          tiles[c] += (out_rows + p.tile_m[c] - 1) / p.tile_m[c] *
+                      ((out_cols + p.tile_n[c] - 1) / p.tile_n[c]);
+        }
+      }
       if (writer) {
-        g.shapes[e] = p.ragged_k ? UnderlyingShape(m > 0 ? p.dim_a : 0, p.dim_b, m)
-                                 : UnderlyingShape(m, p.dim_a, p.dim_b);
+        g.shapes[e] = shape;
+        if (p.alt_shapes != nullptr) p.alt_shapes[e] = shape;
         g.ptr_a[e] = p.a + e * p.map_a.per_expert + lo * p.map_a.per_row;
         g.ptr_b[e] = p.b + e * p.map_b.per_expert + lo * p.map_b.per_row;
         g.ptr_d[e] = p.d + e * p.map_d.per_expert + lo * p.map_d.per_row;
@@ -206,6 +270,34 @@ __global__ void __launch_bounds__(kPrepareThreads)
       }
     }
     __syncthreads();  // carry updated; scan storage reusable
+  }
+  if (writer && p.alt_shapes != nullptr) {
+    int64_t total[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      int64_t excl;
+      BlockScan(scan_storage).ExclusiveSum(tiles[c], excl, total[c]);
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      // cost: waves x work of one wave slot (tile area x tiles in flight per CTA, which is
+      // slots / SMs) x cost_pct; the shipped pair has equal work per slot
+      double cost[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int64_t waves = (total[c] + p.slots[c] - 1) / p.slots[c];
+        cost[c] = static_cast<double>(waves) * p.tile_m[c] * p.tile_n[c] *
+                  static_cast<double>(p.slots[c]) * p.cost_pct[c];
+      }
+      use_second = cost[1] < cost[0] ? 1 : 0;
+      if (p.chose_second != nullptr) *p.chose_second = use_second;
+    }
+    __syncthreads();
+    UnderlyingShape* empty = use_second ? g.shapes : p.alt_shapes;
+    for (int e = threadIdx.x; e < p.num_groups; e += kPrepareThreads) {
+      const UnderlyingShape s = empty[e];
+      empty[e] = UnderlyingShape(0, get<1>(s), get<2>(s));
+    }
   }
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t nthreads = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -274,20 +366,98 @@ extern "C" void moe_praxis_note_stream(cudaStream_t stream);
 
 namespace moe_gg {
 
+// Launches one CUTLASS kernel over the group arrays `g` with the problem shapes `shapes`;
+// `ws` / `ws_bytes`: room for CUTLASS's own workspace; *used: the bytes it took.
+template <class Def, class Arrays>
+ffi::Error launch_cutlass(cudaStream_t stream, int e, UnderlyingShape* shapes, const Arrays& g,
+                          uint8_t* ws, int64_t ws_bytes, Schedule sched, int device,
+                          int64_t* used) {
+  using Gemm = typename Def::Gemm;
+  cutlass::KernelHardwareInfo hw = hardware_info<Def>(device);
+  typename Gemm::Arguments args;
+  decltype(args.epilogue.thread) fusion;
+  fusion.alpha = 1.0f;
+  fusion.beta = 0.0f;
+  fusion.alpha_ptr = nullptr;
+  fusion.beta_ptr = nullptr;
+  args = typename Gemm::Arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {e, shapes, nullptr},
+      {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b},
+      {fusion, nullptr, g.stride_d, g.ptr_d, g.stride_d},
+      hw};
+  using RasterOptions = decltype(args.scheduler.raster_order);
+  args.scheduler.raster_order = sched.raster ? RasterOptions::AlongN : RasterOptions::AlongM;
+  args.scheduler.max_swizzle_size = static_cast<int>(sched.swizzle);
+  Gemm gemm;
+  const int64_t need = static_cast<int64_t>(Gemm::get_workspace_size(args));
+  *used = (need + kAlign - 1) / kAlign * kAlign;
+  if (need > ws_bytes) {
+    return ffi::Error::InvalidArgument(
+        "moe_praxis grouped GEMM: CUTLASS needs " + std::to_string(need) +
+        " workspace bytes, " + std::to_string(ws_bytes) +
+        " are left (raise _CUTLASS_WORKSPACE_BYTES in moe_praxis/ops/grouped_gemm.py)");
+  }
+  cutlass::Status st = gemm.can_implement(args);
+  if (st != cutlass::Status::kSuccess) {
+    return ffi::Error::InvalidArgument(std::string("moe_praxis grouped GEMM: CUTLASS cannot "
+                                                   "implement this problem: ") +
+                                       cutlassGetStatusString(st));
+  }
+  st = gemm.initialize(args, ws, stream);
+  if (st != cutlass::Status::kSuccess) {
+    return ffi::Error::Internal(std::string("moe_praxis grouped GEMM: initialize failed: ") +
+                                cutlassGetStatusString(st));
+  }
+  st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess) {
+    return ffi::Error::Internal(std::string("moe_praxis grouped GEMM: run failed: ") +
+                                cutlassGetStatusString(st));
+  }
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return cuda_error(err, "CUTLASS kernel launch");
+  return ffi::Error::Success();
+}
+
+template <class Config>
+void set_adaptive_slot(PrepareParams& p, int c, int sm_count) {
+  p.tile_m[c] = static_cast<int>(cute::size<0>(typename Config::Tile{}));
+  p.tile_n[c] = static_cast<int>(cute::size<1>(typename Config::Tile{}));
+  p.slots[c] = static_cast<int64_t>(sm_count) * Config::kTilesInFlight;
+}
+
+// Runs prepare + CUTLASS for one tile configuration (or, for an adaptive Def, prepare + both
+// kernels of its pair, one of which finds no tiles). `sa`, `sb`, `sd` are the (constant)
+// strides of A, B, D; group arrays go at the start of `workspace`, then (adaptive) the second
+// kernel's shapes and the int32 choice, then CUTLASS's workspace(s).
 template <class Def>
 ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::StrideA sa,
                        typename Def::StrideB sb, typename Def::StrideD sd, uint8_t* workspace,
                        int64_t workspace_bytes, Schedule sched) {
-  using Gemm = typename Def::Gemm;
   moe_praxis_note_stream(stream);
   const int e = p.num_groups;
   auto g = carve_group_arrays<typename Def::StrideA, typename Def::StrideB, typename Def::StrideD>(
       workspace, e);
-  const int64_t head = group_array_bytes(e);
+  int64_t head = group_array_bytes(e);
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return cuda_error(err, "cudaGetDevice");
   cutlass::KernelHardwareInfo hw = hardware_info<Def>(device);
+  p.alt_shapes = nullptr;
+  p.chose_second = nullptr;
+  if constexpr (Def::kAdaptive) {
+    p.alt_shapes = reinterpret_cast<UnderlyingShape*>(workspace + head);
+    p.chose_second = reinterpret_cast<int32_t*>(workspace + head + adaptive_bytes(e) - kAlign);
+    head += adaptive_bytes(e);
+    set_adaptive_slot<typename Def::First::TileConfig>(p, 0, hw.sm_count);
+    set_adaptive_slot<typename Def::Second::TileConfig>(p, 1, hw.sm_count);
+    p.cost_pct[0] = 100;
+    p.cost_pct[1] = Def::kSecondCostPct;
+  }
+  if (head > workspace_bytes) {
+    return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: workspace of " +
+                                       std::to_string(workspace_bytes) + " bytes is too small");
+  }
 
   // Prepare: block 0 writes the group arrays, all blocks zero what CUTLASS will not write.
   const int64_t zero_elems = p.zero_empty_experts ? p.zero_expert * e : p.rows * p.zero_row;
@@ -299,48 +469,18 @@ ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::Strid
   err = cudaGetLastError();
   if (err != cudaSuccess) return cuda_error(err, "prepare kernel launch");
 
-  typename Gemm::Arguments args;
-  decltype(args.epilogue.thread) fusion;
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
-  fusion.alpha_ptr = nullptr;
-  fusion.beta_ptr = nullptr;
-  args = typename Gemm::Arguments{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {e, g.shapes, nullptr},
-      {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b},
-      {fusion, nullptr, g.stride_d, g.ptr_d, g.stride_d},
-      hw};
-  using RasterOptions = decltype(args.scheduler.raster_order);
-  args.scheduler.raster_order = sched.raster ? RasterOptions::AlongN : RasterOptions::AlongM;
-  args.scheduler.max_swizzle_size = static_cast<int>(sched.swizzle);
-  Gemm gemm;
-  const size_t need = Gemm::get_workspace_size(args);
-  if (static_cast<int64_t>(need) > workspace_bytes - head) {
-    return ffi::Error::InvalidArgument(
-        "moe_praxis grouped GEMM: workspace of " + std::to_string(workspace_bytes) +
-        " bytes is too small; need " + std::to_string(head + need) +
-        " (raise _CUTLASS_WORKSPACE_BYTES in moe_praxis/ops/grouped_gemm.py)");
+  int64_t used = 0;
+  if constexpr (Def::kAdaptive) {
+    ffi::Error first = launch_cutlass<typename Def::First>(
+        stream, e, g.shapes, g, workspace + head, workspace_bytes - head, sched, device, &used);
+    if (first.failure()) return first;
+    head += used;
+    return launch_cutlass<typename Def::Second>(stream, e, p.alt_shapes, g, workspace + head,
+                                                workspace_bytes - head, sched, device, &used);
+  } else {
+    return launch_cutlass<Def>(stream, e, g.shapes, g, workspace + head, workspace_bytes - head,
+                               sched, device, &used);
   }
-  cutlass::Status st = gemm.can_implement(args);
-  if (st != cutlass::Status::kSuccess) {
-    return ffi::Error::InvalidArgument(std::string("moe_praxis grouped GEMM: CUTLASS cannot "
-                                                   "implement this problem: ") +
-                                       cutlassGetStatusString(st));
-  }
-  st = gemm.initialize(args, workspace + head, stream);
-  if (st != cutlass::Status::kSuccess) {
-    return ffi::Error::Internal(std::string("moe_praxis grouped GEMM: initialize failed: ") +
-                                cutlassGetStatusString(st));
-  }
-  st = gemm.run(stream);
-  if (st != cutlass::Status::kSuccess) {
-    return ffi::Error::Internal(std::string("moe_praxis grouped GEMM: run failed: ") +
-                                cutlassGetStatusString(st));
-  }
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return cuda_error(err, "CUTLASS kernel launch");
-  return ffi::Error::Success();
 }
 
 // Dispatches on the tile attribute. F<Config>() returns the ffi::Error of one configuration.
@@ -357,6 +497,8 @@ ffi::Error dispatch_tile(int64_t tile, Schedule sched, F&& f) {
       return f(CoopWide{});
     case 3:
       return f(PingpongThin{});
+    case 4:
+      return f(AdaptiveWideThin{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: tile=" + std::to_string(tile) +
                                          " is invalid; valid: 0.." +

@@ -78,11 +78,17 @@ def dispatch_rows(x, d: Dispatch, *, backend: str = "auto"):
     return ops.permute(x, d.row_map, backend=backend)
 
 
+def row_weights(weights, d: Dispatch):
+    """weights: [T, k] -> [R] float32 routing weight of each expert-sorted row."""
+    return weights.reshape(-1)[d.order].astype(jnp.float32)
+
+
 def combine_rows(y_rows, weights, d: Dispatch, num_tokens: int, *, backend: str = "auto"):
     """y_rows: [R, M] expert outputs, weights: [T, k] -> [T, M] = sum_j w[t, j] * y[copy t, j].
 
-    The weighted sum is computed in float32 and returned in y_rows.dtype.
+    The weighted sum is computed in float32 and returned in y_rows.dtype. (moe_block instead
+    multiplies the weights into the activation, `expert_ffn(row_weights=...)`, and combines
+    with a plain unpermute: no float32 [R, M] copy.)
     """
-    w_sorted = weights.reshape(-1)[d.order].astype(jnp.float32)
-    scaled = y_rows.astype(jnp.float32) * w_sorted[:, None]
+    scaled = y_rows.astype(jnp.float32) * row_weights(weights, d)[:, None]
     return ops.unpermute(scaled, d.row_map, num_tokens, backend=backend).astype(y_rows.dtype)

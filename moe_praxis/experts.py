@@ -16,6 +16,7 @@ import importlib
 import warnings
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis import ops
@@ -57,10 +58,21 @@ def _warn_cudnn_fallback(backend: str) -> None:
             stacklevel=3)
 
 
-def expert_ffn(rows, group_sizes, wi_gate, wi_up, wo, config: MoEConfig, *, backend="auto"):
+def expert_ffn(rows,
+               group_sizes,
+               wi_gate,
+               wi_up,
+               wo,
+               config: MoEConfig,
+               *,
+               backend="auto",
+               row_weights=None):
     """rows: [R, M]; group_sizes: [E]; wi_*: [E, M, H]; wo: [E, H, M] -> [R, M].
 
     Rows past sum(group_sizes) come out zero. Weights are cast to rows.dtype.
+    row_weights: optional [R] float32 routing weight of each row, multiplied into the
+    activation (fused into the SwiGLU kernel on the 'cuda' backend): the output is then
+    w[r] * FFN(rows[r]) (the down projection is linear), so the combine is a plain unpermute.
     With config.use_cudnn_fusion where cuDNN's fusion is unusable: warns once per reason
     (naming it and the fallback) and runs the fallback.
     """
@@ -72,9 +84,11 @@ def expert_ffn(rows, group_sizes, wi_gate, wi_up, wo, config: MoEConfig, *, back
     if config.gated:
         gate = checkpoint_name(
             ops.grouped_gemm(rows, wi_gate.astype(dt), group_sizes, backend=backend), "moe_gate")
-        act = ops.swiglu(gate, up, act=config.activation, backend=backend)
+        act = ops.swiglu(gate, up, row_weights, act=config.activation, backend=backend)
     else:
         act = ops.activation(config.activation)(up)
+        if row_weights is not None:
+            act = (act.astype(jnp.float32) * row_weights.astype(jnp.float32)[:, None]).astype(dt)
     act = checkpoint_name(act, "ffn1")
     out = ops.grouped_gemm(act, wo.astype(dt), group_sizes, backend=backend)
     return checkpoint_name(out, "ffn2")

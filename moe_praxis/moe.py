@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis import dispatch as dispatch_lib
+from moe_praxis import ops
 from moe_praxis import routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.experts import expert_ffn
@@ -101,14 +102,17 @@ def moe_local(params, x2, valid, config: MoEConfig, *, seq_len=None, backend="xl
     zl = routing.z_loss(logits, valid, config.z_loss_coeff)
     d = dispatch_lib.make_dispatch(r.expert_ids, r.weights, valid, config)
     rows = checkpoint_name(dispatch_lib.dispatch_rows(x2, d, backend=backend), "moe_dispatched")
+    # The routing weights go into the activation (the SwiGLU kernel's fused multiply), so the
+    # combine is a plain unpermute of the expert outputs (summed in float32, rounded once).
     out_rows = expert_ffn(rows,
                           d.group_sizes,
                           params.get("wi_gate"),
                           params["wi_up"],
                           params["wo"],
                           config,
-                          backend=backend)
-    y = dispatch_lib.combine_rows(out_rows, r.weights, d, t, backend=backend)
+                          backend=backend,
+                          row_weights=dispatch_lib.row_weights(r.weights, d))
+    y = ops.unpermute(out_rows, d.row_map, t, backend=backend)
     return MoEOutput(y=y,
                      aux_loss=aux,
                      z_loss=zl,

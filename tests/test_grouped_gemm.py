@@ -299,6 +299,56 @@ def test_cuda_grads_match_reference(kind, tile):
     assert "moe_grouped_gemm_dgrad" in text and "moe_grouped_gemm_wgrad" in text
 
 
+def adaptive_model(group_sizes, out_cols, sm_count):
+    """The adaptive tile's cost model (kernels/grouped_gemm.cuh, moe_gg_prepare), in Python:
+    1 if 64x256 ping-pong (2 tiles in flight per CTA, cost x 1.05) beats 128x256 cooperative."""
+    cost = []
+    for tm, tn, in_flight, pct in ((128, 256, 1, 100), (64, 256, 2, 105)):
+        tiles = sum(-(-int(m) // tm) * -(-out_cols // tn) for m in np.maximum(group_sizes, 0))
+        slots = sm_count * in_flight
+        cost.append(-(-tiles // slots) * tm * tn * slots * pct)
+    return int(cost[1] < cost[0])
+
+
+@pytest.mark.gpu
+def test_cuda_adaptive_tile_choice_matches_model_and_both_kernels_are_right():
+    """The device picks 128x256 or 64x256 from the group sizes at each call: its choice (read
+    from the workspace) equals the Python cost model, both choices occur, and the output and
+    gradients are right whichever ran (poisoned outputs before each call)."""
+    _cuda_or_skip()
+    sm = jax.devices()[0].core_count
+    cfg = gg.TILE_CONFIGS[gg.ADAPTIVE_TILE]
+    m, k, n, e = 4096, 128, 2048, 64
+    fwd = jax.jit(lambda a, b, g: gg._ffi("fwd", (m, n), a, b, g, cfg, with_workspace=True))
+    dgrad = jax.jit(lambda d, b, g: gg._ffi("dgrad", (m, k), d, b, g, cfg, with_workspace=True))
+    rng = np.random.default_rng(_seed())
+    patterns = {
+        "64 rows each": np.full(e, 64),  # 128-row tiles half empty: 64x256 must win
+        "one group": np.eye(e, dtype=np.int64)[3] * m,  # full tiles: 128x256
+        "skewed": make_sizes("skewed", m, e, rng),
+        "random": make_sizes("random", m, e, rng),
+        "one_row": make_sizes("one_row", m, e, rng),
+    }
+    seen = set()
+    for name, sizes in patterns.items():
+        seed = _seed()
+        lhs, rhs, _, dout = _inputs(m, k, n, e, "balanced", jnp.bfloat16, seed)
+        gs = jnp.asarray(sizes, jnp.int32)
+        msg = f"seed={seed} {name} sizes={sizes}"
+        jax.block_until_ready(fwd(lhs + 1, rhs * 3, gs))  # poison the buffers
+        out, ws = fwd(lhs, rhs, gs)
+        choice = int(gg.adaptive_choice(ws, e))
+        assert choice == adaptive_model(sizes, n, sm), msg
+        seen.add(choice)
+        assert rel_err(out, loop_reference(lhs, rhs, gs)) < RTOL_BF16, msg
+        np.testing.assert_array_equal(np.asarray(out[int(sizes.sum()):], np.float32), 0.0, msg)
+        dl, ws_d = dgrad(dout, rhs, gs)
+        assert int(gg.adaptive_choice(ws_d, e)) == adaptive_model(sizes, k, sm), msg
+        ref_dl, _ = loop_grads(lhs, rhs, gs, dout)
+        assert rel_err(dl, ref_dl) < RTOL_BF16, msg
+    assert seen == {0, 1}, f"both kernels of the pair must have run: {seen}"
+
+
 @pytest.mark.gpu
 def test_cuda_group_sizes_change_without_recompiling():
     _cuda_or_skip()

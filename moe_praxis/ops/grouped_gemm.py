@@ -48,7 +48,11 @@ TILE_CONFIGS = (
     "pingpong_128x128_c2x1",  # 1: ping-pong, tile 128x128x64, cluster 2x1
     "coop_128x256_c2x1",  # 2: cooperative, tile 128x256x64, cluster 2x1
     "pingpong_64x256_c2x1",  # 3: ping-pong, tile 64x256x64, cluster 2x1 (ragged small groups)
+    # 4: tiles 2 or 3, chosen on the device at every call from the group sizes (the tiles each
+    # would issue; kernels/grouped_gemm.cuh, Adaptive)
+    "adaptive_128x256_64x256",
 )
+ADAPTIVE_TILE = 4
 # Run-time scheduling of the persistent tile scheduler (FFI attributes `raster`, `swizzle`):
 # the order in which a group's output tiles are handed out, and the swizzle width. (Without
 # host problem shapes CUTLASS's group scheduler derives swizzle 1 whatever is passed: see
@@ -73,10 +77,28 @@ _TARGETS = {
 }
 
 
-def workspace_bytes(num_groups: int) -> int:
-    """Bytes of the workspace output buffer of one FFI call with `num_groups` groups."""
-    head = (_GROUP_ARRAY_BYTES_PER_GROUP * num_groups + 255) // 256 * 256
+_SHAPE_BYTES = 12  # one group's (M, N, K) int32 problem shape
+
+
+def _round256(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+def workspace_bytes(num_groups: int, tile: int = 0) -> int:
+    """Bytes of the workspace output buffer of one FFI call with `num_groups` groups; the
+    adaptive tile adds the second kernel's shapes, its choice and its CUTLASS workspace."""
+    head = _round256(_GROUP_ARRAY_BYTES_PER_GROUP * num_groups)
+    if tile == ADAPTIVE_TILE:
+        return head + _round256(_SHAPE_BYTES * num_groups) + 256 + 2 * _CUTLASS_WORKSPACE_BYTES
     return head + _CUTLASS_WORKSPACE_BYTES
+
+
+def adaptive_choice(workspace, num_groups: int):
+    """From the workspace of an adaptive-tile call: int32 1 where the device chose the second
+    tile (pingpong_64x256), 0 for the first (coop_128x256). For tests and benchmarks."""
+    off = _round256(_GROUP_ARRAY_BYTES_PER_GROUP * num_groups) + _round256(
+        _SHAPE_BYTES * num_groups)
+    return jax.lax.bitcast_convert_type(workspace[off:off + 4].reshape(1, 4), jnp.int32)[0]
 
 
 def parse_config(name: str) -> tuple[int, int, int]:
@@ -126,6 +148,10 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
     }[op]
     if op == "wgrad" and rows_per_group < 2048:
         tile = 1  # short mainloops (the group's rows): ping-pong 128x128 hides the epilogue
+    elif op != "wgrad" and rows_per_group <= 2048:
+        # small groups: ragged group ends waste a larger share of 128-row tiles; the device
+        # picks 128x256 or 64x256 at each call from the actual group sizes
+        tile = ADAPTIVE_TILE
     else:
         tile = 2  # coop_128x256_c2x1
     # Raster: hand out tiles so that consecutive CTAs share the larger operand tile.
@@ -168,18 +194,18 @@ def grouped_gemm_wgrad_reference(lhs, dout, group_sizes):
 # ------------------------------------------------------------------------- CUDA kernels
 
 
-def _ffi(op: str, out_shape, a, b, group_sizes, config: str):
+def _ffi(op: str, out_shape, a, b, group_sizes, config: str, with_workspace: bool = False):
     tile, raster, swizzle = parse_config(config)
-    out, _ = _cuda.ffi(_TARGETS[op], (jax.ShapeDtypeStruct(out_shape, a.dtype),
-                                      jax.ShapeDtypeStruct(
-                                          (workspace_bytes(group_sizes.shape[0]), ), jnp.uint8)),
-                       a,
-                       b,
-                       group_sizes.astype(jnp.int32),
-                       tile=tile,
-                       raster=raster,
-                       swizzle=swizzle)
-    return out
+    ws = workspace_bytes(group_sizes.shape[0], tile)
+    out, workspace = _cuda.ffi(_TARGETS[op], (jax.ShapeDtypeStruct(
+        out_shape, a.dtype), jax.ShapeDtypeStruct((ws, ), jnp.uint8)),
+                               a,
+                               b,
+                               group_sizes.astype(jnp.int32),
+                               tile=tile,
+                               raster=raster,
+                               swizzle=swizzle)
+    return (out, workspace) if with_workspace else out
 
 
 def cuda_fwd(lhs, rhs, group_sizes, config: str):
