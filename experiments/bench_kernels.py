@@ -192,7 +192,48 @@ def cases(t, e, k, d, h):
         return lambda x: ops.unpermute(
             ops.permute(x, row_map, backend=backend), row_map, t, backend=backend)
 
+    # moe_block's expert-side elementwise work around the down projection, forward + backward,
+    # in the two structures: the routing weights applied after the FFN (a float32 [R, d] copy
+    # scaled, then unpermuted: dispatch.combine_rows) or multiplied into the SwiGLU kernel with
+    # a plain bf16 unpermute (what moe_block does). Same inputs; both compute the gradients of
+    # g, u, y and w.
+    from moe_praxis import dispatch as dispatch_lib
+    disp = dispatch_lib.Dispatch(order=jnp.asarray(order, jnp.int32),
+                                 row_map=row_map,
+                                 sorted_experts=jnp.asarray(np.sort(ids.reshape(-1)), jnp.int32),
+                                 group_sizes=jnp.asarray(np.bincount(ids.reshape(-1), minlength=e),
+                                                         jnp.int32),
+                                 dropped_tokens=jnp.zeros((), jnp.int32))
+
+    def combine_in(n):
+        out = []
+        for kk in _keys(6, n):
+            k1, k2, k3, k4, k5, k6 = jax.random.split(kk, 6)
+            out.append((jax.random.normal(k1, (r, h), jnp.bfloat16),
+                        jax.random.normal(k2, (r, h), jnp.bfloat16),
+                        jax.random.normal(k3, (r, d), jnp.bfloat16),
+                        jax.nn.softmax(jax.random.normal(k4, (t, k), jnp.float32), -1),
+                        jax.random.normal(k5, (r, h), jnp.bfloat16),
+                        jax.random.normal(k6, (t, d), jnp.bfloat16)))
+        return out
+
+    def combine(weights_in_swiglu, backend):
+
+        def fwd(g, u, y, w):
+            if weights_in_swiglu:
+                act = ops.swiglu(g, u, dispatch_lib.row_weights(w, disp), backend=backend)
+                return act, ops.unpermute(y, row_map, t, backend=backend)
+            act = ops.swiglu(g, u, backend=backend)
+            return act, dispatch_lib.combine_rows(y, w, disp, t, backend=backend)
+
+        def run(g, u, y, w, dact, dy):
+            out, pull = jax.vjp(fwd, g, u, y, w)
+            return out, pull((dact, dy))
+
+        return run
+
     te4, tk8, rd2, td2, rh2 = t * e * 4, t * k * 8, r * d * 2, t * d * 2, r * h * 2
+    comb_bytes = 3 * rh2 + 5 * rh2 + 2 * (rd2 + td2) + rd2
     return {
         "aux_loss fwd": (te4 + e * 4, probs_in, aux_ours, aux_xla),
         "aux_loss bwd": (te4 + e * 4, probs_in, jax.grad(aux_ours), jax.grad(aux_xla)),
@@ -210,6 +251,10 @@ def cases(t, e, k, d, h):
          lambda y: ops.unpermute(y, row_map, t, backend="xla")),
         "permute+unpermute bf16": (2 * (td2 + rd2 + r * 4), x_in, perm_unperm("cuda"),
                                    perm_unperm("xla")),
+        "swiglu+combine_rows fwd+bwd bf16": (comb_bytes, combine_in, combine(False, "cuda"),
+                                             combine(False, "xla")),
+        "swiglu(w)+unpermute fwd+bwd bf16": (comb_bytes, combine_in, combine(True, "cuda"),
+                                             combine(True, "xla")),
     }
 
 
