@@ -209,12 +209,13 @@ def cases(t, e, k, d, h):
         out = []
         for kk in _keys(6, n):
             k1, k2, k3, k4, k5, k6 = jax.random.split(kk, 6)
-            out.append((jax.random.normal(k1, (r, h), jnp.bfloat16),
-                        jax.random.normal(k2, (r, h), jnp.bfloat16),
-                        jax.random.normal(k3, (r, d), jnp.bfloat16),
-                        jax.nn.softmax(jax.random.normal(k4, (t, k), jnp.float32), -1),
-                        jax.random.normal(k5, (r, h), jnp.bfloat16),
-                        jax.random.normal(k6, (t, d), jnp.bfloat16)))
+            out.append(
+                (jax.random.normal(k1, (r, h),
+                                   jnp.bfloat16), jax.random.normal(k2, (r, h), jnp.bfloat16),
+                 jax.random.normal(k3, (r, d), jnp.bfloat16),
+                 jax.nn.softmax(jax.random.normal(k4, (t, k), jnp.float32),
+                                -1), jax.random.normal(k5, (r, h), jnp.bfloat16),
+                 jax.random.normal(k6, (t, d), jnp.bfloat16)))
         return out
 
     def combine(weights_in_swiglu, backend):

@@ -239,9 +239,8 @@ AUX_PARTIALS = 512
 
 
 def _aux_fwd_ffi(probs, f, scale):
-    loss, _ = ffi("moe_aux_loss_fwd", (jax.ShapeDtypeStruct((), jnp.float32),
-                                       jax.ShapeDtypeStruct((AUX_PARTIALS, ), jnp.float32)), probs,
-                  f, scale)
+    loss, _ = ffi("moe_aux_loss_fwd", (jax.ShapeDtypeStruct(
+        (), jnp.float32), jax.ShapeDtypeStruct((AUX_PARTIALS, ), jnp.float32)), probs, f, scale)
     return loss
 
 

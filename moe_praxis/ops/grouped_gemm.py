@@ -76,7 +76,6 @@ _TARGETS = {
     "wgrad": "moe_grouped_gemm_wgrad",
 }
 
-
 _SHAPE_BYTES = 12  # one group's (M, N, K) int32 problem shape
 
 
@@ -197,14 +196,15 @@ def grouped_gemm_wgrad_reference(lhs, dout, group_sizes):
 def _ffi(op: str, out_shape, a, b, group_sizes, config: str, with_workspace: bool = False):
     tile, raster, swizzle = parse_config(config)
     ws = workspace_bytes(group_sizes.shape[0], tile)
-    out, workspace = _cuda.ffi(_TARGETS[op], (jax.ShapeDtypeStruct(
-        out_shape, a.dtype), jax.ShapeDtypeStruct((ws, ), jnp.uint8)),
-                               a,
-                               b,
-                               group_sizes.astype(jnp.int32),
-                               tile=tile,
-                               raster=raster,
-                               swizzle=swizzle)
+    out, workspace = _cuda.ffi(
+        _TARGETS[op],
+        (jax.ShapeDtypeStruct(out_shape, a.dtype), jax.ShapeDtypeStruct((ws, ), jnp.uint8)),
+        a,
+        b,
+        group_sizes.astype(jnp.int32),
+        tile=tile,
+        raster=raster,
+        swizzle=swizzle)
     return (out, workspace) if with_workspace else out
 
 
