@@ -91,8 +91,11 @@ struct Adaptive {
   using Second = B;
   static constexpr int kSecondCostPct = kSecondCostPctV;
 };
-// 64x256 ping-pong measured 1.04x-1.07x the time of 128x256 cooperative on balanced groups
-// (shapes A, B, C of the benchmark, H200, 2026-11-29).
+// 64x256 ping-pong measured 1.04x-1.07x the time of 128x256 cooperative on balanced groups,
+// where neither wastes a tile (wall clock, shapes A, B, C; 1.07x in profiler kernel time at B
+// and C, H200, 2026-11-29). 105, not 107: on the benchmark's skewed sizes 107 would keep
+// 128x256 for dgrad at C (measured 9% slower than 64x256) to fix fwd at B, where 105 picks
+// 64x256 and loses 2% (wall) to 5% (kernel time); the wave count is the coarse part.
 using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 105>;
 constexpr int kNumTiles = 5;
 

@@ -299,11 +299,19 @@ def test_cuda_grads_match_reference(kind, tile):
     assert "moe_grouped_gemm_dgrad" in text and "moe_grouped_gemm_wgrad" in text
 
 
+def _adaptive_pct():
+    header = (REPO / "kernels" / "grouped_gemm.cuh").read_text()
+    m = re.search(r"using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, (\d+)>;", header)
+    assert m, "kernels/grouped_gemm.cuh defines AdaptiveWideThin"
+    return int(m.group(1))
+
+
 def adaptive_model(group_sizes, out_cols, sm_count):
     """The adaptive tile's cost model (kernels/grouped_gemm.cuh, moe_gg_prepare), in Python:
-    1 if 64x256 ping-pong (2 tiles in flight per CTA, cost x 1.05) beats 128x256 cooperative."""
+    1 if 64x256 ping-pong (2 tiles in flight per CTA, cost x the header's percentage) beats
+    128x256 cooperative."""
     cost = []
-    for tm, tn, in_flight, pct in ((128, 256, 1, 100), (64, 256, 2, 105)):
+    for tm, tn, in_flight, pct in ((128, 256, 1, 100), (64, 256, 2, _adaptive_pct())):
         tiles = sum(-(-int(m) // tm) * -(-out_cols // tn) for m in np.maximum(group_sizes, 0))
         slots = sm_count * in_flight
         cost.append(-(-tiles // slots) * tm * tn * slots * pct)
