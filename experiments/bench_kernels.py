@@ -177,6 +177,18 @@ def cases(t, e, k, d, h):
 
         return run
 
+    def gu_w_in(n):  # with the routing weight of each row (moe_block's SwiGLU)
+        return [(g, u, dy, jax.random.uniform(kk, (r, ), jnp.float32))
+                for (g, u, dy), kk in zip(gu_in(n, dout=True), _keys(7, n))]
+
+    def swiglu_w_bwd(backend):
+
+        def run(g, u, dy, w):
+            _, pull = jax.vjp(lambda a, b, c: ops.swiglu(a, b, c, backend=backend), g, u, w)
+            return pull(dy)
+
+        return run
+
     rng = np.random.default_rng(0)
     ids = rng.integers(0, e, size=(t, k))
     order = np.argsort(ids.reshape(-1), kind="stable")
@@ -245,6 +257,8 @@ def cases(t, e, k, d, h):
                             lambda g, u: ops.swiglu(g, u, backend="xla")),
         "swiglu bwd bf16":
         (5 * rh2, functools.partial(gu_in, dout=True), swiglu_bwd("cuda"), swiglu_bwd("xla")),
+        "swiglu(w) bwd bf16":
+        (5 * rh2 + 2 * r * 4, gu_w_in, swiglu_w_bwd("cuda"), swiglu_w_bwd("xla")),
         "permute bf16": (td2 + rd2 + r * 4, x_in, lambda x: ops.permute(x, row_map, backend="cuda"),
                          lambda x: ops.permute(x, row_map, backend="xla")),
         "unpermute bf16":

@@ -13,13 +13,20 @@
 namespace moe {
 namespace {
 
-constexpr int kThreads = 256;
-
 // Forward, pass 1: block b writes its partial sum of p * f to partials[b] (no atomics, no
 // memset); pass 2 (one block) adds the partials in a fixed order and scales: the loss is
 // bitwise reproducible from call to call.
 constexpr int kFwdThreads = 512;
 constexpr int kMaxPartials = 512;  // the workspace output's length (ops/cuda.py)
+
+// The column of element `idx` (a 32-bit modulo when the index fits;
+// a 64-bit one is far slower).
+__device__ __forceinline__ int column_of(int64_t idx, int e) {
+  if (idx <= 0x7fffffff) {
+    return static_cast<int>(static_cast<uint32_t>(idx) % static_cast<uint32_t>(e));
+  }
+  return static_cast<int>(idx % e);
+}
 
 template <int THREADS>
 __device__ __forceinline__ float block_sum(float acc) {
@@ -47,9 +54,9 @@ __global__ void __launch_bounds__(kFwdThreads)
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kFwdThreads;
   // the column of a vector's first element, advanced by the stride mod E (no 64-bit modulo in
   // the loop)
-  const int step = static_cast<int>((stride * VEC) % e);
+  const int step = column_of(stride * VEC, e);
   int64_t i = blockIdx.x * static_cast<int64_t>(kFwdThreads) + threadIdx.x;
-  int col0 = static_cast<int>((i * VEC) % e);
+  int col0 = column_of(i * VEC, e);
   for (; i < nvec; i += stride) {
     V v = reinterpret_cast<const V*>(p)[i];
     int col = col0;
@@ -79,28 +86,34 @@ __global__ void __launch_bounds__(kFwdThreads)
   if (threadIdx.x == 0) out[0] = acc * scale[0];
 }
 
+// Backward (write-only): 264 blocks of 512 threads stride over the vectors; each thread's
+// column advances by the stride mod E (no modulo in the loop).
 template <typename T, typename F, int VEC>
-__global__ void aux_loss_bwd_kernel(const float* __restrict__ g, const F* __restrict__ f,
-                                    const float* __restrict__ scale, T* __restrict__ dp,
-                                    int64_t n, int e) {
+__global__ void __launch_bounds__(kFwdThreads)
+    aux_loss_bwd_kernel(const float* __restrict__ g, const F* __restrict__ f,
+                        const float* __restrict__ scale, T* __restrict__ dp, int64_t n, int e) {
   using V = Vec<T, VEC>;
   const float s = g[0] * scale[0];
   const int64_t nvec = n / VEC;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < nvec;
-       i += stride) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFwdThreads;
+  const int step = column_of(stride * VEC, e);
+  int64_t i = blockIdx.x * static_cast<int64_t>(kFwdThreads) + threadIdx.x;
+  int col0 = column_of(i * VEC, e);
+  for (; i < nvec; i += stride) {
     V v;
-    int col = static_cast<int>((i * VEC) % e);
+    int col = col0;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       v.v[j] = from_f32<T>(s * static_cast<float>(__ldg(f + col)));
       col = (col + 1 == e) ? 0 : col + 1;
     }
     reinterpret_cast<V*>(dp)[i] = v;
+    col0 += step;
+    if (col0 >= e) col0 -= e;
   }
   if (blockIdx.x == 0) {
-    for (int64_t i = nvec * VEC + threadIdx.x; i < n; i += blockDim.x) {
-      dp[i] = from_f32<T>(s * static_cast<float>(f[i % e]));
+    for (int64_t t = nvec * VEC + threadIdx.x; t < n; t += kFwdThreads) {
+      dp[t] = from_f32<T>(s * static_cast<float>(f[column_of(t, e)]));
     }
   }
 }
@@ -157,7 +170,8 @@ struct LaunchBwd {
   static ffi::Error run(const ffi::AnyBuffer& probs, const ffi::AnyBuffer& tpe,
                         cudaStream_t stream, const float* g, const float* scale, void* dp,
                         int64_t n, int e) {
-    aux_loss_bwd_kernel<T, F, VEC><<<grid_for(n / VEC + 1, kThreads), kThreads, 0, stream>>>(
+    aux_loss_bwd_kernel<T, F, VEC><<<grid_for(n / VEC + 1, kFwdThreads, 264), kFwdThreads, 0,
+                                     stream>>>(
         g, reinterpret_cast<const F*>(tpe.untyped_data()), scale, reinterpret_cast<T*>(dp), n,
         e);
     MOE_LAUNCH_CHECK("aux_loss_bwd");
