@@ -18,6 +18,7 @@ namespace {
 // bitwise reproducible from call to call.
 constexpr int kFwdThreads = 512;
 constexpr int kMaxPartials = 512;  // the workspace output's length (ops/cuda.py)
+constexpr int kBwdThreads = 256;
 
 // The column of element `idx` (a 32-bit modulo when the index fits;
 // a 64-bit one is far slower).
@@ -86,33 +87,30 @@ __global__ void __launch_bounds__(kFwdThreads)
   if (threadIdx.x == 0) out[0] = acc * scale[0];
 }
 
-// Backward (write-only): 264 blocks of 512 threads stride over the vectors; each thread's
-// column advances by the stride mod E (no modulo in the loop).
+// Backward (write-only): one thread per 16-byte vector (grid-stride beyond 2112 blocks).
+// (264 blocks of 512 threads looping over the vectors measured 2.8 us against 2.6 for this
+// shape on the H200, T = 16384, E = 64.)
 template <typename T, typename F, int VEC>
-__global__ void __launch_bounds__(kFwdThreads)
+__global__ void __launch_bounds__(kBwdThreads)
     aux_loss_bwd_kernel(const float* __restrict__ g, const F* __restrict__ f,
                         const float* __restrict__ scale, T* __restrict__ dp, int64_t n, int e) {
   using V = Vec<T, VEC>;
   const float s = g[0] * scale[0];
   const int64_t nvec = n / VEC;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFwdThreads;
-  const int step = column_of(stride * VEC, e);
-  int64_t i = blockIdx.x * static_cast<int64_t>(kFwdThreads) + threadIdx.x;
-  int col0 = column_of(i * VEC, e);
-  for (; i < nvec; i += stride) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kBwdThreads;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kBwdThreads) + threadIdx.x; i < nvec;
+       i += stride) {
     V v;
-    int col = col0;
+    int col = column_of(i * VEC, e);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       v.v[j] = from_f32<T>(s * static_cast<float>(__ldg(f + col)));
       col = (col + 1 == e) ? 0 : col + 1;
     }
     reinterpret_cast<V*>(dp)[i] = v;
-    col0 += step;
-    if (col0 >= e) col0 -= e;
   }
   if (blockIdx.x == 0) {
-    for (int64_t t = nvec * VEC + threadIdx.x; t < n; t += kFwdThreads) {
+    for (int64_t t = nvec * VEC + threadIdx.x; t < n; t += kBwdThreads) {
       dp[t] = from_f32<T>(s * static_cast<float>(f[column_of(t, e)]));
     }
   }
@@ -170,7 +168,7 @@ struct LaunchBwd {
   static ffi::Error run(const ffi::AnyBuffer& probs, const ffi::AnyBuffer& tpe,
                         cudaStream_t stream, const float* g, const float* scale, void* dp,
                         int64_t n, int e) {
-    aux_loss_bwd_kernel<T, F, VEC><<<grid_for(n / VEC + 1, kFwdThreads, 264), kFwdThreads, 0,
+    aux_loss_bwd_kernel<T, F, VEC><<<grid_for(n / VEC + 1, kBwdThreads), kBwdThreads, 0,
                                      stream>>>(
         g, reinterpret_cast<const F*>(tpe.untyped_data()), scale, reinterpret_cast<T*>(dp), n,
         e);

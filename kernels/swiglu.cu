@@ -125,38 +125,19 @@ __global__ void __launch_bounds__(kWarps * 32)
     auto* dg = reinterpret_cast<Vec<T, VEC>*>(dgate + r * h);
     auto* du = reinterpret_cast<Vec<T, VEC>*>(dup + r * h);
     float acc = 0.f;
-    // kUnroll vectors of each input in flight per lane (loads first, then math and stores):
-    // one vector at a time left the row loop latency-bound
-    for (int64_t i0 = lane; i0 < nv; i0 += 32 * kUnroll) {
-      Vec<T, VEC> gv[kUnroll], uv[kUnroll], dv[kUnroll];
+    for (int64_t i = lane; i < nv; i += 32) {
+      Vec<T, VEC> gv = g[i], uv = u[i], dv = d[i], dgv, duv;
 #pragma unroll
-      for (int q = 0; q < kUnroll; ++q) {
-        const int64_t i = i0 + 32 * q;
-        if (i < nv) {
-          gv[q] = g[i];
-          uv[q] = u[i];
-          dv[q] = d[i];
-        }
+      for (int j = 0; j < VEC; ++j) {
+        const float x = to_f32(gv.v[j]), y = to_f32(uv.v[j]), dy = to_f32(dv.v[j]);
+        const float s = sigmoid_t<T>(x), silu = x * s;
+        acc += dy * silu * y;
+        const float dyw = dy * wr;
+        dgv.v[j] = from_f32<T>(dyw * y * (s * (1.f + x * (1.f - s))));
+        duv.v[j] = from_f32<T>(dyw * silu);
       }
-#pragma unroll
-      for (int q = 0; q < kUnroll; ++q) {
-        const int64_t i = i0 + 32 * q;
-        if (i < nv) {
-          Vec<T, VEC> dgv, duv;
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            const float x = to_f32(gv[q].v[j]), y = to_f32(uv[q].v[j]),
-                        dy = to_f32(dv[q].v[j]);
-            const float s = sigmoid_t<T>(x), silu = x * s;
-            acc += dy * silu * y;
-            const float dyw = dy * wr;
-            dgv.v[j] = from_f32<T>(dyw * y * (s * (1.f + x * (1.f - s))));
-            duv.v[j] = from_f32<T>(dyw * silu);
-          }
-          dg[i] = dgv;
-          du[i] = duv;
-        }
-      }
+      dg[i] = dgv;
+      du[i] = duv;
     }
     if (dw) {
 #pragma unroll
