@@ -354,17 +354,26 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
         if layout.ep_size == 1:
             rows = checkpoint_name(ops.permute(x, row_tok, backend=backend), "moe_dispatched")
             rows = _vary(rows, tuple(_varying_axes(weights["wi_up"])))
-            out = expert_ffn(rows,
-                             group_sizes,
-                             weights.get("wi_gate"),
-                             weights["wi_up"],
-                             weights["wo"],
-                             config,
-                             backend=backend)
-            y = ops.unpermute(out.astype(jnp.float32) * w_sorted[:, None],
-                              row_tok,
-                              t_l,
-                              backend=backend)
+            # Without tensor parallelism the routing weights go into the activation and the
+            # combine is a plain unpermute (as in moe_block without a mesh); with it, the
+            # partial sums over tp are added in float32 after a float32 weighted combine.
+            fuse_weights = not layout.tp_axes
+            out = expert_ffn(
+                rows,
+                group_sizes,
+                weights.get("wi_gate"),
+                weights["wi_up"],
+                weights["wo"],
+                config,
+                backend=backend,
+                row_weights=_vary(w_sorted, tuple(_varying_axes(rows))) if fuse_weights else None)
+            if fuse_weights:
+                y = ops.unpermute(out, row_tok, t_l, backend=backend)
+            else:
+                y = ops.unpermute(out.astype(jnp.float32) * w_sorted[:, None],
+                                  row_tok,
+                                  t_l,
+                                  backend=backend)
             overflow = jnp.zeros((), jnp.int32)
         else:
             send_mat = group_sizes.reshape(layout.ep_size, layout.experts_per_rank)
