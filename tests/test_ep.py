@@ -510,6 +510,30 @@ def test_gpu_exchanges_equal_single_device(exchange):
     assert bool(jnp.all(jnp.isfinite(out.y)))
 
 
+@pytest.mark.gpu
+def test_gpu_one_device_mesh_weights_in_swiglu_equal_no_mesh():
+    """ep size 1 without tp (a 1-GPU fsdp mesh) with kernel_backend='cuda': the routing
+    weights go into the SwiGLU kernel inside shard_map and the combine is a plain unpermute;
+    loss, outputs and gradients equal moe_block without a mesh on the same GPU."""
+    gpus = jax.devices("gpu") if jax.default_backend() == "gpu" else []
+    if not gpus or not mp.ops.backend_info()["cuda"]["usable"]:
+        pytest.skip(f"needs a GPU with the CUDA kernels: {mp.ops.backend_info()['cuda']}")
+    mesh = Mesh(np.array(gpus[:1]), ("fsdp", ))
+    res = mp.MeshResources(fsdp="fsdp")
+    seed = _seed()
+    cfg = mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8, top_k=2, kernel_backend="cuda")
+    params = _params(cfg, jax.random.key(seed))
+    x = jax.random.normal(jax.random.key(seed + 1), (BATCH, SEQ, D_MODEL))
+    cot = jax.random.normal(jax.random.key(seed + 2), x.shape)
+    with jax.default_matmul_precision("highest"):
+        ref = _loss_and_grads([cfg])([params], x, None, cot)
+        got = _loss_and_grads([cfg], mesh, res)([params], x, None, cot)
+        _compare_one(got[0], ref[0], f"seed={seed}")
+        text = jax.jit(lambda p, x: mp.moe_block(p, x, cfg, mesh=mesh, resources=res).y).lower(
+            params, x).as_text()
+    assert "moe_swiglu_fwd" in text and "moe_unpermute" in text, "the CUDA kernels ran"
+
+
 # ----------------------------------------------------------------------------- Praxis LM
 
 
