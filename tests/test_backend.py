@@ -215,6 +215,45 @@ def test_swiglu_permute_aux_paths_match_numpy_reference():
     assert abs(float(got) - ref.aux_loss(probs, f, top_k=2, coeff=0.3)) <= 1e-6 * float(got)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_swiglu_custom_vjp_inside_shard_map_with_mixed_varying_inputs(weighted):
+    """Inside shard_map (check_vma) the rows vary over the mesh axis and the weights do not
+    (or there are none): the CUDA path's custom_vjp (the same structure on the CPU, whose
+    reference runs in place of the FFI call) must return cotangents of its inputs' types; the
+    weights' gradient is summed over the shards."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x", ))
+    s = ref.seed()
+    rng = np.random.default_rng(s)
+    gate, up, dout = (jnp.asarray(rng.standard_normal((4, 8, 16)), jnp.float32) for _ in range(3))
+    w = jnp.asarray(rng.random(8), jnp.float32)  # the same [8] weights on every shard
+
+    def local(g, u, d, ww):
+        out = cuda.swiglu(g[0], u[0], ww if weighted else None)
+        return jnp.sum(out * d[0])
+
+    def loss(g, u, ww):
+        per = jax.shard_map(lambda a, b, c, v: local(a, b, c, v)[None],
+                            mesh=mesh,
+                            in_specs=(P("x"), P("x"), P("x"), P()),
+                            out_specs=P("x"))(g, u, dout, ww)
+        return jnp.sum(per)
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(gate, up, w)
+    want = [np.zeros((4, 8, 16)), np.zeros((4, 8, 16)), np.zeros(8)]
+    for i in range(4):
+        wi = w if weighted else np.ones(8)
+        dg, du, dw = ref.swiglu_grads(gate[i], up[i], wi, dout[i])
+        want[0][i], want[1][i] = dg, du
+        want[2] += np.asarray(dw) if weighted else 0.0
+    assert ref.rel_err(got[0], want[0]) <= F32_TOL and ref.rel_err(got[1], want[1]) <= F32_TOL
+    if weighted:
+        assert ref.rel_err(got[2], want[2]) <= F32_TOL, f"seed={s}"
+    else:
+        np.testing.assert_array_equal(np.asarray(got[2]), 0.0)
+
+
 def _aux_sharded(mesh_shape, axes, spec):
     mesh = jax.make_mesh(mesh_shape, axes)
     t, e, k = 64, 16, 2

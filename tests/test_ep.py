@@ -325,8 +325,9 @@ def _compiled_collectives(hlo: str):
 @pytest.mark.slow
 def test_padded_exchange_hlo_is_one_all_to_all_each_way():
     """Forward on ep8 (dropless, padded): exactly two all-to-alls move token rows (f32 with
-    d_model columns: one out, one back), the only other one carries the [ep, El] int32
-    counts, and nothing is all-gathered. On dp2 x fsdp2 x ep2 the all-gathers are the expert
+    d_model columns: one out, one back), the others carry the [ep, El] int32 counts and the
+    [ep, C] float32 routing weights of the rows (multiplied into the experts' activation),
+    and nothing is all-gathered. On dp2 x fsdp2 x ep2 the all-gathers are the expert
     weights (rank-3 f32 [E/ep/fsdp, ., .]) only, never tokens."""
     cfg = mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8, top_k=2, ep_exchange="padded")
     params = mp.init_moe_params(jax.random.key(0), cfg)
@@ -336,9 +337,12 @@ def test_padded_exchange_hlo_is_one_all_to_all_each_way():
         f = jax.jit(lambda p, x: mp.moe_block(p, x, cfg, mesh=mesh, resources=res).y)
         ops = _compiled_collectives(f.lower(params, x).compile().as_text())
         a2a = ops["all-to-all"]
-        rows = [i for i in a2a if all(d == "f32" and s[-1] == D_MODEL for d, s in i)]
+        rows = [
+            i for i in a2a if all(d == "f32" and len(s) == 3 and s[-1] == D_MODEL for d, s in i)
+        ]
         counts = [i for i in a2a if all(d == "s32" for d, _ in i)]
-        assert len(rows) == 2 and len(counts) == 1 and len(a2a) == 3, a2a
+        row_w = [i for i in a2a if all(d == "f32" and len(s) == 2 for d, s in i)]
+        assert len(rows) == 2 and len(counts) == 1 and len(row_w) == 1 and len(a2a) == 4, a2a
         if name == "ep8":
             assert ops["all-gather"] == [], ops
         else:
@@ -451,12 +455,16 @@ def test_token_count_not_divisible_by_token_shards_raises():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["xla", "cuda"])
 @pytest.mark.parametrize("exchange", ["ragged", "padded"])
-def test_gpu_exchanges_equal_single_device(exchange):
-    """On >= 2 GPUs (ep over all of them): dropless, skewed and bounded-overflow cases."""
+def test_gpu_exchanges_equal_single_device(exchange, backend):
+    """On >= 2 GPUs (ep over all of them): dropless, skewed and bounded-overflow cases; with
+    kernel_backend='cuda' the CUDA kernels run inside shard_map, forward and backward."""
     gpus = jax.devices("gpu")
     if len(gpus) < 2:
         pytest.skip(f"needs >= 2 GPUs, found {len(gpus)}")
+    if backend == "cuda" and not mp.ops.backend_info()["cuda"]["usable"]:
+        pytest.skip(f"CUDA kernels not usable: {mp.ops.backend_info()['cuda']['reason']}")
     n = len(gpus)
     mesh = Mesh(np.array(gpus), ("ep", ))
     res = mp.MeshResources(ep="ep")
@@ -466,7 +474,7 @@ def test_gpu_exchanges_equal_single_device(exchange):
                        num_experts=2 * n,
                        top_k=2,
                        ep_exchange=exchange,
-                       kernel_backend="xla")
+                       kernel_backend=backend)
     for skew in (False, True):
         if skew:
             params, x, _ = _skewed(cfg, seed, n - 1, n)
@@ -496,7 +504,7 @@ def test_gpu_exchanges_equal_single_device(exchange):
                        top_k=1,
                        ep_exchange=exchange,
                        ep_buffer_factor=1.0,
-                       kernel_backend="xla")
+                       kernel_backend=backend)
     params, x, _ = _skewed(cfg, seed, 0, n)
     x = x[:n]
     out = jax.jit(lambda p, x: mp.moe_block(p, x, cfg, mesh=mesh, resources=res))(params, x)

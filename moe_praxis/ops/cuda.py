@@ -222,6 +222,28 @@ def zero_cotangent(x):
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
+def varying_axes(x) -> frozenset:
+    """The mesh axes x varies over inside shard_map (its type's vma; empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return mat.varying if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def vary_together(*xs):
+    """Each x cast to vary over the union of the xs' varying axes (shard_map's type system).
+
+    An FFI call's outputs vary over the union of its inputs' axes, so a custom_vjp around one
+    must see inputs of one type to return cotangents of its inputs' types; autodiff of the
+    cast sums a cotangent back over the axes its input did not vary over. Identity outside
+    shard_map."""
+    axes = frozenset().union(*(varying_axes(x) for x in xs))
+    out = []
+    for x in xs:
+        missing = tuple(sorted(axes - varying_axes(x)))
+        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    return out
+
+
 def _float_ok(*xs) -> bool:
     return all(x.dtype in (jnp.float32, jnp.bfloat16) for x in xs)
 
@@ -483,7 +505,7 @@ def _swiglu_vjp_bwd(has_weight, res, dout):
     dg, du, dw = platform_call(functools.partial(_swiglu_bwd_ffi, has_weight=has_weight),
                                functools.partial(_swiglu_bwd_ref, has_weight=has_weight), gate, up,
                                w, dout)
-    return dg, du, dw
+    return dg, du, dw if has_weight else jnp.zeros_like(w)
 
 
 _swiglu.defvjp(_swiglu_vjp_fwd, _swiglu_vjp_bwd)
@@ -504,10 +526,14 @@ def swiglu(gate, up, weights=None):
     """silu(gate) * up (* weights[:, None]); gate, up: [R, H] f32 or bf16 (one dtype);
     weights: optional [R] (gradient returned in its dtype). Output in gate.dtype."""
     up = up.astype(gate.dtype)
+    # Inside shard_map the inputs get one type (vary_together): e.g. weights that vary over
+    # fewer axes than the rows get their gradient summed over the others. The empty
+    # placeholder without weights is left alone (its cotangent is zeros of its own type: a
+    # cast would make autodiff psum a zero-size array, which crashed XLA's GPU compiler).
     if weights is None:
-        return _swiglu(gate, up, jnp.zeros((0, ), jnp.float32), False)
+        return _swiglu(*vary_together(gate, up), jnp.zeros((0, ), jnp.float32), False)
     # autodiff of the cast returns the weights' gradient in their own dtype
-    return _swiglu(gate, up, weights.astype(jnp.float32), True)
+    return _swiglu(*vary_together(gate, up, weights.astype(jnp.float32)), True)
 
 
 # --- permute / unpermute --------------------------------------------------------------------
