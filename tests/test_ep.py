@@ -454,6 +454,41 @@ def test_token_count_not_divisible_by_token_shards_raises():
         mp.moe_block(params, jnp.ones((64, D_MODEL)), cfg, mesh=mesh)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_name", ["fsdp8", "ep8", "ep2xtp2xdp2", "dp2xfsdp2xep2"])
+def test_cuda_backend_python_paths_under_shard_map_equal_xla(mesh_name, monkeypatch):
+    """kernel_backend='cuda' with the CUDA status forced on: the CPU runs every CUDA op's
+    Python path (custom_vjps, platform_call, vary_together) inside the EP shard_map, with the
+    pure-JAX references in place of the FFI calls (float32: the grouped GEMM falls back).
+    Loss, outputs and gradients equal kernel_backend='xla'. (This reproduces, on the CPU, the
+    SwiGLU custom_vjp's shard_map type error that 2 H200s showed before the fix.)"""
+    import importlib
+    import warnings
+
+    from moe_praxis.ops import backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "_cuda_status", lambda op="": (True, "forced by the test"))
+    gg = importlib.import_module("moe_praxis.ops.grouped_gemm")
+    monkeypatch.setattr(gg, "_device_reason", lambda: None)
+    mesh, res = make_mesh(mesh_name)
+    seed = _seed()
+    cfgs = [
+        mp.MoEConfig(d_model=D_MODEL,
+                     d_ff=D_FF,
+                     num_experts=8,
+                     top_k=2,
+                     ep_exchange="padded",
+                     kernel_backend=b) for b in ("cuda", "xla")
+    ]
+    params = _params(cfgs[0], jax.random.key(seed))
+    x = jax.random.normal(jax.random.key(seed + 1), (BATCH, SEQ, D_MODEL))
+    cot = jax.random.normal(jax.random.key(seed + 2), x.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the float32 grouped GEMM's fallback warning
+        got, ref = _loss_and_grads(cfgs, mesh, res)([params, params], x, None, cot)
+    _compare_one(got, ref, f"seed={seed} mesh={mesh_name}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["xla", "cuda"])
 @pytest.mark.parametrize("exchange", ["ragged", "padded"])

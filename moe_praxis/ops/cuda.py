@@ -155,7 +155,7 @@ def ffi(name: str, results, *args, **attrs):
     return jax.ffi.ffi_call(name, results, vmap_method="sequential")(*args, **conv)
 
 
-def _vma(x) -> frozenset:
+def varying_axes(x) -> frozenset:
     """The manual mesh axes x varies over inside shard_map (empty outside)."""
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)  # jax 0.10+
@@ -171,7 +171,7 @@ def _match_vma(fn: Callable, vma: frozenset) -> Callable:
     def wrapped(*args):
 
         def fix(o):
-            missing = tuple(sorted(vma - _vma(o)))
+            missing = tuple(sorted(vma - varying_axes(o)))
             return jax.lax.pcast(o, missing, to="varying") if missing else o
 
         return jax.tree.map(fix, fn(*args))
@@ -182,7 +182,7 @@ def _match_vma(fn: Callable, vma: frozenset) -> Callable:
 def platform_call(cuda_fn: Callable, reference_fn: Callable, *args):
     """One function for CPU and GPU: `cuda_fn(*args)` when lowered for CUDA, else
     `reference_fn(*args)` (the pure-JAX reference, same signature and outputs)."""
-    vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(args)))
+    vma = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(args)))
     if vma:
         cuda_fn, reference_fn = _match_vma(cuda_fn, vma), _match_vma(reference_fn, vma)
     return jax.lax.platform_dependent(*args, cuda=cuda_fn, default=reference_fn)
@@ -220,13 +220,6 @@ def zero_cotangent(x):
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return jnp.zeros_like(x)
     return np.zeros(x.shape, jax.dtypes.float0)
-
-
-def varying_axes(x) -> frozenset:
-    """The mesh axes x varies over inside shard_map (its type's vma; empty outside)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    return mat.varying if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
 def vary_together(*xs):
