@@ -456,12 +456,15 @@ def test_token_count_not_divisible_by_token_shards_raises():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", ["fsdp8", "ep8", "ep2xtp2xdp2", "dp2xfsdp2xep2"])
-def test_cuda_backend_python_paths_under_shard_map_equal_xla(mesh_name, monkeypatch):
+def test_cuda_backend_python_paths_under_shard_map_equal_single_device(
+        mesh_name, matrix_case, monkeypatch):
     """kernel_backend='cuda' with the CUDA status forced on: the CPU runs every CUDA op's
     Python path (custom_vjps, platform_call, vary_together) inside the EP shard_map, with the
-    pure-JAX references in place of the FFI calls (float32: the grouped GEMM falls back).
-    Loss, outputs and gradients equal kernel_backend='xla'. (This reproduces, on the CPU, the
-    SwiGLU custom_vjp's shard_map type error that 2 H200s showed before the fix.)"""
+    pure-JAX references in place of the FFI calls (float32: the grouped GEMM falls back), for
+    the whole config matrix with paddings. Equal to one device with kernel_backend='xla'.
+    (This reproduces, on the CPU, the SwiGLU custom_vjp's shard_map type error that 2 H200s
+    showed before the fix.)"""
+    import dataclasses
     import importlib
     import warnings
 
@@ -470,23 +473,13 @@ def test_cuda_backend_python_paths_under_shard_map_equal_xla(mesh_name, monkeypa
     monkeypatch.setattr(backend_mod, "_cuda_status", lambda op="": (True, "forced by the test"))
     gg = importlib.import_module("moe_praxis.ops.grouped_gemm")
     monkeypatch.setattr(gg, "_device_reason", lambda: None)
+    seed, args, ref = matrix_case
     mesh, res = make_mesh(mesh_name)
-    seed = _seed()
-    cfgs = [
-        mp.MoEConfig(d_model=D_MODEL,
-                     d_ff=D_FF,
-                     num_experts=8,
-                     top_k=2,
-                     ep_exchange="padded",
-                     kernel_backend=b) for b in ("cuda", "xla")
-    ]
-    params = _params(cfgs[0], jax.random.key(seed))
-    x = jax.random.normal(jax.random.key(seed + 1), (BATCH, SEQ, D_MODEL))
-    cot = jax.random.normal(jax.random.key(seed + 2), x.shape)
+    cfgs = [dataclasses.replace(c, kernel_backend="cuda") for c in CONFIGS]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the float32 grouped GEMM's fallback warning
-        got, ref = _loss_and_grads(cfgs, mesh, res)([params, params], x, None, cot)
-    _compare_one(got, ref, f"seed={seed} mesh={mesh_name}")
+        got = _loss_and_grads(cfgs, mesh, res)(*args)
+    _compare(got, ref, f"seed={seed} mesh={mesh_name} kernel_backend='cuda' (CPU references)")
 
 
 @pytest.mark.gpu
