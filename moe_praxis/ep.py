@@ -136,6 +136,14 @@ def _fuse_weights(layout) -> bool:
     return not layout.tp_axes
 
 
+def _combine(rows, w_rows, row_map, num_tokens, weighted: bool, backend):
+    """[R, M] expert outputs -> [Tl, M]: a plain unpermute when the routing weights are
+    already in the rows (weighted=False), else the float32 weighted sum."""
+    if weighted:
+        rows = rows.astype(jnp.float32) * w_rows[:, None]
+    return ops.unpermute(rows, row_map, num_tokens, backend=backend)
+
+
 def _padded_exchange(x, row_tok, w_sorted, send_mat, layout, config, weights, backend):
     """One all_to_all of a [ep, C, M] buffer each way. Returns (y [Tl, M], overflow): y in
     float32 where tp partial sums follow (the weights applied after the return trip), else in
@@ -165,10 +173,7 @@ def _padded_exchange(x, row_tok, w_sorted, send_mat, layout, config, weights, ba
         recv_w = jax.lax.all_to_all(slot_w.reshape(ep, cap), axes, 0, 0, tiled=True).reshape(-1)
     out = _experts(recv_buf.reshape(ep * cap, -1), keys, weights, config, el, backend, recv_w)
     back = jax.lax.all_to_all(out.reshape(ep, cap, -1), axes, 0, 0, tiled=True)  # [dst, C, M]
-    back = back.reshape(ep * cap, -1)
-    if not fuse:
-        back = back.astype(jnp.float32) * slot_w[:, None]
-    y = ops.unpermute(back, slot_tok, t_l, backend=backend)
+    y = _combine(back.reshape(ep * cap, -1), slot_w, slot_tok, t_l, not fuse, backend)
     return y, jnp.sum(send_tot - sent)
 
 
@@ -230,9 +235,7 @@ def _ragged_exchange(x, row_tok, w_sorted, send_mat, layout, config, weights, ba
     out = _experts(recv, keys, weights, config, el, backend)
     out = _vary(out, vary)
     back = _ragged_move(out, (back_again, there), r_rows, axes, vary)  # [R, M], 0 if dropped
-    scaled = back.astype(jnp.float32) * w_sorted[:, None]
-    y = ops.unpermute(scaled, row_tok, t_l, backend=backend)
-    return y, jnp.sum(send_tot - my_send)
+    return _combine(back, w_sorted, row_tok, t_l, True, backend), jnp.sum(send_tot - my_send)
 
 
 def _position_keep(ids, valid, config: MoEConfig, layout: EPLayout, shard, t_global):
@@ -292,13 +295,9 @@ def _global_keep(ids, weights, valid, config: MoEConfig, layout: EPLayout, shard
 
 _varying_axes = ops.cuda.varying_axes
 
-
-def _vary(x, axes):
-    """Marks x as varying over `axes` (shard_map's type system): its cotangent may then vary
-    (a custom_vjp grouped GEMM returns per-shard weight gradients) and autodiff of the cast
-    sums it over those axes."""
-    missing = tuple(a for a in axes if a not in _varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+# x marked varying over more axes: a custom_vjp grouped GEMM returns per-shard weight
+# gradients, which autodiff of the cast sums back.
+_vary = ops.cuda.vary
 
 
 def _gather_weights(params, layout: EPLayout):
@@ -386,13 +385,7 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
                 config,
                 backend=backend,
                 row_weights=_vary(w_sorted, tuple(_varying_axes(rows))) if fuse_weights else None)
-            if fuse_weights:
-                y = ops.unpermute(out, row_tok, t_l, backend=backend)
-            else:
-                y = ops.unpermute(out.astype(jnp.float32) * w_sorted[:, None],
-                                  row_tok,
-                                  t_l,
-                                  backend=backend)
+            y = _combine(out, w_sorted, row_tok, t_l, not fuse_weights, backend)
             overflow = jnp.zeros((), jnp.int32)
         else:
             send_mat = group_sizes.reshape(layout.ep_size, layout.experts_per_rank)

@@ -164,17 +164,20 @@ def varying_axes(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def vary(x, axes):
+    """x marked varying over the mesh axes `axes` too (shard_map's type system; a no-op for
+    axes it already varies over). Its cotangent may then vary over them, and autodiff of the
+    cast sums it back over them."""
+    missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _match_vma(fn: Callable, vma: frozenset) -> Callable:
     """fn with every output marked varying over the manual axes `vma` (inside shard_map an FFI
     call's outputs carry no varying axes while the reference's do; the branches must agree)."""
 
     def wrapped(*args):
-
-        def fix(o):
-            missing = tuple(sorted(vma - varying_axes(o)))
-            return jax.lax.pcast(o, missing, to="varying") if missing else o
-
-        return jax.tree.map(fix, fn(*args))
+        return jax.tree.map(lambda o: vary(o, vma), fn(*args))
 
     return wrapped
 
@@ -230,11 +233,7 @@ def vary_together(*xs):
     cast sums a cotangent back over the axes its input did not vary over. Identity outside
     shard_map."""
     axes = frozenset().union(*(varying_axes(x) for x in xs))
-    out = []
-    for x in xs:
-        missing = tuple(sorted(axes - varying_axes(x)))
-        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-    return out
+    return [vary(x, axes) for x in xs]
 
 
 def _float_ok(*xs) -> bool:

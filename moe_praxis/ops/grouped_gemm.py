@@ -83,20 +83,25 @@ def _round256(n: int) -> int:
     return (n + 255) // 256 * 256
 
 
+def _choice_offset(num_groups: int) -> int:
+    """Where the adaptive tile's int32 choice sits in the workspace: after the group arrays and
+    the second kernel's shapes (kernels/grouped_gemm.cuh, adaptive_bytes)."""
+    return (_round256(_GROUP_ARRAY_BYTES_PER_GROUP * num_groups) +
+            _round256(_SHAPE_BYTES * num_groups))
+
+
 def workspace_bytes(num_groups: int, tile: int = 0) -> int:
     """Bytes of the workspace output buffer of one FFI call with `num_groups` groups; the
     adaptive tile adds the second kernel's shapes, its choice and its CUTLASS workspace."""
-    head = _round256(_GROUP_ARRAY_BYTES_PER_GROUP * num_groups)
     if tile == ADAPTIVE_TILE:
-        return head + _round256(_SHAPE_BYTES * num_groups) + 256 + 2 * _CUTLASS_WORKSPACE_BYTES
-    return head + _CUTLASS_WORKSPACE_BYTES
+        return _choice_offset(num_groups) + 256 + 2 * _CUTLASS_WORKSPACE_BYTES
+    return _round256(_GROUP_ARRAY_BYTES_PER_GROUP * num_groups) + _CUTLASS_WORKSPACE_BYTES
 
 
 def adaptive_choice(workspace, num_groups: int):
     """From the workspace of an adaptive-tile call: int32 1 where the device chose the second
     tile (pingpong_64x256), 0 for the first (coop_128x256). For tests and benchmarks."""
-    off = _round256(_GROUP_ARRAY_BYTES_PER_GROUP * num_groups) + _round256(
-        _SHAPE_BYTES * num_groups)
+    off = _choice_offset(num_groups)
     return jax.lax.bitcast_convert_type(workspace[off:off + 4].reshape(1, 4), jnp.int32)[0]
 
 
