@@ -519,11 +519,13 @@ def swiglu(gate, up, weights=None):
     weights: optional [R] (gradient returned in its dtype). Output in gate.dtype."""
     up = up.astype(gate.dtype)
     # Inside shard_map the inputs get one type (vary_together): e.g. weights that vary over
-    # fewer axes than the rows get their gradient summed over the others. The empty
-    # placeholder without weights is left alone (its cotangent is zeros of its own type: a
-    # cast would make autodiff psum a zero-size array, which crashed XLA's GPU compiler).
+    # fewer axes than the rows get their gradient summed over the others. Without weights the
+    # kernels get a one-element placeholder (unread), left alone (its cotangent is zeros of its
+    # own type). Not a zero-size one: with the 'ragged' exchange, jax 0.11.2's GPU compiler
+    # segfaulted in its SPMD partitioner on a zero-size placeholder (2 H200s, 2026-11-30), as it
+    # did on a cast one (a psum of the zero-size cotangent).
     if weights is None:
-        return _swiglu(*vary_together(gate, up), jnp.zeros((0, ), jnp.float32), False)
+        return _swiglu(*vary_together(gate, up), jnp.zeros((1, ), jnp.float32), False)
     # autodiff of the cast returns the weights' gradient in their own dtype
     return _swiglu(*vary_together(gate, up, weights.astype(jnp.float32)), True)
 
