@@ -5,7 +5,7 @@
 #   bash experiments/kernels_device_run.sh [TEST_BUDGET_S] [BENCH_BUDGET_S] [PYTEST_ARGS...]
 # BENCH_BUDGET_S=0 skips the benchmarks; NCU_CASES="case,case" adds an Nsight Compute pass over
 # those bench cases (ncu segfaulted under JAX on 2026-11-29); GG_BENCH_S=N adds the grouped GEMM
-# benchmark with an N-second limit.
+# benchmark with an N-second limit, GATE_UP_BENCH_S=N the fused gate/up one.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/kernels_out}
@@ -32,7 +32,8 @@ PYT="python3 -m pytest -v -m gpu --tb=short -rfE -p no:cacheprovider --timeout 1
 START=$(date +%s)
 timeout "$TEST_T" $PYT tests/test_kernels_gpu.py -k router "$@" > "$OUT/tests_router.log" 2>&1 &
 timeout "$TEST_T" $PYT tests/test_kernels_gpu.py -k "not router" "$@" > "$OUT/tests.log" 2>&1 &
-timeout "$TEST_T" $PYT tests/test_grouped_gemm.py tests/test_ep.py "$@" > "$OUT/tests_gg.log" 2>&1 &
+timeout "$TEST_T" $PYT tests/test_grouped_gemm.py tests/test_gate_up.py tests/test_ep.py "$@" \
+  > "$OUT/tests_gg.log" 2>&1 &
 wait
 echo "tests done in $(( $(date +%s) - START )) s"
 for f in tests_router tests tests_gg; do
@@ -52,6 +53,11 @@ fi
 timeout "$BENCH_T" python3 -m experiments.bench_kernels --device-time --out "$OUT/bench_kernels.json" 2>&1 \
   | tee "$OUT/bench.log" | tail -26
 echo "bench rc=$?"
+if [ "${GATE_UP_BENCH_S:-0}" -gt 0 ]; then
+  timeout "$GATE_UP_BENCH_S" python3 -m experiments.bench_gate_up --out "$OUT/bench_gate_up.json" \
+    2>&1 | tee "$OUT/bench_gate_up.log" | tail -10
+  echo "gate/up bench rc=$?"
+fi
 if [ "${GG_BENCH_S:-0}" -gt 0 ]; then
   timeout "$GG_BENCH_S" python3 -m experiments.bench_grouped_gemm --out "$OUT/bench_grouped_gemm.json" \
     2>&1 | tee "$OUT/bench_gg.log" | tail -30

@@ -99,16 +99,21 @@ struct Adaptive {
 using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 105>;
 constexpr int kNumTiles = 5;
 
-template <class LayoutA, class LayoutB, class Config>
-struct GemmDef {
-  using LayoutD = cutlass::layout::RowMajor;
+// What a fused epilogue needs beyond the group arrays (kernels/grouped_gemm_swiglu.cu); the
+// plain epilogue ignores it.
+struct EpilogueExtra {
+  const Element* row_base;    // d's base: a group's first row is (ptr_d[e] - row_base) / ld
+  Element* up;                // [rows, ld] second output (up projection)
+  Element* act;               // [rows, ld] third output (activation)
+  const float* row_weights;   // [rows] routing weights multiplied into act, or nullptr
+  int64_t ld;                 // row length of the three outputs
+};
+
+// The CUTLASS kernel of one tile configuration around a collective epilogue.
+template <class LayoutA, class LayoutB, class Config, class CollectiveEpilogueT>
+struct KernelFor {
   static constexpr int kAlignment = 8;  // 16 bytes of bf16
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile,
-      typename Config::Cluster, cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc,
-      ElementAcc, void, LayoutD*, kAlignment, Element, LayoutD*, kAlignment,
-      typename Config::Epilogue,
-      cutlass::epilogue::fusion::LinearCombination<Element, ElementAcc, void>>::CollectiveOp;
+  using CollectiveEpilogue = CollectiveEpilogueT;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment,
       Element, LayoutB*, kAlignment, ElementAcc, typename Config::Tile,
@@ -124,6 +129,34 @@ struct GemmDef {
   using StrideD = typename Kernel::InternalStrideD;
   using TileConfig = Config;
   static constexpr bool kAdaptive = false;
+};
+
+// CUTLASS's TMA-store epilogue, D = accumulator (bf16, row-major, no C operand).
+template <class Config>
+using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile,
+    typename Config::Cluster, cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc,
+    ElementAcc, void, cutlass::layout::RowMajor*, 8, Element, cutlass::layout::RowMajor*, 8,
+    typename Config::Epilogue,
+    cutlass::epilogue::fusion::LinearCombination<Element, ElementAcc, void>>::CollectiveOp;
+
+template <class LayoutA, class LayoutB, class Config>
+struct GemmDef : KernelFor<LayoutA, LayoutB, Config, PlainEpilogue<Config>> {
+  using Kernel = typename KernelFor<LayoutA, LayoutB, Config, PlainEpilogue<Config>>::Kernel;
+
+  template <class Arrays>
+  static typename Kernel::EpilogueArguments epilogue_args(const Arrays& g, const EpilogueExtra&) {
+    typename Kernel::EpilogueArguments a{};
+    a.thread.alpha = 1.0f;
+    a.thread.beta = 0.0f;
+    a.thread.alpha_ptr = nullptr;
+    a.thread.beta_ptr = nullptr;
+    a.ptr_C = nullptr;
+    a.dC = g.stride_d;
+    a.ptr_D = g.ptr_d;
+    a.dD = g.stride_d;
+    return a;
+  }
 };
 
 // The adaptive pair: two kernels sharing the operand arrays (the strides must agree).
@@ -165,6 +198,9 @@ struct PrepareParams {
   bool zero_empty_experts;
   int64_t zero_row;
   int64_t zero_expert;
+  // Tail mode: more outputs of d's row layout whose rows [sum, rows) are zeroed too (the fused
+  // gate/up + SwiGLU forward's up and activation), or nullptr.
+  Element* zero_also[2];
   // Adaptive tile (alt_shapes != nullptr): every shape is also written to alt_shapes (the second
   // kernel's); block 0 counts both configurations' output tiles and empties (M = 0) the shapes
   // of the costlier one. Per configuration c: tile_m, tile_n, the tiles in flight over the
@@ -311,7 +347,38 @@ __global__ void __launch_bounds__(kPrepareThreads)
   } else {
     const int64_t total = min(carry, p.rows);
     zero_range(p.d + total * p.zero_row, (p.rows - total) * p.zero_row, tid, nthreads);
+#pragma unroll
+    for (int o = 0; o < 2; ++o) {
+      if (p.zero_also[o] != nullptr) {
+        zero_range(p.zero_also[o] + total * p.zero_row, (p.rows - total) * p.zero_row, tid,
+                   nthreads);
+      }
+    }
   }
+}
+
+// Prepare parameters of a forward problem: lhs [rows, k] (ragged rows), rhs [e, k, n], output
+// rows of ld_d elements starting at d (rows past the sum zeroed).
+inline PrepareParams forward_prepare(const int32_t* group_sizes, int64_t e, int64_t rows, int64_t k,
+                                     int64_t n, const Element* a, const Element* b, Element* d,
+                                     int64_t ld_d) {
+  PrepareParams p{};
+  p.group_sizes = group_sizes;
+  p.num_groups = static_cast<int>(e);
+  p.rows = rows;
+  p.ragged_k = false;
+  p.dim_a = static_cast<int>(n);
+  p.dim_b = static_cast<int>(k);
+  p.a = a;
+  p.b = b;
+  p.d = d;
+  p.map_a = {0, k};
+  p.map_b = {k * n, 0};
+  p.map_d = {0, ld_d};
+  p.zero_empty_experts = false;
+  p.zero_row = ld_d;
+  p.zero_expert = 0;
+  return p;
 }
 
 // A packed stride with leading dimension `ld` (the one dynamic, non-batch mode of S).
@@ -374,21 +441,14 @@ namespace moe_gg {
 template <class Def, class Arrays>
 ffi::Error launch_cutlass(cudaStream_t stream, int e, UnderlyingShape* shapes, const Arrays& g,
                           uint8_t* ws, int64_t ws_bytes, Schedule sched, int device,
-                          int64_t* used) {
+                          int64_t* used, const EpilogueExtra& extra) {
   using Gemm = typename Def::Gemm;
   cutlass::KernelHardwareInfo hw = hardware_info<Def>(device);
-  typename Gemm::Arguments args;
-  decltype(args.epilogue.thread) fusion;
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
-  fusion.alpha_ptr = nullptr;
-  fusion.beta_ptr = nullptr;
-  args = typename Gemm::Arguments{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {e, shapes, nullptr},
-      {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b},
-      {fusion, nullptr, g.stride_d, g.ptr_d, g.stride_d},
-      hw};
+  typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                {e, shapes, nullptr},
+                                {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b},
+                                Def::epilogue_args(g, extra),
+                                hw};
   using RasterOptions = decltype(args.scheduler.raster_order);
   args.scheduler.raster_order = sched.raster ? RasterOptions::AlongN : RasterOptions::AlongM;
   args.scheduler.max_swizzle_size = static_cast<int>(sched.swizzle);
@@ -436,7 +496,7 @@ void set_adaptive_slot(PrepareParams& p, int c, int sm_count) {
 template <class Def>
 ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::StrideA sa,
                        typename Def::StrideB sb, typename Def::StrideD sd, uint8_t* workspace,
-                       int64_t workspace_bytes, Schedule sched) {
+                       int64_t workspace_bytes, Schedule sched, const EpilogueExtra& extra = {}) {
   moe_praxis_note_stream(stream);
   const int e = p.num_groups;
   auto g = carve_group_arrays<typename Def::StrideA, typename Def::StrideB, typename Def::StrideD>(
@@ -475,14 +535,16 @@ ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::Strid
   int64_t used = 0;
   if constexpr (Def::kAdaptive) {
     ffi::Error first = launch_cutlass<typename Def::First>(
-        stream, e, g.shapes, g, workspace + head, workspace_bytes - head, sched, device, &used);
+        stream, e, g.shapes, g, workspace + head, workspace_bytes - head, sched, device, &used,
+        extra);
     if (first.failure()) return first;
     head += used;
     return launch_cutlass<typename Def::Second>(stream, e, p.alt_shapes, g, workspace + head,
-                                                workspace_bytes - head, sched, device, &used);
+                                                workspace_bytes - head, sched, device, &used,
+                                                extra);
   } else {
     return launch_cutlass<Def>(stream, e, g.shapes, g, workspace + head, workspace_bytes - head,
-                               sched, device, &used);
+                               sched, device, &used, extra);
   }
 }
 

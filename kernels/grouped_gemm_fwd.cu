@@ -24,22 +24,9 @@ ffi::Error GroupedGemmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
   const Schedule sched{raster, swizzle};
   return dispatch_tile(tile, sched, [&](auto cfg) {
     using Def = GemmDef<cutlass::layout::RowMajor, cutlass::layout::RowMajor, decltype(cfg)>;
-    PrepareParams p{};
-    p.group_sizes = group_sizes.typed_data();
-    p.num_groups = static_cast<int>(e);
-    p.rows = m;
-    p.ragged_k = false;
-    p.dim_a = static_cast<int>(n);
-    p.dim_b = static_cast<int>(k);
-    p.a = as_elem(lhs.untyped_data());
-    p.b = as_elem(rhs.untyped_data());
-    p.d = as_elem(out->untyped_data());
-    p.map_a = {0, k};
-    p.map_b = {k * n, 0};
-    p.map_d = {0, n};
-    p.zero_empty_experts = false;
-    p.zero_row = n;
-    p.zero_expert = 0;
+    PrepareParams p = forward_prepare(group_sizes.typed_data(), e, m, k, n,
+                                      as_elem(lhs.untyped_data()), as_elem(rhs.untyped_data()),
+                                      as_elem(out->untyped_data()), n);
     return run_grouped<Def>(stream, p, make_ld_stride<typename Def::StrideA>(k),
                             make_ld_stride<typename Def::StrideB>(n),
                             make_ld_stride<typename Def::StrideD>(n),

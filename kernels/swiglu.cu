@@ -28,6 +28,27 @@ __device__ __forceinline__ float sigmoid_t<__nv_bfloat16>(float g) {
   return __fdividef(1.f, 1.f + __expf(-g));
 }
 
+// Stores a vector of d gate and d up: to dg[i] and du[i], or (interleaved output, dgu !=
+// nullptr: the fused gate/up path's [R, 2H] gradient, column 2j = gate unit j, 2j + 1 = up unit
+// j) to vectors 2i and 2i + 1 of dgu.
+template <typename T, int VEC>
+__device__ __forceinline__ void put_grads(Vec<T, VEC>* dg, Vec<T, VEC>* du, Vec<T, VEC>* dgu,
+                                          int64_t i, const Vec<T, VEC>& a, const Vec<T, VEC>& b) {
+  if (dgu == nullptr) {
+    dg[i] = a;
+    du[i] = b;
+    return;
+  }
+  Vec<T, VEC> pair[2];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    pair[(2 * j) / VEC].v[(2 * j) % VEC] = a.v[j];
+    pair[(2 * j + 1) / VEC].v[(2 * j + 1) % VEC] = b.v[j];
+  }
+  dgu[2 * i] = pair[0];
+  dgu[2 * i + 1] = pair[1];
+}
+
 constexpr int kFlatThreads = 256;
 constexpr int kUnroll = 4;
 
@@ -73,12 +94,13 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(kFlatThreads)
     swiglu_bwd_flat(const T* __restrict__ gate, const T* __restrict__ up,
                     const T* __restrict__ dout, T* __restrict__ dgate, T* __restrict__ dup,
-                    int64_t nvec) {
+                    T* __restrict__ dgup, int64_t nvec) {
   const auto* g = reinterpret_cast<const Vec<T, VEC>*>(gate);
   const auto* u = reinterpret_cast<const Vec<T, VEC>*>(up);
   const auto* d = reinterpret_cast<const Vec<T, VEC>*>(dout);
   auto* dg = reinterpret_cast<Vec<T, VEC>*>(dgate);
   auto* du = reinterpret_cast<Vec<T, VEC>*>(dup);
+  auto* dgu = reinterpret_cast<Vec<T, VEC>*>(dgup);
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kUnroll + threadIdx.x;
   Vec<T, VEC> gv[kUnroll], uv[kUnroll], dv[kUnroll];
 #pragma unroll
@@ -102,8 +124,7 @@ __global__ void __launch_bounds__(kFlatThreads)
         dgv.v[j] = from_f32<T>(dy * y * (sg * (1.f + x * (1.f - sg))));
         duv.v[j] = from_f32<T>(dy * (x * sg));
       }
-      dg[i] = dgv;
-      du[i] = duv;
+      put_grads(dg, du, dgu, i, dgv, duv);
     }
   }
 }
@@ -112,8 +133,8 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(kWarps * 32)
     swiglu_bwd_kernel(const T* __restrict__ gate, const T* __restrict__ up,
                       const float* __restrict__ w, const T* __restrict__ dout,
-                      T* __restrict__ dgate, T* __restrict__ dup, float* __restrict__ dw,
-                      int64_t rows, int64_t h) {
+                      T* __restrict__ dgate, T* __restrict__ dup, T* __restrict__ dgup,
+                      float* __restrict__ dw, int64_t rows, int64_t h) {
   const int lane = threadIdx.x & 31;
   const int64_t nv = h / VEC;
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); r < rows;
@@ -124,6 +145,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     const auto* d = reinterpret_cast<const Vec<T, VEC>*>(dout + r * h);
     auto* dg = reinterpret_cast<Vec<T, VEC>*>(dgate + r * h);
     auto* du = reinterpret_cast<Vec<T, VEC>*>(dup + r * h);
+    auto* dgu = dgup ? reinterpret_cast<Vec<T, VEC>*>(dgup + 2 * r * h) : nullptr;
     float acc = 0.f;
     for (int64_t i = lane; i < nv; i += 32) {
       Vec<T, VEC> gv = g[i], uv = u[i], dv = d[i], dgv, duv;
@@ -136,8 +158,7 @@ __global__ void __launch_bounds__(kWarps * 32)
         dgv.v[j] = from_f32<T>(dyw * y * (s * (1.f + x * (1.f - s))));
         duv.v[j] = from_f32<T>(dyw * silu);
       }
-      dg[i] = dgv;
-      du[i] = duv;
+      put_grads(dg, du, dgu, i, dgv, duv);
     }
     if (dw) {
 #pragma unroll
@@ -168,7 +189,8 @@ ffi::Error launch_fwd(cudaStream_t stream, const void* g, const void* u, const f
 
 template <typename T>
 ffi::Error launch_bwd(cudaStream_t stream, const void* g, const void* u, const float* w,
-                      const void* d, void* dg, void* du, float* dw, int64_t rows, int64_t h) {
+                      const void* d, void* dg, void* du, void* dgu, float* dw, int64_t rows,
+                      int64_t h) {
   constexpr int kVec = 16 / sizeof(T);
   if (dw == nullptr) {  // no routing weight: a flat elementwise pass
     const int vec = h % kVec == 0 ? kVec : 1;
@@ -177,11 +199,11 @@ ffi::Error launch_bwd(cudaStream_t stream, const void* g, const void* u, const f
     if (vec == kVec) {
       swiglu_bwd_flat<T, kVec><<<fgrid, kFlatThreads, 0, stream>>>(
           static_cast<const T*>(g), static_cast<const T*>(u), static_cast<const T*>(d),
-          static_cast<T*>(dg), static_cast<T*>(du), nvec);
+          static_cast<T*>(dg), static_cast<T*>(du), static_cast<T*>(dgu), nvec);
     } else {
       swiglu_bwd_flat<T, 1><<<fgrid, kFlatThreads, 0, stream>>>(
           static_cast<const T*>(g), static_cast<const T*>(u), static_cast<const T*>(d),
-          static_cast<T*>(dg), static_cast<T*>(du), nvec);
+          static_cast<T*>(dg), static_cast<T*>(du), static_cast<T*>(dgu), nvec);
     }
     MOE_LAUNCH_CHECK("swiglu_bwd");
     return ffi::Error::Success();
@@ -190,11 +212,11 @@ ffi::Error launch_bwd(cudaStream_t stream, const void* g, const void* u, const f
   if (h % kVec == 0) {
     swiglu_bwd_kernel<T, kVec><<<grid, kWarps * 32, 0, stream>>>(
         static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<const T*>(d),
-        static_cast<T*>(dg), static_cast<T*>(du), dw, rows, h);
+        static_cast<T*>(dg), static_cast<T*>(du), static_cast<T*>(dgu), dw, rows, h);
   } else {
     swiglu_bwd_kernel<T, 1><<<grid, kWarps * 32, 0, stream>>>(
         static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<const T*>(d),
-        static_cast<T*>(dg), static_cast<T*>(du), dw, rows, h);
+        static_cast<T*>(dg), static_cast<T*>(du), static_cast<T*>(dgu), dw, rows, h);
   }
   MOE_LAUNCH_CHECK("swiglu_bwd");
   return ffi::Error::Success();
@@ -230,10 +252,11 @@ ffi::Error SwigluFwdImpl(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffe
                                    out->untyped_data(), rows, h);
 }
 
-ffi::Error SwigluBwdImpl(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffer up,
-                         ffi::Buffer<ffi::F32> w, ffi::AnyBuffer dout,
-                         ffi::Result<ffi::AnyBuffer> dgate, ffi::Result<ffi::AnyBuffer> dup,
-                         ffi::Result<ffi::Buffer<ffi::F32>> dw, bool has_weight) {
+// dgu == nullptr: d gate and d up to dgate, dup; else interleaved to dgu [R, 2H].
+ffi::Error swiglu_bwd(cudaStream_t stream, const ffi::AnyBuffer& gate, const ffi::AnyBuffer& up,
+                      const ffi::Buffer<ffi::F32>& w, const ffi::AnyBuffer& dout, void* dgate,
+                      void* dup, void* dgu, ffi::Result<ffi::Buffer<ffi::F32>>& dw,
+                      bool has_weight) {
   if (auto err = check(gate, up, w, has_weight); !err.success()) return err;
   if (dout.element_type() != gate.element_type() ||
       dout.element_count() != gate.element_count()) {
@@ -252,12 +275,30 @@ ffi::Error SwigluBwdImpl(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffe
   float* dwp = has_weight ? dw->typed_data() : nullptr;
   if (gate.element_type() == ffi::F32) {
     return launch_bwd<float>(stream, gate.untyped_data(), up.untyped_data(), wp,
-                             dout.untyped_data(), dgate->untyped_data(), dup->untyped_data(),
-                             dwp, rows, h);
+                             dout.untyped_data(), dgate, dup, dgu, dwp, rows, h);
   }
   return launch_bwd<__nv_bfloat16>(stream, gate.untyped_data(), up.untyped_data(), wp,
-                                   dout.untyped_data(), dgate->untyped_data(),
-                                   dup->untyped_data(), dwp, rows, h);
+                                   dout.untyped_data(), dgate, dup, dgu, dwp, rows, h);
+}
+
+ffi::Error SwigluBwdImpl(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                         ffi::Buffer<ffi::F32> w, ffi::AnyBuffer dout,
+                         ffi::Result<ffi::AnyBuffer> dgate, ffi::Result<ffi::AnyBuffer> dup,
+                         ffi::Result<ffi::Buffer<ffi::F32>> dw, bool has_weight) {
+  return swiglu_bwd(stream, gate, up, w, dout, dgate->untyped_data(), dup->untyped_data(),
+                    nullptr, dw, has_weight);
+}
+
+ffi::Error SwigluBwdInterleavedImpl(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                                    ffi::Buffer<ffi::F32> w, ffi::AnyBuffer dout,
+                                    ffi::Result<ffi::AnyBuffer> dgu,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> dw, bool has_weight) {
+  if (dgu->element_type() != gate.element_type() ||
+      dgu->element_count() != 2 * gate.element_count()) {
+    return MOE_INVALID("swiglu bwd interleaved: dgate_up must be [R, 2H] in gate's dtype");
+  }
+  return swiglu_bwd(stream, gate, up, w, dout, nullptr, nullptr, dgu->untyped_data(), dw,
+                    has_weight);
 }
 
 }  // namespace
@@ -283,5 +324,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeSwigluBwd, moe::SwigluBwdImpl,
                                   .Ret<xla::ffi::AnyBuffer>()              // dgate [R, H]
                                   .Ret<xla::ffi::AnyBuffer>()              // dup [R, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dw [R] or [0]
+                                  .Attr<bool>("has_weight"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeSwigluBwdInterleaved, moe::SwigluBwdInterleavedImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // gate [R, H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // up [R, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w [R] or [1]
+                                  .Arg<xla::ffi::AnyBuffer>()              // dout [R, H]
+                                  .Ret<xla::ffi::AnyBuffer>()              // dgate_up [R, 2H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dw [R] or [1]
                                   .Attr<bool>("has_weight"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

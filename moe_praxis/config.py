@@ -60,6 +60,11 @@ class MoEConfig:
       activation: 'silu' | 'gelu' | 'relu'.
       gated: gated expert `act(x @ wi_gate) * (x @ wi_up) @ wo` (SwiGLU with silu); else
         `act(x @ wi_up) @ wo`.
+      fuse_gate_up: gated only. One parameter `wi_gate_up` [E, M, 2H] (gate and up columns
+        interleaved: column 2j is gate unit j, 2j + 1 up unit j) instead of wi_gate and wi_up,
+        and one grouped GEMM for both projections (ops.gate_up_swiglu); on the 'cuda' backend
+        the SwiGLU and the routing weight run in that GEMM's epilogue. Same function as the
+        unfused block with `interleave_gate_up(wi_gate, wi_up)`.
       kernel_backend: 'auto' (CUDA kernels where built and supported, else XLA), 'xla', 'cuda'.
       use_cudnn_fusion: ask for cuDNN's fused grouped GEMM + SwiGLU (needs SM100+ and the
         optional cudnn.jax). Not implemented yet: where it is not usable (always, in this
@@ -92,6 +97,7 @@ class MoEConfig:
     drop_policy: str = "position"
     activation: str = "silu"
     gated: bool = True
+    fuse_gate_up: bool = False
     kernel_backend: str = "auto"
     use_cudnn_fusion: bool = False
     param_init_scale: float = 1.0
@@ -160,6 +166,9 @@ class MoEConfig:
             raise _err("drop_policy", self.drop_policy, f"valid: {DROP_POLICIES}")
         if self.activation not in ACTIVATIONS:
             raise _err("activation", self.activation, f"valid: {ACTIVATIONS}")
+        if self.fuse_gate_up and not self.gated:
+            raise _err("fuse_gate_up", self.fuse_gate_up,
+                       "needs gated=True (there is no gate projection to fuse)")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _err("kernel_backend", self.kernel_backend, f"valid: {KERNEL_BACKENDS}")
         if not self.param_init_scale > 0:

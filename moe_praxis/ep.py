@@ -109,7 +109,7 @@ def _experts(rows, keys, w, config, num_local, backend, row_weights=None):
     """rows: [N, M] received rows; keys: [N] local expert (El = invalid) -> [N, M] outputs
     in the same slots (zeros for invalid rows). row_weights: optional [N] routing weights of
     the rows, multiplied into the activation (expert_ffn)."""
-    rows = _vary(rows, tuple(_varying_axes(w["wi_up"])))
+    rows = _vary(rows, tuple(_varying_axes(w["wo"])))
     perm = jnp.argsort(keys, stable=True)
     group_sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
     grouped = checkpoint_name(rows[perm], "moe_dispatched")
@@ -118,11 +118,12 @@ def _experts(rows, keys, w, config, num_local, backend, row_weights=None):
     out = expert_ffn(grouped,
                      group_sizes,
                      w.get("wi_gate"),
-                     w["wi_up"],
+                     w.get("wi_up"),
                      w["wo"],
                      config,
                      backend=backend,
-                     row_weights=row_weights)
+                     row_weights=row_weights,
+                     wi_gate_up=w.get("wi_gate_up"))
     inv = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
     return out[inv]
 
@@ -304,7 +305,7 @@ def _gather_weights(params, layout: EPLayout):
     """Expert weights all-gathered over fsdp: wi [El, M, H/tp], wo [El, H/tp, M], marked
     varying over the token and tp axes like the rows they multiply."""
     out = {}
-    for name in ("wi_gate", "wi_up", "wo"):
+    for name in ("wi_gate", "wi_up", "wi_gate_up", "wo"):
         if name not in params:
             continue
         w = params[name]
@@ -371,7 +372,7 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
         weights = _gather_weights(params, layout)
         if layout.ep_size == 1:
             rows = checkpoint_name(ops.permute(x, row_tok, backend=backend), "moe_dispatched")
-            rows = _vary(rows, tuple(_varying_axes(weights["wi_up"])))
+            rows = _vary(rows, tuple(_varying_axes(weights["wo"])))
             # Without tensor parallelism the routing weights go into the activation and the
             # combine is a plain unpermute (as in moe_block without a mesh); with it, the
             # partial sums over tp are added in float32 after a float32 weighted combine.
@@ -380,11 +381,12 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
                 rows,
                 group_sizes,
                 weights.get("wi_gate"),
-                weights["wi_up"],
+                weights.get("wi_up"),
                 weights["wo"],
                 config,
                 backend=backend,
-                row_weights=_vary(w_sorted, tuple(_varying_axes(rows))) if fuse_weights else None)
+                row_weights=_vary(w_sorted, tuple(_varying_axes(rows))) if fuse_weights else None,
+                wi_gate_up=weights.get("wi_gate_up"))
             y = _combine(out, w_sorted, row_tok, t_l, not fuse_weights, backend)
             overflow = jnp.zeros((), jnp.int32)
         else:

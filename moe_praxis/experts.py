@@ -4,6 +4,10 @@ Letters: R rows, M d_model, H d_ff, E experts (local experts under expert parall
 A gated expert computes act(x @ wi_gate) * (x @ wi_up) @ wo (SwiGLU with silu); a plain one
 act(x @ wi_up) @ wo. Group sizes stay on the device.
 
+With config.fuse_gate_up the two projections are one grouped GEMM against wi_gate_up
+[E, M, 2H] (interleaved columns) with the activation fused (ops.gate_up_swiglu); its gate and up
+are residuals of that op, so 'moe_gate' and 'moe_up' do not exist there.
+
 Checkpoint names (for jax.checkpoint policies such as save_only_these_names):
   'moe_gate'  [R, H] x @ wi_gate          'moe_up' [R, H] x @ wi_up
   'ffn1'      [R, H] the activation output (Praxis's name for the first FFN layer's output)
@@ -66,8 +70,10 @@ def expert_ffn(rows,
                config: MoEConfig,
                *,
                backend="auto",
-               row_weights=None):
+               row_weights=None,
+               wi_gate_up=None):
     """rows: [R, M]; group_sizes: [E]; wi_*: [E, M, H]; wo: [E, H, M] -> [R, M].
+    wi_gate_up: [E, M, 2H], with config.fuse_gate_up (then wi_gate and wi_up are None).
 
     Rows past sum(group_sizes) come out zero. Weights are cast to rows.dtype.
     row_weights: optional [R] float32 routing weight of each row, multiplied into the
@@ -79,6 +85,16 @@ def expert_ffn(rows,
     if config.use_cudnn_fusion:
         _warn_cudnn_fallback(backend)
     dt = rows.dtype
+    if config.fuse_gate_up:
+        act = ops.gate_up_swiglu(rows,
+                                 wi_gate_up.astype(dt),
+                                 group_sizes,
+                                 row_weights,
+                                 act=config.activation,
+                                 backend=backend)
+        act = checkpoint_name(act, "ffn1")
+        return checkpoint_name(ops.grouped_gemm(act, wo.astype(dt), group_sizes, backend=backend),
+                               "ffn2")
     up = checkpoint_name(ops.grouped_gemm(rows, wi_up.astype(dt), group_sizes, backend=backend),
                          "moe_up")
     if config.gated:

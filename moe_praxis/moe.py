@@ -34,9 +34,13 @@ class MoEOutput:
 def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
     """The parameter tree's shapes: the contract between init, the layer and converters."""
     m, h, e = config.d_model, config.d_ff, config.num_experts
-    shapes = {"router": (m, e), "wi_up": (e, m, h), "wo": (e, h, m)}
-    if config.gated:
-        shapes["wi_gate"] = (e, m, h)
+    shapes = {"router": (m, e), "wo": (e, h, m)}
+    if config.fuse_gate_up:
+        shapes["wi_gate_up"] = (e, m, 2 * h)  # gate / up columns interleaved (ops.gate_up)
+    else:
+        shapes["wi_up"] = (e, m, h)
+        if config.gated:
+            shapes["wi_gate"] = (e, m, h)
     if config.use_expert_bias:
         shapes["expert_bias"] = (e, )
     return shapes
@@ -46,7 +50,8 @@ def init_moe_params(key, config: MoEConfig, dtype=jnp.float32) -> dict:
     """Random parameters: normal(0, scale / sqrt(fan_in)); expert_bias zeros.
 
     Keys: router [M, E], wi_gate [E, M, H] (gated only), wi_up [E, M, H], wo [E, H, M],
-    expert_bias [E] (use_expert_bias only).
+    expert_bias [E] (use_expert_bias only); with fuse_gate_up, wi_gate_up [E, M, 2H] instead of
+    wi_gate and wi_up (each interleaved half drawn as they are: fan_in M).
     """
     shapes = param_shapes(config)
     keys = dict(zip(sorted(shapes), jax.random.split(key, len(shapes))))
@@ -69,7 +74,8 @@ def check_params(params: dict, config: MoEConfig) -> None:
     if missing or extra:
         raise ValueError(
             f"MoE params do not match the config: missing {missing}, unexpected {extra} "
-            f"(gated={config.gated}, use_expert_bias={config.use_expert_bias})")
+            f"(gated={config.gated}, fuse_gate_up={config.fuse_gate_up}, "
+            f"use_expert_bias={config.use_expert_bias})")
     for name, shape in want.items():
         if tuple(params[name].shape) != shape:
             raise ValueError(f"MoE param {name!r} has shape {tuple(params[name].shape)}; "
@@ -107,10 +113,11 @@ def moe_local(params, x2, valid, config: MoEConfig, *, seq_len=None, backend="xl
     out_rows = expert_ffn(rows,
                           d.group_sizes,
                           params.get("wi_gate"),
-                          params["wi_up"],
+                          params.get("wi_up"),
                           params["wo"],
                           config,
                           backend=backend,
+                          wi_gate_up=params.get("wi_gate_up"),
                           row_weights=dispatch_lib.row_weights(r.weights, d))
     y = ops.unpermute(out_rows, d.row_map, t, backend=backend)
     return MoEOutput(y=y,

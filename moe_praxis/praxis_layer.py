@@ -34,7 +34,7 @@ from praxis.layers import stochastics
 from moe_praxis import compat
 from moe_praxis import routing
 from moe_praxis.config import AUX_LOSS_TYPES, KERNEL_BACKENDS, MoEConfig
-from moe_praxis.moe import moe_block
+from moe_praxis.moe import moe_block, param_shapes
 from moe_praxis.resources import MeshResources
 
 JTensor = base_layer.JTensor
@@ -70,6 +70,9 @@ class MoEFeedForward(base_layer.BaseLayer):
       ln_tpl, norm_policy ('pre', 'post', 'primer_hybrid', 'post_skip'): layer norm placement.
       activation_tpl: ReLU, GELU (approximate), SiLU or Swish.
       use_gated_activation: expert = act(x @ wi_gate) * (x @ wi_up) @ wo.
+      fuse_gate_up: (ours; gated only) one weight wi_gate_up [E, M, 2H] and one grouped GEMM
+        for both projections (MoEConfig.fuse_gate_up); convert_gshard_params(...,
+        fuse_gate_up=True) interleaves GShard's wi_gate_0 and wi_0 into it.
       relu_dropout_prob: must be 0 (dropout inside the experts is not implemented).
       residual_dropout_tpl / residual_dropout_prob / residual_droppath_prob /
       add_skip_connection / residual_weight: the residual branch, as in Praxis.
@@ -126,6 +129,7 @@ class MoEFeedForward(base_layer.BaseLayer):
     moe_gating_embedding_level: str = "token"
     use_gated_activation: bool = False
     # moe_praxis fields.
+    fuse_gate_up: bool = False
     num_experts_per_token: int = 2
     aux_loss_type: str = "gshard"
     router_z_loss_weight: float = 0.0
@@ -272,6 +276,7 @@ class MoEFeedForward(base_layer.BaseLayer):
             drop_policy="position",
             activation=ACTIVATIONS[self.activation_tpl.cls],
             gated=bool(self.use_gated_activation),
+            fuse_gate_up=bool(self.fuse_gate_up),
             kernel_backend=self.kernel_backend,
             ep_exchange=self.ep_exchange,
             ep_buffer_factor=self.ep_buffer_factor,
@@ -321,9 +326,12 @@ class MoEFeedForward(base_layer.BaseLayer):
                               tensor_split_dims_mapping=split))
 
         var("router", (m, e), m, wp.me)
-        if self.use_gated_activation:
-            var("wi_gate", (e, m, h), m, wp.emh)
-        var("wi_up", (e, m, h), m, wp.emh)
+        if self.fuse_gate_up:  # emh's last entry shards the interleaved 2H (whole units)
+            var("wi_gate_up", (e, m, 2 * h), m, wp.emh)
+        else:
+            if self.use_gated_activation:
+                var("wi_gate", (e, m, h), m, wp.emh)
+            var("wi_up", (e, m, h), m, wp.emh)
         var("wo", (e, h, m), h, wp.ehm)
 
     # ------------------------------------------------------------------------- forward
@@ -371,9 +379,7 @@ class MoEFeedForward(base_layer.BaseLayer):
         Returns (y [..., M], aux_loss [], z_loss [], tokens_per_expert [E], dropped []): with
         several GShard groups the losses are the groups' means and the counts their sums.
         """
-        names = ("router", "wi_gate", "wi_up",
-                 "wo") if self.use_gated_activation else ("router", "wi_up", "wo")
-        params = {name: self.theta[name] for name in names}
+        params = {name: self.theta[name] for name in param_shapes(self.moe_config())}
         token_shape = x.shape[:-1]
         num_tokens = int(np.prod(token_shape))
         cf, groups = self._capacity_and_groups(num_tokens)
@@ -509,7 +515,7 @@ def _convert_layer(tree: Mapping, path: str) -> dict:
     return out
 
 
-def convert_gshard_params(params, *, _path: str = "params"):
+def convert_gshard_params(params, *, fuse_gate_up: bool = False, _path: str = "params"):
     """Converts Praxis TransformerFeedForwardMoe parameters to MoEFeedForward's.
 
     `params` is either one layer's subtree or any nested dict holding such subtrees (a whole
@@ -522,6 +528,10 @@ def convert_gshard_params(params, *, _path: str = "params"):
       wo_0      [..., E, H, M] -> wo      [..., E, H, M]
       layer_norm / pre_layer_norm / post_layer_norm: unchanged.
 
+    fuse_gate_up=True (for MoEFeedForward(fuse_gate_up=True)): wi_gate_0 and wi_0 become one
+    wi_gate_up [..., E, M, 2H], interleaved (moe_praxis.ops.interleave_gate_up); a layer
+    without wi_gate_0 raises ValueError.
+
     `...` is the optional leading repeat dimension of StackedTransformerRepeated. The values
     are not copied or transformed: GShard's gate is already our router (logits = x @ gate)
     and MoEFeedForward with gating_func 'top2' / 'dense_top2' (second_expert_policy='all')
@@ -529,7 +539,18 @@ def convert_gshard_params(params, *, _path: str = "params"):
     their sum. Raises ValueError naming the path of a malformed layer.
     """
     if _is_gshard_layer(params):
-        return _convert_layer(params, _path)
+        out = _convert_layer(params, _path)
+        if fuse_gate_up:
+            if "wi_gate" not in out:
+                raise ValueError(f"{_path}: fuse_gate_up=True needs a gated layer (wi_gate_0), "
+                                 f"found only {sorted(params)}")
+            from moe_praxis.ops.gate_up import interleave_gate_up
+
+            out["wi_gate_up"] = interleave_gate_up(out.pop("wi_gate"), out.pop("wi_up"))
+        return out
     if isinstance(params, Mapping):
-        return {k: convert_gshard_params(v, _path=f"{_path}/{k}") for k, v in params.items()}
+        return {
+            k: convert_gshard_params(v, fuse_gate_up=fuse_gate_up, _path=f"{_path}/{k}")
+            for k, v in params.items()
+        }
     return params

@@ -167,6 +167,7 @@ class EPLayout:
             "router": P(None, None),
             "wi_gate": P(e, m, tp),
             "wi_up": P(e, m, tp),
+            "wi_gate_up": P(e, m, tp),  # interleaved pairs: a tp shard holds whole units
             "wo": P(e, tp, m),
             "expert_bias": P(None),
         }

@@ -513,6 +513,41 @@ def test_converter_renames_and_validates():
         convert_gshard_params(dict(layer, gate=rng.normal(size=(M, E))))
 
 
+def test_fuse_gate_up_layer_equals_unfused_with_converted_weights():
+    """MoEFeedForward(fuse_gate_up=True) creates wi_gate_up [E, M, 2H] (no wi_gate / wi_up)
+    and computes the unfused layer's function on convert_gshard_params(..., fuse_gate_up=True)
+    of the unfused layer's weights (GShard names in between): y and the aux losses; a
+    non-gated layer refuses both."""
+    from moe_praxis.praxis_layer import GSHARD_PARAM_NAMES
+
+    x, pad = _inputs(0, pad_from=5)
+    kw = dict(use_gated_activation=True, gating_func="top2", router_z_loss_weight=0.1)
+    unfused = _init_layer(_moe_tpl(**kw), x, pad)
+    fused_vars = _init_layer(_moe_tpl(**kw, fuse_gate_up=True), x, pad)
+    assert fused_vars["params"]["wi_gate_up"].shape == (E, M, 2 * H)
+    assert "wi_gate" not in fused_vars["params"] and "wi_up" not in fused_vars["params"]
+    to_gshard = {v: k for k, v in GSHARD_PARAM_NAMES.items()}
+    gshard = {to_gshard.get(k, k): v for k, v in unfused["params"].items()}
+    fused = dict(unfused, params=convert_gshard_params(gshard, fuse_gate_up=True))
+    assert sorted(fused["params"]) == sorted(fused_vars["params"])
+    y, _, aux = _run_layer(_moe_tpl(**kw), unfused, x, pad)
+    yf, _, auxf = _run_layer(_moe_tpl(**kw, fuse_gate_up=True), fused, x, pad)
+    assert _rel(yf, y) < 1e-5
+    for name in aux:
+        np.testing.assert_allclose(np.asarray(auxf[name].value),
+                                   np.asarray(aux[name].value),
+                                   rtol=1e-5,
+                                   err_msg=name)
+    with pytest.raises(ValueError, match="fuse_gate_up=True needs a gated layer"):
+        convert_gshard_params({
+            k: v
+            for k, v in gshard.items() if k != "wi_gate_0"
+        },
+                              fuse_gate_up=True)
+    with pytest.raises(ValueError, match="fuse_gate_up"):
+        _init_layer(_moe_tpl(fuse_gate_up=True), x, pad)
+
+
 # ----------------------------------------------------------------------------- statistics
 
 

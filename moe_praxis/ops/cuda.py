@@ -37,11 +37,13 @@ KERNELS: dict[str, str] = {
     "moe_router_bwd": "MoeRouterBwd",
     "moe_swiglu_fwd": "MoeSwigluFwd",
     "moe_swiglu_bwd": "MoeSwigluBwd",
+    "moe_swiglu_bwd_interleaved": "MoeSwigluBwdInterleaved",
     "moe_permute": "MoePermute",
     "moe_unpermute": "MoeUnpermute",
     "moe_grouped_gemm_fwd": "MoeGroupedGemmFwd",
     "moe_grouped_gemm_dgrad": "MoeGroupedGemmDgrad",
     "moe_grouped_gemm_wgrad": "MoeGroupedGemmWgrad",
+    "moe_grouped_gemm_swiglu_fwd": "MoeGroupedGemmSwigluFwd",
 }
 
 # Minimum compute capability (major * 10 + minor) per op family; ops not listed need 8.0.

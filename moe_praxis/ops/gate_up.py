@@ -1,0 +1,202 @@
+"""Fused gate/up projection with SwiGLU (MoEConfig.fuse_gate_up): one grouped GEMM.
+
+    h   = grouped_gemm(lhs, w_gate_up, group_sizes)          [M, 2H]
+    act = act_fn(h[:, 0::2]) * h[:, 1::2] (* row_weights)     [M, H]
+
+w_gate_up: [E, K, 2H], the two projections' columns interleaved: column 2j is gate unit j,
+column 2j + 1 is up unit j (`interleave_gate_up`, `split_gate_up`). Interleaved pairs keep a
+unit's gate and up columns in one output tile and in one thread of the CUDA kernel's epilogue,
+and keep them together under tensor parallelism (a tp shard of the 2H columns holds whole
+units, the same units as its shard of wo).
+
+Backends ('auto' | 'xla' | 'cuda'):
+  xla:  grouped_gemm_reference (jax.lax.ragged_dot) then swiglu_reference.
+  cuda: kernels/grouped_gemm_swiglu.cu: the CUTLASS sm_90a grouped GEMM of ops.grouped_gemm
+        with an epilogue that writes gate, up (de-interleaved, bf16: the backward's residuals)
+        and act (silu of the bf16 gate times the bf16 up, times the row weight, as the SwiGLU
+        kernel computes it). Needs what ops.grouped_gemm's CUDA path needs, act='silu' and
+        H % 8 == 0; other problems run the xla path (with a warning naming the reason).
+Backward (custom_vjp, every backend): d h from the SwiGLU backward, written interleaved
+(kernels/swiglu.cu, moe_swiglu_bwd_interleaved, on 'cuda'), then ONE dgrad and ONE wgrad
+grouped GEMM against w_gate_up (ops.grouped_gemm's kernels and rule).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from moe_praxis.ops import cuda as _cuda
+from moe_praxis.ops import grouped_gemm as _gg
+from moe_praxis.ops.swiglu import swiglu_reference
+
+# Tiles (ops.grouped_gemm.TILE_CONFIGS indices) kernels/grouped_gemm_swiglu.cu is built for.
+FUSED_TILES = (1, 2)
+TARGET = "moe_grouped_gemm_swiglu_fwd"
+
+
+def interleave_gate_up(wi_gate, wi_up):
+    """[..., H] and [..., H] -> [..., 2H] with column 2j = wi_gate[..., j], 2j + 1 = wi_up[..., j]."""
+    if wi_gate.shape != wi_up.shape:
+        raise ValueError(f"wi_gate and wi_up must have one shape, got {wi_gate.shape}, "
+                         f"{wi_up.shape}")
+    return jnp.stack([wi_gate, wi_up],
+                     axis=-1).reshape(wi_gate.shape[:-1] + (2 * wi_gate.shape[-1], ))
+
+
+def split_gate_up(w_gate_up):
+    """Inverse of interleave_gate_up: [..., 2H] -> (gate [..., H], up [..., H])."""
+    return w_gate_up[..., 0::2], w_gate_up[..., 1::2]
+
+
+def choose_fused_config(m: int, k: int, n: int, num_groups: int) -> str:
+    """Kernel configuration of the fused forward (n = 2H): coop_128x256_c2x1 with the raster
+    of ops.grouped_gemm's rule (docs/grouped_gemm.md, "Fused gate/up")."""
+    raster = _gg.parse_config(_gg.choose_config("fwd", m, k, n, num_groups))[1]
+    return _gg.config_name(2, raster, 1)
+
+
+def gate_up_swiglu_reference(lhs, w_gate_up, group_sizes, row_weights=None, *, act="silu"):
+    """(gate [M, H], up [M, H], act [M, H]) in lhs.dtype, from ragged_dot and
+    swiglu_reference."""
+    h = _gg.grouped_gemm_reference(lhs, w_gate_up, group_sizes).astype(lhs.dtype)
+    gate, up = split_gate_up(h)
+    return gate, up, swiglu_reference(gate, up, row_weights, act=act)
+
+
+def _cuda_fwd(lhs, w_gate_up, group_sizes, w, has_weight: bool, config: str):
+    tile, raster, swizzle = _gg.parse_config(config)
+    if tile not in FUSED_TILES:
+        raise ValueError(f"fused gate/up config {config!r}: tile {_gg.TILE_CONFIGS[tile]!r} is "
+                         f"not built; valid: {[_gg.TILE_CONFIGS[t] for t in FUSED_TILES]}")
+    m, hh = lhs.shape[0], w_gate_up.shape[2] // 2
+    half = jax.ShapeDtypeStruct((m, hh), lhs.dtype)
+    ws = jax.ShapeDtypeStruct((_gg.workspace_bytes(group_sizes.shape[0], tile), ), jnp.uint8)
+    gate, up, act, _ = _cuda.ffi(TARGET, (half, half, half, ws),
+                                 lhs,
+                                 w_gate_up,
+                                 group_sizes,
+                                 w,
+                                 tile=tile,
+                                 raster=raster,
+                                 swizzle=swizzle,
+                                 has_weight=has_weight)
+    return gate, up, act
+
+
+def _swiglu_bwd_ref(gate, up, w, dact, has_weight, act):
+    _, vjp = jax.vjp(lambda g, u, ww: swiglu_reference(g, u, ww if has_weight else None, act=act),
+                     gate, up, w)
+    dg, du, dw = vjp(dact)
+    return interleave_gate_up(dg, du), dw
+
+
+def _swiglu_bwd_cuda(gate, up, w, dact, has_weight):
+    r, hh = gate.shape
+    out = (jax.ShapeDtypeStruct((r, 2 * hh),
+                                gate.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32))
+    return tuple(
+        _cuda.ffi("moe_swiglu_bwd_interleaved", out, gate, up, w, dact, has_weight=has_weight))
+
+
+def _fwd_impl(lhs, w_gate_up, group_sizes, w, impl):
+    backend, config, has_weight, act = impl
+    ref = functools.partial(_fwd_ref, has_weight=has_weight, act=act)
+    if backend == "xla" or _gg._empty(lhs.shape[0], lhs.shape[1], w_gate_up.shape[2],
+                                      w_gate_up.shape[0]):
+        return ref(lhs, w_gate_up, group_sizes, w)
+    cfg = config or choose_fused_config(lhs.shape[0], lhs.shape[1], w_gate_up.shape[2],
+                                        group_sizes.shape[0])
+    return _cuda.platform_call(lambda a, b, g, ww: _cuda_fwd(a, b, g, ww, has_weight, cfg), ref,
+                               lhs, w_gate_up, group_sizes, w)
+
+
+def _fwd_ref(lhs, w_gate_up, group_sizes, w, *, has_weight, act):
+    return gate_up_swiglu_reference(lhs, w_gate_up, group_sizes, w if has_weight else None, act=act)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, ))
+def _gate_up_swiglu(lhs, w_gate_up, group_sizes, w, impl):
+    return _fwd_impl(lhs, w_gate_up, group_sizes, w, impl)[2]
+
+
+def _vjp_fwd(lhs, w_gate_up, group_sizes, w, impl):
+    gate, up, act = _fwd_impl(lhs, w_gate_up, group_sizes, w, impl)
+    return act, (lhs, w_gate_up, group_sizes, w, gate, up)
+
+
+def _vjp_bwd(impl, res, dact):
+    backend, _, has_weight, act = impl
+    lhs, w_gate_up, group_sizes, w, gate, up = res
+    dact = dact.astype(gate.dtype)
+    ref = functools.partial(_swiglu_bwd_ref, has_weight=has_weight, act=act)
+    if backend == "xla":
+        dh, dw = ref(gate, up, w, dact)
+    else:
+        dh, dw = _cuda.platform_call(functools.partial(_swiglu_bwd_cuda, has_weight=has_weight),
+                                     ref, gate, up, w, dact)
+    gimpl = (backend, None)  # dgrad / wgrad: ops.grouped_gemm's kernels and rule
+    dlhs = _gg._dgrad_impl(dh, w_gate_up, group_sizes, gimpl)
+    dw_gate_up = _gg._wgrad_impl(lhs, dh, group_sizes, gimpl).astype(w_gate_up.dtype)
+    return (dlhs, dw_gate_up, _cuda.zero_cotangent(group_sizes),
+            dw.astype(w.dtype) if has_weight else jnp.zeros_like(w))
+
+
+_gate_up_swiglu.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def _unsupported(lhs, w_gate_up, act: str) -> str | None:
+    why = _gg.cuda_unsupported_reason(lhs, w_gate_up)
+    if why is not None:
+        return why
+    if act != "silu":
+        return f"act={act!r} (the fused epilogue computes silu only)"
+    if (w_gate_up.shape[2] // 2) % 8:
+        return f"the fused gate/up kernel needs H % 8 == 0, got H={w_gate_up.shape[2] // 2}"
+    return None
+
+
+def gate_up_swiglu(lhs,
+                   w_gate_up,
+                   group_sizes,
+                   row_weights=None,
+                   *,
+                   act: str = "silu",
+                   backend: str = "auto",
+                   config: str | None = None):
+    """act_fn(lhs @ gate) * (lhs @ up) (* row_weights[:, None]) per group -> [M, H] in lhs.dtype.
+
+    lhs [M, K]; w_gate_up [E, K, 2H] (interleaved, module doc); group_sizes [E] integer (rows
+    past their sum come out zero); row_weights: optional [M] routing weights (gradient returned
+    in their dtype). config: force the fused CUDA forward's configuration (tiles in
+    FUSED_TILES); default `choose_fused_config`. Differentiable in lhs, w_gate_up, row_weights.
+    """
+    if lhs.ndim != 2 or w_gate_up.ndim != 3 or lhs.shape[1] != w_gate_up.shape[1]:
+        raise ValueError(f"gate_up_swiglu needs lhs [M,K], w_gate_up [E,K,2H]; got {lhs.shape}, "
+                         f"{w_gate_up.shape}")
+    if w_gate_up.shape[2] % 2:
+        raise ValueError(f"w_gate_up's last dimension must be even (2H), got {w_gate_up.shape}")
+    if group_sizes.shape != (w_gate_up.shape[0], ):
+        raise ValueError(f"group_sizes must be [E={w_gate_up.shape[0]}], got {group_sizes.shape}")
+    if row_weights is not None and row_weights.shape != lhs.shape[:1]:
+        raise ValueError(f"row_weights must be [M={lhs.shape[0]}], got {row_weights.shape}")
+    if config is not None:
+        config = _gg.config_name(*_gg.parse_config(config))
+    resolved = _gg._resolve(backend, lhs, w_gate_up)
+    if resolved == "cuda":
+        why = _unsupported(lhs, w_gate_up, act)
+        if why is not None:
+            _cuda.warn_fallback("gate_up_swiglu", why)
+            resolved = "xla"
+    has_weight = row_weights is not None
+    if has_weight:
+        # one shard_map type for the rows and their weights (ops.cuda.vary_together): the
+        # weights' gradient comes back in their own type
+        lhs, w = _cuda.vary_together(lhs, row_weights.astype(jnp.float32))
+    else:
+        w = jnp.zeros((1, ), jnp.float32)  # unread placeholder (see ops.cuda.swiglu)
+    out = _gate_up_swiglu(lhs, w_gate_up, group_sizes.astype(jnp.int32), w,
+                          (resolved, config, has_weight, act))
+    return out
