@@ -119,6 +119,34 @@ def test_bad_inputs_raise_clear_errors():
         ops.gate_up_swiglu(lhs, jnp.ones((2, 4, 6)), jnp.array([4, 4]), jnp.ones(7))
 
 
+def test_cuda_backend_falls_back_with_a_warning_naming_the_reason(monkeypatch):
+    """With the CUDA status forced on (as on a Hopper GPU), problems the fused kernel does not
+    take run the XLA path, warning once per reason: a non-silu activation, H % 8 != 0 and
+    float32 inputs. The result is the reference's."""
+    import importlib
+
+    from moe_praxis.ops import backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "_cuda_status", lambda op="": (True, "forced"))
+    gg = importlib.import_module("moe_praxis.ops.grouped_gemm")
+    monkeypatch.setattr(gg, "_device_reason", lambda: None)
+    monkeypatch.setattr(gg, "_warned", set())  # once per reason: fresh sets for this test
+    monkeypatch.setattr(ops.cuda, "_warned", set())
+    gs = jnp.array([5, 3])
+    cases = [
+        (jnp.bfloat16, 8, "gelu", r"act='gelu'"),
+        (jnp.bfloat16, 12, "silu", r"H % 8 == 0, got H=12"),
+        (jnp.float32, 8, "silu", r"takes bf16 lhs and rhs"),
+    ]
+    for dtype, h, act, match in cases:
+        lhs = jax.random.normal(jax.random.key(0), (8, 16)).astype(dtype)
+        w_gu = jax.random.normal(jax.random.key(1), (2, 16, 2 * h)).astype(dtype)
+        with pytest.warns(UserWarning, match=match):
+            out = ops.gate_up_swiglu(lhs, w_gu, gs, act=act, backend="cuda")
+        ref = gate_up.gate_up_swiglu_reference(lhs, w_gu, gs, act=act)[2]
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
 def test_config_and_params_of_fuse_gate_up():
     with pytest.raises(ValueError, match="fuse_gate_up.*gated=True"):
         mp.MoEConfig(d_model=8, d_ff=16, num_experts=4, gated=False, fuse_gate_up=True)
