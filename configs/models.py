@@ -24,13 +24,15 @@ def moe_layer_tpl(*,
                   top_k: int,
                   moe_hidden_dims: int,
                   aux_loss_coeff: float,
-                  gated: bool = True) -> pax_fiddle.Config:
+                  gated: bool = True,
+                  fuse_gate_up: bool = False) -> pax_fiddle.Config:
     """The template StackedTransformer copies into each MoE layer (it sets num_experts,
     num_groups, min_group_size and gating_func itself): dropless softmax top-k routing
     ('topk'), SwiGLU experts, the Switch load-balancing loss."""
     tpl = pax_fiddle.Config(moe_layer_class(), name="moe")
     tpl.hidden_dims = moe_hidden_dims
     tpl.use_gated_activation = gated
+    tpl.fuse_gate_up = fuse_gate_up
     tpl.activation_tpl = pax_fiddle.Config(activations.SiLU)
     tpl.moe_load_balance_loss_weight = aux_loss_coeff
     tpl.num_experts_per_token = top_k
@@ -55,6 +57,7 @@ def transformer_lm(
     fprop_dtype: str = "float32",
     remat: bool = False,
     norm: str = "rms",
+    fuse_gate_up: bool = False,
 ) -> pax_fiddle.Config:
     """A decoder-only LM: tied byte embedding/softmax, rotary attention, pre-norm blocks.
 
@@ -102,7 +105,8 @@ def transformer_lm(
         layer.tr_fflayer_tpl.ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
     moe = moe_layer_tpl(top_k=top_k,
                         moe_hidden_dims=moe_hidden_dims or hidden_dims,
-                        aux_loss_coeff=aux_loss_coeff)
+                        aux_loss_coeff=aux_loss_coeff,
+                        fuse_gate_up=fuse_gate_up)
     if norm == "rms":
         moe.ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
     block.moe_layer_tpl = moe
