@@ -210,7 +210,7 @@ class DeepSeekV3(LanguageModel):
     NUM_EXPERTS = 256
     TOP_K = 8
     AUX_LOSS_COEFF = 1e-4
-    # fine-grained experts (H=2048): the fused gate/up GEMM measured 1.03-1.04x fwd+bwd at
+    # fine-grained experts (H=2048): the fused gate/up GEMM measured 1.02-1.04x fwd+bwd at
     # the grouped GEMM benchmark's shape B (E=32, K=7168, H=2048; docs/grouped_gemm.md)
     FUSE_GATE_UP = True
     REPEAT = True

@@ -192,6 +192,24 @@ struct SwigluDef
   }
 };
 
+// The adaptive pair (tile 4): both fused kernels, the device keeps the cheaper one per call
+// (grouped_gemm.cuh, Adaptive and moe_gg_prepare).
+template <class A, class B, int kPct>
+struct SwigluDef<Adaptive<A, B, kPct>> {
+  using First = SwigluDef<A>;
+  using Second = SwigluDef<B>;
+  using Kernel = typename First::Kernel;
+  using StrideA = typename First::StrideA;
+  using StrideB = typename First::StrideB;
+  using StrideD = typename First::StrideD;
+  static_assert(std::is_same_v<StrideA, typename Second::StrideA> &&
+                    std::is_same_v<StrideB, typename Second::StrideB> &&
+                    std::is_same_v<StrideD, typename Second::StrideD>,
+                "an adaptive pair must share its operand strides");
+  static constexpr bool kAdaptive = true;
+  static constexpr int kSecondCostPct = kPct;
+};
+
 ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                                     ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> group_sizes,
                                     ffi::Buffer<ffi::F32> row_weights,
@@ -242,9 +260,11 @@ ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> 
       return run(PingpongSmall{});
     case 2:
       return run(CoopWide{});
+    case 4:
+      return run(AdaptiveWideThin{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM + SwiGLU: tile=" +
-                                         std::to_string(tile) + " is not built; valid: 1, 2");
+                                         std::to_string(tile) + " is not built; valid: 1, 2, 4");
   }
 }
 

@@ -32,8 +32,9 @@ from moe_praxis.ops import cuda as _cuda
 from moe_praxis.ops import grouped_gemm as _gg
 from moe_praxis.ops.swiglu import swiglu_reference
 
-# Tiles (ops.grouped_gemm.TILE_CONFIGS indices) kernels/grouped_gemm_swiglu.cu is built for.
-FUSED_TILES = (1, 2)
+# Tiles (ops.grouped_gemm.TILE_CONFIGS indices) kernels/grouped_gemm_swiglu.cu is built for:
+# pingpong_128x128, coop_128x256 and the adaptive pair coop_128x256 / pingpong_64x256.
+FUSED_TILES = (1, 2, 4)
 TARGET = "moe_grouped_gemm_swiglu_fwd"
 
 
@@ -52,10 +53,14 @@ def split_gate_up(w_gate_up):
 
 
 def choose_fused_config(m: int, k: int, n: int, num_groups: int) -> str:
-    """Kernel configuration of the fused forward (n = 2H): coop_128x256_c2x1 with the raster
-    of ops.grouped_gemm's rule (docs/grouped_gemm.md, "Fused gate/up")."""
-    raster = _gg.parse_config(_gg.choose_config("fwd", m, k, n, num_groups))[1]
-    return _gg.config_name(2, raster, 1)
+    """Kernel configuration of the fused forward (n = 2H): ops.grouped_gemm's forward rule
+    (coop_128x256, or the adaptive pair for groups of <= 2048 rows; both built fused), with
+    the environment variable MOE_PRAXIS_GG_TILE ignored here when it names a tile the fused
+    kernel lacks (docs/grouped_gemm.md, "Fused gate/up")."""
+    tile, raster, swizzle = _gg.parse_config(_gg.choose_config("fwd", m, k, n, num_groups))
+    if tile not in FUSED_TILES:
+        tile = 2
+    return _gg.config_name(tile, raster, swizzle)
 
 
 def gate_up_swiglu_reference(lhs, w_gate_up, group_sizes, row_weights=None, *, act="silu"):
