@@ -98,14 +98,21 @@ __global__ void __launch_bounds__(kBwdThreads)
   const float s = g[0] * scale[0];
   const int64_t nvec = n / VEC;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kBwdThreads;
+  const bool whole = e % VEC == 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kBwdThreads) + threadIdx.x; i < nvec;
        i += stride) {
     V v;
     int col = column_of(i * VEC, e);
+    if (whole) {  // the vector's VEC columns are contiguous in f: one vector load
+      const Vec<F, VEC> fv = *reinterpret_cast<const Vec<F, VEC>*>(f + col);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      v.v[j] = from_f32<T>(s * static_cast<float>(__ldg(f + col)));
-      col = (col + 1 == e) ? 0 : col + 1;
+      for (int j = 0; j < VEC; ++j) v.v[j] = from_f32<T>(s * static_cast<float>(fv.v[j]));
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        v.v[j] = from_f32<T>(s * static_cast<float>(__ldg(f + col)));
+        col = (col + 1 == e) ? 0 : col + 1;
+      }
     }
     reinterpret_cast<V*>(dp)[i] = v;
   }
