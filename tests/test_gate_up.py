@@ -396,3 +396,24 @@ def test_gpu_fused_under_ep_equals_single_device(exchange):
     assert rel_err(gx, rx) < 2e-2, msg
     for name in ("wi_gate_up", "wo", "router"):
         assert rel_err(gp[name], rp[name]) < 2e-2, f"{msg} d{name}"
+
+
+def test_fused_config_rule_follows_the_forward_rule(monkeypatch):
+    """choose_fused_config: the plain forward's rule (adaptive pair for groups of <= 2048 rows,
+    else coop_128x256, with its raster); MOE_PRAXIS_GG_TILE naming a tile the fused kernel
+    lacks leaves it on coop_128x256 (docs/grouped_gemm.md, "Not done")."""
+    gg = gate_up._gg
+    monkeypatch.delenv(gg.ENV_TILE, raising=False)
+    for m, k, n, e in ((32768, 4096, 28672, 8), (32768, 7168, 4096, 32), (65536, 2048, 1536, 128)):
+        plain = gg.parse_config(gg.choose_config("fwd", m, k, n, e))
+        fused = gg.parse_config(gate_up.choose_fused_config(m, k, n, e))
+        assert fused == plain and fused[0] in gate_up.FUSED_TILES
+    assert gg.parse_config(gate_up.choose_fused_config(65536, 2048, 1536, 128))[0] == 4
+    assert gg.parse_config(gate_up.choose_fused_config(32768, 4096, 28672, 8))[0] == 2
+    monkeypatch.setenv(gg.ENV_TILE, "pingpong_64x256_c2x1/along_n")
+    assert gate_up.choose_fused_config(32768, 4096, 28672, 8) == gg.config_name(2, 1, 1)
+    monkeypatch.setenv(gg.ENV_TILE, "pingpong_128x128_c2x1")
+    assert gate_up.choose_fused_config(32768, 4096, 28672, 8) == gg.config_name(1, 0, 1)
+    with pytest.raises(ValueError, match="not built"):
+        gate_up._cuda_fwd(jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 16, 16), jnp.bfloat16),
+                          jnp.array([4, 4]), jnp.zeros((1, )), False, gg.config_name(0))
