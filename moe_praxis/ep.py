@@ -33,7 +33,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -115,15 +114,7 @@ def _experts(rows, keys, w, config, num_local, backend, row_weights=None):
     grouped = checkpoint_name(rows[perm], "moe_dispatched")
     if row_weights is not None:
         row_weights = _vary(row_weights, tuple(_varying_axes(rows)))[perm]
-    out = expert_ffn(grouped,
-                     group_sizes,
-                     w.get("wi_gate"),
-                     w.get("wi_up"),
-                     w["wo"],
-                     config,
-                     backend=backend,
-                     row_weights=row_weights,
-                     wi_gate_up=w.get("wi_gate_up"))
+    out = expert_ffn(grouped, group_sizes, w, config, backend=backend, row_weights=row_weights)
     inv = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
     return out[inv]
 
@@ -380,13 +371,10 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
             out = expert_ffn(
                 rows,
                 group_sizes,
-                weights.get("wi_gate"),
-                weights.get("wi_up"),
-                weights["wo"],
+                weights,
                 config,
                 backend=backend,
-                row_weights=_vary(w_sorted, tuple(_varying_axes(rows))) if fuse_weights else None,
-                wi_gate_up=weights.get("wi_gate_up"))
+                row_weights=_vary(w_sorted, tuple(_varying_axes(rows))) if fuse_weights else None)
             y = _combine(out, w_sorted, row_tok, t_l, not fuse_weights, backend)
             overflow = jnp.zeros((), jnp.int32)
         else:

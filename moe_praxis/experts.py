@@ -62,18 +62,10 @@ def _warn_cudnn_fallback(backend: str) -> None:
             stacklevel=3)
 
 
-def expert_ffn(rows,
-               group_sizes,
-               wi_gate,
-               wi_up,
-               wo,
-               config: MoEConfig,
-               *,
-               backend="auto",
-               row_weights=None,
-               wi_gate_up=None):
-    """rows: [R, M]; group_sizes: [E]; wi_*: [E, M, H]; wo: [E, H, M] -> [R, M].
-    wi_gate_up: [E, M, 2H], with config.fuse_gate_up (then wi_gate and wi_up are None).
+def expert_ffn(rows, group_sizes, weights, config: MoEConfig, *, backend="auto", row_weights=None):
+    """rows: [R, M]; group_sizes: [E]; weights: the expert weights of the parameter tree
+    (moe.param_shapes: wi_up, wi_gate if gated [E, M, H], or wi_gate_up [E, M, 2H] with
+    config.fuse_gate_up; wo [E, H, M]; other keys ignored) -> [R, M].
 
     Rows past sum(group_sizes) come out zero. Weights are cast to rows.dtype.
     row_weights: optional [R] float32 routing weight of each row, multiplied into the
@@ -85,9 +77,10 @@ def expert_ffn(rows,
     if config.use_cudnn_fusion:
         _warn_cudnn_fallback(backend)
     dt = rows.dtype
+    wo = weights["wo"]
     if config.fuse_gate_up:
         act = ops.gate_up_swiglu(rows,
-                                 wi_gate_up.astype(dt),
+                                 weights["wi_gate_up"].astype(dt),
                                  group_sizes,
                                  row_weights,
                                  act=config.activation,
@@ -95,11 +88,12 @@ def expert_ffn(rows,
         act = checkpoint_name(act, "ffn1")
         return checkpoint_name(ops.grouped_gemm(act, wo.astype(dt), group_sizes, backend=backend),
                                "ffn2")
-    up = checkpoint_name(ops.grouped_gemm(rows, wi_up.astype(dt), group_sizes, backend=backend),
-                         "moe_up")
+    up = checkpoint_name(
+        ops.grouped_gemm(rows, weights["wi_up"].astype(dt), group_sizes, backend=backend), "moe_up")
     if config.gated:
         gate = checkpoint_name(
-            ops.grouped_gemm(rows, wi_gate.astype(dt), group_sizes, backend=backend), "moe_gate")
+            ops.grouped_gemm(rows, weights["wi_gate"].astype(dt), group_sizes, backend=backend),
+            "moe_gate")
         act = ops.swiglu(gate, up, row_weights, act=config.activation, backend=backend)
     else:
         act = ops.activation(config.activation)(up)

@@ -112,12 +112,9 @@ def moe_local(params, x2, valid, config: MoEConfig, *, seq_len=None, backend="xl
     # combine is a plain unpermute of the expert outputs (summed in float32, rounded once).
     out_rows = expert_ffn(rows,
                           d.group_sizes,
-                          params.get("wi_gate"),
-                          params.get("wi_up"),
-                          params["wo"],
+                          params,
                           config,
                           backend=backend,
-                          wi_gate_up=params.get("wi_gate_up"),
                           row_weights=dispatch_lib.row_weights(r.weights, d))
     y = ops.unpermute(out_rows, d.row_map, t, backend=backend)
     return MoEOutput(y=y,

@@ -309,7 +309,6 @@ class MoEFeedForward(base_layer.BaseLayer):
                                            survival_prob=1.0 - self.residual_droppath_prob)
             self.create_child("residual_droppath", droppath_p)
 
-        m, h, e = self.input_dims, self.hidden_dims, self.num_experts
         wp = self.weight_split_dims_mapping
 
         def init(fan_in):
@@ -325,14 +324,13 @@ class MoEFeedForward(base_layer.BaseLayer):
                               mesh_shape=self.mesh_shape,
                               tensor_split_dims_mapping=split))
 
-        var("router", (m, e), m, wp.me)
-        if self.fuse_gate_up:  # emh's last entry shards the interleaved 2H (whole units)
-            var("wi_gate_up", (e, m, 2 * h), m, wp.emh)
-        else:
-            if self.use_gated_activation:
-                var("wi_gate", (e, m, h), m, wp.emh)
-            var("wi_up", (e, m, h), m, wp.emh)
-        var("wo", (e, h, m), h, wp.ehm)
+        # The variables are moe_block's parameters (moe.param_shapes), created in this order;
+        # emh's last entry also shards wi_gate_up's interleaved 2H (whole units per shard).
+        shapes = param_shapes(self.moe_config())
+        splits = {"router": wp.me, "wo": wp.ehm}  # the wi_* weights: emh
+        for name in ("router", "wi_gate", "wi_up", "wi_gate_up", "wo"):
+            if name in shapes:  # fan-in: the contracted dimension, shape[-2]
+                var(name, shapes[name], shapes[name][-2], splits.get(name, wp.emh))
 
     # ------------------------------------------------------------------------- forward
 

@@ -227,6 +227,14 @@ def zero_cotangent(x):
     return np.zeros(x.shape, jax.dtypes.float0)
 
 
+def no_weights():
+    """The routing-weight operand of the kernels that take optional weights (has_weight=False):
+    one float32 element, never read. Not a zero-size array: with the 'ragged' exchange, jax
+    0.11.2's GPU compiler segfaulted in its SPMD partitioner on a zero-size placeholder (2
+    H200s, 2026-11-30), as it did on a varying-cast one (a psum of the zero-size cotangent)."""
+    return jnp.zeros((1, ), jnp.float32)
+
+
 def vary_together(*xs):
     """Each x cast to vary over the union of the xs' varying axes (shard_map's type system).
 
@@ -478,9 +486,21 @@ def _swiglu_bwd_ref(gate, up, w, dout, has_weight):
     return dg, du, dw
 
 
-def _swiglu_bwd_ffi(gate, up, w, dout, has_weight):
-    out = (jax.ShapeDtypeStruct(gate.shape, gate.dtype), jax.ShapeDtypeStruct(up.shape, up.dtype),
-           jax.ShapeDtypeStruct(w.shape, jnp.float32))
+def swiglu_bwd_ffi(gate, up, w, dout, has_weight, interleaved=False):
+    """The SwiGLU backward kernel: (dgate, dup, dw), or with interleaved=True (dgate_up [R, 2H],
+    column 2j d gate j, 2j + 1 d up j: the fused gate/up layout, ops.gate_up) and dw."""
+    r, h = gate.shape
+    dw = jax.ShapeDtypeStruct(w.shape, jnp.float32)
+    if interleaved:
+        return tuple(
+            ffi("moe_swiglu_bwd_interleaved", (jax.ShapeDtypeStruct((r, 2 * h), gate.dtype), dw),
+                gate,
+                up,
+                w,
+                dout,
+                has_weight=has_weight))
+    out = (jax.ShapeDtypeStruct(gate.shape, gate.dtype), jax.ShapeDtypeStruct(up.shape,
+                                                                              up.dtype), dw)
     return tuple(ffi("moe_swiglu_bwd", out, gate, up, w, dout, has_weight=has_weight))
 
 
@@ -496,7 +516,7 @@ def _swiglu_vjp_fwd(gate, up, w, has_weight):
 
 def _swiglu_vjp_bwd(has_weight, res, dout):
     gate, up, w = res
-    dg, du, dw = platform_call(functools.partial(_swiglu_bwd_ffi, has_weight=has_weight),
+    dg, du, dw = platform_call(functools.partial(swiglu_bwd_ffi, has_weight=has_weight),
                                functools.partial(_swiglu_bwd_ref, has_weight=has_weight), gate, up,
                                w, dout)
     return dg, du, dw if has_weight else jnp.zeros_like(w)
@@ -522,12 +542,9 @@ def swiglu(gate, up, weights=None):
     up = up.astype(gate.dtype)
     # Inside shard_map the inputs get one type (vary_together): e.g. weights that vary over
     # fewer axes than the rows get their gradient summed over the others. Without weights the
-    # kernels get a one-element placeholder (unread), left alone (its cotangent is zeros of its
-    # own type). Not a zero-size one: with the 'ragged' exchange, jax 0.11.2's GPU compiler
-    # segfaulted in its SPMD partitioner on a zero-size placeholder (2 H200s, 2026-11-30), as it
-    # did on a cast one (a psum of the zero-size cotangent).
+    # kernels get no_weights(), left alone (its cotangent is zeros of its own type).
     if weights is None:
-        return _swiglu(*vary_together(gate, up), jnp.zeros((1, ), jnp.float32), False)
+        return _swiglu(*vary_together(gate, up), no_weights(), False)
     # autodiff of the cast returns the weights' gradient in their own dtype
     return _swiglu(*vary_together(gate, up, weights.astype(jnp.float32)), True)
 

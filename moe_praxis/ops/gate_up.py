@@ -72,22 +72,16 @@ def gate_up_swiglu_reference(lhs, w_gate_up, group_sizes, row_weights=None, *, a
 
 
 def _cuda_fwd(lhs, w_gate_up, group_sizes, w, has_weight: bool, config: str):
-    tile, raster, swizzle = _gg.parse_config(config)
-    if tile not in FUSED_TILES:
-        raise ValueError(f"fused gate/up config {config!r}: tile {_gg.TILE_CONFIGS[tile]!r} is "
-                         f"not built; valid: {[_gg.TILE_CONFIGS[t] for t in FUSED_TILES]}")
-    m, hh = lhs.shape[0], w_gate_up.shape[2] // 2
-    half = jax.ShapeDtypeStruct((m, hh), lhs.dtype)
-    ws = jax.ShapeDtypeStruct((_gg.workspace_bytes(group_sizes.shape[0], tile), ), jnp.uint8)
-    gate, up, act, _ = _cuda.ffi(TARGET, (half, half, half, ws),
-                                 lhs,
-                                 w_gate_up,
-                                 group_sizes,
-                                 w,
-                                 tile=tile,
-                                 raster=raster,
-                                 swizzle=swizzle,
-                                 has_weight=has_weight)
+    half = jax.ShapeDtypeStruct((lhs.shape[0], w_gate_up.shape[2] // 2), lhs.dtype)
+    gate, up, act, _ = _gg.call_kernel(TARGET, (half, half, half),
+                                       lhs,
+                                       w_gate_up,
+                                       group_sizes,
+                                       w,
+                                       num_groups=group_sizes.shape[0],
+                                       config=config,
+                                       tiles=FUSED_TILES,
+                                       has_weight=has_weight)
     return gate, up, act
 
 
@@ -96,14 +90,6 @@ def _swiglu_bwd_ref(gate, up, w, dact, has_weight, act):
                      gate, up, w)
     dg, du, dw = vjp(dact)
     return interleave_gate_up(dg, du), dw
-
-
-def _swiglu_bwd_cuda(gate, up, w, dact, has_weight):
-    r, hh = gate.shape
-    out = (jax.ShapeDtypeStruct((r, 2 * hh),
-                                gate.dtype), jax.ShapeDtypeStruct(w.shape, jnp.float32))
-    return tuple(
-        _cuda.ffi("moe_swiglu_bwd_interleaved", out, gate, up, w, dact, has_weight=has_weight))
 
 
 def _fwd_impl(lhs, w_gate_up, group_sizes, w, impl):
@@ -140,8 +126,9 @@ def _vjp_bwd(impl, res, dact):
     if backend == "xla":
         dh, dw = ref(gate, up, w, dact)
     else:
-        dh, dw = _cuda.platform_call(functools.partial(_swiglu_bwd_cuda, has_weight=has_weight),
-                                     ref, gate, up, w, dact)
+        dh, dw = _cuda.platform_call(
+            functools.partial(_cuda.swiglu_bwd_ffi, has_weight=has_weight, interleaved=True), ref,
+            gate, up, w, dact)
     gimpl = (backend, None)  # dgrad / wgrad: ops.grouped_gemm's kernels and rule
     dlhs = _gg._dgrad_impl(dh, w_gate_up, group_sizes, gimpl)
     dw_gate_up = _gg._wgrad_impl(lhs, dh, group_sizes, gimpl).astype(w_gate_up.dtype)
@@ -201,7 +188,7 @@ def gate_up_swiglu(lhs,
         # weights' gradient comes back in their own type
         lhs, w = _cuda.vary_together(lhs, row_weights.astype(jnp.float32))
     else:
-        w = jnp.zeros((1, ), jnp.float32)  # unread placeholder (see ops.cuda.swiglu)
+        w = _cuda.no_weights()
     out = _gate_up_swiglu(lhs, w_gate_up, group_sizes.astype(jnp.int32), w,
                           (resolved, config, has_weight, act))
     return out

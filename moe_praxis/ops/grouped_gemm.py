@@ -36,7 +36,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops import cuda as _cuda
@@ -198,18 +197,32 @@ def grouped_gemm_wgrad_reference(lhs, dout, group_sizes):
 # ------------------------------------------------------------------------- CUDA kernels
 
 
-def _ffi(op: str, out_shape, a, b, group_sizes, config: str, with_workspace: bool = False):
+def call_kernel(target: str, results, *args, num_groups: int, config: str, tiles=None, **attrs):
+    """One grouped GEMM FFI call: `results` (ShapeDtypeStructs) plus the workspace sized for
+    `num_groups` groups and the configuration's tile, with the configuration's tile / raster /
+    swizzle attributes and `attrs`. tiles: the tiles `target` is built for (None: all).
+    Returns the results, then the workspace."""
     tile, raster, swizzle = parse_config(config)
-    ws = workspace_bytes(group_sizes.shape[0], tile)
-    out, workspace = _cuda.ffi(
-        _TARGETS[op],
-        (jax.ShapeDtypeStruct(out_shape, a.dtype), jax.ShapeDtypeStruct((ws, ), jnp.uint8)),
-        a,
-        b,
-        group_sizes.astype(jnp.int32),
-        tile=tile,
-        raster=raster,
-        swizzle=swizzle)
+    if tiles is not None and tile not in tiles:
+        raise ValueError(f"{target}: config {config!r}: tile {TILE_CONFIGS[tile]!r} is not "
+                         f"built; valid: {[TILE_CONFIGS[t] for t in tiles]}")
+    ws = jax.ShapeDtypeStruct((workspace_bytes(num_groups, tile), ), jnp.uint8)
+    return _cuda.ffi(target,
+                     tuple(results) + (ws, ),
+                     *args,
+                     tile=tile,
+                     raster=raster,
+                     swizzle=swizzle,
+                     **attrs)
+
+
+def _ffi(op: str, out_shape, a, b, group_sizes, config: str, with_workspace: bool = False):
+    out, workspace = call_kernel(_TARGETS[op], (jax.ShapeDtypeStruct(out_shape, a.dtype), ),
+                                 a,
+                                 b,
+                                 group_sizes.astype(jnp.int32),
+                                 num_groups=group_sizes.shape[0],
+                                 config=config)
     return (out, workspace) if with_workspace else out
 
 
