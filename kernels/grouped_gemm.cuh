@@ -159,11 +159,12 @@ struct GemmDef : KernelFor<LayoutA, LayoutB, Config, PlainEpilogue<Config>> {
   }
 };
 
-// The adaptive pair: two kernels sharing the operand arrays (the strides must agree).
-template <class LayoutA, class LayoutB, class A, class B, int kPct>
-struct GemmDef<LayoutA, LayoutB, Adaptive<A, B, kPct>> {
-  using First = GemmDef<LayoutA, LayoutB, A>;
-  using Second = GemmDef<LayoutA, LayoutB, B>;
+// The adaptive pair of two kernel definitions sharing the operand arrays (the strides must
+// agree); run_grouped launches both. Any Def family specialises Adaptive<A, B, kPct> as this.
+template <class FirstDef, class SecondDef, int kPct>
+struct AdaptivePair {
+  using First = FirstDef;
+  using Second = SecondDef;
   using Kernel = typename First::Kernel;
   using StrideA = typename First::StrideA;
   using StrideB = typename First::StrideB;
@@ -175,6 +176,10 @@ struct GemmDef<LayoutA, LayoutB, Adaptive<A, B, kPct>> {
   static constexpr bool kAdaptive = true;
   static constexpr int kSecondCostPct = kPct;
 };
+
+template <class LayoutA, class LayoutB, class A, class B, int kPct>
+struct GemmDef<LayoutA, LayoutB, Adaptive<A, B, kPct>>
+    : AdaptivePair<GemmDef<LayoutA, LayoutB, A>, GemmDef<LayoutA, LayoutB, B>, kPct> {};
 
 // Where group e's operands start: base + e * per_expert + row_offset(e) * per_row (elements).
 struct OperandMap {
@@ -357,11 +362,12 @@ __global__ void __launch_bounds__(kPrepareThreads)
   }
 }
 
-// Prepare parameters of a forward problem: lhs [rows, k] (ragged rows), rhs [e, k, n], output
-// rows of ld_d elements starting at d (rows past the sum zeroed).
-inline PrepareParams forward_prepare(const int32_t* group_sizes, int64_t e, int64_t rows, int64_t k,
-                                     int64_t n, const Element* a, const Element* b, Element* d,
-                                     int64_t ld_d) {
+// Prepare parameters of a problem with ragged rows (fwd, dgrad, the fused forward): a [rows, k]
+// (the group's rows), b [e] of k x n elements, output rows of ld_d elements starting at d (rows
+// past the sum zeroed). dgrad passes k = N (its contraction) and n = K (its output width).
+inline PrepareParams ragged_rows_prepare(const int32_t* group_sizes, int64_t e, int64_t rows,
+                                         int64_t k, int64_t n, const Element* a, const Element* b,
+                                         Element* d, int64_t ld_d) {
   PrepareParams p{};
   p.group_sizes = group_sizes;
   p.num_groups = static_cast<int>(e);

@@ -25,22 +25,11 @@ ffi::Error GroupedGemmDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dout
   const Schedule sched{raster, swizzle};
   return dispatch_tile(tile, sched, [&](auto cfg) {
     using Def = GemmDef<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, decltype(cfg)>;
-    PrepareParams p{};
-    p.group_sizes = group_sizes.typed_data();
-    p.num_groups = static_cast<int>(e);
-    p.rows = m;
-    p.ragged_k = false;
-    p.dim_a = static_cast<int>(k);  // GEMM N
-    p.dim_b = static_cast<int>(n);  // GEMM K
-    p.a = as_elem(dout.untyped_data());
-    p.b = as_elem(rhs.untyped_data());
-    p.d = as_elem(dlhs->untyped_data());
-    p.map_a = {0, n};
-    p.map_b = {k * n, 0};
-    p.map_d = {0, k};
-    p.zero_empty_experts = false;
-    p.zero_row = k;
-    p.zero_expert = 0;
+    // the GEMM's contraction is N and its output width K
+    PrepareParams p = ragged_rows_prepare(group_sizes.typed_data(), e, m, n, k,
+                                          as_elem(dout.untyped_data()),
+                                          as_elem(rhs.untyped_data()),
+                                          as_elem(dlhs->untyped_data()), k);
     return run_grouped<Def>(stream, p, make_ld_stride<typename Def::StrideA>(n),
                             make_ld_stride<typename Def::StrideB>(n),
                             make_ld_stride<typename Def::StrideD>(k),

@@ -24,9 +24,10 @@ ffi::Error GroupedGemmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
   const Schedule sched{raster, swizzle};
   return dispatch_tile(tile, sched, [&](auto cfg) {
     using Def = GemmDef<cutlass::layout::RowMajor, cutlass::layout::RowMajor, decltype(cfg)>;
-    PrepareParams p = forward_prepare(group_sizes.typed_data(), e, m, k, n,
-                                      as_elem(lhs.untyped_data()), as_elem(rhs.untyped_data()),
-                                      as_elem(out->untyped_data()), n);
+    PrepareParams p = ragged_rows_prepare(group_sizes.typed_data(), e, m, k, n,
+                                          as_elem(lhs.untyped_data()),
+                                          as_elem(rhs.untyped_data()),
+                                          as_elem(out->untyped_data()), n);
     return run_grouped<Def>(stream, p, make_ld_stride<typename Def::StrideA>(k),
                             make_ld_stride<typename Def::StrideB>(n),
                             make_ld_stride<typename Def::StrideD>(n),

@@ -195,20 +195,7 @@ struct SwigluDef
 // The adaptive pair (tile 4): both fused kernels, the device keeps the cheaper one per call
 // (grouped_gemm.cuh, Adaptive and moe_gg_prepare).
 template <class A, class B, int kPct>
-struct SwigluDef<Adaptive<A, B, kPct>> {
-  using First = SwigluDef<A>;
-  using Second = SwigluDef<B>;
-  using Kernel = typename First::Kernel;
-  using StrideA = typename First::StrideA;
-  using StrideB = typename First::StrideB;
-  using StrideD = typename First::StrideD;
-  static_assert(std::is_same_v<StrideA, typename Second::StrideA> &&
-                    std::is_same_v<StrideB, typename Second::StrideB> &&
-                    std::is_same_v<StrideD, typename Second::StrideD>,
-                "an adaptive pair must share its operand strides");
-  static constexpr bool kAdaptive = true;
-  static constexpr int kSecondCostPct = kPct;
-};
+struct SwigluDef<Adaptive<A, B, kPct>> : AdaptivePair<SwigluDef<A>, SwigluDef<B>, kPct> {};
 
 ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                                     ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> group_sizes,
@@ -240,9 +227,10 @@ ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> 
   auto run = [&](auto cfg) -> ffi::Error {
     using Def = SwigluDef<decltype(cfg)>;
     // ptr_d[e]: the group's first row of gate (the epilogue's row offset)
-    PrepareParams p = forward_prepare(group_sizes.typed_data(), e, m, k, n,
-                                      as_elem(lhs.untyped_data()), as_elem(rhs.untyped_data()),
-                                      as_elem(gate->untyped_data()), h);
+    PrepareParams p = ragged_rows_prepare(group_sizes.typed_data(), e, m, k, n,
+                                          as_elem(lhs.untyped_data()),
+                                          as_elem(rhs.untyped_data()),
+                                          as_elem(gate->untyped_data()), h);
     p.zero_also[0] = as_elem(up->untyped_data());
     p.zero_also[1] = as_elem(act->untyped_data());
     EpilogueExtra extra{p.d, p.zero_also[0], p.zero_also[1],
