@@ -20,7 +20,10 @@ Prints a table (ms, TFLOP/s, ratio to dense) and writes JSON. Timing: each funct
 warmed up, then called `iters` times back to back (async dispatch) between two
 block_until_ready; the median over `reps` such batches, divided by iters.
 Options: --shapes A,B,C  --dists balanced,skewed  --ops fwd,dgrad,wgrad  --skip ragged,pallas
---time-budget SECONDS (stop measuring, still print and write, when exceeded).
+--time-budget SECONDS (stop measuring, still print and write, when exceeded)
+--configs LIST (comma-separated, instead of SWEEP: configurations, or `rule` = the chosen
+configuration, optionally with parts replaced, e.g. `rule/r2048` (its row split set to 2048),
+`rule/along_n`, `rule/along_n/r0`; see `expand_config`).
 """
 
 from __future__ import annotations
@@ -67,6 +70,24 @@ SWEEP = [gg.config_name(2, 0, s) for s in (1, 2, 4, 8)] + [
     gg.config_name(3, 0),
     gg.config_name(3, 1),
 ]
+
+
+def expand_config(token: str, chosen: str) -> str:
+    """A --configs entry -> a configuration: `rule[/RASTER][/rROWS]` is `chosen` with those
+    parts replaced; anything else is a grouped_gemm.parse_config string."""
+    parts = token.split("/")
+    if parts[0] != "rule":
+        return gg.config_name(*gg.parse_config(token))
+    tile, raster, swizzle, split = gg.parse_config(chosen)
+    for part in parts[1:]:
+        if part in gg.RASTERS:
+            raster = gg.RASTERS.index(part)
+        elif part.startswith("r") and part[1:].isdigit():
+            split = int(part[1:])
+        else:
+            raise ValueError(f"--configs entry {token!r}: part {part!r} is invalid; valid: "
+                             f"a raster {gg.RASTERS} or rROWS")
+    return gg.config_name(tile, raster, swizzle, split)
 
 
 def group_sizes(dist: str, m: int, e: int) -> np.ndarray:
@@ -164,6 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--skip", default="", help="comma-separated: ragged, pallas, tiles")
     ap.add_argument("--time-budget", type=float, default=1e9)
+    ap.add_argument("--configs", default="", help="comma-separated, instead of SWEEP (see doc)")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     t_start = time.time()
@@ -233,6 +255,9 @@ def main(argv=None) -> int:
                         print("  ragged failed:", repr(ex)[:300], flush=True)
                 chosen = gg.choose_config(op, m, k, n, e)
                 configs = [chosen] if "tiles" in skip else SWEEP
+                if args.configs:
+                    configs = list(
+                        dict.fromkeys(expand_config(t, chosen) for t in args.configs.split(",")))
                 if chosen not in configs:
                     configs = configs + [chosen]
                 for c in configs:

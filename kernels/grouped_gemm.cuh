@@ -2,8 +2,9 @@
 // bf16 in, fp32 accumulate, bf16 out. Shared by grouped_gemm_{fwd,dgrad,wgrad}.cu.
 //
 // Group sizes stay on the device. Each FFI call launches, on XLA's stream:
-//   1. moe_gg_prepare: scans group_sizes (clamped to [0, rows left]) and writes per-group
-//      problem shapes, operand pointers and strides into the workspace; its other blocks zero
+//   1. moe_gg_prepare: scans group_sizes (clamped to [0, rows left]) and writes per-problem
+//      shapes, operand pointers and strides into the workspace (one problem per group, or, with
+//      split_rows, one per split_rows-row piece of each group's ragged rows); its other blocks zero
 //      what CUTLASS will not write (rows past sum(group_sizes) for fwd/dgrad; whole [K, N]
 //      slices of experts with no rows for wgrad, whose K = 0 problem CUTLASS would otherwise
 //      store as an uninitialised accumulator: we give such a group M = 0 so it has no tiles).
@@ -12,7 +13,8 @@
 // No device-to-host copy and no synchronisation: the call is CUDA-graph safe.
 //
 // Workspace (an output buffer of the FFI call, sized by moe_praxis/ops/grouped_gemm.py):
-//   [kGroupArrayBytesPerGroup * E bytes of group arrays, 256-aligned][CUTLASS workspace]
+//   [kGroupArrayBytesPerGroup * P bytes of problem arrays, 256-aligned][CUTLASS workspace],
+//   P = num_problems(E, rows, split_rows).
 // The handler checks that the buffer is large enough and fails with a message otherwise.
 #pragma once
 
@@ -65,21 +67,30 @@ struct PingpongSmall {  // tile 1: ping-pong, 128x128x64, cluster 2x1 (small N, 
   using Cluster = Shape<_2, _1, _1>;
   static constexpr int kTilesInFlight = 2;  // one per consumer warpgroup
 };
-struct CoopWide {  // tile 2: cooperative, 128x256x64, cluster 2x1
+// The cluster shape (CM x CN CTAs): CUTLASS's group scheduler rounds each problem's tile grid up
+// to whole clusters, so a group with an odd count of row tiles under a 2x1 cluster issues one
+// tile of nothing but zeros (its CTA must run: it takes part in the cluster's TMA multicast of
+// B). 1x2 clusters (A multicast) round the column tiles instead: none are wasted when the
+// output width is an even count of tiles; 1x1 wastes none, without multicast.
+template <int CM, int CN>
+struct CoopWideC {  // cooperative, 128x256x64
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
   using Tile = Shape<_128, _256, _64>;
-  using Cluster = Shape<_2, _1, _1>;
+  using Cluster = Shape<Int<CM>, Int<CN>, _1>;
   static constexpr int kTilesInFlight = 1;
 };
-struct PingpongThin {  // tile 3: ping-pong, 64x256x64, cluster 2x1 (many small / ragged groups:
-                      // 64-row tiles waste less at each group's ragged end)
+template <int CM, int CN>
+struct PingpongThinC {  // ping-pong, 64x256x64 (many small / ragged groups: 64-row tiles waste
+                        // less at each group's ragged end)
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
   using Tile = Shape<_64, _256, _64>;
-  using Cluster = Shape<_2, _1, _1>;
+  using Cluster = Shape<Int<CM>, Int<CN>, _1>;
   static constexpr int kTilesInFlight = 2;
 };
+using CoopWide = CoopWideC<2, 1>;          // tile 2
+using PingpongThin = PingpongThinC<2, 1>;  // tile 3
 // tile 4: adaptive, chosen on the device at every call from the group sizes: the prepare kernel
 // counts the output tiles each of First and Second would issue and keeps the cheaper one
 // (cost = waves x work per wave; Second's cost x kSecondCostPct / 100, its measured per-FLOP
@@ -97,7 +108,11 @@ struct Adaptive {
 // 128x256 for dgrad at C (measured 9% slower than 64x256) to fix fwd at B, where 105 picks
 // 64x256 and loses 2% (wall) to 5% (kernel time); the wave count is the coarse part.
 using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 105>;
-constexpr int kNumTiles = 5;
+// tiles 5-7: the same with 1x2 clusters; 8-10: with 1x1 clusters (kernels/grouped_gemm.cuh
+// dispatch_tile; TILE_CONFIGS in moe_praxis/ops/grouped_gemm.py).
+using AdaptiveWideThin12 = Adaptive<CoopWideC<1, 2>, PingpongThinC<1, 2>, 105>;
+using AdaptiveWideThin11 = Adaptive<CoopWideC<1, 1>, PingpongThinC<1, 1>, 105>;
+constexpr int kNumTiles = 11;
 
 // What a fused epilogue needs beyond the group arrays (kernels/grouped_gemm_swiglu.cu); the
 // plain epilogue ignores it.
@@ -187,9 +202,32 @@ struct OperandMap {
   int64_t per_row;
 };
 
+// Row split (fwd, dgrad, fused fwd): a group's ragged rows are issued as problems of at most
+// split_rows rows (0: one problem per group). CUTLASS's group scheduler hands out a problem's
+// tiles column by column (along_m) over all of its rows, so one large group makes a wave of
+// CTAs stream that whole group's rows for each column band: with pieces, a wave's rows and
+// columns both stay L2-sized. split_rows is a multiple of 256 (whole tiles and clusters of every
+// tile configuration), so the pieces issue exactly the tiles of the unsplit group.
+// Problems: every group gets at least one (M = 0 when empty), and a group of m > 0 rows
+// ceil(m / split_rows) <= 1 + (m - 1) / split_rows, so E + rows / split_rows bound the count.
+inline int num_problems(int64_t e, int64_t rows, int64_t split_rows) {
+  return static_cast<int>(e + (split_rows > 0 ? rows / split_rows : 0));
+}
+
+inline ffi::Error check_split_rows(int64_t split_rows) {
+  if (split_rows < 0 || split_rows % 256 != 0) {
+    return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: split_rows=" +
+                                       std::to_string(split_rows) +
+                                       " is invalid; valid: 0 (no split) or a multiple of 256");
+  }
+  return ffi::Error::Success();
+}
+
 struct PrepareParams {
   const int32_t* group_sizes;
   int num_groups;
+  int num_problems;    // slots of the problem arrays (num_problems(); = num_groups unless split)
+  int64_t split_rows;  // 0 or a multiple of 256 (never for ragged_k)
   int64_t rows;     // M: rows of the ragged operand(s)
   bool ragged_k;    // wgrad: the group's rows are the GEMM's K (problem = (K?, N, m_e))
   int dim_a;        // fwd/dgrad: problem (m_e, dim_a, dim_b); wgrad: (m_e ? dim_a : 0, dim_b, m_e)
@@ -208,10 +246,11 @@ struct PrepareParams {
   Element* zero_also[2];
   // Adaptive tile (alt_shapes != nullptr): every shape is also written to alt_shapes (the second
   // kernel's); block 0 counts both configurations' output tiles and empties (M = 0) the shapes
-  // of the costlier one. Per configuration c: tile_m, tile_n, the tiles in flight over the
-  // whole GPU (slots: CTAs x tiles a CTA works on at once), cost_pct.
+  // of the costlier one. Per configuration c: tile_m, tile_n, its cluster (a problem's tile
+  // grid is rounded up to whole clusters), the tiles in flight over the whole GPU (slots: CTAs x
+  // tiles a CTA works on at once), cost_pct.
   UnderlyingShape* alt_shapes;
-  int tile_m[2], tile_n[2];
+  int tile_m[2], tile_n[2], cluster_m[2], cluster_n[2];
   int64_t slots[2];
   int cost_pct[2];
   int32_t* chose_second;  // where block 0 records its choice (1: second), or nullptr
@@ -272,11 +311,11 @@ __global__ void __launch_bounds__(kPrepareThreads)
                    StrideB sb, StrideD sd) {
   using BlockScan = cub::BlockScan<int64_t, kPrepareThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
-  __shared__ int64_t carry;
+  __shared__ int64_t carry, slot_carry;
   __shared__ int use_second;
   int64_t tiles[2] = {0, 0};  // this thread's groups' output tiles (adaptive)
   extern __shared__ int32_t rows_smem[];  // clamped rows per group (expert-zeroing mode)
-  if (threadIdx.x == 0) carry = 0;
+  if (threadIdx.x == 0) carry = slot_carry = 0;
   __syncthreads();
   const bool writer = blockIdx.x == 0;
   for (int base = 0; base < p.num_groups; base += kPrepareThreads) {
@@ -287,33 +326,58 @@ __global__ void __launch_bounds__(kPrepareThreads)
     start += carry;
     __syncthreads();  // everyone has read carry
     if (threadIdx.x == 0) carry += chunk_total;
-    if (e < p.num_groups) {
-      const int64_t lo = min(start, p.rows);
-      const int64_t hi = min(start + size, p.rows);
-      const int m = static_cast<int>(hi - lo);
-      if (p.zero_empty_experts) rows_smem[e] = m;
-      const UnderlyingShape shape = p.ragged_k ? UnderlyingShape(m > 0 ? p.dim_a : 0, p.dim_b, m)
-                                               : UnderlyingShape(m, p.dim_a, p.dim_b);
+    const int64_t lo = min(start, p.rows);
+    const int64_t m = e < p.num_groups ? min(start + size, p.rows) - lo : 0;
+    // this group's problems (pieces of at most split_rows rows; one, maybe empty, if no split)
+    const int64_t pieces =
+        e >= p.num_groups ? 0 : (p.split_rows > 0 ? max<int64_t>(1, (m + p.split_rows - 1) / p.split_rows) : 1);
+    int64_t slot, pieces_total;
+    BlockScan(scan_storage).ExclusiveSum(pieces, slot, pieces_total);
+    slot += slot_carry;
+    __syncthreads();  // everyone has read slot_carry
+    if (threadIdx.x == 0) slot_carry += pieces_total;
+    if (e < p.num_groups && p.zero_empty_experts) rows_smem[e] = static_cast<int>(m);
+    for (int64_t j = 0; j < pieces; ++j, ++slot) {
+      const int64_t r0 = lo + j * p.split_rows;  // split_rows = 0: j = 0 only
+      const int mj = static_cast<int>(p.split_rows > 0 ? min(p.split_rows, m - j * p.split_rows) : m);
+      const UnderlyingShape shape = p.ragged_k ? UnderlyingShape(mj > 0 ? p.dim_a : 0, p.dim_b, mj)
+                                               : UnderlyingShape(mj, p.dim_a, p.dim_b);
       if (p.alt_shapes != nullptr) {
         const int64_t out_rows = get<0>(shape), out_cols = get<1>(shape);
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          tiles[c] += (out_rows + p.tile_m[c] - 1) / p.tile_m[c] *
-                      ((out_cols + p.tile_n[c] - 1) / p.tile_n[c]);
+          const int64_t tm = (out_rows + p.tile_m[c] - 1) / p.tile_m[c];
+          const int64_t tn = (out_cols + p.tile_n[c] - 1) / p.tile_n[c];
+          tiles[c] += (tm + p.cluster_m[c] - 1) / p.cluster_m[c] * p.cluster_m[c] *
+                      ((tn + p.cluster_n[c] - 1) / p.cluster_n[c] * p.cluster_n[c]);
         }
       }
       if (writer) {
-        g.shapes[e] = shape;
-        if (p.alt_shapes != nullptr) p.alt_shapes[e] = shape;
-        g.ptr_a[e] = p.a + e * p.map_a.per_expert + lo * p.map_a.per_row;
-        g.ptr_b[e] = p.b + e * p.map_b.per_expert + lo * p.map_b.per_row;
-        g.ptr_d[e] = p.d + e * p.map_d.per_expert + lo * p.map_d.per_row;
-        g.stride_a[e] = sa;
-        g.stride_b[e] = sb;
-        g.stride_d[e] = sd;
+        g.shapes[slot] = shape;
+        if (p.alt_shapes != nullptr) p.alt_shapes[slot] = shape;
+        g.ptr_a[slot] = p.a + e * p.map_a.per_expert + r0 * p.map_a.per_row;
+        g.ptr_b[slot] = p.b + e * p.map_b.per_expert + r0 * p.map_b.per_row;
+        g.ptr_d[slot] = p.d + e * p.map_d.per_expert + r0 * p.map_d.per_row;
+        g.stride_a[slot] = sa;
+        g.stride_b[slot] = sb;
+        g.stride_d[slot] = sd;
       }
     }
     __syncthreads();  // carry updated; scan storage reusable
+  }
+  if (writer) {  // problem slots past the last piece: no tiles
+    for (int64_t q = slot_carry + threadIdx.x; q < p.num_problems; q += kPrepareThreads) {
+      const UnderlyingShape shape = p.ragged_k ? UnderlyingShape(0, p.dim_b, 0)
+                                               : UnderlyingShape(0, p.dim_a, p.dim_b);
+      g.shapes[q] = shape;
+      if (p.alt_shapes != nullptr) p.alt_shapes[q] = shape;
+      g.ptr_a[q] = p.a;
+      g.ptr_b[q] = p.b;
+      g.ptr_d[q] = p.d;
+      g.stride_a[q] = sa;
+      g.stride_b[q] = sb;
+      g.stride_d[q] = sd;
+    }
   }
   if (writer && p.alt_shapes != nullptr) {
     int64_t total[2];
@@ -338,7 +402,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
     }
     __syncthreads();
     UnderlyingShape* empty = use_second ? g.shapes : p.alt_shapes;
-    for (int e = threadIdx.x; e < p.num_groups; e += kPrepareThreads) {
+    for (int e = threadIdx.x; e < p.num_problems; e += kPrepareThreads) {
       const UnderlyingShape s = empty[e];
       empty[e] = UnderlyingShape(0, get<1>(s), get<2>(s));
     }
@@ -371,6 +435,8 @@ inline PrepareParams ragged_rows_prepare(const int32_t* group_sizes, int64_t e, 
   PrepareParams p{};
   p.group_sizes = group_sizes;
   p.num_groups = static_cast<int>(e);
+  p.num_problems = p.num_groups;  // run_grouped sets it from split_rows
+  p.split_rows = 0;
   p.rows = rows;
   p.ragged_k = false;
   p.dim_a = static_cast<int>(n);
@@ -419,10 +485,12 @@ cutlass::KernelHardwareInfo hardware_info(int device) {
 
 // Runs prepare + CUTLASS for one tile configuration. `sa`, `sb`, `sd` are the (constant)
 // strides of A, B, D; group arrays go at the start of `workspace`.
-// Scheduling knobs that need no extra instantiation (FFI attributes `raster`, `swizzle`).
+// Scheduling knobs that need no extra instantiation (FFI attributes `raster`, `swizzle`,
+// `split_rows`).
 struct Schedule {
-  int64_t raster;   // 0: along M (consecutive tiles share a B column), 1: along N
-  int64_t swizzle;  // max swizzle size: 1, 2, 4 or 8
+  int64_t raster;      // 0: along M (consecutive tiles share a B column), 1: along N
+  int64_t swizzle;     // max swizzle size: 1, 2, 4 or 8
+  int64_t split_rows;  // row split of ragged-row problems (0: none; ignored by wgrad)
 };
 
 inline ffi::Error check_schedule(Schedule s) {
@@ -432,7 +500,7 @@ inline ffi::Error check_schedule(Schedule s) {
         "moe_praxis grouped GEMM: raster=" + std::to_string(s.raster) + ", swizzle=" +
         std::to_string(s.swizzle) + " are invalid; valid: raster 0 or 1, swizzle 1, 2, 4, 8");
   }
-  return ffi::Error::Success();
+  return check_split_rows(s.split_rows);
 }
 
 }  // namespace moe_gg
@@ -492,6 +560,8 @@ template <class Config>
 void set_adaptive_slot(PrepareParams& p, int c, int sm_count) {
   p.tile_m[c] = static_cast<int>(cute::size<0>(typename Config::Tile{}));
   p.tile_n[c] = static_cast<int>(cute::size<1>(typename Config::Tile{}));
+  p.cluster_m[c] = static_cast<int>(cute::size<0>(typename Config::Cluster{}));
+  p.cluster_n[c] = static_cast<int>(cute::size<1>(typename Config::Cluster{}));
   p.slots[c] = static_cast<int64_t>(sm_count) * Config::kTilesInFlight;
 }
 
@@ -504,7 +574,9 @@ ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::Strid
                        typename Def::StrideB sb, typename Def::StrideD sd, uint8_t* workspace,
                        int64_t workspace_bytes, Schedule sched, const EpilogueExtra& extra = {}) {
   moe_praxis_note_stream(stream);
-  const int e = p.num_groups;
+  p.split_rows = p.ragged_k ? 0 : sched.split_rows;  // wgrad's rows are its contraction
+  const int e = num_problems(p.num_groups, p.rows, p.split_rows);  // CUTLASS's groups
+  p.num_problems = e;
   auto g = carve_group_arrays<typename Def::StrideA, typename Def::StrideB, typename Def::StrideD>(
       workspace, e);
   int64_t head = group_array_bytes(e);
@@ -570,6 +642,18 @@ ffi::Error dispatch_tile(int64_t tile, Schedule sched, F&& f) {
       return f(PingpongThin{});
     case 4:
       return f(AdaptiveWideThin{});
+    case 5:
+      return f(CoopWideC<1, 2>{});
+    case 6:
+      return f(PingpongThinC<1, 2>{});
+    case 7:
+      return f(AdaptiveWideThin12{});
+    case 8:
+      return f(CoopWideC<1, 1>{});
+    case 9:
+      return f(PingpongThinC<1, 1>{});
+    case 10:
+      return f(AdaptiveWideThin11{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: tile=" + std::to_string(tile) +
                                          " is invalid; valid: 0.." +

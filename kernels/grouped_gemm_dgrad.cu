@@ -13,7 +13,7 @@ ffi::Error GroupedGemmDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dout
                                 ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> group_sizes,
                                 ffi::ResultBuffer<ffi::BF16> dlhs,
                                 ffi::ResultBuffer<ffi::U8> workspace, int64_t tile,
-                              int64_t raster, int64_t swizzle) {
+                              int64_t raster, int64_t swizzle, int64_t split_rows) {
   auto od = dout.dimensions();
   auto rd = rhs.dimensions();
   if (od.size() != 2 || rd.size() != 3 || od[1] != rd[2] ||
@@ -22,7 +22,7 @@ ffi::Error GroupedGemmDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dout
                                        "rhs [E,K,N], group_sizes [E]");
   }
   const int64_t m = od[0], n = od[1], e = rd[0], k = rd[1];
-  const Schedule sched{raster, swizzle};
+  const Schedule sched{raster, swizzle, split_rows};
   return dispatch_tile(tile, sched, [&](auto cfg) {
     using Def = GemmDef<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, decltype(cfg)>;
     // the GEMM's contraction is N and its output width K
@@ -51,5 +51,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmDgrad, moe_gg::GroupedGemmDgradImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
                                   .Attr<int64_t>("tile")
                                   .Attr<int64_t>("raster")
-                                  .Attr<int64_t>("swizzle"),
+                                  .Attr<int64_t>("swizzle")
+                                  .Attr<int64_t>("split_rows"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

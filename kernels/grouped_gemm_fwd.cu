@@ -12,7 +12,7 @@ ffi::Error GroupedGemmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                               ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> group_sizes,
                               ffi::ResultBuffer<ffi::BF16> out,
                               ffi::ResultBuffer<ffi::U8> workspace, int64_t tile,
-                              int64_t raster, int64_t swizzle) {
+                              int64_t raster, int64_t swizzle, int64_t split_rows) {
   auto ld = lhs.dimensions();
   auto rd = rhs.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || ld[1] != rd[1] ||
@@ -21,7 +21,7 @@ ffi::Error GroupedGemmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                                        "group_sizes [E]");
   }
   const int64_t m = ld[0], k = ld[1], e = rd[0], n = rd[2];
-  const Schedule sched{raster, swizzle};
+  const Schedule sched{raster, swizzle, split_rows};
   return dispatch_tile(tile, sched, [&](auto cfg) {
     using Def = GemmDef<cutlass::layout::RowMajor, cutlass::layout::RowMajor, decltype(cfg)>;
     PrepareParams p = ragged_rows_prepare(group_sizes.typed_data(), e, m, k, n,
@@ -49,5 +49,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmFwd, moe_gg::GroupedGemmFwdImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
                                   .Attr<int64_t>("tile")
                                   .Attr<int64_t>("raster")
-                                  .Attr<int64_t>("swizzle"),
+                                  .Attr<int64_t>("swizzle")
+                                  .Attr<int64_t>("split_rows"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

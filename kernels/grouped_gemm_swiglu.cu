@@ -204,7 +204,7 @@ ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> 
                                     ffi::ResultBuffer<ffi::BF16> up,
                                     ffi::ResultBuffer<ffi::BF16> act,
                                     ffi::ResultBuffer<ffi::U8> workspace, int64_t tile,
-                                    int64_t raster, int64_t swizzle, bool has_weight) {
+                                    int64_t raster, int64_t swizzle, int64_t split_rows, bool has_weight) {
   auto ld = lhs.dimensions();
   auto rd = rhs.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || ld[1] != rd[1] || rd[2] % 16 != 0 ||
@@ -223,7 +223,7 @@ ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> 
     return ffi::Error::InvalidArgument("moe_praxis grouped GEMM + SwiGLU fwd: row_weights must be "
                                        "[M=" + std::to_string(m) + "]");
   }
-  const Schedule sched{raster, swizzle};
+  const Schedule sched{raster, swizzle, split_rows};
   auto run = [&](auto cfg) -> ffi::Error {
     using Def = SwigluDef<decltype(cfg)>;
     // ptr_d[e]: the group's first row of gate (the epilogue's row offset)
@@ -250,9 +250,12 @@ ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> 
       return run(CoopWide{});
     case 4:
       return run(AdaptiveWideThin{});
+    case 10:
+      return run(AdaptiveWideThin11{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM + SwiGLU: tile=" +
-                                         std::to_string(tile) + " is not built; valid: 1, 2, 4");
+                                         std::to_string(tile) +
+                                         " is not built; valid: 1, 2, 4, 10");
   }
 }
 
@@ -273,5 +276,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmSwigluFwd, moe_gg::GroupedGemmSwiglu
                                   .Attr<int64_t>("tile")
                                   .Attr<int64_t>("raster")
                                   .Attr<int64_t>("swizzle")
+                                  .Attr<int64_t>("split_rows")
                                   .Attr<bool>("has_weight"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -14,7 +14,7 @@ ffi::Error GroupedGemmWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                                 ffi::Buffer<ffi::BF16> dout, ffi::Buffer<ffi::S32> group_sizes,
                                 ffi::ResultBuffer<ffi::BF16> drhs,
                                 ffi::ResultBuffer<ffi::U8> workspace, int64_t tile,
-                              int64_t raster, int64_t swizzle) {
+                              int64_t raster, int64_t swizzle, int64_t split_rows) {
   auto ld = lhs.dimensions();
   auto od = dout.dimensions();
   auto wd = drhs->dimensions();
@@ -25,7 +25,7 @@ ffi::Error GroupedGemmWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                                        "dout [M,N], group_sizes [E], drhs [E,K,N]");
   }
   const int64_t m = ld[0], k = ld[1], n = od[1];
-  const Schedule sched{raster, swizzle};
+  const Schedule sched{raster, swizzle, split_rows};
   return dispatch_tile(tile, sched, [&](auto cfg) {
     using Def = GemmDef<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, decltype(cfg)>;
     PrepareParams p{};
@@ -65,5 +65,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmWgrad, moe_gg::GroupedGemmWgradImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
                                   .Attr<int64_t>("tile")
                                   .Attr<int64_t>("raster")
-                                  .Attr<int64_t>("swizzle"),
+                                  .Attr<int64_t>("swizzle")
+                                  .Attr<int64_t>("split_rows"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -209,14 +209,15 @@ GPU_SHAPES = [(1000, 136, 200, 8), (777, 64, 104, 5)]  # (M, K, H, E): H % 8 == 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", gate_up.FUSED_TILES)
+@pytest.mark.parametrize("tile,split", [(t, 0) for t in gate_up.FUSED_TILES] + [(4, 256)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_cuda_fused_forward_matches_reference(kind, tile):
+def test_cuda_fused_forward_matches_reference(kind, tile, split):
     """gate, up and act against the float64 loop; act bitwise equal to the SwiGLU kernel on
-    the kernel's own gate and up; tails zero; outputs poisoned by an earlier call."""
+    the kernel's own gate and up; tails zero; outputs poisoned by an earlier call. split: the
+    row split (pieces of 256 rows: the epilogue finds each piece's first row)."""
     _cuda_or_skip()
     gg = gate_up._gg
-    config = gg.config_name(tile)
+    config = gg.config_name(tile, 0, 1, split)
     for m, k, h, e in GPU_SHAPES:
         for weighted in (False, True):
             seed = _seed()
@@ -401,17 +402,20 @@ def test_gpu_fused_under_ep_equals_single_device(exchange):
 def test_fused_config_rule_follows_the_forward_rule(monkeypatch):
     """choose_fused_config: the plain forward's rule (adaptive pair for groups of <= 2048 rows,
     else coop_128x256, with its raster); MOE_PRAXIS_GG_TILE naming a tile the fused kernel
-    lacks leaves it on coop_128x256 (docs/grouped_gemm.md, "Not done")."""
+    lacks leaves it on the 2x1-cluster adaptive pair (for an adaptive pair) or coop_128x256
+    (docs/grouped_gemm.md, "Not done")."""
     gg = gate_up._gg
     monkeypatch.delenv(gg.ENV_TILE, raising=False)
     for m, k, n, e in ((32768, 4096, 28672, 8), (32768, 7168, 4096, 32), (65536, 2048, 1536, 128)):
         plain = gg.parse_config(gg.choose_config("fwd", m, k, n, e))
         fused = gg.parse_config(gate_up.choose_fused_config(m, k, n, e))
         assert fused == plain and fused[0] in gate_up.FUSED_TILES
-    assert gg.parse_config(gate_up.choose_fused_config(65536, 2048, 1536, 128))[0] == 4
+    assert gg.parse_config(gate_up.choose_fused_config(65536, 2048, 1536, 128))[0] == 10
     assert gg.parse_config(gate_up.choose_fused_config(32768, 4096, 28672, 8))[0] == 2
     monkeypatch.setenv(gg.ENV_TILE, "pingpong_64x256_c2x1/along_n")
     assert gate_up.choose_fused_config(32768, 4096, 28672, 8) == gg.config_name(2, 1, 1)
+    monkeypatch.setenv(gg.ENV_TILE, "adaptive_128x256_64x256_c1x2/along_m/s1/r512")
+    assert gate_up.choose_fused_config(8, 8, 8, 1) == gg.config_name(4, 0, 1, 512)
     monkeypatch.setenv(gg.ENV_TILE, "pingpong_128x128_c2x1")
     assert gate_up.choose_fused_config(32768, 4096, 28672, 8) == gg.config_name(1, 0, 1)
     with pytest.raises(ValueError, match="not built"):

@@ -191,6 +191,43 @@ def test_cuda_backend_without_usable_kernels_says_why():
                          backend="cuda")
 
 
+def test_config_strings_round_trip_and_bad_ones_name_the_valid_forms():
+    for tile in range(len(gg.TILE_CONFIGS)):
+        for raster in range(len(gg.RASTERS)):
+            for split in (0, 256, 4096):
+                name = gg.config_name(tile, raster, 1, split)
+                assert gg.parse_config(name) == (tile, raster, 1, split)
+                assert ("/r" in name) == (split > 0)
+    assert gg.parse_config(gg.TILE_CONFIGS[2]) == (2, 0, 1, 0)
+    for bad in ("coop_128x256_c2x1/along_m/s1/r100", "coop_128x256_c2x1/along_m/s1/r-256",
+                "coop_128x256_c2x1/along_m/s1/rx", "coop_128x256_c2x1/along_m/s3",
+                "coop_128x256_c2x1/along_m/s1/r256/x", "big/along_m"):
+        with pytest.raises(ValueError, match="invalid; valid: TILE.*multiple of 256"):
+            gg.parse_config(bad)
+
+
+@pytest.mark.parametrize("split", [256, 512, 2048])
+def test_row_split_problem_count_bounds_every_group_size_pattern(split):
+    """The kernel gives each group max(1, ceil(m / split)) problems (kernels/grouped_gemm.cuh,
+    moe_gg_prepare); num_problems (the arrays' size) must bound that for any sizes, including
+    sums past M (clamped) and negative sizes."""
+    rng = np.random.default_rng(_seed())
+    for _ in range(200):
+        e = int(rng.integers(1, 64))
+        m = int(rng.integers(1, 8 * split))
+        sizes = rng.integers(-3, 2 * m // e + 2, size=e)
+        if rng.random() < 0.3:
+            sizes = np.zeros(e, np.int64)
+            sizes[rng.integers(e)] = m  # one group takes all
+        left, pieces = m, 0
+        for s in np.maximum(sizes, 0):
+            rows = min(int(s), left)
+            left -= rows
+            pieces += max(1, -(-rows // split))
+        assert pieces <= gg.num_problems(e, m, split), (e, m, sizes.tolist())
+    assert gg.num_problems(8, 4096, 0) == 8
+
+
 def test_tile_rule_env_override_and_docs_in_step(monkeypatch):
     doc = (REPO / "docs" / "grouped_gemm.md").read_text()
     for name in gg.TILE_CONFIGS:
@@ -208,7 +245,9 @@ def test_tile_rule_env_override_and_docs_in_step(monkeypatch):
         assert f"`{name}`" in doc, f"docs/grouped_gemm.md does not describe raster {name}"
     monkeypatch.setenv(gg.ENV_TILE, gg.TILE_CONFIGS[2] + "/along_n")
     assert gg.choose_config("fwd", 32768, 4096, 14336, 8) == gg.TILE_CONFIGS[2] + "/along_n/s1"
-    assert gg.parse_config(gg.choose_config("wgrad", 8, 8, 8, 1)) == (2, 1, 1)
+    assert gg.parse_config(gg.choose_config("wgrad", 8, 8, 8, 1)) == (2, 1, 1, 0)
+    monkeypatch.setenv(gg.ENV_TILE, gg.TILE_CONFIGS[3] + "/along_m/s1/r1024")
+    assert gg.parse_config(gg.choose_config("fwd", 8, 8, 8, 1)) == (3, 0, 1, 1024)
     monkeypatch.setenv(gg.ENV_TILE, "huge")
     with pytest.raises(ValueError, match="MOE_PRAXIS_GG_TILE='huge' is invalid"):
         gg.choose_config("fwd", 1, 8, 8, 1)
@@ -248,8 +287,14 @@ GPU_SHAPES = [  # (M, K, N, E): M not a multiple of any tile, N and K not of 128
     (777, 64, 136, 5),
 ]
 
-# Every compiled tile, and the other raster order and a swizzle once.
-GPU_CONFIGS = list(gg.TILE_CONFIGS) + [gg.TILE_CONFIGS[0] + "/along_n/s2"]
+# Every compiled tile, and the other raster order and a swizzle once; row splits of 256 rows
+# (several pieces per group at these M; wgrad ignores them) for the wide, thin and adaptive tiles.
+GPU_CONFIGS = list(gg.TILE_CONFIGS) + [
+    gg.TILE_CONFIGS[0] + "/along_n/s2",
+    gg.TILE_CONFIGS[2] + "/along_m/s1/r256",
+    gg.TILE_CONFIGS[3] + "/along_n/s1/r256",
+    gg.TILE_CONFIGS[gg.ADAPTIVE_TILE] + "/along_m/s1/r512",
+]
 
 
 @pytest.mark.gpu
@@ -306,29 +351,42 @@ def _adaptive_pct():
     return int(m.group(1))
 
 
-def adaptive_model(group_sizes, out_cols, sm_count):
+def adaptive_model(group_sizes, out_cols, sm_count, cluster=(2, 1)):
     """The adaptive tile's cost model (kernels/grouped_gemm.cuh, moe_gg_prepare), in Python:
     1 if 64x256 ping-pong (2 tiles in flight per CTA, cost x the header's percentage) beats
-    128x256 cooperative."""
+    128x256 cooperative; each group's tile grid rounded up to whole clusters."""
+    def up(x, q):  # x / q rounded up
+        return -(-int(x) // q)
+
+    cm, cn = cluster
     cost = []
     for tm, tn, in_flight, pct in ((128, 256, 1, 100), (64, 256, 2, _adaptive_pct())):
-        tiles = sum(-(-int(m) // tm) * -(-out_cols // tn) for m in np.maximum(group_sizes, 0))
+        tiles = sum(
+            up(up(m, tm), cm) * cm * up(up(out_cols, tn), cn) * cn
+            for m in np.maximum(group_sizes, 0))
         slots = sm_count * in_flight
         cost.append(-(-tiles // slots) * tm * tn * slots * pct)
     return int(cost[1] < cost[0])
 
 
 @pytest.mark.gpu
-def test_cuda_adaptive_tile_choice_matches_model_and_both_kernels_are_right():
+@pytest.mark.parametrize("tile", gg.ADAPTIVE_TILES)
+def test_cuda_adaptive_tile_choice_matches_model_and_both_kernels_are_right(tile):
     """The device picks 128x256 or 64x256 from the group sizes at each call: its choice (read
-    from the workspace) equals the Python cost model, both choices occur, and the output and
-    gradients are right whichever ran (poisoned outputs before each call)."""
+    from the workspace) equals the Python cost model (with the pair's cluster rounding), both
+    choices occur, and the output and gradients are right whichever ran (poisoned outputs
+    before each call)."""
     _cuda_or_skip()
     sm = jax.devices()[0].core_count
-    cfg = gg.TILE_CONFIGS[gg.ADAPTIVE_TILE]
+    cfg = gg.TILE_CONFIGS[tile]
+    cluster = gg.CLUSTERS[tile]
+    split_cfg = cfg + "/along_m/s1/r256"  # pieces of 256 rows: the same tiles, the same choice
     m, k, n, e = 4096, 128, 2048, 64
     fwd = jax.jit(lambda a, b, g: gg._ffi("fwd", (m, n), a, b, g, cfg, with_workspace=True))
     dgrad = jax.jit(lambda d, b, g: gg._ffi("dgrad", (m, k), d, b, g, cfg, with_workspace=True))
+    fwd_split = jax.jit(
+        lambda a, b, g: gg._ffi("fwd", (m, n), a, b, g, split_cfg, with_workspace=True))
+    problems = gg.num_problems(e, m, 256)
     rng = np.random.default_rng(_seed())
     patterns = {
         "64 rows each": np.full(e, 64),  # 128-row tiles half empty: 64x256 must win
@@ -346,12 +404,17 @@ def test_cuda_adaptive_tile_choice_matches_model_and_both_kernels_are_right():
         jax.block_until_ready(fwd(lhs + 1, rhs * 3, gs))  # poison the buffers
         out, ws = fwd(lhs, rhs, gs)
         choice = int(gg.adaptive_choice(ws, e))
-        assert choice == adaptive_model(sizes, n, sm), msg
+        assert choice == adaptive_model(sizes, n, sm, cluster), msg
         seen.add(choice)
         assert rel_err(out, loop_reference(lhs, rhs, gs)) < RTOL_BF16, msg
         np.testing.assert_array_equal(np.asarray(out[int(sizes.sum()):], np.float32), 0.0, msg)
+        jax.block_until_ready(fwd_split(lhs * 2, rhs + 1, gs))  # poison
+        out_s, ws_s = fwd_split(lhs, rhs, gs)
+        assert int(gg.adaptive_choice(ws_s, problems)) == choice, msg
+        np.testing.assert_array_equal(np.asarray(out_s, np.float32), np.asarray(out, np.float32),
+                                      err_msg=msg)  # same tiles, same accumulation order
         dl, ws_d = dgrad(dout, rhs, gs)
-        assert int(gg.adaptive_choice(ws_d, e)) == adaptive_model(sizes, k, sm), msg
+        assert int(gg.adaptive_choice(ws_d, e)) == adaptive_model(sizes, k, sm, cluster), msg
         ref_dl, _ = loop_grads(lhs, rhs, gs, dout)
         assert rel_err(dl, ref_dl) < RTOL_BF16, msg
     assert seen == {0, 1}, f"both kernels of the pair must have run: {seen}"

@@ -33,8 +33,9 @@ from moe_praxis.ops import grouped_gemm as _gg
 from moe_praxis.ops.swiglu import swiglu_reference
 
 # Tiles (ops.grouped_gemm.TILE_CONFIGS indices) kernels/grouped_gemm_swiglu.cu is built for:
-# pingpong_128x128, coop_128x256 and the adaptive pair coop_128x256 / pingpong_64x256.
-FUSED_TILES = (1, 2, 4)
+# pingpong_128x128, coop_128x256 and the adaptive pair coop_128x256 / pingpong_64x256 with 2x1
+# and with 1x1 clusters.
+FUSED_TILES = (1, 2, 4, 10)
 TARGET = "moe_grouped_gemm_swiglu_fwd"
 
 
@@ -57,10 +58,11 @@ def choose_fused_config(m: int, k: int, n: int, num_groups: int) -> str:
     (coop_128x256, or the adaptive pair for groups of <= 2048 rows; both built fused), with
     the environment variable MOE_PRAXIS_GG_TILE ignored here when it names a tile the fused
     kernel lacks (docs/grouped_gemm.md, "Fused gate/up")."""
-    tile, raster, swizzle = _gg.parse_config(_gg.choose_config("fwd", m, k, n, num_groups))
-    if tile not in FUSED_TILES:
-        tile = 2
-    return _gg.config_name(tile, raster, swizzle)
+    tile, raster, swizzle, split_rows = _gg.parse_config(
+        _gg.choose_config("fwd", m, k, n, num_groups))
+    if tile not in FUSED_TILES:  # a tile the fused kernel lacks: the nearest one it has
+        tile = _gg.ADAPTIVE_TILE if tile in _gg.ADAPTIVE_TILES else 2
+    return _gg.config_name(tile, raster, swizzle, split_rows)
 
 
 def gate_up_swiglu_reference(lhs, w_gate_up, group_sizes, row_weights=None, *, act="silu"):

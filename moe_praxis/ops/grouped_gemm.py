@@ -50,14 +50,32 @@ TILE_CONFIGS = (
     # 4: tiles 2 or 3, chosen on the device at every call from the group sizes (the tiles each
     # would issue; kernels/grouped_gemm.cuh, Adaptive)
     "adaptive_128x256_64x256",
+    # 5-7: 2, 3 and 4 with 1x2 clusters (A multicast; a problem's column tiles are rounded up
+    # to even counts instead of its row tiles)
+    "coop_128x256_c1x2",
+    "pingpong_64x256_c1x2",
+    "adaptive_128x256_64x256_c1x2",
+    # 8-10: 2, 3 and 4 with 1x1 clusters (no multicast, no rounding)
+    "coop_128x256_c1x1",
+    "pingpong_64x256_c1x1",
+    "adaptive_128x256_64x256_c1x1",
 )
 ADAPTIVE_TILE = 4
+ADAPTIVE_TILES = (4, 7, 10)  # the adaptive pairs (their workspace holds the choice)
+# (cluster rows, cluster columns) of each tile configuration
+CLUSTERS = tuple((int(t[-3]), int(t[-1])) if t[-4:-3] == "c" else (2, 1) for t in TILE_CONFIGS)
 # Run-time scheduling of the persistent tile scheduler (FFI attributes `raster`, `swizzle`):
 # the order in which a group's output tiles are handed out, and the swizzle width. (Without
 # host problem shapes CUTLASS's group scheduler derives swizzle 1 whatever is passed: see
 # docs/grouped_gemm.md.)
 RASTERS = ("along_m", "along_n")
 SWIZZLES = (1, 2, 4, 8)
+# Row split (FFI attribute `split_rows`, config suffix `/rROWS`): fwd and dgrad (and the fused
+# gate/up forward) issue each group's rows as problems of at most ROWS rows, so that a wave of
+# CTAs never streams one large group's whole row block per column band (kernels/
+# grouped_gemm.cuh, num_problems). 0: one problem per group. wgrad ignores it (its rows are the
+# contraction).
+SPLIT_ROWS_MULTIPLE = 256
 # Environment variable that forces one kernel configuration (see `parse_config`) for all three
 # GEMMs; unset: `choose_config`.
 ENV_TILE = "MOE_PRAXIS_GG_TILE"
@@ -82,48 +100,67 @@ def _round256(n: int) -> int:
     return (n + 255) // 256 * 256
 
 
-def _choice_offset(num_groups: int) -> int:
-    """Where the adaptive tile's int32 choice sits in the workspace: after the group arrays and
-    the second kernel's shapes (kernels/grouped_gemm.cuh, adaptive_bytes)."""
-    return (_round256(_GROUP_ARRAY_BYTES_PER_GROUP * num_groups) +
-            _round256(_SHAPE_BYTES * num_groups))
+def num_problems(num_groups: int, rows: int = 0, split_rows: int = 0) -> int:
+    """CUTLASS problems of one call: one per group, plus at most rows // split_rows more pieces
+    with a row split (kernels/grouped_gemm.cuh, num_problems)."""
+    return num_groups + (rows // split_rows if split_rows > 0 else 0)
 
 
-def workspace_bytes(num_groups: int, tile: int = 0) -> int:
-    """Bytes of the workspace output buffer of one FFI call with `num_groups` groups; the
-    adaptive tile adds the second kernel's shapes, its choice and its CUTLASS workspace."""
-    if tile == ADAPTIVE_TILE:
-        return _choice_offset(num_groups) + 256 + 2 * _CUTLASS_WORKSPACE_BYTES
-    return _round256(_GROUP_ARRAY_BYTES_PER_GROUP * num_groups) + _CUTLASS_WORKSPACE_BYTES
+def _choice_offset(problems: int) -> int:
+    """Where the adaptive tile's int32 choice sits in the workspace: after the problem arrays
+    and the second kernel's shapes (kernels/grouped_gemm.cuh, adaptive_bytes)."""
+    return (_round256(_GROUP_ARRAY_BYTES_PER_GROUP * problems) +
+            _round256(_SHAPE_BYTES * problems))
 
 
-def adaptive_choice(workspace, num_groups: int):
-    """From the workspace of an adaptive-tile call: int32 1 where the device chose the second
-    tile (pingpong_64x256), 0 for the first (coop_128x256). For tests and benchmarks."""
-    off = _choice_offset(num_groups)
+def workspace_bytes(problems: int, tile: int = 0) -> int:
+    """Bytes of the workspace output buffer of one FFI call with `problems` CUTLASS problems
+    (`num_problems`); the adaptive tile adds the second kernel's shapes, its choice and its
+    CUTLASS workspace."""
+    if tile in ADAPTIVE_TILES:
+        return _choice_offset(problems) + 256 + 2 * _CUTLASS_WORKSPACE_BYTES
+    return _round256(_GROUP_ARRAY_BYTES_PER_GROUP * problems) + _CUTLASS_WORKSPACE_BYTES
+
+
+def adaptive_choice(workspace, problems: int):
+    """From the workspace of an adaptive-tile call with `problems` CUTLASS problems
+    (`num_problems`): int32 1 where the device chose the second tile (pingpong_64x256), 0 for
+    the first (coop_128x256). For tests and benchmarks."""
+    off = _choice_offset(problems)
     return jax.lax.bitcast_convert_type(workspace[off:off + 4].reshape(1, 4), jnp.int32)[0]
 
 
-def parse_config(name: str) -> tuple[int, int, int]:
-    """'TILE[/RASTER[/sSWIZZLE]]' -> (tile index, raster index, swizzle).
+def _split_ok(text: str) -> bool:
+    return (len(text) > 1 and text[0] == "r" and text[1:].isdigit() and
+            int(text[1:]) % SPLIT_ROWS_MULTIPLE == 0)
+
+
+def parse_config(name: str) -> tuple[int, int, int, int]:
+    """'TILE[/RASTER[/sSWIZZLE[/rROWS]]]' -> (tile index, raster index, swizzle, split rows).
 
     TILE from TILE_CONFIGS, RASTER from RASTERS (default along_m), SWIZZLE from SWIZZLES
-    (default 1); e.g. 'coop_256x128_c2x1/along_n/s2'.
+    (default 1), ROWS the row split (default 0: none; else a multiple of SPLIT_ROWS_MULTIPLE);
+    e.g. 'coop_256x128_c2x1/along_n/s2', 'coop_128x256_c2x1/along_m/s1/r2048'.
     """
     parts = str(name).split("/")
-    ok = 1 <= len(parts) <= 3 and parts[0] in TILE_CONFIGS
+    ok = 1 <= len(parts) <= 4 and parts[0] in TILE_CONFIGS
     raster = parts[1] if len(parts) > 1 else RASTERS[0]
     swz = parts[2] if len(parts) > 2 else "s1"
-    ok = ok and raster in RASTERS and swz in tuple(f"s{v}" for v in SWIZZLES)
+    split = parts[3] if len(parts) > 3 else "r0"
+    ok = (ok and raster in RASTERS and swz in tuple(f"s{v}" for v in SWIZZLES) and
+          _split_ok(split))
     if not ok:
-        raise ValueError(f"grouped GEMM config {name!r} is invalid; valid: TILE[/RASTER[/sN]] "
-                         f"with TILE in {TILE_CONFIGS}, RASTER in {RASTERS}, N in {SWIZZLES}")
-    return TILE_CONFIGS.index(parts[0]), RASTERS.index(raster), int(swz[1:])
+        raise ValueError(f"grouped GEMM config {name!r} is invalid; valid: "
+                         f"TILE[/RASTER[/sN[/rROWS]]] with TILE in {TILE_CONFIGS}, RASTER in "
+                         f"{RASTERS}, N in {SWIZZLES}, ROWS 0 or a multiple of "
+                         f"{SPLIT_ROWS_MULTIPLE}")
+    return TILE_CONFIGS.index(parts[0]), RASTERS.index(raster), int(swz[1:]), int(split[1:])
 
 
-def config_name(tile: int, raster: int = 0, swizzle: int = 1) -> str:
-    """Inverse of parse_config (always the full form)."""
-    return f"{TILE_CONFIGS[tile]}/{RASTERS[raster]}/s{swizzle}"
+def config_name(tile: int, raster: int = 0, swizzle: int = 1, split_rows: int = 0) -> str:
+    """Inverse of parse_config (the full form; `/rROWS` only with a row split)."""
+    name = f"{TILE_CONFIGS[tile]}/{RASTERS[raster]}/s{swizzle}"
+    return name + (f"/r{split_rows}" if split_rows else "")
 
 
 def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
@@ -153,8 +190,9 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
         tile = 1  # short mainloops (the group's rows): ping-pong 128x128 hides the epilogue
     elif op != "wgrad" and rows_per_group <= 2048:
         # small groups: ragged group ends waste a larger share of 128-row tiles; the device
-        # picks 128x256 or 64x256 at each call from the actual group sizes
-        tile = ADAPTIVE_TILE
+        # picks 128x256 or 64x256 at each call from the actual group sizes. 1x1 clusters: no
+        # group's tile grid is rounded up to whole clusters (docs/grouped_gemm.md).
+        tile = ADAPTIVE_TILES[2]  # adaptive_128x256_64x256_c1x1
     else:
         tile = 2  # coop_128x256_c2x1
     # Raster: hand out tiles so that consecutive CTAs share the larger operand tile.
@@ -199,20 +237,25 @@ def grouped_gemm_wgrad_reference(lhs, dout, group_sizes):
 
 def call_kernel(target: str, results, *args, num_groups: int, config: str, tiles=None, **attrs):
     """One grouped GEMM FFI call: `results` (ShapeDtypeStructs) plus the workspace sized for
-    `num_groups` groups and the configuration's tile, with the configuration's tile / raster /
-    swizzle attributes and `attrs`. tiles: the tiles `target` is built for (None: all).
+    `num_groups` groups (and the row split's pieces of the first argument's rows) and the
+    configuration's tile, with the configuration's tile / raster / swizzle / split_rows
+    attributes and `attrs`. tiles: the tiles `target` is built for (None: all).
     Returns the results, then the workspace."""
-    tile, raster, swizzle = parse_config(config)
+    tile, raster, swizzle, split_rows = parse_config(config)
     if tiles is not None and tile not in tiles:
         raise ValueError(f"{target}: config {config!r}: tile {TILE_CONFIGS[tile]!r} is not "
                          f"built; valid: {[TILE_CONFIGS[t] for t in tiles]}")
-    ws = jax.ShapeDtypeStruct((workspace_bytes(num_groups, tile), ), jnp.uint8)
+    if target == _TARGETS["wgrad"]:
+        split_rows = 0  # wgrad's rows are its contraction: never split (the kernel ignores it)
+    problems = num_problems(num_groups, args[0].shape[0], split_rows)
+    ws = jax.ShapeDtypeStruct((workspace_bytes(problems, tile), ), jnp.uint8)
     return _cuda.ffi(target,
                      tuple(results) + (ws, ),
                      *args,
                      tile=tile,
                      raster=raster,
                      swizzle=swizzle,
+                     split_rows=split_rows,
                      **attrs)
 
 
