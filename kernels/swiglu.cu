@@ -49,8 +49,27 @@ __device__ __forceinline__ void put_grads(Vec<T, VEC>* dg, Vec<T, VEC>* du, Vec<
   dgu[2 * i + 1] = pair[1];
 }
 
+// Loads vectors i0 + q * step (q < U, those < n) of gate, up and (d != nullptr: the backward)
+// dout: all loads before any math, for memory-level parallelism.
+template <typename T, int VEC, int U>
+__device__ __forceinline__ void load_inputs(const Vec<T, VEC>* g, const Vec<T, VEC>* u,
+                                            const Vec<T, VEC>* d, int64_t i0, int64_t step,
+                                            int64_t n, Vec<T, VEC> (&gv)[U],
+                                            Vec<T, VEC> (&uv)[U], Vec<T, VEC> (&dv)[U]) {
+#pragma unroll
+  for (int q = 0; q < U; ++q) {
+    const int64_t i = i0 + q * step;
+    if (i < n) {
+      gv[q] = g[i];
+      uv[q] = u[i];
+      if (d != nullptr) dv[q] = d[i];
+    }
+  }
+}
+
 constexpr int kFlatThreads = 256;
 constexpr int kUnroll = 4;
+constexpr int kRowUnroll = 8;  // the weighted backward's vectors in flight per lane
 
 // Elementwise forward over R * H / VEC vectors, kUnroll independent vectors per thread (loads
 // first, then math and stores) for memory-level parallelism. The routing weight of vector i is
@@ -64,15 +83,8 @@ __global__ void __launch_bounds__(kFlatThreads)
   const auto* u = reinterpret_cast<const Vec<T, VEC>*>(up);
   auto* o = reinterpret_cast<Vec<T, VEC>*>(out);
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kUnroll + threadIdx.x;
-  Vec<T, VEC> gv[kUnroll], uv[kUnroll];
-#pragma unroll
-  for (int q = 0; q < kUnroll; ++q) {
-    const int64_t i = base + q * kFlatThreads;
-    if (i < nvec) {
-      gv[q] = g[i];
-      uv[q] = u[i];
-    }
-  }
+  Vec<T, VEC> gv[kUnroll], uv[kUnroll], unused[kUnroll];
+  load_inputs<T, VEC, kUnroll>(g, u, nullptr, base, kFlatThreads, nvec, gv, uv, unused);
 #pragma unroll
   for (int q = 0; q < kUnroll; ++q) {
     const int64_t i = base + q * kFlatThreads;
@@ -103,15 +115,7 @@ __global__ void __launch_bounds__(kFlatThreads)
   auto* dgu = reinterpret_cast<Vec<T, VEC>*>(dgup);
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kUnroll + threadIdx.x;
   Vec<T, VEC> gv[kUnroll], uv[kUnroll], dv[kUnroll];
-#pragma unroll
-  for (int q = 0; q < kUnroll; ++q) {
-    const int64_t i = base + q * kFlatThreads;
-    if (i < nvec) {
-      gv[q] = g[i];
-      uv[q] = u[i];
-      dv[q] = d[i];
-    }
-  }
+  load_inputs(g, u, d, base, kFlatThreads, nvec, gv, uv, dv);
 #pragma unroll
   for (int q = 0; q < kUnroll; ++q) {
     const int64_t i = base + q * kFlatThreads;
@@ -147,18 +151,29 @@ __global__ void __launch_bounds__(kWarps * 32)
     auto* du = reinterpret_cast<Vec<T, VEC>*>(dup + r * h);
     auto* dgu = dgup ? reinterpret_cast<Vec<T, VEC>*>(dgup + 2 * r * h) : nullptr;
     float acc = 0.f;
-    for (int64_t i = lane; i < nv; i += 32) {
-      Vec<T, VEC> gv = g[i], uv = u[i], dv = d[i], dgv, duv;
+    // kRowUnroll vectors per lane in flight: all loads first, then math and stores (one at a
+    // time per lane: 657 -> 634 us at R = 131072, H = 2048 bf16, standalone on the H200,
+    // 2026-11-30; see docs/kernels.md)
+    for (int64_t i0 = lane; i0 < nv; i0 += 32 * kRowUnroll) {
+      Vec<T, VEC> gv[kRowUnroll], uv[kRowUnroll], dv[kRowUnroll];
+      load_inputs(g, u, d, i0, 32, nv, gv, uv, dv);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float x = to_f32(gv.v[j]), y = to_f32(uv.v[j]), dy = to_f32(dv.v[j]);
-        const float s = sigmoid_t<T>(x), silu = x * s;
-        acc += dy * silu * y;
-        const float dyw = dy * wr;
-        dgv.v[j] = from_f32<T>(dyw * y * (s * (1.f + x * (1.f - s))));
-        duv.v[j] = from_f32<T>(dyw * silu);
+      for (int q = 0; q < kRowUnroll; ++q) {
+        const int64_t i = i0 + q * 32;
+        if (i < nv) {
+          Vec<T, VEC> dgv, duv;
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) {
+            const float x = to_f32(gv[q].v[j]), y = to_f32(uv[q].v[j]), dy = to_f32(dv[q].v[j]);
+            const float s = sigmoid_t<T>(x), silu = x * s;
+            acc += dy * silu * y;
+            const float dyw = dy * wr;
+            dgv.v[j] = from_f32<T>(dyw * y * (s * (1.f + x * (1.f - s))));
+            duv.v[j] = from_f32<T>(dyw * silu);
+          }
+          put_grads(dg, du, dgu, i, dgv, duv);
+        }
       }
-      put_grads(dg, du, dgu, i, dgv, duv);
     }
     if (dw) {
 #pragma unroll

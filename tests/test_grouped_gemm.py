@@ -355,6 +355,7 @@ def adaptive_model(group_sizes, out_cols, sm_count, cluster=(2, 1)):
     """The adaptive tile's cost model (kernels/grouped_gemm.cuh, moe_gg_prepare), in Python:
     1 if 64x256 ping-pong (2 tiles in flight per CTA, cost x the header's percentage) beats
     128x256 cooperative; each group's tile grid rounded up to whole clusters."""
+
     def up(x, q):  # x / q rounded up
         return -(-int(x) // q)
 
@@ -411,7 +412,8 @@ def test_cuda_adaptive_tile_choice_matches_model_and_both_kernels_are_right(tile
         jax.block_until_ready(fwd_split(lhs * 2, rhs + 1, gs))  # poison
         out_s, ws_s = fwd_split(lhs, rhs, gs)
         assert int(gg.adaptive_choice(ws_s, problems)) == choice, msg
-        np.testing.assert_array_equal(np.asarray(out_s, np.float32), np.asarray(out, np.float32),
+        np.testing.assert_array_equal(np.asarray(out_s, np.float32),
+                                      np.asarray(out, np.float32),
                                       err_msg=msg)  # same tiles, same accumulation order
         dl, ws_d = dgrad(dout, rhs, gs)
         assert int(gg.adaptive_choice(ws_d, e)) == adaptive_model(sizes, k, sm, cluster), msg

@@ -109,8 +109,7 @@ def num_problems(num_groups: int, rows: int = 0, split_rows: int = 0) -> int:
 def _choice_offset(problems: int) -> int:
     """Where the adaptive tile's int32 choice sits in the workspace: after the problem arrays
     and the second kernel's shapes (kernels/grouped_gemm.cuh, adaptive_bytes)."""
-    return (_round256(_GROUP_ARRAY_BYTES_PER_GROUP * problems) +
-            _round256(_SHAPE_BYTES * problems))
+    return (_round256(_GROUP_ARRAY_BYTES_PER_GROUP * problems) + _round256(_SHAPE_BYTES * problems))
 
 
 def workspace_bytes(problems: int, tile: int = 0) -> int:
@@ -131,8 +130,8 @@ def adaptive_choice(workspace, problems: int):
 
 
 def _split_ok(text: str) -> bool:
-    return (len(text) > 1 and text[0] == "r" and text[1:].isdigit() and
-            int(text[1:]) % SPLIT_ROWS_MULTIPLE == 0)
+    return (len(text) > 1 and text[0] == "r" and text[1:].isdigit()
+            and int(text[1:]) % SPLIT_ROWS_MULTIPLE == 0)
 
 
 def parse_config(name: str) -> tuple[int, int, int, int]:
@@ -147,8 +146,7 @@ def parse_config(name: str) -> tuple[int, int, int, int]:
     raster = parts[1] if len(parts) > 1 else RASTERS[0]
     swz = parts[2] if len(parts) > 2 else "s1"
     split = parts[3] if len(parts) > 3 else "r0"
-    ok = (ok and raster in RASTERS and swz in tuple(f"s{v}" for v in SWIZZLES) and
-          _split_ok(split))
+    ok = (ok and raster in RASTERS and swz in tuple(f"s{v}" for v in SWIZZLES) and _split_ok(split))
     if not ok:
         raise ValueError(f"grouped GEMM config {name!r} is invalid; valid: "
                          f"TILE[/RASTER[/sN[/rROWS]]] with TILE in {TILE_CONFIGS}, RASTER in "
