@@ -49,24 +49,6 @@ __device__ __forceinline__ void put_grads(Vec<T, VEC>* dg, Vec<T, VEC>* du, Vec<
   dgu[2 * i + 1] = pair[1];
 }
 
-// Loads vectors i0 + q * step (q < U, those < n) of gate, up and (d != nullptr: the backward)
-// dout: all loads before any math, for memory-level parallelism.
-template <typename T, int VEC, int U>
-__device__ __forceinline__ void load_inputs(const Vec<T, VEC>* g, const Vec<T, VEC>* u,
-                                            const Vec<T, VEC>* d, int64_t i0, int64_t step,
-                                            int64_t n, Vec<T, VEC> (&gv)[U],
-                                            Vec<T, VEC> (&uv)[U], Vec<T, VEC> (&dv)[U]) {
-#pragma unroll
-  for (int q = 0; q < U; ++q) {
-    const int64_t i = i0 + q * step;
-    if (i < n) {
-      gv[q] = g[i];
-      uv[q] = u[i];
-      if (d != nullptr) dv[q] = d[i];
-    }
-  }
-}
-
 constexpr int kFlatThreads = 256;
 constexpr int kUnroll = 4;
 constexpr int kRowUnroll = 8;  // the weighted backward's vectors in flight per lane
@@ -83,8 +65,15 @@ __global__ void __launch_bounds__(kFlatThreads)
   const auto* u = reinterpret_cast<const Vec<T, VEC>*>(up);
   auto* o = reinterpret_cast<Vec<T, VEC>*>(out);
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kUnroll + threadIdx.x;
-  Vec<T, VEC> gv[kUnroll], uv[kUnroll], unused[kUnroll];
-  load_inputs<T, VEC, kUnroll>(g, u, nullptr, base, kFlatThreads, nvec, gv, uv, unused);
+  Vec<T, VEC> gv[kUnroll], uv[kUnroll];
+#pragma unroll
+  for (int q = 0; q < kUnroll; ++q) {
+    const int64_t i = base + q * kFlatThreads;
+    if (i < nvec) {
+      gv[q] = g[i];
+      uv[q] = u[i];
+    }
+  }
 #pragma unroll
   for (int q = 0; q < kUnroll; ++q) {
     const int64_t i = base + q * kFlatThreads;
@@ -115,7 +104,15 @@ __global__ void __launch_bounds__(kFlatThreads)
   auto* dgu = reinterpret_cast<Vec<T, VEC>*>(dgup);
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kUnroll + threadIdx.x;
   Vec<T, VEC> gv[kUnroll], uv[kUnroll], dv[kUnroll];
-  load_inputs(g, u, d, base, kFlatThreads, nvec, gv, uv, dv);
+#pragma unroll
+  for (int q = 0; q < kUnroll; ++q) {
+    const int64_t i = base + q * kFlatThreads;
+    if (i < nvec) {
+      gv[q] = g[i];
+      uv[q] = u[i];
+      dv[q] = d[i];
+    }
+  }
 #pragma unroll
   for (int q = 0; q < kUnroll; ++q) {
     const int64_t i = base + q * kFlatThreads;
@@ -156,7 +153,15 @@ __global__ void __launch_bounds__(kWarps * 32)
     // 2026-11-30; see docs/kernels.md)
     for (int64_t i0 = lane; i0 < nv; i0 += 32 * kRowUnroll) {
       Vec<T, VEC> gv[kRowUnroll], uv[kRowUnroll], dv[kRowUnroll];
-      load_inputs(g, u, d, i0, 32, nv, gv, uv, dv);
+#pragma unroll
+      for (int q = 0; q < kRowUnroll; ++q) {
+        const int64_t i = i0 + q * 32;
+        if (i < nv) {
+          gv[q] = g[i];
+          uv[q] = u[i];
+          dv[q] = d[i];
+        }
+      }
 #pragma unroll
       for (int q = 0; q < kRowUnroll; ++q) {
         const int64_t i = i0 + q * 32;
