@@ -93,25 +93,30 @@ using CoopWide = CoopWideC<2, 1>;          // tile 2
 using PingpongThin = PingpongThinC<2, 1>;  // tile 3
 // tile 4: adaptive, chosen on the device at every call from the group sizes: the prepare kernel
 // counts the output tiles each of First and Second would issue and keeps the cheaper one
-// (cost = waves x work per wave; Second's cost x kSecondCostPct / 100, its measured per-FLOP
-// overhead when neither wastes a tile); both kernels are launched, the other one gets no tiles
-// (an empty persistent launch: a few microseconds).
-template <class A, class B, int kSecondCostPctV>
+// (cost = waves x work per wave; Second's cost x kFwdCostPct / 100 for the forwards, x
+// kDgradCostPct / 100 for dgrad: its measured per-FLOP overhead when neither wastes a tile);
+// both kernels are launched, the other one gets no tiles (an empty persistent launch: a few
+// microseconds).
+template <class A, class B, int kFwdCostPctV, int kDgradCostPctV>
 struct Adaptive {
   using First = A;
   using Second = B;
-  static constexpr int kSecondCostPct = kSecondCostPctV;
+  static constexpr int kFwdCostPct = kFwdCostPctV;
+  static constexpr int kDgradCostPct = kDgradCostPctV;
 };
-// 64x256 ping-pong measured 1.04x-1.07x the time of 128x256 cooperative on balanced groups,
-// where neither wastes a tile (wall clock, shapes A, B, C; 1.07x in profiler kernel time at B
-// and C, H200, 2026-11-29). 105, not 107: on the benchmark's skewed sizes 107 would keep
-// 128x256 for dgrad at C (measured 9% slower than 64x256) to fix fwd at B, where 105 picks
-// 64x256 and loses 2% (wall) to 5% (kernel time); the wave count is the coarse part.
-using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 105>;
+// 64x256 ping-pong against 128x256 cooperative on balanced groups, where neither wastes a tile
+// (wall clock, shapes A, B, C, H200): 2x1 clusters 1.04x-1.07x (2026-11-29; 1.07x in profiler
+// kernel time at B and C); 1x1 clusters, two runs of 2026-11-30: fwd 1.05x-1.11x (mean 1.08),
+// dgrad 1.00x-1.06x (mean 1.03). One factor for both ops mispicked on the benchmark's skewed
+// sizes (105 took 64x256 for the forward at B, measured 4-7% slower with 1x1 clusters and 2-5%
+// with 2x1; 107 would take 128x256 for dgrad at C, 2.5-9% slower), so each op has its own:
+// 108 for the forwards (plain and fused), 105 for dgrad (its mean of 1.03 would take 64x256 for
+// dgrad at B skewed, measured 3% slower). The wave count is the coarse part of the model.
+using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 108, 105>;
 // tiles 5-7: the same with 1x2 clusters; 8-10: with 1x1 clusters (kernels/grouped_gemm.cuh
 // dispatch_tile; TILE_CONFIGS in moe_praxis/ops/grouped_gemm.py).
-using AdaptiveWideThin12 = Adaptive<CoopWideC<1, 2>, PingpongThinC<1, 2>, 105>;
-using AdaptiveWideThin11 = Adaptive<CoopWideC<1, 1>, PingpongThinC<1, 1>, 105>;
+using AdaptiveWideThin12 = Adaptive<CoopWideC<1, 2>, PingpongThinC<1, 2>, 108, 105>;
+using AdaptiveWideThin11 = Adaptive<CoopWideC<1, 1>, PingpongThinC<1, 1>, 108, 105>;
 constexpr int kNumTiles = 11;
 
 // What a fused epilogue needs beyond the group arrays (kernels/grouped_gemm_swiglu.cu); the
@@ -175,8 +180,8 @@ struct GemmDef : KernelFor<LayoutA, LayoutB, Config, PlainEpilogue<Config>> {
 };
 
 // The adaptive pair of two kernel definitions sharing the operand arrays (the strides must
-// agree); run_grouped launches both. Any Def family specialises Adaptive<A, B, kPct> as this.
-template <class FirstDef, class SecondDef, int kPct>
+// agree); run_grouped launches both. Any Def family specialises Adaptive<A, B, kF, kD> as this.
+template <class FirstDef, class SecondDef, int kFwdPct, int kDgradPct>
 struct AdaptivePair {
   using First = FirstDef;
   using Second = SecondDef;
@@ -189,12 +194,13 @@ struct AdaptivePair {
                     std::is_same_v<StrideD, typename Second::StrideD>,
                 "an adaptive pair must share its operand strides");
   static constexpr bool kAdaptive = true;
-  static constexpr int kSecondCostPct = kPct;
+  static constexpr int kFwdCostPct = kFwdPct;
+  static constexpr int kDgradCostPct = kDgradPct;
 };
 
-template <class LayoutA, class LayoutB, class A, class B, int kPct>
-struct GemmDef<LayoutA, LayoutB, Adaptive<A, B, kPct>>
-    : AdaptivePair<GemmDef<LayoutA, LayoutB, A>, GemmDef<LayoutA, LayoutB, B>, kPct> {};
+template <class LayoutA, class LayoutB, class A, class B, int kF, int kD>
+struct GemmDef<LayoutA, LayoutB, Adaptive<A, B, kF, kD>>
+    : AdaptivePair<GemmDef<LayoutA, LayoutB, A>, GemmDef<LayoutA, LayoutB, B>, kF, kD> {};
 
 // Where group e's operands start: base + e * per_expert + row_offset(e) * per_row (elements).
 struct OperandMap {
@@ -229,6 +235,7 @@ struct PrepareParams {
   int num_problems;    // slots of the problem arrays (num_problems(); = num_groups unless split)
   int64_t split_rows;  // 0 or a multiple of 256 (never for ragged_k)
   int64_t rows;     // M: rows of the ragged operand(s)
+  bool dgrad;       // the dgrad problem (the adaptive pair's dgrad cost factor)
   bool ragged_k;    // wgrad: the group's rows are the GEMM's K (problem = (K?, N, m_e))
   int dim_a;        // fwd/dgrad: problem (m_e, dim_a, dim_b); wgrad: (m_e ? dim_a : 0, dim_b, m_e)
   int dim_b;
@@ -593,7 +600,7 @@ ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::Strid
     set_adaptive_slot<typename Def::First::TileConfig>(p, 0, hw.sm_count);
     set_adaptive_slot<typename Def::Second::TileConfig>(p, 1, hw.sm_count);
     p.cost_pct[0] = 100;
-    p.cost_pct[1] = Def::kSecondCostPct;
+    p.cost_pct[1] = p.dgrad ? Def::kDgradCostPct : Def::kFwdCostPct;
   }
   if (head > workspace_bytes) {
     return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: workspace of " +

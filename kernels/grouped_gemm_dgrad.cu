@@ -30,6 +30,7 @@ ffi::Error GroupedGemmDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dout
                                           as_elem(dout.untyped_data()),
                                           as_elem(rhs.untyped_data()),
                                           as_elem(dlhs->untyped_data()), k);
+    p.dgrad = true;
     return run_grouped<Def>(stream, p, make_ld_stride<typename Def::StrideA>(n),
                             make_ld_stride<typename Def::StrideB>(n),
                             make_ld_stride<typename Def::StrideD>(k),

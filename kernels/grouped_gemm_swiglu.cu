@@ -194,8 +194,8 @@ struct SwigluDef
 
 // The adaptive pair (tile 4): both fused kernels, the device keeps the cheaper one per call
 // (grouped_gemm.cuh, Adaptive and moe_gg_prepare).
-template <class A, class B, int kPct>
-struct SwigluDef<Adaptive<A, B, kPct>> : AdaptivePair<SwigluDef<A>, SwigluDef<B>, kPct> {};
+template <class A, class B, int kF, int kD>
+struct SwigluDef<Adaptive<A, B, kF, kD>> : AdaptivePair<SwigluDef<A>, SwigluDef<B>, kF, kD> {};
 
 ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                                     ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> group_sizes,

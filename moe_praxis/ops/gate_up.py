@@ -36,6 +36,11 @@ from moe_praxis.ops.swiglu import swiglu_reference
 # pingpong_128x128, coop_128x256 and the adaptive pair coop_128x256 / pingpong_64x256 with 2x1
 # and with 1x1 clusters.
 FUSED_TILES = (1, 2, 4, 10)
+# The fused tile that stands in for each tile the fused kernel is not built for: the 1x1
+# cluster tiles -> the 1x1 pair (measured faster fused than coop_128x256_c2x1 at B and C:
+# docs/grouped_gemm.md, "Fused gate/up"), other adaptive or 64-row tiles -> the 2x1 pair, the
+# rest -> coop_128x256_c2x1.
+FUSED_STANDIN = {0: 2, 3: 4, 5: 2, 6: 4, 7: 4, 8: 10, 9: 10}
 TARGET = "moe_grouped_gemm_swiglu_fwd"
 
 
@@ -55,13 +60,12 @@ def split_gate_up(w_gate_up):
 
 def choose_fused_config(m: int, k: int, n: int, num_groups: int) -> str:
     """Kernel configuration of the fused forward (n = 2H): ops.grouped_gemm's forward rule
-    (coop_128x256, or the adaptive pair for groups of <= 2048 rows; both built fused), with
-    the environment variable MOE_PRAXIS_GG_TILE ignored here when it names a tile the fused
-    kernel lacks (docs/grouped_gemm.md, "Fused gate/up")."""
+    (or the environment variable MOE_PRAXIS_GG_TILE), its tile replaced by FUSED_STANDIN's
+    when the fused kernel is not built for it (coop_128x256_c1x1, the rule's tile for groups of
+    257-2048 rows, by the 1x1 adaptive pair; docs/grouped_gemm.md, "Fused gate/up")."""
     tile, raster, swizzle, split_rows = _gg.parse_config(
         _gg.choose_config("fwd", m, k, n, num_groups))
-    if tile not in FUSED_TILES:  # a tile the fused kernel lacks: the nearest one it has
-        tile = _gg.ADAPTIVE_TILE if tile in _gg.ADAPTIVE_TILES else 2
+    tile = FUSED_STANDIN.get(tile, tile)
     return _gg.config_name(tile, raster, swizzle, split_rows)
 
 

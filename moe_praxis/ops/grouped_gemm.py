@@ -186,11 +186,14 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
     }[op]
     if op == "wgrad" and rows_per_group < 2048:
         tile = 1  # short mainloops (the group's rows): ping-pong 128x128 hides the epilogue
-    elif op != "wgrad" and rows_per_group <= 2048:
-        # small groups: ragged group ends waste a larger share of 128-row tiles; the device
-        # picks 128x256 or 64x256 at each call from the actual group sizes. 1x1 clusters: no
-        # group's tile grid is rounded up to whole clusters (docs/grouped_gemm.md).
+    elif op != "wgrad" and rows_per_group <= 256:
+        # tiny groups: ragged group ends waste a large share of 128-row tiles; the device picks
+        # 128x256 or 64x256 at each call from the actual group sizes (docs/grouped_gemm.md)
         tile = ADAPTIVE_TILES[2]  # adaptive_128x256_64x256_c1x1
+    elif op != "wgrad" and rows_per_group <= 2048:
+        # small groups: 1x1 clusters round no group's tile grid up to whole clusters; measured
+        # as fast as or faster than the adaptive pair (which costs a second launch) at B and C
+        tile = 8  # coop_128x256_c1x1
     else:
         tile = 2  # coop_128x256_c2x1
     # Raster: hand out tiles so that consecutive CTAs share the larger operand tile.
