@@ -88,11 +88,12 @@ def expand_config(token: str, chosen: str) -> str:
     for part in parts[1:]:
         if part in gg.RASTERS:
             raster = gg.RASTERS.index(part)
-        elif part.startswith("r") and part[1:].isdigit():
-            split = int(part[1:])
+        elif gg.parse_split(part) is not None:
+            split = gg.parse_split(part)
         else:
             raise ValueError(f"--configs entry {token!r}: part {part!r} is invalid; valid: "
-                             f"a raster {gg.RASTERS} or rROWS")
+                             f"a raster {gg.RASTERS} or rROWS (ROWS 0 or a multiple of "
+                             f"{gg.SPLIT_ROWS_MULTIPLE})")
     return gg.config_name(tile, raster, swizzle, split)
 
 

@@ -35,12 +35,26 @@ from moe_praxis.ops.swiglu import swiglu_reference
 # Tiles (ops.grouped_gemm.TILE_CONFIGS indices) kernels/grouped_gemm_swiglu.cu is built for:
 # pingpong_128x128, coop_128x256 and the adaptive pair coop_128x256 / pingpong_64x256 with 2x1
 # and with 1x1 clusters.
-FUSED_TILES = (1, 2, 4, 10)
+_FUSED_NAMES = ("pingpong_128x128_c2x1", "coop_128x256_c2x1", "adaptive_128x256_64x256",
+                "adaptive_128x256_64x256_c1x1")
+FUSED_TILES = tuple(_gg.TILE_CONFIGS.index(t) for t in _FUSED_NAMES)
 # The fused tile that stands in for each tile the fused kernel is not built for: the 1x1
 # cluster tiles -> the 1x1 pair (measured faster fused than coop_128x256_c2x1 at B and C:
 # docs/grouped_gemm.md, "Fused gate/up"), other adaptive or 64-row tiles -> the 2x1 pair, the
 # rest -> coop_128x256_c2x1.
-FUSED_STANDIN = {0: 2, 3: 4, 5: 2, 6: 4, 7: 4, 8: 10, 9: 10}
+_STANDIN_NAMES = {
+    "coop_256x128_c2x1": "coop_128x256_c2x1",
+    "pingpong_64x256_c2x1": "adaptive_128x256_64x256",
+    "coop_128x256_c1x2": "coop_128x256_c2x1",
+    "pingpong_64x256_c1x2": "adaptive_128x256_64x256",
+    "adaptive_128x256_64x256_c1x2": "adaptive_128x256_64x256",
+    "coop_128x256_c1x1": "adaptive_128x256_64x256_c1x1",
+    "pingpong_64x256_c1x1": "adaptive_128x256_64x256_c1x1",
+}
+FUSED_STANDIN = {
+    _gg.TILE_CONFIGS.index(a): _gg.TILE_CONFIGS.index(b)
+    for a, b in _STANDIN_NAMES.items()
+}
 TARGET = "moe_grouped_gemm_swiglu_fwd"
 
 

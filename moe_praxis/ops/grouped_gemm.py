@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import warnings
 
 import jax
@@ -60,10 +61,14 @@ TILE_CONFIGS = (
     "pingpong_64x256_c1x1",
     "adaptive_128x256_64x256_c1x1",
 )
-ADAPTIVE_TILE = 4
-ADAPTIVE_TILES = (4, 7, 10)  # the adaptive pairs (their workspace holds the choice)
-# (cluster rows, cluster columns) of each tile configuration
-CLUSTERS = tuple((int(t[-3]), int(t[-1])) if t[-4:-3] == "c" else (2, 1) for t in TILE_CONFIGS)
+# The adaptive pairs (their workspace holds the choice); 4 is the 2x1-cluster one.
+ADAPTIVE_TILES = tuple(i for i, t in enumerate(TILE_CONFIGS) if t.startswith("adaptive_"))
+ADAPTIVE_TILE = TILE_CONFIGS.index("adaptive_128x256_64x256")
+# (cluster rows, cluster columns) of each tile configuration: its `_cMxN` suffix, else 2x1 (the
+# 2x1 adaptive pair's name has none)
+CLUSTERS = tuple(
+    tuple(int(v) for v in m.groups()) if (m := re.search(r"_c(\d)x(\d)$", t)) else (2, 1)
+    for t in TILE_CONFIGS)
 # Run-time scheduling of the persistent tile scheduler (FFI attributes `raster`, `swizzle`):
 # the order in which a group's output tiles are handed out, and the swizzle width. (Without
 # host problem shapes CUTLASS's group scheduler derives swizzle 1 whatever is passed: see
@@ -129,9 +134,10 @@ def adaptive_choice(workspace, problems: int):
     return jax.lax.bitcast_convert_type(workspace[off:off + 4].reshape(1, 4), jnp.int32)[0]
 
 
-def _split_ok(text: str) -> bool:
-    return (len(text) > 1 and text[0] == "r" and text[1:].isdigit()
-            and int(text[1:]) % SPLIT_ROWS_MULTIPLE == 0)
+def parse_split(text: str) -> int | None:
+    """'rROWS' -> ROWS (0 or a multiple of SPLIT_ROWS_MULTIPLE); None if `text` is not one."""
+    ok = len(text) > 1 and text[0] == "r" and text[1:].isdigit()
+    return int(text[1:]) if ok and int(text[1:]) % SPLIT_ROWS_MULTIPLE == 0 else None
 
 
 def parse_config(name: str) -> tuple[int, int, int, int]:
@@ -145,14 +151,14 @@ def parse_config(name: str) -> tuple[int, int, int, int]:
     ok = 1 <= len(parts) <= 4 and parts[0] in TILE_CONFIGS
     raster = parts[1] if len(parts) > 1 else RASTERS[0]
     swz = parts[2] if len(parts) > 2 else "s1"
-    split = parts[3] if len(parts) > 3 else "r0"
-    ok = (ok and raster in RASTERS and swz in tuple(f"s{v}" for v in SWIZZLES) and _split_ok(split))
+    split = parse_split(parts[3] if len(parts) > 3 else "r0")
+    ok = ok and raster in RASTERS and swz in tuple(f"s{v}" for v in SWIZZLES) and split is not None
     if not ok:
         raise ValueError(f"grouped GEMM config {name!r} is invalid; valid: "
                          f"TILE[/RASTER[/sN[/rROWS]]] with TILE in {TILE_CONFIGS}, RASTER in "
                          f"{RASTERS}, N in {SWIZZLES}, ROWS 0 or a multiple of "
                          f"{SPLIT_ROWS_MULTIPLE}")
-    return TILE_CONFIGS.index(parts[0]), RASTERS.index(raster), int(swz[1:]), int(split[1:])
+    return TILE_CONFIGS.index(parts[0]), RASTERS.index(raster), int(swz[1:]), split
 
 
 def config_name(tile: int, raster: int = 0, swizzle: int = 1, split_rows: int = 0) -> str:
@@ -189,11 +195,11 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
     elif op != "wgrad" and rows_per_group <= 256:
         # tiny groups: ragged group ends waste a large share of 128-row tiles; the device picks
         # 128x256 or 64x256 at each call from the actual group sizes (docs/grouped_gemm.md)
-        tile = ADAPTIVE_TILES[2]  # adaptive_128x256_64x256_c1x1
+        tile = TILE_CONFIGS.index("adaptive_128x256_64x256_c1x1")
     elif op != "wgrad" and rows_per_group <= 2048:
         # small groups: 1x1 clusters round no group's tile grid up to whole clusters; measured
         # as fast as or faster than the adaptive pair (which costs a second launch) at B and C
-        tile = 8  # coop_128x256_c1x1
+        tile = TILE_CONFIGS.index("coop_128x256_c1x1")
     else:
         tile = 2  # coop_128x256_c2x1
     # Raster: hand out tiles so that consecutive CTAs share the larger operand tile.
