@@ -16,9 +16,13 @@ with balanced and skewed group sizes (both sum to M, so every method does 2*M*K*
   ours    moe_praxis CUTLASS kernels, configuration chosen by grouped_gemm.choose_config;
           the configurations in SWEEP are timed too (ours[<config>]).
 
-Prints a table (ms, TFLOP/s, ratio to dense) and writes JSON. Timing: each function is jitted,
-warmed up, then called `iters` times back to back (async dispatch) between two
-block_until_ready; the median over `reps` such batches, divided by iters.
+Prints a table (ms, TFLOP/s, ratio to dense; for ours also the CTA tiles the group scheduler
+issues and the waves they make on this GPU's SMs, `issued_tiles`) and writes JSON. Timing:
+each function is jitted, warmed up, then called `iters` times back to back (async dispatch)
+between two block_until_ready; the median over `reps` such batches, divided by iters. At each
+point the compared rows (dense, ours with the chosen configuration, Pallas with its best
+configuration) are timed in interleaved batches (`time_paired`): a clock drift during the run
+moves them alike. (Until 2026-11-30 dense was timed once per shape and op, first.)
 Options: --shapes A,B,C  --dists balanced,skewed  --ops fwd,dgrad,wgrad  --skip ragged,pallas
 --time-budget SECONDS (stop measuring, still print and write, when exceeded)
 --configs LIST (comma-separated, instead of SWEEP: configurations, or `rule` = the chosen
@@ -34,6 +38,7 @@ import functools
 import gc
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -108,6 +113,49 @@ def group_sizes(dist: str, m: int, e: int) -> np.ndarray:
         s = np.floor(w / w.sum() * m).astype(np.int64)
         s[np.argmax(s)] += m - s.sum()
     return s.astype(np.int32)
+
+
+def issued_tiles(config: str, op: str, sizes, k: int, n: int) -> int | None:
+    """CTA tiles that CUTLASS's group scheduler issues for `config` (each group's tile grid
+    rounded up to whole clusters, as kernels/grouped_gemm.cuh counts them); None for the
+    adaptive pairs (the device picks their tile at each call)."""
+    name = gg.TILE_CONFIGS[gg.parse_config(config)[0]]
+    m = re.match(r"(coop|pingpong)_(\d+)x(\d+)_c(\d)x(\d)$", name)
+    if m is None:
+        return None
+    tm, tn, cm, cn = (int(v) for v in m.groups()[1:])
+    rows_cols = {
+        "fwd": [(int(s), n) for s in sizes],
+        "dgrad": [(int(s), k) for s in sizes],
+        "wgrad": [(k, n) for s in sizes if s > 0],
+    }[op]
+    total = 0
+    for r, c in rows_cols:
+        if r > 0:
+            total += -(-(-(-r // tm)) // cm) * cm * (-(-(-(-c // tn)) // cn) * cn)
+    return total
+
+
+def time_paired(fns: dict, *args, target_s=0.25, reps=7) -> dict:
+    """Median seconds per call of each function in `fns`, timed in interleaved batches (one
+    batch of each per round, `reps` rounds), so that a drift of the GPU's clocks during the run
+    moves them alike and their ratios stay fair."""
+    iters = {}
+    for name, f in fns.items():
+        jax.block_until_ready(f(*args))
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        one = time.perf_counter() - t0
+        iters[name] = int(max(1, min(50, target_s / reps / max(one, 1e-6))))
+    times: dict = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(iters[name]):
+                out = f(*args)
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t0) / iters[name])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def time_fn(f, *args, target_s=0.25, reps=5):
@@ -212,6 +260,9 @@ def main(argv=None) -> int:
         meta["jaxlib"] = jaxlib.__version__
     except Exception:  # noqa: BLE001
         pass
+    # SMs: the persistent kernels' CTAs (one per SM); waves = issued tiles / SMs
+    sms = getattr(dev, "core_count", None)
+    meta["sm_count"] = sms
     print(json.dumps(meta), flush=True)
     rows, errors = [], []
     pallas_best: dict = {}
@@ -250,8 +301,10 @@ def main(argv=None) -> int:
             for op in args.ops.split(","):
                 if over_budget():
                     break
-                if dist == DISTS[0] or dist == args.dists.split(",")[0]:
-                    record(shape, dist, op, "dense", time_fn(dense[op], *data), flops)
+                # dense, ours (the chosen configuration) and Pallas (its best configuration) are
+                # the rows the summary compares: timed interleaved at every point (time_paired)
+                paired = {"dense": dense[op]}
+                paired_extra: dict = {"dense": {}}
                 ref = None
                 if "ragged" not in skip:
                     try:
@@ -272,45 +325,51 @@ def main(argv=None) -> int:
                         f = ours_fn(op, c)
                         out = f(*data)
                         err = rel_err(out, ref) if ref is not None else None
-                        record(shape, dist, op, f"ours[{c}]", time_fn(f, *data), flops, {
+                        tiles = issued_tiles(c, op, np.asarray(gs), k, n)
+                        extra = {
                             "rel_err_vs_ragged": err,
-                            "config": c
-                        })
+                            "config": c,
+                            "tiles": tiles,
+                            "waves": tiles / sms if tiles and sms else None
+                        }
+                        record(shape, dist, op, f"ours[{c}]", time_fn(f, *data), flops, extra)
                         if c == chosen:
-                            record(shape, dist, op, "ours", rows[-1]["ms"] / 1e3, flops, {
-                                "rel_err_vs_ragged": err,
-                                "config": c
-                            })
+                            paired["ours"], paired_extra["ours"] = f, extra
                     except Exception as ex:  # noqa: BLE001
                         errors.append(f"{shape} {dist} {op} ours {c}: {ex!r}")
                         print("  ours failed:", repr(ex)[:500], flush=True)
                 out = None
-                if "pallas" in skip:
-                    continue
-                bkey = (shape, op)
-                cfgs = [pallas_best[bkey]] if bkey in pallas_best else PALLAS_CONFIGS[op]
-                best = None
-                for cfg in cfgs:
-                    try:
-                        f = pallas_fn(op, cfg)
-                        secs = time_fn(f, *data, reps=3)
-                        print(f"    pallas {op} {cfg}: {secs * 1e3:.3f} ms", flush=True)
-                        if best is None or secs < best[0]:
-                            best = (secs, cfg, f)
-                    except Exception as ex:  # noqa: BLE001
-                        msg = f"{shape} {dist} {op} pallas {cfg}: {type(ex).__name__}: {ex}"
-                        errors.append(msg[:600])
-                        print("    " + msg[:300], flush=True)
-                if best is not None:
-                    pallas_best[bkey] = best[1]
-                    out = best[2](*data)
-                    err = rel_err(out, ref) if ref is not None else None
-                    # The better of the sweep's and a second timing (in Pallas's favour).
-                    secs = min(best[0], time_fn(best[2], *data))
-                    record(shape, dist, op, "pallas", secs, flops, {
-                        "config": list(best[1]),
-                        "rel_err_vs_ragged": err
-                    })
+                if "pallas" not in skip:
+                    bkey = (shape, op)
+                    cfgs = [pallas_best[bkey]] if bkey in pallas_best else PALLAS_CONFIGS[op]
+                    best = None
+                    for cfg in cfgs:
+                        try:
+                            f = pallas_fn(op, cfg)
+                            secs = time_fn(f, *data, reps=3)
+                            print(f"    pallas {op} {cfg}: {secs * 1e3:.3f} ms", flush=True)
+                            if best is None or secs < best[0]:
+                                best = (secs, cfg, f)
+                        except Exception as ex:  # noqa: BLE001
+                            msg = f"{shape} {dist} {op} pallas {cfg}: {type(ex).__name__}: {ex}"
+                            errors.append(msg[:600])
+                            print("    " + msg[:300], flush=True)
+                    if best is not None:
+                        pallas_best[bkey] = best[1]
+                        out = best[2](*data)
+                        paired["pallas"] = best[2]
+                        paired_extra["pallas"] = {
+                            "config": list(best[1]),
+                            "rel_err_vs_ragged": rel_err(out, ref) if ref is not None else None
+                        }
+                        out = None
+                try:
+                    secs = time_paired(paired, *data)
+                    for name in paired:
+                        record(shape, dist, op, name, secs[name], flops, paired_extra[name])
+                except Exception as ex:  # noqa: BLE001
+                    errors.append(f"{shape} {dist} {op} paired timing: {ex!r}")
+                    print("  paired timing failed:", repr(ex)[:500], flush=True)
             with open(args.out, "w") as fh:
                 json.dump({"meta": meta, "rows": rows, "errors": errors}, fh, indent=1)
         del lhs, rhs, dout, data, gs, ref, out
@@ -326,11 +385,13 @@ def main(argv=None) -> int:
 
 def summary_table(rows) -> str:
     """One line per (shape, dist, op): ms and TFLOP/s of each method, ours / dense, ours / pallas
-    (speed ratios: > 1 means ours is faster). Dense is measured once per shape and op."""
-    dense = {(r["shape"], r["op"]): r for r in rows if r["method"] == "dense"}
+    (speed ratios: > 1 means ours is faster). Dense, ours and Pallas are timed interleaved at
+    each point (time_paired); dense is the same GEMM for both distributions."""
+    dense = {(r["shape"], r["dist"], r["op"]): r for r in rows if r["method"] == "dense"}
     out = [
         "| shape | groups | op | dense | ragged_dot | Pallas (config) | ours (config) "
-        "| ours / dense | ours / Pallas |", "|---|---|---|---|---|---|---|---|---|"
+        "| ours / dense | ours / Pallas | ours: tiles, waves |",
+        "|---|---|---|---|---|---|---|---|---|---|"
     ]
     keys = []
     for r in rows:
@@ -345,24 +406,25 @@ def summary_table(rows) -> str:
             r["method"]: r
             for r in rows if (r["shape"], r["dist"], r["op"]) == (shape, dist, op)
         }
-        d, o, p = dense.get((shape, op)), get.get("ours"), get.get("pallas")
+        d, o, p = dense.get((shape, dist, op)), get.get("ours"), get.get("pallas")
         pc = f" ({','.join(map(str, p['config']))})" if p else ""
         oc = f" ({o['config']})" if o else ""
         rd = f"{d['ms'] / o['ms']:.2f}" if d and o else "-"
         rp = f"{p['ms'] / o['ms']:.2f}" if p and o else "-"
+        tw = f"{o['tiles']}, {o['waves']:.2f}" if o and o.get("waves") else "-"
         out.append(f"| {shape} | {dist} | {op} | {cell(d)} | {cell(get.get('ragged'))} | "
-                   f"{cell(p)}{pc} | {cell(o)}{oc} | {rd} | {rp} |")
+                   f"{cell(p)}{pc} | {cell(o)}{oc} | {rd} | {rp} | {tw} |")
     return "\n".join(out)
 
 
 def print_table(rows):
-    dense = {(r["shape"], r["op"]): r["ms"] for r in rows if r["method"] == "dense"}
+    dense = {(r["shape"], r["dist"], r["op"]): r["ms"] for r in rows if r["method"] == "dense"}
     print("\n| shape | dist | op | method | ms | TFLOP/s | x dense |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if r["method"].startswith("ours["):
             continue
-        d = dense.get((r["shape"], r["op"]))
+        d = dense.get((r["shape"], r["dist"], r["op"]))
         ratio = f"{d / r['ms']:.2f}" if d else "-"
         print(f"| {r['shape']} | {r['dist']} | {r['op']} | {r['method']} | {r['ms']:.3f} | "
               f"{r['tflops']:.0f} | {ratio} |")

@@ -5,14 +5,15 @@
 //   dw[r] = sum_h dout[r, h] * silu(gate[r, h]) * up[r, h]
 //
 // Math in f32, outputs rounded once to the input dtype (as the reference). Flat elementwise
-// passes (the backward with weights: one warp per row, for the row sums of dw), 16-byte vector
-// accesses when H is a multiple of the vector width.
+// passes (the backward with weights: one block per row, for the row sums of dw); 16-byte vector
+// accesses in the forward and 8-byte ones in the backward when H is a multiple of the vector
+// width.
+#include <algorithm>
+
 #include "moe_common.h"
 
 namespace moe {
 namespace {
-
-constexpr int kWarps = 8;
 
 // sigmoid in f32. For bf16 inputs and outputs the fast intrinsics (ex2.approx, approximate
 // division: ~2 ulp of f32) are used: their error is far below the one rounding of the output to
@@ -51,7 +52,12 @@ __device__ __forceinline__ void put_grads(Vec<T, VEC>* dg, Vec<T, VEC>* du, Vec<
 
 constexpr int kFlatThreads = 256;
 constexpr int kUnroll = 4;
-constexpr int kRowUnroll = 8;  // the weighted backward's vectors in flight per lane
+// The unweighted backward: one 8-byte vector per thread (XLA's loop-fusion access width). On the
+// H200 (2026-11-30, experiments/swiglu_bwd_variants.cu, R = 131072, H = 2048 bf16) 8-byte x 1
+// measured 629.6-630.3 us against 641.3-641.7 for 16-byte x 4 (the kernel before) and 634.2 for
+// 16-byte x 1; XLA's fusion ran 618.4 us in JAX against our 628.4.
+constexpr int kBwdUnroll = 1;
+constexpr int kBwdVecBytes = 8;
 
 // Elementwise forward over R * H / VEC vectors, kUnroll independent vectors per thread (loads
 // first, then math and stores) for memory-level parallelism. The routing weight of vector i is
@@ -90,7 +96,8 @@ __global__ void __launch_bounds__(kFlatThreads)
   }
 }
 
-// Elementwise backward without routing weights (no row reduction needed).
+// Elementwise backward without routing weights (no row reduction needed), kBwdUnroll vectors
+// per thread.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kFlatThreads)
     swiglu_bwd_flat(const T* __restrict__ gate, const T* __restrict__ up,
@@ -102,10 +109,10 @@ __global__ void __launch_bounds__(kFlatThreads)
   auto* dg = reinterpret_cast<Vec<T, VEC>*>(dgate);
   auto* du = reinterpret_cast<Vec<T, VEC>*>(dup);
   auto* dgu = reinterpret_cast<Vec<T, VEC>*>(dgup);
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kUnroll + threadIdx.x;
-  Vec<T, VEC> gv[kUnroll], uv[kUnroll], dv[kUnroll];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kFlatThreads * kBwdUnroll + threadIdx.x;
+  Vec<T, VEC> gv[kBwdUnroll], uv[kBwdUnroll], dv[kBwdUnroll];
 #pragma unroll
-  for (int q = 0; q < kUnroll; ++q) {
+  for (int q = 0; q < kBwdUnroll; ++q) {
     const int64_t i = base + q * kFlatThreads;
     if (i < nvec) {
       gv[q] = g[i];
@@ -114,7 +121,7 @@ __global__ void __launch_bounds__(kFlatThreads)
     }
   }
 #pragma unroll
-  for (int q = 0; q < kUnroll; ++q) {
+  for (int q = 0; q < kBwdUnroll; ++q) {
     const int64_t i = base + q * kFlatThreads;
     if (i < nvec) {
       Vec<T, VEC> dgv, duv;
@@ -130,61 +137,85 @@ __global__ void __launch_bounds__(kFlatThreads)
   }
 }
 
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kWarps * 32)
+// Backward with routing weights: one block of THREADS threads per row, one vector per thread at
+// a time, then a block reduction of the row's dw. On the H200 (2026-11-30,
+// experiments/swiglu_bwd_variants.cu, R = 131072, H = 2048 bf16) one 8-byte vector per thread
+// with 512 threads per row measured 622.8 us against 633.5-633.8 for the kernel before (one warp
+// per row with 8 16-byte vectors per lane in flight; 656.7 with one). It needs full occupancy
+// (32 registers at 512 threads), measured in JAX (GPU time, XLA's fusion 633 us): a grid-stride
+// loop over rows with the output layout chosen at run time (52 registers) 945.5 us; one block per
+// row with the layout a template parameter (40 registers) 701.6 us; the same held to 32 registers
+// by the launch bound below (a few spilled bytes) 627.0 us. Rows <= INT32_MAX (checked).
+template <typename T, int VEC, int THREADS, bool INTERLEAVED>
+__global__ void __launch_bounds__(THREADS, 2048 / THREADS)
     swiglu_bwd_kernel(const T* __restrict__ gate, const T* __restrict__ up,
                       const float* __restrict__ w, const T* __restrict__ dout,
                       T* __restrict__ dgate, T* __restrict__ dup, T* __restrict__ dgup,
-                      float* __restrict__ dw, int64_t rows, int64_t h) {
-  const int lane = threadIdx.x & 31;
+                      float* __restrict__ dw, int64_t h) {
+  __shared__ float warp_sums[THREADS / 32];
+  const int64_t r = blockIdx.x;
+  const int nv = static_cast<int>(h / VEC);
+  const int64_t base = r * nv;  // the row's first vector (indexing from the parameters keeps
+                                // the row's pointers out of registers)
+  const float wr = w[r];
+  const auto* g = reinterpret_cast<const Vec<T, VEC>*>(gate);
+  const auto* u = reinterpret_cast<const Vec<T, VEC>*>(up);
+  const auto* d = reinterpret_cast<const Vec<T, VEC>*>(dout);
+  auto* dg = INTERLEAVED ? nullptr : reinterpret_cast<Vec<T, VEC>*>(dgate);
+  auto* du = INTERLEAVED ? nullptr : reinterpret_cast<Vec<T, VEC>*>(dup);
+  auto* dgu = INTERLEAVED ? reinterpret_cast<Vec<T, VEC>*>(dgup) : nullptr;
+  float acc = 0.f;
+  for (int i = threadIdx.x; i < nv; i += THREADS) {
+    const Vec<T, VEC> gv = g[base + i], uv = u[base + i], dv = d[base + i];
+    Vec<T, VEC> dgv, duv;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float x = to_f32(gv.v[j]), y = to_f32(uv.v[j]), dy = to_f32(dv.v[j]);
+      const float s = sigmoid_t<T>(x), silu = x * s;
+      acc += dy * silu * y;
+      const float dyw = dy * wr;
+      dgv.v[j] = from_f32<T>(dyw * y * (s * (1.f + x * (1.f - s))));
+      duv.v[j] = from_f32<T>(dyw * silu);
+    }
+    put_grads(dg, du, dgu, base + i, dgv, duv);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    acc = threadIdx.x < THREADS / 32 ? warp_sums[threadIdx.x] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (threadIdx.x == 0) dw[r] = acc;
+  }
+}
+
+template <typename T, int VEC, int THREADS>
+void launch_bwd_rows_t(cudaStream_t stream, const T* g, const T* u, const float* w, const T* d,
+                       T* dg, T* du, T* dgu, float* dw, int64_t rows, int64_t h) {
+  const auto grid = static_cast<unsigned>(rows);
+  if (dgu != nullptr) {
+    swiglu_bwd_kernel<T, VEC, THREADS, true>
+        <<<grid, THREADS, 0, stream>>>(g, u, w, d, dg, du, dgu, dw, h);
+  } else {
+    swiglu_bwd_kernel<T, VEC, THREADS, false>
+        <<<grid, THREADS, 0, stream>>>(g, u, w, d, dg, du, dgu, dw, h);
+  }
+}
+
+// Launches swiglu_bwd_kernel<T, VEC, THREADS, ...> with the fewest threads (128, 256 or 512) that
+// cover a row's vectors in one pass (512 for longer rows, which loop).
+template <typename T, int VEC>
+void launch_bwd_rows(cudaStream_t stream, const T* g, const T* u, const float* w, const T* d,
+                     T* dg, T* du, T* dgu, float* dw, int64_t rows, int64_t h) {
   const int64_t nv = h / VEC;
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); r < rows;
-       r += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const float wr = w ? w[r] : 1.f;
-    const auto* g = reinterpret_cast<const Vec<T, VEC>*>(gate + r * h);
-    const auto* u = reinterpret_cast<const Vec<T, VEC>*>(up + r * h);
-    const auto* d = reinterpret_cast<const Vec<T, VEC>*>(dout + r * h);
-    auto* dg = reinterpret_cast<Vec<T, VEC>*>(dgate + r * h);
-    auto* du = reinterpret_cast<Vec<T, VEC>*>(dup + r * h);
-    auto* dgu = dgup ? reinterpret_cast<Vec<T, VEC>*>(dgup + 2 * r * h) : nullptr;
-    float acc = 0.f;
-    // kRowUnroll vectors per lane in flight: all loads first, then math and stores (one at a
-    // time per lane: 657 -> 634 us at R = 131072, H = 2048 bf16, standalone on the H200,
-    // 2026-11-30; see docs/kernels.md)
-    for (int64_t i0 = lane; i0 < nv; i0 += 32 * kRowUnroll) {
-      Vec<T, VEC> gv[kRowUnroll], uv[kRowUnroll], dv[kRowUnroll];
-#pragma unroll
-      for (int q = 0; q < kRowUnroll; ++q) {
-        const int64_t i = i0 + q * 32;
-        if (i < nv) {
-          gv[q] = g[i];
-          uv[q] = u[i];
-          dv[q] = d[i];
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < kRowUnroll; ++q) {
-        const int64_t i = i0 + q * 32;
-        if (i < nv) {
-          Vec<T, VEC> dgv, duv;
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) {
-            const float x = to_f32(gv[q].v[j]), y = to_f32(uv[q].v[j]), dy = to_f32(dv[q].v[j]);
-            const float s = sigmoid_t<T>(x), silu = x * s;
-            acc += dy * silu * y;
-            const float dyw = dy * wr;
-            dgv.v[j] = from_f32<T>(dyw * y * (s * (1.f + x * (1.f - s))));
-            duv.v[j] = from_f32<T>(dyw * silu);
-          }
-          put_grads(dg, du, dgu, i, dgv, duv);
-        }
-      }
-    }
-    if (dw) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) dw[r] = acc;
-    }
+  if (nv <= 128) {
+    launch_bwd_rows_t<T, VEC, 128>(stream, g, u, w, d, dg, du, dgu, dw, rows, h);
+  } else if (nv <= 256) {
+    launch_bwd_rows_t<T, VEC, 256>(stream, g, u, w, d, dg, du, dgu, dw, rows, h);
+  } else {
+    launch_bwd_rows_t<T, VEC, 512>(stream, g, u, w, d, dg, du, dgu, dw, rows, h);
   }
 }
 
@@ -211,13 +242,13 @@ template <typename T>
 ffi::Error launch_bwd(cudaStream_t stream, const void* g, const void* u, const float* w,
                       const void* d, void* dg, void* du, void* dgu, float* dw, int64_t rows,
                       int64_t h) {
-  constexpr int kVec = 16 / sizeof(T);
   if (dw == nullptr) {  // no routing weight: a flat elementwise pass
-    const int vec = h % kVec == 0 ? kVec : 1;
+    constexpr int kFlatVec = kBwdVecBytes / sizeof(T);
+    const int vec = h % kFlatVec == 0 ? kFlatVec : 1;
     const int64_t nvec = rows * h / vec;
-    const auto fgrid = static_cast<unsigned>(ceil_div(nvec, kFlatThreads * kUnroll));
-    if (vec == kVec) {
-      swiglu_bwd_flat<T, kVec><<<fgrid, kFlatThreads, 0, stream>>>(
+    const auto fgrid = static_cast<unsigned>(ceil_div(nvec, kFlatThreads * kBwdUnroll));
+    if (vec == kFlatVec) {
+      swiglu_bwd_flat<T, kFlatVec><<<fgrid, kFlatThreads, 0, stream>>>(
           static_cast<const T*>(g), static_cast<const T*>(u), static_cast<const T*>(d),
           static_cast<T*>(dg), static_cast<T*>(du), static_cast<T*>(dgu), nvec);
     } else {
@@ -228,15 +259,20 @@ ffi::Error launch_bwd(cudaStream_t stream, const void* g, const void* u, const f
     MOE_LAUNCH_CHECK("swiglu_bwd");
     return ffi::Error::Success();
   }
-  const int grid = grid_for(rows, kWarps, 1 << 20);
-  if (h % kVec == 0) {
-    swiglu_bwd_kernel<T, kVec><<<grid, kWarps * 32, 0, stream>>>(
-        static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<const T*>(d),
-        static_cast<T*>(dg), static_cast<T*>(du), static_cast<T*>(dgu), dw, rows, h);
+  // one block per row; a row's vectors are counted in int
+  if (rows > INT32_MAX || h > INT32_MAX) {
+    return MOE_INVALID("swiglu bwd with weights: rows=" + std::to_string(rows) + ", H=" +
+                       std::to_string(h) + "; both must be at most " + std::to_string(INT32_MAX));
+  }
+  constexpr int kRowVec = kBwdVecBytes / sizeof(T);
+  if (h % kRowVec == 0) {
+    launch_bwd_rows<T, kRowVec>(stream, static_cast<const T*>(g), static_cast<const T*>(u), w,
+                                static_cast<const T*>(d), static_cast<T*>(dg),
+                                static_cast<T*>(du), static_cast<T*>(dgu), dw, rows, h);
   } else {
-    swiglu_bwd_kernel<T, 1><<<grid, kWarps * 32, 0, stream>>>(
-        static_cast<const T*>(g), static_cast<const T*>(u), w, static_cast<const T*>(d),
-        static_cast<T*>(dg), static_cast<T*>(du), static_cast<T*>(dgu), dw, rows, h);
+    launch_bwd_rows<T, 1>(stream, static_cast<const T*>(g), static_cast<const T*>(u), w,
+                          static_cast<const T*>(d), static_cast<T*>(dg), static_cast<T*>(du),
+                          static_cast<T*>(dgu), dw, rows, h);
   }
   MOE_LAUNCH_CHECK("swiglu_bwd");
   return ffi::Error::Success();

@@ -395,6 +395,44 @@ def test_adaptive_model_on_the_benchmark_sizes_picks_the_measured_winners():
     }
 
 
+def test_benchmark_issued_tiles_counts_each_groups_grid_rounded_to_clusters():
+    """The benchmark's tiles / waves column (experiments/bench_grouped_gemm.issued_tiles) on
+    fresh random group sizes (empty groups included) against a count written out here: per
+    group, ceil(rows / tile_m) x ceil(cols / tile_n), each rounded up to the cluster's shape;
+    wgrad counts K x N per non-empty group; the adaptive pairs (chosen on the device) give None."""
+    from experiments.bench_grouped_gemm import issued_tiles
+
+    rng = np.random.default_rng()
+    sizes = rng.integers(0, 3000, size=17)
+    sizes[rng.integers(0, 17, size=3)] = 0
+    k, n = 1000, 1800
+
+    def count(tm, tn, cm, cn, grids):
+        return sum(-(-(-(-r // tm)) // cm) * cm * (-(-(-(-c // tn)) // cn) * cn) for r, c in grids
+                   if r > 0)
+
+    for tile, (tm, tn, cm, cn) in {
+            "coop_128x256_c2x1": (128, 256, 2, 1),
+            "pingpong_64x256_c1x2": (64, 256, 1, 2),
+            "coop_128x256_c1x1": (128, 256, 1, 1),
+            "pingpong_128x128_c2x1": (128, 128, 2, 1),
+    }.items():
+        cfg = gg.config_name(gg.TILE_CONFIGS.index(tile))
+        assert issued_tiles(cfg, "fwd", sizes, k, n) == count(tm, tn, cm, cn,
+                                                              [(s, n) for s in sizes])
+        assert issued_tiles(cfg, "dgrad", sizes, k, n) == count(tm, tn, cm, cn,
+                                                                [(s, k) for s in sizes])
+        assert issued_tiles(cfg, "wgrad", sizes, k, n) == count(tm, tn, cm, cn, [(k, n)] * int(
+            (sizes > 0).sum()))
+    for tile in gg.ADAPTIVE_TILES:
+        assert issued_tiles(gg.config_name(tile), "fwd", sizes, k, n) is None
+    # the benchmark's B skewed fwd with the rule's tile: 16.36 waves on 132 SMs
+    from experiments.bench_grouped_gemm import SHAPES, group_sizes
+    e, m, k, n = SHAPES["B"]
+    cfg = gg.choose_config("fwd", m, k, n, e)
+    assert issued_tiles(cfg, "fwd", group_sizes("skewed", m, e), k, n) == 2160
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", gg.ADAPTIVE_TILES)
 def test_cuda_adaptive_tile_choice_matches_model_and_both_kernels_are_right(tile):
