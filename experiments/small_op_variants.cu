@@ -23,10 +23,12 @@ __device__ __forceinline__ int col_mod(int64_t i, int e) {
 }
 
 // ---- aux bwd variants: dp[t, e] = g * scale * f[e]
-template <int THREADS, int PER, bool POW2>
+template <int THREADS, int PER, bool POW2, bool CONST_SCALE = false>
 __global__ void __launch_bounds__(THREADS)
     bwd(const float* g, const int* f, const float* scale, float* dp, int64_t n, int e) {
-  const float s = g[0] * scale[0];
+  // CONST_SCALE: g * scale a compile-time constant, as XLA's reference has it under jax.grad
+  // (the cotangent 1 and the scale folded into its broadcast fusion, which reads only f)
+  const float s = CONST_SCALE ? 0.01f : g[0] * scale[0];
   const int64_t nvec = n / 4;
   const int64_t base = (int64_t)blockIdx.x * THREADS * PER + threadIdx.x;
 #pragma unroll
@@ -173,11 +175,11 @@ void timeit(const char* name, F fn) {
          err == cudaSuccess ? "" : cudaGetErrorString(err));
 }
 
-template <int THREADS, int PER, bool POW2>
+template <int THREADS, int PER, bool POW2, bool CONST_SCALE = false>
 void time_bwd(const char* name, const float* g, const int* f, const float* scale, float* dp) {
   constexpr int64_t per_block = int64_t(THREADS) * PER;
   const auto grid = static_cast<unsigned>((N / 4 + per_block - 1) / per_block);
-  timeit(name, [&] { bwd<THREADS, PER, POW2><<<grid, THREADS, S>>>(g, f, scale, dp, N, E); });
+  timeit(name, [&] { bwd<THREADS, PER, POW2, CONST_SCALE><<<grid, THREADS, S>>>(g, f, scale, dp, N, E); });
 }
 
 int main() {
@@ -219,6 +221,9 @@ int main() {
   time_bwd<1024, 1, true>("bwd: 1024 thr, 1 vec, pow2", g, f, scale, dp);
   time_bwd<256, 2, true>("bwd: 256 thr, 2 vec, pow2", g, f, scale, dp);
   time_bwd<256, 4, true>("bwd: 256 thr, 4 vec, pow2", g, f, scale, dp);
+  time_bwd<256, 1, false, true>("bwd: current, g * scale a constant", g, f, scale, dp);
+  time_bwd<128, 1, true, true>("bwd: XLA's shape (128 thr), constant", g, f, scale, dp);
+  time_bwd<256, 1, false>("bwd: current, again", g, f, scale, dp);
   for (int grid : {132, 264, 512}) {
     char nm[80];
     snprintf(nm, sizeof nm, "fwd: partials %dx512 + finish (current: 264)", grid);
