@@ -115,25 +115,28 @@ def group_sizes(dist: str, m: int, e: int) -> np.ndarray:
     return s.astype(np.int32)
 
 
+def _ceil_div(x: int, q: int) -> int:
+    return -(-int(x) // q)
+
+
 def issued_tiles(config: str, op: str, sizes, k: int, n: int) -> int | None:
     """CTA tiles that CUTLASS's group scheduler issues for `config` (each group's tile grid
-    rounded up to whole clusters, as kernels/grouped_gemm.cuh counts them); None for the
-    adaptive pairs (the device picks their tile at each call)."""
-    name = gg.TILE_CONFIGS[gg.parse_config(config)[0]]
-    m = re.match(r"(coop|pingpong)_(\d+)x(\d+)_c(\d)x(\d)$", name)
+    rounded up to whole clusters, gg.CLUSTERS, as kernels/grouped_gemm.cuh counts them); None
+    for the adaptive pairs (the device picks their tile at each call)."""
+    tile = gg.parse_config(config)[0]
+    m = re.match(r"(?:coop|pingpong)_(\d+)x(\d+)_", gg.TILE_CONFIGS[tile])
     if m is None:
         return None
-    tm, tn, cm, cn = (int(v) for v in m.groups()[1:])
+    tm, tn = (int(v) for v in m.groups())
+    cm, cn = gg.CLUSTERS[tile]
     rows_cols = {
-        "fwd": [(int(s), n) for s in sizes],
-        "dgrad": [(int(s), k) for s in sizes],
+        "fwd": [(s, n) for s in sizes],
+        "dgrad": [(s, k) for s in sizes],
         "wgrad": [(k, n) for s in sizes if s > 0],
     }[op]
-    total = 0
-    for r, c in rows_cols:
-        if r > 0:
-            total += -(-(-(-r // tm)) // cm) * cm * (-(-(-(-c // tn)) // cn) * cn)
-    return total
+    return sum(
+        _ceil_div(_ceil_div(r, tm), cm) * cm * _ceil_div(_ceil_div(c, tn), cn) * cn
+        for r, c in rows_cols if r > 0)
 
 
 def time_paired(fns: dict, *args, target_s=0.25, reps=7) -> dict:
@@ -159,21 +162,8 @@ def time_paired(fns: dict, *args, target_s=0.25, reps=7) -> dict:
 
 
 def time_fn(f, *args, target_s=0.25, reps=5):
-    """Median seconds per call (see module doc)."""
-    out = f(*args)
-    jax.block_until_ready(out)
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    one = time.perf_counter() - t0
-    iters = int(max(1, min(50, target_s / reps / max(one, 1e-6))))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+    """Median seconds per call of one function (see module doc)."""
+    return time_paired({"f": f}, *args, target_s=target_s, reps=reps)["f"]
 
 
 @jax.jit

@@ -442,8 +442,6 @@ inline PrepareParams ragged_rows_prepare(const int32_t* group_sizes, int64_t e, 
   PrepareParams p{};
   p.group_sizes = group_sizes;
   p.num_groups = static_cast<int>(e);
-  p.num_problems = p.num_groups;  // run_grouped sets it from split_rows
-  p.split_rows = 0;
   p.rows = rows;
   p.ragged_k = false;
   p.dim_a = static_cast<int>(n);
