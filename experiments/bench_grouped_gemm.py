@@ -13,6 +13,9 @@ with balanced and skewed group sizes (both sum to M, so every method does 2*M*K*
   pallas  Pallas Mosaic-GPU ragged_dot_mgpu.ragged_dot (fwd; dgrad with transpose_rhs=True)
           and transposed_ragged_dot_mgpu.transposed_ragged_dot (wgrad), best of a small
           tile sweep (PALLAS_CONFIGS, swept on the balanced case, reused for skewed)
+  batched the balanced case as one batched cuBLAS GEMM (jnp.einsum over [E, M/E, K] rows;
+          balanced groups only): the same weight traffic as ours (E distinct [K, N] weights),
+          which the dense GEMM does not have
   ours    moe_praxis CUTLASS kernels, configuration chosen by grouped_gemm.choose_config;
           the configurations in SWEEP are timed too (ours[<config>]).
 
@@ -23,11 +26,16 @@ between two block_until_ready; the median over `reps` such batches, divided by i
 point the compared rows (dense, ours with the chosen configuration, Pallas with its best
 configuration) are timed in interleaved batches (`time_paired`): a clock drift during the run
 moves them alike. (Until 2026-11-30 dense was timed once per shape and op, first.)
-Options: --shapes A,B,C  --dists balanced,skewed  --ops fwd,dgrad,wgrad  --skip ragged,pallas
+Options: --shapes A,B,C  --dists balanced,skewed  --ops fwd,dgrad,wgrad
+--skip ragged,pallas,tiles,batched
 --time-budget SECONDS (stop measuring, still print and write, when exceeded)
 --configs LIST (comma-separated, instead of SWEEP: configurations, or `rule` = the chosen
 configuration, optionally with parts replaced, e.g. `rule/r2048` (its row split set to 2048),
 `rule/along_n`, `rule/along_n/r0`; see `expand_config`).
+--pair-configs: time the swept configurations in the same interleaved batches as dense, ours
+and Pallas (instead of each alone, before them), so that configurations are compared under the
+same clocks; the chosen configuration then appears twice (`ours[<config>]` and `ours`), which
+shows the spread of one kernel within a run.
 """
 
 from __future__ import annotations
@@ -189,6 +197,21 @@ def dense_fns():
     }
 
 
+def batched_fns(e: int):
+    """The balanced problem as one batched cuBLAS GEMM (every group M/E rows): the same
+    FLOPs and the same E weight matrices as ours, so the same weight traffic, which the dense
+    GEMM (one [K, N] weight) does not have. Only for balanced groups with E dividing M."""
+    def rows(x):
+        return x.reshape(e, x.shape[0] // e, x.shape[1])
+
+    return {
+        "fwd": jax.jit(lambda lhs, rhs, dout, gs: jnp.einsum("emk,ekn->emn", rows(lhs), rhs)),
+        "dgrad": jax.jit(lambda lhs, rhs, dout, gs: jnp.einsum("emn,ekn->emk", rows(dout), rhs)),
+        "wgrad": jax.jit(
+            lambda lhs, rhs, dout, gs: jnp.einsum("emk,emn->ekn", rows(lhs), rows(dout))),
+    }
+
+
 def ragged_fns():
     return {
         "fwd": jax.jit(lambda lhs, rhs, dout, gs: gg.grouped_gemm_reference(lhs, rhs, gs)),
@@ -228,9 +251,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="A,B,C")
     ap.add_argument("--dists", default=",".join(DISTS))
     ap.add_argument("--ops", default=",".join(OPS))
-    ap.add_argument("--skip", default="", help="comma-separated: ragged, pallas, tiles")
+    ap.add_argument("--skip", default="", help="comma-separated: ragged, pallas, tiles, batched")
     ap.add_argument("--time-budget", type=float, default=1e9)
     ap.add_argument("--configs", default="", help="comma-separated, instead of SWEEP (see doc)")
+    ap.add_argument("--pair-configs", action="store_true",
+                    help="time the swept configurations interleaved with dense and ours")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     t_start = time.time()
@@ -295,6 +320,9 @@ def main(argv=None) -> int:
                 # the rows the summary compares: timed interleaved at every point (time_paired)
                 paired = {"dense": dense[op]}
                 paired_extra: dict = {"dense": {}}
+                if "batched" not in skip and dist == "balanced" and m % e == 0:
+                    paired["batched"] = batched_fns(e)[op]
+                    paired_extra["batched"] = {}
                 ref = None
                 if "ragged" not in skip:
                     try:
@@ -322,7 +350,11 @@ def main(argv=None) -> int:
                             "tiles": tiles,
                             "waves": tiles / sms if tiles and sms else None
                         }
-                        record(shape, dist, op, f"ours[{c}]", time_fn(f, *data), flops, extra)
+                        if args.pair_configs:  # timed below, interleaved with dense and ours
+                            paired[f"ours[{c}]"], paired_extra[f"ours[{c}]"] = f, extra
+                        else:
+                            record(shape, dist, op, f"ours[{c}]", time_fn(f, *data), flops,
+                                   extra)
                         if c == chosen:
                             paired["ours"], paired_extra["ours"] = f, extra
                     except Exception as ex:  # noqa: BLE001
@@ -380,8 +412,8 @@ def summary_table(rows) -> str:
     dense = {(r["shape"], r["dist"], r["op"]): r for r in rows if r["method"] == "dense"}
     out = [
         "| shape | groups | op | dense | ragged_dot | Pallas (config) | ours (config) "
-        "| ours / dense | ours / Pallas | ours: tiles, waves |",
-        "|---|---|---|---|---|---|---|---|---|---|"
+        "| ours / dense | ours / Pallas | ours: tiles, waves | batched | ours / batched |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     ]
     keys = []
     for r in rows:
@@ -402,8 +434,11 @@ def summary_table(rows) -> str:
         rd = f"{d['ms'] / o['ms']:.2f}" if d and o else "-"
         rp = f"{p['ms'] / o['ms']:.2f}" if p and o else "-"
         tw = f"{o['tiles']}, {o['waves']:.2f}" if o and o.get("waves") else "-"
+        b = get.get("batched")
+        rb = f"{b['ms'] / o['ms']:.2f}" if b and o else "-"
         out.append(f"| {shape} | {dist} | {op} | {cell(d)} | {cell(get.get('ragged'))} | "
-                   f"{cell(p)}{pc} | {cell(o)}{oc} | {rd} | {rp} | {tw} |")
+                   f"{cell(p)}{pc} | {cell(o)}{oc} | {rd} | {rp} | {tw} | "
+                   f"{cell(b) if b else '-'} | {rb} |")
     return "\n".join(out)
 
 

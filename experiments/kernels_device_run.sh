@@ -5,7 +5,8 @@
 #   bash experiments/kernels_device_run.sh [TEST_BUDGET_S] [BENCH_BUDGET_S] [PYTEST_ARGS...]
 # BENCH_BUDGET_S=0 skips the benchmarks; NCU_CASES="case,case" adds an Nsight Compute pass over
 # those bench cases (ncu segfaulted under JAX on 2026-11-29); GG_BENCH_S=N adds the grouped GEMM
-# benchmark with an N-second limit, GATE_UP_BENCH_S=N the fused gate/up one.
+# benchmark with an N-second limit (GG_BENCH_ARGS: its options, e.g. "--skip ragged,tiles"),
+# GATE_UP_BENCH_S=N the fused gate/up one.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/kernels_out}
@@ -60,6 +61,7 @@ if [ "${GATE_UP_BENCH_S:-0}" -gt 0 ]; then
 fi
 if [ "${GG_BENCH_S:-0}" -gt 0 ]; then
   timeout "$GG_BENCH_S" python3 -m experiments.bench_grouped_gemm --out "$OUT/bench_grouped_gemm.json" \
+    ${GG_BENCH_ARGS:-} \
     2>&1 | tee "$OUT/bench_gg.log" | tail -30
   echo "grouped GEMM bench rc=$?"
 fi

@@ -433,6 +433,36 @@ def test_benchmark_issued_tiles_counts_each_groups_grid_rounded_to_clusters():
     assert issued_tiles(cfg, "fwd", group_sizes("skewed", m, e), k, n) == 2160
 
 
+def test_benchmark_batched_reference_equals_ragged_reference_on_balanced_groups():
+    """The benchmark's `batched` rows (one batched GEMM over [E, M/E, .] rows) compute the same
+    fwd, dgrad and wgrad as the ragged references when every group has M/E rows (fresh random
+    float32 inputs, 1e-5 relative), and the summary divides them into ours."""
+    from experiments.bench_grouped_gemm import batched_fns, group_sizes, summary_table
+
+    rng = np.random.default_rng()
+    e, m, k, n = 4, 48, 24, 40
+    lhs, dout = rng.standard_normal((m, k)), rng.standard_normal((m, n))
+    rhs = rng.standard_normal((e, k, n))
+    lhs, dout, rhs = (jnp.asarray(x, jnp.float32) for x in (lhs, dout, rhs))
+    gs = jnp.asarray(group_sizes("balanced", m, e))
+    fns = batched_fns(e)
+    refs = {
+        "fwd": gg.grouped_gemm_reference(lhs, rhs, gs),
+        "dgrad": gg.grouped_gemm_dgrad_reference(dout, rhs, gs),
+        "wgrad": gg.grouped_gemm_wgrad_reference(lhs, dout, gs),
+    }
+    for op, ref in refs.items():
+        got = np.asarray(fns[op](lhs, rhs, dout, gs), np.float64).reshape(ref.shape)
+        ref = np.asarray(ref, np.float64)
+        assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref), op
+    rows = [
+        dict(shape="C", dist="balanced", op="fwd", method=meth, ms=ms, tflops=1.0, config="x")
+        for meth, ms in (("dense", 1.0), ("batched", 1.5), ("ours", 2.0))
+    ]
+    line = summary_table(rows).splitlines()[-1]
+    assert line.endswith("| 1.500 ms, 1 | 0.75 |"), line
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", gg.ADAPTIVE_TILES)
 def test_cuda_adaptive_tile_choice_matches_model_and_both_kernels_are_right(tile):
