@@ -312,6 +312,23 @@ __device__ inline void zero_range(Element* p, int64_t n, int64_t tid, int64_t nt
   for (int64_t i = tid; i < nv; i += nthreads) v[i] = make_uint4(0, 0, 0, 0);
 }
 
+// One problem slot of the group arrays (and of the adaptive pair's second shapes).
+template <class StrideA, class StrideB, class StrideD>
+__device__ __forceinline__ void write_problem(const PrepareParams& p,
+                                              const GroupArrays<StrideA, StrideB, StrideD>& g,
+                                              int64_t slot, UnderlyingShape shape,
+                                              const Element* a, const Element* b, Element* d,
+                                              StrideA sa, StrideB sb, StrideD sd) {
+  g.shapes[slot] = shape;
+  if (p.alt_shapes != nullptr) p.alt_shapes[slot] = shape;
+  g.ptr_a[slot] = a;
+  g.ptr_b[slot] = b;
+  g.ptr_d[slot] = d;
+  g.stride_a[slot] = sa;
+  g.stride_b[slot] = sb;
+  g.stride_d[slot] = sd;
+}
+
 template <class StrideA, class StrideB, class StrideD>
 __global__ void __launch_bounds__(kPrepareThreads)
     moe_gg_prepare(PrepareParams p, GroupArrays<StrideA, StrideB, StrideD> g, StrideA sa,
@@ -360,14 +377,9 @@ __global__ void __launch_bounds__(kPrepareThreads)
         }
       }
       if (writer) {
-        g.shapes[slot] = shape;
-        if (p.alt_shapes != nullptr) p.alt_shapes[slot] = shape;
-        g.ptr_a[slot] = p.a + e * p.map_a.per_expert + r0 * p.map_a.per_row;
-        g.ptr_b[slot] = p.b + e * p.map_b.per_expert + r0 * p.map_b.per_row;
-        g.ptr_d[slot] = p.d + e * p.map_d.per_expert + r0 * p.map_d.per_row;
-        g.stride_a[slot] = sa;
-        g.stride_b[slot] = sb;
-        g.stride_d[slot] = sd;
+        write_problem(p, g, slot, shape, p.a + e * p.map_a.per_expert + r0 * p.map_a.per_row,
+                      p.b + e * p.map_b.per_expert + r0 * p.map_b.per_row,
+                      p.d + e * p.map_d.per_expert + r0 * p.map_d.per_row, sa, sb, sd);
       }
     }
     __syncthreads();  // carry updated; scan storage reusable
@@ -376,14 +388,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
     for (int64_t q = slot_carry + threadIdx.x; q < p.num_problems; q += kPrepareThreads) {
       const UnderlyingShape shape = p.ragged_k ? UnderlyingShape(0, p.dim_b, 0)
                                                : UnderlyingShape(0, p.dim_a, p.dim_b);
-      g.shapes[q] = shape;
-      if (p.alt_shapes != nullptr) p.alt_shapes[q] = shape;
-      g.ptr_a[q] = p.a;
-      g.ptr_b[q] = p.b;
-      g.ptr_d[q] = p.d;
-      g.stride_a[q] = sa;
-      g.stride_b[q] = sb;
-      g.stride_d[q] = sd;
+      write_problem(p, g, q, shape, p.a, p.b, p.d, sa, sb, sd);
     }
   }
   if (writer && p.alt_shapes != nullptr) {
