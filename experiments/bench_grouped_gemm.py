@@ -397,7 +397,7 @@ def main(argv=None) -> int:
         del lhs, rhs, dout, data, gs, ref, out
         gc.collect()
     print_table(rows)
-    print("\n" + summary_table(rows))
+    print("\n" + summary_table(rows, skip))
     with open(args.out, "w") as fh:
         json.dump({"meta": meta, "rows": rows, "errors": errors}, fh, indent=1)
     print(f"wrote {args.out} ({len(rows)} rows, {len(errors)} errors) in "
@@ -405,7 +405,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def summary_table(rows) -> str:
+def summary_table(rows, skipped=()) -> str:
     """One line per (shape, dist, op): ms and TFLOP/s of each method, ours / dense, ours / pallas
     (speed ratios: > 1 means ours is faster). Dense, ours and Pallas are timed interleaved at
     each point (time_paired); dense is the same GEMM for both distributions."""
@@ -420,8 +420,10 @@ def summary_table(rows) -> str:
         if (r["shape"], r["dist"], r["op"]) not in keys:
             keys.append((r["shape"], r["dist"], r["op"]))
 
-    def cell(r):
-        return f"{r['ms']:.3f} ms, {r['tflops']:.0f}" if r else "failed"
+    def cell(r, method=""):
+        if r:
+            return f"{r['ms']:.3f} ms, {r['tflops']:.0f}"
+        return "(skipped)" if method in skipped else "failed"
 
     for shape, dist, op in keys:
         get = {
@@ -436,8 +438,8 @@ def summary_table(rows) -> str:
         tw = f"{o['tiles']}, {o['waves']:.2f}" if o and o.get("waves") else "-"
         b = get.get("batched")
         rb = f"{b['ms'] / o['ms']:.2f}" if b and o else "-"
-        out.append(f"| {shape} | {dist} | {op} | {cell(d)} | {cell(get.get('ragged'))} | "
-                   f"{cell(p)}{pc} | {cell(o)}{oc} | {rd} | {rp} | {tw} | "
+        out.append(f"| {shape} | {dist} | {op} | {cell(d)} | {cell(get.get('ragged'), 'ragged')} | "
+                   f"{cell(p, 'pallas')}{pc} | {cell(o)}{oc} | {rd} | {rp} | {tw} | "
                    f"{cell(b) if b else '-'} | {rb} |")
     return "\n".join(out)
 

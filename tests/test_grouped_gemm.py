@@ -436,7 +436,8 @@ def test_benchmark_issued_tiles_counts_each_groups_grid_rounded_to_clusters():
 def test_benchmark_batched_reference_equals_ragged_reference_on_balanced_groups():
     """The benchmark's `batched` rows (one batched GEMM over [E, M/E, .] rows) compute the same
     fwd, dgrad and wgrad as the ragged references when every group has M/E rows (fresh random
-    float32 inputs, 1e-5 relative), and the summary divides them into ours."""
+    float32 inputs, 1e-5 relative), and the summary divides them into ours and marks methods
+    that were skipped apart from ones that failed."""
     from experiments.bench_grouped_gemm import batched_fns, group_sizes, summary_table
 
     rng = np.random.default_rng()
@@ -461,6 +462,9 @@ def test_benchmark_batched_reference_equals_ragged_reference_on_balanced_groups(
     ]
     line = summary_table(rows).splitlines()[-1]
     assert line.endswith("| 1.500 ms, 1 | 0.75 |"), line
+    assert "| failed | failed |" in line, line  # ragged and Pallas rows missing, not skipped
+    line = summary_table(rows, {"ragged", "pallas"}).splitlines()[-1]
+    assert "| (skipped) | (skipped) |" in line, line
 
 
 @pytest.mark.gpu
