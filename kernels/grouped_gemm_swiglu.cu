@@ -250,12 +250,14 @@ ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> 
       return run(CoopWide{});
     case 4:
       return run(AdaptiveWideThin{});
+    case 8:
+      return run(CoopWideC<1, 1>{});
     case 10:
       return run(AdaptiveWideThin11{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM + SwiGLU: tile=" +
                                          std::to_string(tile) +
-                                         " is not built; valid: 1, 2, 4, 10");
+                                         " is not built; valid: 1, 2, 4, 8, 10");
   }
 }
 

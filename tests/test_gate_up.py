@@ -401,19 +401,22 @@ def test_gpu_fused_under_ep_equals_single_device(exchange):
 
 def test_fused_config_rule_follows_the_forward_rule(monkeypatch):
     """choose_fused_config: the plain forward's rule, its tile replaced by FUSED_STANDIN's
-    where the fused kernel lacks it (coop_128x256_c1x1 -> the 1x1 pair); the same for a tile
-    MOE_PRAXIS_GG_TILE names (docs/grouped_gemm.md, "Fused gate/up" and "Not done")."""
+    where the fused kernel lacks it (none of the rule's tiles: the rule's configuration is kept
+    whole); the same for a tile MOE_PRAXIS_GG_TILE names (docs/grouped_gemm.md, "Fused
+    gate/up")."""
     gg = gate_up._gg
     monkeypatch.delenv(gg.ENV_TILE, raising=False)
     assert set(gate_up.FUSED_STANDIN.values()) <= set(gate_up.FUSED_TILES)
     assert set(gate_up.FUSED_STANDIN) | set(gate_up.FUSED_TILES) == set(range(len(gg.TILE_CONFIGS)))
+    assert not set(gate_up.FUSED_STANDIN) & set(gate_up.FUSED_TILES)
     for m, k, n, e in ((32768, 4096, 28672, 8), (32768, 7168, 4096, 32), (65536, 2048, 1536, 128),
                        (8192, 2048, 1536, 128)):
         plain = gg.parse_config(gg.choose_config("fwd", m, k, n, e))
         fused = gg.parse_config(gate_up.choose_fused_config(m, k, n, e))
         assert fused[1:] == plain[1:] and fused[0] in gate_up.FUSED_TILES
         assert fused[0] == gate_up.FUSED_STANDIN.get(plain[0], plain[0])
-    assert gg.parse_config(gate_up.choose_fused_config(65536, 2048, 1536, 128))[0] == 10
+        assert fused == plain  # the rule's tiles are all built fused
+    assert gg.parse_config(gate_up.choose_fused_config(65536, 2048, 1536, 128))[0] == 8
     assert gg.parse_config(gate_up.choose_fused_config(8192, 2048, 1536, 128))[0] == 10
     assert gg.parse_config(gate_up.choose_fused_config(32768, 4096, 28672, 8))[0] == 2
     monkeypatch.setenv(gg.ENV_TILE, "pingpong_64x256_c2x1/along_n")  # -> its adaptive pair

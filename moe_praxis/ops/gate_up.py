@@ -33,22 +33,21 @@ from moe_praxis.ops import grouped_gemm as _gg
 from moe_praxis.ops.swiglu import swiglu_reference
 
 # Tiles (ops.grouped_gemm.TILE_CONFIGS indices) kernels/grouped_gemm_swiglu.cu is built for:
-# pingpong_128x128, coop_128x256 and the adaptive pair coop_128x256 / pingpong_64x256 with 2x1
-# and with 1x1 clusters.
+# pingpong_128x128, coop_128x256 with 2x1 and with 1x1 clusters, and the adaptive pair
+# coop_128x256 / pingpong_64x256 with 2x1 and with 1x1 clusters.
 _FUSED_NAMES = ("pingpong_128x128_c2x1", "coop_128x256_c2x1", "adaptive_128x256_64x256",
-                "adaptive_128x256_64x256_c1x1")
+                "coop_128x256_c1x1", "adaptive_128x256_64x256_c1x1")
 FUSED_TILES = tuple(_gg.TILE_CONFIGS.index(t) for t in _FUSED_NAMES)
-# The fused tile that stands in for each tile the fused kernel is not built for: the 1x1
-# cluster tiles -> the 1x1 pair (measured faster fused than coop_128x256_c2x1 at B and C:
-# docs/grouped_gemm.md, "Fused gate/up"), other adaptive or 64-row tiles -> the 2x1 pair, the
-# rest -> coop_128x256_c2x1.
+# The fused tile that stands in for each tile the fused kernel is not built for: the 64-row
+# 1x1 tile -> the 1x1 pair, other adaptive or 64-row tiles -> the 2x1 pair, the rest ->
+# coop_128x256_c2x1. (coop_128x256_c1x1, the forward rule's tile for groups of 257-2048 rows,
+# is built since 2026-11-30: docs/grouped_gemm.md, "Fused gate/up".)
 _STANDIN_NAMES = {
     "coop_256x128_c2x1": "coop_128x256_c2x1",
     "pingpong_64x256_c2x1": "adaptive_128x256_64x256",
     "coop_128x256_c1x2": "coop_128x256_c2x1",
     "pingpong_64x256_c1x2": "adaptive_128x256_64x256",
     "adaptive_128x256_64x256_c1x2": "adaptive_128x256_64x256",
-    "coop_128x256_c1x1": "adaptive_128x256_64x256_c1x1",
     "pingpong_64x256_c1x1": "adaptive_128x256_64x256_c1x1",
 }
 FUSED_STANDIN = {
@@ -75,8 +74,8 @@ def split_gate_up(w_gate_up):
 def choose_fused_config(m: int, k: int, n: int, num_groups: int) -> str:
     """Kernel configuration of the fused forward (n = 2H): ops.grouped_gemm's forward rule
     (or the environment variable MOE_PRAXIS_GG_TILE), its tile replaced by FUSED_STANDIN's
-    when the fused kernel is not built for it (coop_128x256_c1x1, the rule's tile for groups of
-    257-2048 rows, by the 1x1 adaptive pair; docs/grouped_gemm.md, "Fused gate/up")."""
+    when the fused kernel is not built for it (the rule's own tiles all are; a tile forced by
+    MOE_PRAXIS_GG_TILE may not be: docs/grouped_gemm.md, "Fused gate/up")."""
     tile, raster, swizzle, split_rows = _gg.parse_config(
         _gg.choose_config("fwd", m, k, n, num_groups))
     tile = FUSED_STANDIN.get(tile, tile)
