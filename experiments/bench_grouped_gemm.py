@@ -201,14 +201,15 @@ def batched_fns(e: int):
     """The balanced problem as one batched cuBLAS GEMM (every group M/E rows): the same
     FLOPs and the same E weight matrices as ours, so the same weight traffic, which the dense
     GEMM (one [K, N] weight) does not have. Only for balanced groups with E dividing M."""
+
     def rows(x):
         return x.reshape(e, x.shape[0] // e, x.shape[1])
 
     return {
         "fwd": jax.jit(lambda lhs, rhs, dout, gs: jnp.einsum("emk,ekn->emn", rows(lhs), rhs)),
         "dgrad": jax.jit(lambda lhs, rhs, dout, gs: jnp.einsum("emn,ekn->emk", rows(dout), rhs)),
-        "wgrad": jax.jit(
-            lambda lhs, rhs, dout, gs: jnp.einsum("emk,emn->ekn", rows(lhs), rows(dout))),
+        "wgrad":
+        jax.jit(lambda lhs, rhs, dout, gs: jnp.einsum("emk,emn->ekn", rows(lhs), rows(dout))),
     }
 
 
@@ -254,7 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated: ragged, pallas, tiles, batched")
     ap.add_argument("--time-budget", type=float, default=1e9)
     ap.add_argument("--configs", default="", help="comma-separated, instead of SWEEP (see doc)")
-    ap.add_argument("--pair-configs", action="store_true",
+    ap.add_argument("--pair-configs",
+                    action="store_true",
                     help="time the swept configurations interleaved with dense and ours")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -353,8 +355,7 @@ def main(argv=None) -> int:
                         if args.pair_configs:  # timed below, interleaved with dense and ours
                             paired[f"ours[{c}]"], paired_extra[f"ours[{c}]"] = f, extra
                         else:
-                            record(shape, dist, op, f"ours[{c}]", time_fn(f, *data), flops,
-                                   extra)
+                            record(shape, dist, op, f"ours[{c}]", time_fn(f, *data), flops, extra)
                         if c == chosen:
                             paired["ours"], paired_extra["ours"] = f, extra
                     except Exception as ex:  # noqa: BLE001
