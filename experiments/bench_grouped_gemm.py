@@ -88,6 +88,8 @@ SWEEP = [
     gg.config_name(10, 0),
     gg.config_name(8, 0),
     gg.config_name(9, 0),
+    gg.config_name(11, 0),  # ping-pong 128x192 with 1x1 and 2x1 clusters
+    gg.config_name(12, 0),
 ]
 
 

@@ -117,7 +117,18 @@ using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 108, 105>;
 // dispatch_tile; TILE_CONFIGS in moe_praxis/ops/grouped_gemm.py).
 using AdaptiveWideThin12 = Adaptive<CoopWideC<1, 2>, PingpongThinC<1, 2>, 108, 105>;
 using AdaptiveWideThin11 = Adaptive<CoopWideC<1, 1>, PingpongThinC<1, 1>, 108, 105>;
-constexpr int kNumTiles = 11;
+// tiles 11-12: ping-pong, 128x192x64 (narrow outputs: N = 768 is 4 column tiles; each consumer
+// warpgroup holds a whole 128x192 accumulator, 192 registers per thread, and its epilogue
+// overlaps the other warpgroup's mainloop, which the cooperative kernels' epilogue does not)
+template <int CM, int CN>
+struct PingpongMidC {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+  using Tile = Shape<_128, _192, _64>;
+  using Cluster = Shape<Int<CM>, Int<CN>, _1>;
+  static constexpr int kTilesInFlight = 2;
+};
+constexpr int kNumTiles = 13;
 
 // What a fused epilogue needs beyond the group arrays (kernels/grouped_gemm_swiglu.cu); the
 // plain epilogue ignores it.
@@ -664,6 +675,10 @@ ffi::Error dispatch_tile(int64_t tile, Schedule sched, F&& f) {
       return f(PingpongThinC<1, 1>{});
     case 10:
       return f(AdaptiveWideThin11{});
+    case 11:
+      return f(PingpongMidC<1, 1>{});
+    case 12:
+      return f(PingpongMidC<2, 1>{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: tile=" + std::to_string(tile) +
                                          " is invalid; valid: 0.." +

@@ -254,10 +254,14 @@ ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> 
       return run(CoopWideC<1, 1>{});
     case 10:
       return run(AdaptiveWideThin11{});
+    case 11:
+      return run(PingpongMidC<1, 1>{});
+    case 12:
+      return run(PingpongMidC<2, 1>{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM + SwiGLU: tile=" +
                                          std::to_string(tile) +
-                                         " is not built; valid: 1, 2, 4, 8, 10");
+                                         " is not built; valid: 1, 2, 4, 8, 10, 11, 12");
   }
 }
 

@@ -416,6 +416,8 @@ def test_benchmark_issued_tiles_counts_each_groups_grid_rounded_to_clusters():
             "pingpong_64x256_c1x2": (64, 256, 1, 2),
             "coop_128x256_c1x1": (128, 256, 1, 1),
             "pingpong_128x128_c2x1": (128, 128, 2, 1),
+            "pingpong_128x192_c1x1": (128, 192, 1, 1),
+            "pingpong_128x192_c2x1": (128, 192, 2, 1),
     }.items():
         cfg = gg.config_name(gg.TILE_CONFIGS.index(tile))
         assert issued_tiles(cfg, "fwd", sizes, k, n) == count(tm, tn, cm, cn,
@@ -426,11 +428,13 @@ def test_benchmark_issued_tiles_counts_each_groups_grid_rounded_to_clusters():
             (sizes > 0).sum()))
     for tile in gg.ADAPTIVE_TILES:
         assert issued_tiles(gg.config_name(tile), "fwd", sizes, k, n) is None
-    # the benchmark's B skewed fwd with the rule's tile: 16.36 waves on 132 SMs
+    # the benchmark's B skewed fwd with the rule's tile (ping-pong 128x192): 270 row tiles
+    # (per group ceil(rows / 128)) x 11 column tiles (2048 / 192, rounded up)
     from experiments.bench_grouped_gemm import SHAPES, group_sizes
     e, m, k, n = SHAPES["B"]
     cfg = gg.choose_config("fwd", m, k, n, e)
-    assert issued_tiles(cfg, "fwd", group_sizes("skewed", m, e), k, n) == 2160
+    assert gg.TILE_CONFIGS[gg.parse_config(cfg)[0]] == "pingpong_128x192_c1x1"
+    assert issued_tiles(cfg, "fwd", group_sizes("skewed", m, e), k, n) == 2970
 
 
 def test_benchmark_batched_reference_equals_ragged_reference_on_balanced_groups():

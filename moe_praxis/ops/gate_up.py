@@ -33,10 +33,12 @@ from moe_praxis.ops import grouped_gemm as _gg
 from moe_praxis.ops.swiglu import swiglu_reference
 
 # Tiles (ops.grouped_gemm.TILE_CONFIGS indices) kernels/grouped_gemm_swiglu.cu is built for:
-# pingpong_128x128, coop_128x256 with 2x1 and with 1x1 clusters, and the adaptive pair
-# coop_128x256 / pingpong_64x256 with 2x1 and with 1x1 clusters.
+# pingpong_128x128, coop_128x256 with 2x1 and with 1x1 clusters, the adaptive pair
+# coop_128x256 / pingpong_64x256 with 2x1 and with 1x1 clusters, and pingpong_128x192 with 1x1
+# and 2x1 clusters.
 _FUSED_NAMES = ("pingpong_128x128_c2x1", "coop_128x256_c2x1", "adaptive_128x256_64x256",
-                "coop_128x256_c1x1", "adaptive_128x256_64x256_c1x1")
+                "coop_128x256_c1x1", "adaptive_128x256_64x256_c1x1", "pingpong_128x192_c1x1",
+                "pingpong_128x192_c2x1")
 FUSED_TILES = tuple(_gg.TILE_CONFIGS.index(t) for t in _FUSED_NAMES)
 # The fused tile that stands in for each tile the fused kernel is not built for: the 64-row
 # 1x1 tile -> the 1x1 pair, other adaptive or 64-row tiles -> the 2x1 pair, the rest ->

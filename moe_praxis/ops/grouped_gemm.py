@@ -60,6 +60,9 @@ TILE_CONFIGS = (
     "coop_128x256_c1x1",
     "pingpong_64x256_c1x1",
     "adaptive_128x256_64x256_c1x1",
+    # 11-12: ping-pong, tile 128x192x64 (narrow outputs; its epilogue overlaps a mainloop)
+    "pingpong_128x192_c1x1",
+    "pingpong_128x192_c2x1",
 )
 # The adaptive pairs (their workspace holds the choice); 4 is the 2x1-cluster one.
 ADAPTIVE_TILES = tuple(i for i, t in enumerate(TILE_CONFIGS) if t.startswith("adaptive_"))
@@ -190,18 +193,24 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
         "dgrad": (rows_per_group, k),
         "wgrad": (k, n)
     }[op]
-    if op == "wgrad" and rows_per_group < 2048:
-        tile = 1  # short mainloops (the group's rows): ping-pong 128x128 hides the epilogue
-    elif op != "wgrad" and rows_per_group <= 256:
+    mid = TILE_CONFIGS.index("pingpong_128x192_c1x1")
+    if op == "wgrad":
+        # wgrad's mainloop is the group's rows. Short mainloops with wide outputs (B: 1024 rows,
+        # 7168 x 2048 per group): ping-pong 128x128 hides the epilogue; otherwise (narrow
+        # outputs or long mainloops) ping-pong 128x192, measured faster at A and C
+        # (docs/grouped_gemm.md, run 20)
+        tile = 1 if rows_per_group < 2048 and out_cols > 1024 else mid
+    elif rows_per_group <= 256:
         # tiny groups: ragged group ends waste a large share of 128-row tiles; the device picks
         # 128x256 or 64x256 at each call from the actual group sizes (docs/grouped_gemm.md)
         tile = TILE_CONFIGS.index("adaptive_128x256_64x256_c1x1")
-    elif op != "wgrad" and rows_per_group <= 2048:
-        # small groups: 1x1 clusters round no group's tile grid up to whole clusters; measured
-        # as fast as or faster than the adaptive pair (which costs a second launch) at B and C
-        tile = TILE_CONFIGS.index("coop_128x256_c1x1")
+    elif op == "dgrad" and rows_per_group > 2048:
+        tile = 2  # coop_128x256_c2x1 (A's dgrad: 3-7% faster than ping-pong 128x192 in run 20)
     else:
-        tile = 2  # coop_128x256_c2x1
+        # ping-pong 128x192 with 1x1 clusters: each warpgroup's epilogue overlaps the other's
+        # mainloop, and 1x1 clusters round no group's tile grid up (run 20: 5-17% faster than
+        # cooperative 128x256 at A fwd and at B and C dgrad and C fwd, equal at B fwd)
+        tile = mid
     # Raster: hand out tiles so that consecutive CTAs share the larger operand tile.
     raster = 1 if out_rows >= out_cols else 0
     swizzle = 1  # the only value CUTLASS's group scheduler uses here (docs/grouped_gemm.md)
