@@ -6,7 +6,7 @@ ops/aux_loss.py, loop by loop, so that a shared bug in the JAX reference and a k
 
 import numpy as np
 
-from tests.testutil import rel_err, seed  # noqa: F401  (re-exported for the kernel tests)
+from tests.testutil import rel_err, seed, sum_err  # noqa: F401  (re-exported for the kernel tests)
 
 
 def _softmax(x):
@@ -99,6 +99,15 @@ def swiglu_grads(gate, up, weights, dout):
     du = d * w[:, None] * silu
     dw = np.sum(d * silu * u, axis=1)
     return dg, du, dw
+
+
+def swiglu_dw_scale(gate, up, dout):
+    """Per row, the sum of |dout * silu(gate) * up|: the magnitude of the terms that the routing
+    weight's gradient adds. A float32 sum of terms that cancel has an error of a few ulps of
+    this, not of the (possibly much smaller) sum, so dw is compared relative to it."""
+    g, u = np.asarray(gate, np.float64), np.asarray(up, np.float64)
+    d = np.asarray(dout, np.float64)
+    return np.sum(np.abs(d * g / (1.0 + np.exp(-g)) * u), axis=1)
 
 
 def permute(x, row_map):

@@ -143,7 +143,22 @@ def _router_case(case):
     g_k = vjp_of(lambda l, b: (lambda o: (o[0], o[2]))(cuda.fused_router(cfg, l, b)))
     g_r = vjp_of(lambda l, b: (lambda o: (o.probs, o.weights))
                  (routing.route_logits_reference(l, cfg, b if use_bias else None)))
-    assert ref.rel_err(np.asarray(g_k)[same], np.asarray(g_r)[same]) <= F32_TOL, tag
+    g_k, g_r = np.asarray(g_k)[same], np.asarray(g_r)[same]
+    if ref.rel_err(g_k, g_r) > F32_TOL and t * e * (e + k) <= 1 << 22:
+        # d logits = J^T (dprobs, dw) is a sum whose terms may cancel (one token: 16 of 650
+        # seeds of the (1, 8, 2, softmax) case missed 1e-6 relative to the result, the two
+        # float32 gradients both right to a few ulps of the terms): then the error is measured
+        # against the terms' magnitudes, |J|^T |(dprobs, dw)|, J from the reference per token
+        def one(x):
+            o = routing.route_logits_reference(x[None], cfg, bias if use_bias else None)
+            return o.probs[0], o.weights[0]
+
+        jp, jw = jax.vmap(jax.jacrev(one))(logits)
+        scale = (np.einsum("tie,ti->te", np.abs(np.asarray(jp, np.float64)), np.abs(dprobs)) +
+                 np.einsum("tke,tk->te", np.abs(np.asarray(jw, np.float64)), np.abs(dw)))
+        assert ref.sum_err(g_k, g_r, scale[same]) <= F32_TOL, tag + " (|J|^T |c| scale)"
+    else:
+        assert ref.rel_err(g_k, g_r) <= F32_TOL, tag
 
 
 @pytest.mark.parametrize("sf,pre", [("softmax", True), ("softmax", False), ("sigmoid", True)])
@@ -193,10 +208,15 @@ def test_swiglu_matches_reference(dtype, rows, h, with_weights):
     poison()
     gk, gr = grads("cuda"), grads("xla")
     d64 = ref.swiglu_grads(gate, up, w, dout)
+    # the routing weight's gradient (i = 2) is a row sum whose terms cancel: its error is
+    # measured against the sum of their magnitudes (a 1-row case failed 1e-6 relative to the
+    # sum itself, 1.6e-6, with the kernel and XLA agreeing)
+    dw_scale = ref.swiglu_dw_scale(gate, up, dout)
     for i, (a, b) in enumerate(zip(gk, gr)):
         assert a.dtype == b.dtype
-        assert ref.rel_err(a, b) <= tol, f"{tag} grad {i}"
-        assert ref.rel_err(a, d64[i]) <= tol, f"{tag} grad {i} vs numpy"
+        err = ref.rel_err if i < 2 else functools.partial(ref.sum_err, scale=dw_scale)
+        assert err(a, b) <= tol, f"{tag} grad {i}"
+        assert err(a, d64[i]) <= tol, f"{tag} grad {i} vs numpy"
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -16,6 +16,15 @@ def rel_err(got, want) -> float:
     return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
 
 
+def sum_err(got, want, scale) -> float:
+    """||got - want|| / ||scale|| in float64, for sums whose terms may cancel: scale is the sum
+    of the terms' magnitudes (a float32 sum is exact to a few ulps of that, not of the sum)."""
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not np.all(np.isfinite(g)):
+        return float("inf")
+    return float(np.linalg.norm(g - w) / max(np.linalg.norm(np.asarray(scale, np.float64)), 1e-30))
+
+
 def router_config(e, k, score_func, pre_softmax, norm_topk, groups, group_topk, scaling, use_bias):
     """The MoEConfig of a router test case (d_model / d_ff do not matter to the router)."""
     from moe_praxis import MoEConfig
