@@ -254,8 +254,11 @@ def test_permute_unpermute_match_reference(dtype, t, k, m):
 @pytest.mark.parametrize("fdtype", [jnp.int32, jnp.float32])  # counts read as they are
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 # (50001, 80): every block of the forward's first pass loops several times, and its grid stride
-# is not a multiple of E (the column is advanced by stride mod E)
-@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (4099, 64, 8), (1003, 256, 8), (50001, 80, 6)])
+# is not a multiple of E (the column is advanced by stride mod E). The backward's power-of-two
+# kernel (column mask) takes E = 8, 64, 256 (E = 8 with bf16's 8-wide vectors too); E = 80 and
+# (333, 4): E = 4 with bf16 (E not a multiple of the vector width) take the general kernel.
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (4099, 64, 8), (1003, 256, 8), (50001, 80, 6),
+                                   (333, 4, 2)])
 def test_aux_loss_matches_reference(dtype, t, e, k, fdtype):
     s = ref.seed()
     k1, k2 = jax.random.split(jax.random.key(s))
