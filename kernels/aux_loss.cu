@@ -88,11 +88,11 @@ __global__ void __launch_bounds__(kFwdThreads)
 }
 
 // Backward when E is a power of two (every E in practice): one thread per 16-byte vector, no
-// loop, the column a mask. Against the kernel below (a 32-bit modulo by the run-time E, the
-// first thing each thread does) it measured 2.31 vs 2.52 us GPU time at T = 16384, E = 64 f32
-// on the H200 (XLA's broadcast fusion: 2.30), and the same kernel with the modulo 2.52; 128 or
-// 512 threads, or two vectors per thread, were no faster (docs/kernels.md). CUTLASS's
-// FastDivmod in place of the modulo measured 2.56 (not kept).
+// loop, the column a mask. GPU time at T = 16384, E = 64 f32 on the H200: 2.31 us (XLA's
+// broadcast fusion 2.30), where the same kernel with a 32-bit modulo by the run-time E (the
+// first thing each thread does) took 2.52 and the general kernel below 2.54; 128 or 512
+// threads, or two vectors per thread, were no faster, and CUTLASS's FastDivmod in place of
+// the modulo took 2.56 (docs/kernels.md).
 template <typename T, typename F, int VEC>
 __global__ void __launch_bounds__(kBwdThreads)
     aux_loss_bwd_pow2_kernel(const float* __restrict__ g, const F* __restrict__ f,
