@@ -105,9 +105,7 @@ def swiglu_dw_scale(gate, up, dout):
     """Per row, the sum of |dout * silu(gate) * up|: the magnitude of the terms that the routing
     weight's gradient adds. A float32 sum of terms that cancel has an error of a few ulps of
     this, not of the (possibly much smaller) sum, so dw is compared relative to it."""
-    g, u = np.asarray(gate, np.float64), np.asarray(up, np.float64)
-    d = np.asarray(dout, np.float64)
-    return np.sum(np.abs(d * g / (1.0 + np.exp(-g)) * u), axis=1)
+    return np.sum(np.abs(np.asarray(dout, np.float64) * swiglu(gate, up)), axis=1)
 
 
 def permute(x, row_map):
