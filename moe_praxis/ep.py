@@ -40,6 +40,7 @@ from moe_praxis import dispatch as dispatch_lib
 from moe_praxis import ops, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.experts import expert_ffn
+from moe_praxis.ops import vma
 from moe_praxis.resources import EPLayout, MeshResources, ep_bootstrap
 
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
@@ -190,7 +191,7 @@ def _ragged_move_bwd(out_rows, axes, vary, res, g):
     (fwd, bwd), n = res
     buf = _vary(jnp.zeros((n, ) + g.shape[1:], g.dtype), vary)
     g_rows = _vary(jax.lax.ragged_all_to_all(_vary(g, vary), buf, *bwd, axis_name=axes), vary)
-    return g_rows, jax.tree.map(ops.cuda.zero_cotangent, (fwd, bwd))
+    return g_rows, jax.tree.map(vma.zero_cotangent, (fwd, bwd))
 
 
 _ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
@@ -285,11 +286,11 @@ def _global_keep(ids, weights, valid, config: MoEConfig, layout: EPLayout, shard
     return keep, dropped
 
 
-_varying_axes = ops.cuda.varying_axes
+_varying_axes = vma.varying_axes
 
 # x marked varying over more axes: a custom_vjp grouped GEMM returns per-shard weight
 # gradients, which autodiff of the cast sums back.
-_vary = ops.cuda.vary
+_vary = vma.vary
 
 
 def _gather_weights(params, layout: EPLayout):
@@ -344,6 +345,9 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
                            valid,
                            config.z_loss_coeff,
                            num_tokens=num_tokens.astype(jnp.float32)), token_axes)
+        ent = _psum(
+            routing.router_entropy(logits, valid, num_tokens=num_tokens.astype(jnp.float32)),
+            token_axes)
 
     with jax.named_scope("moe_dispatch"):
         if config.capacity_factor is None:
@@ -383,7 +387,7 @@ def _body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind, seq_le
             y, overflow = exchange(x, row_tok, w_sorted, send_mat, layout, config, weights, backend)
         y = _psum(y, layout.tp_axes).astype(x.dtype)
     dropped = cap_dropped + _psum(overflow.astype(jnp.int32), token_axes)
-    return y, aux, zl, counts, dropped
+    return y, aux, zl, counts, dropped, ent
 
 
 def sharded_fn(config: MoEConfig, layout: EPLayout, mesh, *, kind: str, seq_len, t_global: int,
@@ -405,7 +409,7 @@ def sharded_fn(config: MoEConfig, layout: EPLayout, mesh, *, kind: str, seq_len,
                              name: specs[name]
                              for name in param_names
                          }, P(*tok, None), tok),
-                         out_specs=(P(*tok, None), P(), P(), P(None), P()),
+                         out_specs=(P(*tok, None), P(), P(), P(None), P(), P()),
                          check_vma=True)
 
 
@@ -451,5 +455,10 @@ def moe_sharded(params, x2, valid, config: MoEConfig, *, mesh, resources: MeshRe
                     t_global=t,
                     param_names=tuple(params),
                     backend=backend)
-    y, aux, zl, counts, dropped = fn(params, x2, valid)
-    return MoEOutput(y=y, aux_loss=aux, z_loss=zl, tokens_per_expert=counts, dropped_tokens=dropped)
+    y, aux, zl, counts, dropped, ent = fn(params, x2, valid)
+    return MoEOutput(y=y,
+                     aux_loss=aux,
+                     z_loss=zl,
+                     tokens_per_expert=counts,
+                     dropped_tokens=dropped,
+                     router_entropy=ent)

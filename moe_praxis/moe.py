@@ -29,6 +29,7 @@ class MoEOutput:
     z_loss: jax.Array  # [] float32, coefficient applied
     tokens_per_expert: jax.Array  # [E] int32 token copies the router assigned (before drops)
     dropped_tokens: jax.Array  # [] int32 copies dropped by the capacity or an EP buffer bound
+    router_entropy: jax.Array  # [] float32 mean entropy of softmax(logits), no gradient
 
 
 def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
@@ -106,6 +107,7 @@ def moe_local(params, x2, valid, config: MoEConfig, *, seq_len=None, backend="xl
     counts = routing.tokens_per_expert(r.expert_ids, config.num_experts, valid)
     aux = routing.load_balance_loss(r, config, valid, seq_len=seq_len, backend=backend)
     zl = routing.z_loss(logits, valid, config.z_loss_coeff)
+    ent = routing.router_entropy(logits, valid)
     d = dispatch_lib.make_dispatch(r.expert_ids, r.weights, valid, config)
     rows = checkpoint_name(dispatch_lib.dispatch_rows(x2, d, backend=backend), "moe_dispatched")
     # The routing weights go into the activation (the SwiGLU kernel's fused multiply), so the
@@ -121,7 +123,8 @@ def moe_local(params, x2, valid, config: MoEConfig, *, seq_len=None, backend="xl
                      aux_loss=aux,
                      z_loss=zl,
                      tokens_per_expert=counts,
-                     dropped_tokens=d.dropped_tokens)
+                     dropped_tokens=d.dropped_tokens,
+                     router_entropy=ent)
 
 
 def moe_block(params: dict,

@@ -190,3 +190,14 @@ def z_loss(logits, valid, coeff: float, num_tokens=None):
     if num_tokens is None:
         num_tokens = jnp.maximum(jnp.sum(vf), 1.0)
     return coeff * jnp.sum(lse * lse * vf) / num_tokens
+
+
+def router_entropy(logits, valid, num_tokens=None):
+    """Mean over valid tokens of the entropy of softmax(logits), in nats (float32 scalar, no
+    gradient): a diagnostic of how decided the router is, whatever its score function."""
+    logp = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
+    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    vf = valid.astype(jnp.float32)
+    if num_tokens is None:
+        num_tokens = jnp.maximum(jnp.sum(vf), 1.0)
+    return jnp.sum(ent * vf) / num_tokens

@@ -25,6 +25,8 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
+from moe_praxis.ops.vma import vary, vary_together, varying_axes, zero_cotangent  # noqa: F401
+
 ENV_LIB = "MOE_PRAXIS_KERNEL_LIB"
 LIB_NAME = "libmoe_praxis_kernels.so"
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "lib" / LIB_NAME
@@ -157,23 +159,6 @@ def ffi(name: str, results, *args, **attrs):
     return jax.ffi.ffi_call(name, results, vmap_method="sequential")(*args, **conv)
 
 
-def varying_axes(x) -> frozenset:
-    """The manual mesh axes x varies over inside shard_map (empty outside)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10+
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def vary(x, axes):
-    """x marked varying over the mesh axes `axes` too (shard_map's type system; a no-op for
-    axes it already varies over). Its cotangent may then vary over them, and autodiff of the
-    cast sums it back over them."""
-    missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _match_vma(fn: Callable, vma: frozenset) -> Callable:
     """fn with every output marked varying over the manual axes `vma` (inside shard_map an FFI
     call's outputs carry no varying axes while the reference's do; the branches must agree)."""
@@ -220,30 +205,12 @@ def warn_fallback(op: str, why: str) -> None:
                       stacklevel=3)
 
 
-def zero_cotangent(x):
-    """The zero cotangent of x: zeros for float x, float0 zeros for integer x (counts, maps)."""
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, jax.dtypes.float0)
-
-
 def no_weights():
     """The routing-weight operand of the kernels that take optional weights (has_weight=False):
     one float32 element, never read. Not a zero-size array: with the 'ragged' exchange, jax
     0.11.2's GPU compiler segfaulted in its SPMD partitioner on a zero-size placeholder (2
     H200s, 2026-11-30), as it did on a varying-cast one (a psum of the zero-size cotangent)."""
     return jnp.zeros((1, ), jnp.float32)
-
-
-def vary_together(*xs):
-    """Each x cast to vary over the union of the xs' varying axes (shard_map's type system).
-
-    An FFI call's outputs vary over the union of its inputs' axes, so a custom_vjp around one
-    must see inputs of one type to return cotangents of its inputs' types; autodiff of the
-    cast sums a cotangent back over the axes its input did not vary over. Identity outside
-    shard_map."""
-    axes = frozenset().union(*(varying_axes(x) for x in xs))
-    return [vary(x, axes) for x in xs]
 
 
 def _float_ok(*xs) -> bool:
