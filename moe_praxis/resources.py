@@ -80,8 +80,8 @@ class MeshResources:
             for a in _as_tuple(role, getattr(self, role)):
                 if a in seen:
                     raise ValueError(f"mesh axis {a!r} is given two roles, MeshResources."
-                                     f"{seen[a]} and MeshResources.{role}; an axis plays one "
-                                     "role")
+                                     f"{seen[a]} and MeshResources.{role}: axis {a!r} already "
+                                     f"plays {seen[a]!r}; an axis plays one role")
                 seen[a] = role
         if self.fsdp_dim not in FSDP_DIMS:
             raise ValueError(f"MeshResources.fsdp_dim={self.fsdp_dim!r} is invalid; valid: "
@@ -94,6 +94,34 @@ class MeshResources:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is invalid; valid: {ROLES}")
         return _as_tuple(role, getattr(self, role))
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The axes tokens are split over: dp, fsdp and ep together, in that order (a token
+        shard's index is row-major over them)."""
+        return self.axes("dp") + self.axes("fsdp") + self.axes("ep")
+
+    def spec_entry(self, role: str):
+        """The PartitionSpec entry of `role`: None (no axis), its one axis name, or the tuple
+        of its axis names (e.g. for Praxis's dense sharding: replica / data / mdl axes)."""
+        return _entry(self.axes(role))
+
+    def check_axis_names(self, axis_names) -> None:
+        """Checks every role's axes against a mesh's axis names, without a mesh.
+
+        axis_names: the mesh's axis names (a sequence of distinct str). Raises ValueError
+        naming the role and the axis that is not a mesh axis. (An axis given two roles is
+        refused when the MeshResources is built.)
+        """
+        names = tuple(axis_names)
+        if len(set(names)) != len(names):
+            raise ValueError(f"axis_names={names!r} names an axis twice; mesh axis names are "
+                             "distinct")
+        for role in ROLES:
+            for a in self.axes(role):
+                if a not in names:
+                    raise ValueError(f"MeshResources.{role}={getattr(self, role)!r} is invalid: "
+                                     f"axis {a!r} is not a mesh axis; axes are {names}")
 
 
 def _entry(axes: tuple[str, ...]):

@@ -132,6 +132,26 @@ def test_mesh_resources_validation():
     assert r.axes("dp") == ("a", "b") and r.axes("ep") == ("c", ) and r.axes("tp") == ()
 
 
+def test_mesh_resources_roles_without_a_mesh():
+    r = mp.MeshResources(dp=("d1", "d2"), fsdp="f", ep="e", tp="t")
+    assert r.token_axes == ("d1", "d2", "f", "e")
+    assert mp.MeshResources(tp="t").token_axes == ()
+    assert r.spec_entry("dp") == ("d1", "d2")
+    assert r.spec_entry("fsdp") == "f"
+    assert mp.MeshResources().spec_entry("ep") is None
+    with pytest.raises(ValueError, match="role='batch' is invalid"):
+        r.spec_entry("batch")
+    r.check_axis_names(("d1", "d2", "f", "e", "t", "spare"))
+    with pytest.raises(ValueError,
+                       match=r"MeshResources.tp='t' is invalid: axis 't' is not a mesh axis; "
+                       r"axes are \('d1', 'd2', 'f', 'e'\)"):
+        r.check_axis_names(["d1", "d2", "f", "e"])
+    with pytest.raises(ValueError, match="names an axis twice"):
+        r.check_axis_names(("d1", "d2", "f", "e", "t", "t"))
+    with pytest.raises(ValueError, match="axis 'x' already plays 'dp'"):
+        mp.MeshResources(dp="x", fsdp="x")
+
+
 DOCS = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "parallelism.md"
 
 
