@@ -10,8 +10,12 @@ _compat.apply()
 
 from moe_praxis.config import MoEConfig  # noqa: E402
 from moe_praxis.moe import MoEOutput, init_moe_params, moe_block  # noqa: E402
+from moe_praxis.resources import EPLayout, MeshResources, ep_bootstrap  # noqa: E402
 
-__all__ = ["MoEConfig", "MoEOutput", "init_moe_params", "moe_block"]
+__all__ = [
+    "EPLayout", "MeshResources", "MoEConfig", "MoEOutput", "ep_bootstrap", "init_moe_params",
+    "moe_block"
+]
 
 
 def __getattr__(name):
@@ -20,8 +24,4 @@ def __getattr__(name):
         from moe_praxis import praxis_layer
 
         return getattr(praxis_layer, name)
-    if name in ("MeshResources", "ep_bootstrap", "EPLayout"):
-        from moe_praxis import resources
-
-        return getattr(resources, name)
     raise AttributeError(f"module 'moe_praxis' has no attribute {name!r}")

@@ -1,24 +1,52 @@
-"""moe_block: router -> dispatch -> experts -> combine.
+"""moe_block: router -> dispatch -> experts -> combine, ONE body with or without a mesh.
 
-Letters: T tokens (all leading dims of x flattened), M d_model, H d_ff, E experts, k top_k.
+Letters: T tokens (all leading dims of x flattened), Tl = T / num_token_shards tokens of one
+device (Tl = T without a mesh), M d_model, H d_ff (H / tp on one device), E experts,
+El = E / ep experts of one EP rank, k top_k, R = Tl * k token copies of one device.
+
+moe_block builds its EPLayout with resources.ep_bootstrap (the layout with no axes when
+there is no mesh) and runs `block_body` directly (no mesh) or under one jax.shard_map. With
+no axes every collective is the identity, so the body is the single-device block. Per device
+(docs/parallelism.md has the picture):
+  1. Router on the local tokens; its statistics are reduced over ALL token axes, so aux
+     loss, z-loss, tokens_per_expert and router entropy equal the single-device values on the
+     global batch (router_stats).
+  2. Capacity (optional): capacity(T) of the global batch with global priority, so the keep
+     mask is exactly the single-device one (dispatch.capacity). Token rows never travel for
+     this.
+  3. Local sort of the R copies by expert (dispatch.sort); the copies of EP rank r's experts
+     are contiguous.
+  4. ep size 1: the sorted rows go straight to the experts. Otherwise the exchange to the
+     owning rank and back (dispatch.exchange), the received rows regrouped by local expert.
+  5. Experts: grouped GEMMs with the expert weights all-gathered over fsdp (their gradients
+     are reduce-scattered by autodiff), tp partial sums.
+  6. Combine into [Tl, M]: a plain unpermute when the routing weights went into the
+     activation (no tp), else the float32 weighted sum; psum over tp.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
-from moe_praxis import dispatch as dispatch_lib
-from moe_praxis import ops
-from moe_praxis import routing
+from moe_praxis import router_stats, routing
 from moe_praxis.config import MoEConfig
+from moe_praxis.dispatch import capacity, exchange, sort
 from moe_praxis.experts import expert_ffn
-from moe_praxis.ops import resolve_backend
+from moe_praxis.ops import resolve_backend, vma
+from moe_praxis.params import check_params, init_moe_params, param_shapes
+from moe_praxis.resources import EPLayout, ep_bootstrap, psum
+
+__all__ = [
+    "MoEOutput", "block_body", "check_params", "init_moe_params", "moe_block", "param_shapes",
+    "sharded_fn"
+]
 
 
 @jax.tree_util.register_dataclass
@@ -30,57 +58,6 @@ class MoEOutput:
     tokens_per_expert: jax.Array  # [E] int32 token copies the router assigned (before drops)
     dropped_tokens: jax.Array  # [] int32 copies dropped by the capacity or an EP buffer bound
     router_entropy: jax.Array  # [] float32 mean entropy of softmax(logits), no gradient
-
-
-def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
-    """The parameter tree's shapes: the contract between init, the layer and converters."""
-    m, h, e = config.d_model, config.d_ff, config.num_experts
-    shapes = {"router": (m, e), "wo": (e, h, m)}
-    if config.fuse_gate_up:
-        shapes["wi_gate_up"] = (e, m, 2 * h)  # gate / up columns interleaved (ops.gate_up)
-    else:
-        shapes["wi_up"] = (e, m, h)
-        if config.gated:
-            shapes["wi_gate"] = (e, m, h)
-    if config.use_expert_bias:
-        shapes["expert_bias"] = (e, )
-    return shapes
-
-
-def init_moe_params(key, config: MoEConfig, dtype=jnp.float32) -> dict:
-    """Random parameters: normal(0, scale / sqrt(fan_in)); expert_bias zeros.
-
-    Keys: router [M, E], wi_gate [E, M, H] (gated only), wi_up [E, M, H], wo [E, H, M],
-    expert_bias [E] (use_expert_bias only); with fuse_gate_up, wi_gate_up [E, M, 2H] instead of
-    wi_gate and wi_up (each interleaved half drawn as they are: fan_in M).
-    """
-    shapes = param_shapes(config)
-    keys = dict(zip(sorted(shapes), jax.random.split(key, len(shapes))))
-    params = {}
-    for name, shape in shapes.items():
-        if name == "expert_bias":
-            params[name] = jnp.zeros(shape, dtype)
-            continue
-        fan_in = shape[-2]
-        std = config.param_init_scale / math.sqrt(fan_in)
-        params[name] = (std * jax.random.normal(keys[name], shape, jnp.float32)).astype(dtype)
-    return params
-
-
-def check_params(params: dict, config: MoEConfig) -> None:
-    """Raises ValueError naming any missing, unexpected or mis-shaped parameter."""
-    want = param_shapes(config)
-    missing = sorted(set(want) - set(params))
-    extra = sorted(set(params) - set(want))
-    if missing or extra:
-        raise ValueError(
-            f"MoE params do not match the config: missing {missing}, unexpected {extra} "
-            f"(gated={config.gated}, fuse_gate_up={config.fuse_gate_up}, "
-            f"use_expert_bias={config.use_expert_bias})")
-    for name, shape in want.items():
-        if tuple(params[name].shape) != shape:
-            raise ValueError(f"MoE param {name!r} has shape {tuple(params[name].shape)}; "
-                             f"the config needs {shape}")
 
 
 def _flatten(x, paddings, config: MoEConfig):
@@ -98,33 +75,146 @@ def _flatten(x, paddings, config: MoEConfig):
     return x2, valid, seq_len
 
 
-def moe_local(params, x2, valid, config: MoEConfig, *, seq_len=None, backend="xla"):
-    """The whole block on one device's tokens. x2: [T, M]; valid: [T] bool -> MoEOutput."""
-    t = x2.shape[0]
-    logits = checkpoint_name(routing.router_logits(x2, params["router"], config),
-                             "moe_router_logits")
-    r = routing.route_logits(logits, config, params.get("expert_bias"), backend=backend)
-    counts = routing.tokens_per_expert(r.expert_ids, config.num_experts, valid)
-    aux = routing.load_balance_loss(r, config, valid, seq_len=seq_len, backend=backend)
-    zl = routing.z_loss(logits, valid, config.z_loss_coeff)
-    ent = routing.router_entropy(logits, valid)
-    d = dispatch_lib.make_dispatch(r.expert_ids, r.weights, valid, config)
-    rows = checkpoint_name(dispatch_lib.dispatch_rows(x2, d, backend=backend), "moe_dispatched")
-    # The routing weights go into the activation (the SwiGLU kernel's fused multiply), so the
-    # combine is a plain unpermute of the expert outputs (summed in float32, rounded once).
-    out_rows = expert_ffn(rows,
-                          d.group_sizes,
-                          params,
-                          config,
-                          backend=backend,
-                          row_weights=dispatch_lib.row_weights(r.weights, d))
-    y = ops.unpermute(out_rows, d.row_map, t, backend=backend)
-    return MoEOutput(y=y,
-                     aux_loss=aux,
-                     z_loss=zl,
-                     tokens_per_expert=counts,
-                     dropped_tokens=d.dropped_tokens,
-                     router_entropy=ent)
+def _gather_weights(params, layout: EPLayout):
+    """Expert weights all-gathered over fsdp: wi [El, M, H/tp], wo [El, H/tp, M], marked
+    varying over the token and tp axes like the rows they multiply (a custom_vjp grouped GEMM
+    returns per-shard weight gradients, which autodiff of the cast sums back)."""
+    out = {}
+    for name in ("wi_gate", "wi_up", "wi_gate_up", "wo"):
+        if name not in params:
+            continue
+        w = params[name]
+        if layout.fsdp_axes:
+            if layout.fsdp_dim == "expert":
+                dim = 0
+            else:
+                dim = 1 if name.startswith("wi") else 2
+            w = jax.lax.all_gather(w, layout.fsdp_axes, axis=dim, tiled=True)
+        out[name] = vma.vary(w, layout.token_axes + layout.tp_axes)
+    return out
+
+
+def _regrouped_experts(rows, keys, row_weights, *, weights, config: MoEConfig, num_local: int,
+                       backend: str):
+    """The experts on exchanged rows: rows [N, M]; keys [N] local expert (El = empty slot);
+    row_weights: optional [N] routing weights multiplied into the activation -> [N, M]
+    outputs in the same slots (zeros for empty slots)."""
+    rows = vma.vary(rows, tuple(vma.varying_axes(weights["wo"])))
+    perm, group_sizes, inv = exchange.regroup(keys, num_local)
+    grouped = checkpoint_name(rows[perm], "moe_dispatched")
+    if row_weights is not None:
+        row_weights = vma.vary(row_weights, tuple(vma.varying_axes(rows)))[perm]
+    out = expert_ffn(grouped,
+                     group_sizes,
+                     weights,
+                     config,
+                     backend=backend,
+                     row_weights=row_weights)
+    return out[inv]
+
+
+def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: str, seq_len,
+               t_global: int, backend: str):
+    """The whole block on one device's tokens (under shard_map, or alone without a mesh).
+
+    params: this device's shards of the parameters (layout.weight_specs); x: [Tl, M]; valid:
+    [Tl] bool; kind: the exchange ('padded' | 'ragged'); t_global: T; backend: the resolved
+    kernel backend ('xla' | 'cuda'). Returns (y [Tl, M] in x.dtype, aux_loss, z_loss,
+    tokens_per_expert [E], dropped_tokens, router_entropy).
+    """
+    token_axes = layout.token_axes
+    t_l = x.shape[0]
+    shard = jax.lax.axis_index(token_axes) if token_axes else 0
+
+    with jax.named_scope("moe_router"):
+        logits = checkpoint_name(routing.router_logits(x, params["router"], config),
+                                 "moe_router_logits")
+        r = routing.route_logits(logits, config, params.get("expert_bias"), backend=backend)
+        stats = router_stats.router_statistics(r,
+                                               logits,
+                                               valid,
+                                               config,
+                                               token_axes=token_axes,
+                                               seq_len=seq_len,
+                                               t_global=t_global,
+                                               backend=backend)
+
+    with jax.named_scope("moe_dispatch"):
+        keep, cap_dropped = capacity.global_keep(r.expert_ids, r.weights, valid, config, layout,
+                                                 shard, t_global)
+        d = sort.sort_copies(r.expert_ids, keep, config.num_experts, cap_dropped)
+        w_sorted = sort.row_weights(r.weights, d)  # [R] float32
+
+    with jax.named_scope("moe_experts"):
+        weights = _gather_weights(params, layout)
+        if layout.ep_size == 1:
+            rows = checkpoint_name(sort.dispatch_rows(x, d, backend=backend), "moe_dispatched")
+            rows = vma.vary(rows, tuple(vma.varying_axes(weights["wo"])))
+            # Without tensor parallelism the routing weights go into the activation and the
+            # combine is a plain unpermute; with it, the partial sums over tp are added in
+            # float32 after a float32 weighted combine.
+            fuse = exchange.fuse_weights(layout)
+            row_w = vma.vary(w_sorted, tuple(vma.varying_axes(rows))) if fuse else None
+            out = expert_ffn(rows,
+                             d.group_sizes,
+                             weights,
+                             config,
+                             backend=backend,
+                             row_weights=row_w)
+            y = sort.combine_sorted(out, w_sorted, d.row_map, t_l, not fuse, backend=backend)
+            overflow = jnp.zeros((), jnp.int32)
+        else:
+            experts = functools.partial(_regrouped_experts,
+                                        weights=weights,
+                                        config=config,
+                                        num_local=layout.experts_per_rank,
+                                        backend=backend)
+            send_mat = d.group_sizes.reshape(layout.ep_size, layout.experts_per_rank)
+            y, overflow = exchange.exchange(kind, x, d.row_map, w_sorted, send_mat, layout, config,
+                                            experts, backend)
+        y = psum(y, layout.tp_axes).astype(x.dtype)
+    dropped = d.dropped_tokens + psum(overflow.astype(jnp.int32), token_axes)
+    return (y, stats.aux_loss, stats.z_loss, stats.tokens_per_expert, dropped, stats.router_entropy)
+
+
+def sharded_fn(config: MoEConfig, layout: EPLayout, mesh, *, kind: str, seq_len, t_global: int,
+               param_names, backend: str):
+    """block_body under one shard_map over `mesh`: (params, x2 [T, M], valid [T]) -> (y [T, M],
+    aux_loss, z_loss, tokens_per_expert [E], dropped_tokens, router_entropy). `kind` is the
+    exchange, 'ragged' or 'padded'; param_names: the keys of the parameter tree."""
+    specs = layout.weight_specs
+    tok = layout.token_spec
+    body = functools.partial(block_body,
+                             config=config,
+                             layout=layout,
+                             kind=kind,
+                             seq_len=seq_len,
+                             t_global=t_global,
+                             backend=backend)
+    return jax.shard_map(body,
+                         mesh=mesh,
+                         in_specs=({
+                             name: specs[name]
+                             for name in param_names
+                         }, P(*tok, None), tok),
+                         out_specs=(P(*tok, None), P(), P(), P(None), P(), P()),
+                         check_vma=True)
+
+
+def _check_token_shards(t: int, layout: EPLayout, config: MoEConfig, seq_len) -> None:
+    n = layout.num_token_shards
+    if t % n:
+        raise ValueError(f"{t} tokens (all leading dims of x) are not divisible by the "
+                         f"{n} token shards (dp x fsdp x ep = {layout.dp_size} x "
+                         f"{layout.fsdp_size} x {layout.ep_size}); pad the batch to a "
+                         f"multiple of {n} and mark the padding in `paddings`")
+    if config.aux_loss_type == "sequence" and layout.token_axes:
+        if seq_len is None:
+            raise ValueError("aux_loss_type='sequence' needs x of shape [..., S, d_model]")
+        if (t // n) % seq_len:
+            raise ValueError(f"aux_loss_type='sequence' under expert parallelism needs whole "
+                             f"sequences per token shard: {t // n} tokens per shard is not a "
+                             f"multiple of seq_len={seq_len}")
 
 
 def moe_block(params: dict,
@@ -145,20 +235,39 @@ def moe_block(params: dict,
     check_params(params, config)
     x2, valid, seq_len = _flatten(x, paddings, config)
     backend = resolve_backend(config.kernel_backend, "moe_block")
-    if mesh is not None or resources is not None:
-        if mesh is None or resources is None:
-            raise ValueError("moe_block needs both mesh and resources for expert parallelism "
-                             f"(got mesh={mesh!r}, resources={resources!r})")
-        from moe_praxis import ep
-
-        out = ep.moe_sharded(params,
-                             x2,
-                             valid,
-                             config,
-                             mesh=mesh,
-                             resources=resources,
-                             seq_len=seq_len,
-                             backend=backend)
+    if (mesh is None) != (resources is None):
+        raise ValueError("moe_block needs both mesh and resources for expert parallelism "
+                         f"(got mesh={mesh!r}, resources={resources!r})")
+    layout = ep_bootstrap(mesh,
+                          resources,
+                          config.num_experts,
+                          d_model=config.d_model,
+                          d_ff=config.d_ff)
+    t = x2.shape[0]
+    _check_token_shards(t, layout, config, seq_len)
+    if mesh is None:
+        kind = "padded"  # ep size 1: no exchange
+        fn = functools.partial(block_body,
+                               config=config,
+                               layout=layout,
+                               kind=kind,
+                               seq_len=seq_len,
+                               t_global=t,
+                               backend=backend)
     else:
-        out = moe_local(params, x2, valid, config, seq_len=seq_len, backend=backend)
-    return dataclasses.replace(out, y=out.y.reshape(x.shape).astype(x.dtype))
+        kind = exchange.checked_exchange_kind(config, mesh)
+        fn = sharded_fn(config,
+                        layout,
+                        mesh,
+                        kind=kind,
+                        seq_len=seq_len,
+                        t_global=t,
+                        param_names=tuple(params),
+                        backend=backend)
+    y, aux, zl, counts, dropped, ent = fn(params, x2, valid)
+    return MoEOutput(y=y.reshape(x.shape).astype(x.dtype),
+                     aux_loss=aux,
+                     z_loss=zl,
+                     tokens_per_expert=counts,
+                     dropped_tokens=dropped,
+                     router_entropy=ent)

@@ -29,9 +29,11 @@ d_model dimension M (wi: [E, M/fsdp, H], wo: [E, H, M/fsdp]).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional, Union
 
+import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -206,7 +208,21 @@ class EPLayout:
         return list(range(ep_rank * n, (ep_rank + 1) * n))
 
 
+def psum(x, axes: tuple[str, ...]):
+    """x summed over the mesh axes `axes` inside shard_map; x itself with no axes (the layout
+    without a mesh), so one block body runs with and without a mesh."""
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def all_gather(x, axes: tuple[str, ...]):
+    """x [N, ...] all-gathered over the mesh axes `axes` along dim 0, tiled ([n * N, ...] in
+    shard order); x itself with no axes."""
+    return jax.lax.all_gather(x, axes, axis=0, tiled=True) if axes else x
+
+
 def _axis_sizes(mesh, axes: tuple[str, ...], role: str) -> int:
+    if not axes:
+        return 1
     shape = dict(mesh.shape)
     for a in axes:
         if a not in shape:
@@ -234,7 +250,7 @@ def gathered_experts(mesh, order: tuple[str, ...], ep_axes: tuple[str, ...],
 
 
 def ep_bootstrap(mesh,
-                 resources: MeshResources,
+                 resources: Optional[MeshResources],
                  num_experts: int,
                  *,
                  d_model: int = None,
@@ -243,10 +259,35 @@ def ep_bootstrap(mesh,
 
     mesh: a jax.sharding.Mesh (or AbstractMesh); resources: MeshResources; num_experts: E.
     d_model / d_ff, when given, are checked for divisibility by fsdp (fsdp_dim='model') / tp.
+    mesh = resources = None: one device, the layout with no axes (every size 1), under which
+    every collective of the block is the identity.
     Raises ValueError naming the axis or number at fault and the fix.
+
+    Memoised on its (hashable) arguments: experiments and the Praxis layer validate at build
+    time and moe_block asks again per layer and trace; identical calls return the same
+    EPLayout and validate once.
     """
+    key = (mesh, resources, num_experts, d_model, d_ff)
+    try:
+        hash(key)
+    except TypeError:  # e.g. a MeshResources holding a list: validate every time
+        return _bootstrap(*key)
+    return _bootstrap_memo(*key)
+
+
+@functools.lru_cache(maxsize=256)
+def _bootstrap_memo(mesh, resources, num_experts, d_model, d_ff) -> EPLayout:
+    return _bootstrap(mesh, resources, num_experts, d_model, d_ff)
+
+
+def _bootstrap(mesh, resources, num_experts, d_model, d_ff) -> EPLayout:
+    if mesh is None and resources is None:
+        resources = MeshResources()
     if not isinstance(resources, MeshResources):
         raise ValueError(f"resources must be a moe_praxis.MeshResources, got {resources!r}")
+    if mesh is None and any(resources.axes(r) for r in ROLES):
+        raise ValueError(f"resources={resources!r} name mesh axes but mesh is None; pass the "
+                         "mesh they name, or mesh=None and resources=None for one device")
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts={num_experts!r} must be a positive int")
     axes = {r: resources.axes(r) for r in ROLES}

@@ -22,7 +22,8 @@ import pytest
 from jax.sharding import Mesh
 
 import moe_praxis as mp
-from moe_praxis import ep as ep_lib
+from moe_praxis import moe as moe_lib
+from moe_praxis.dispatch import exchange as exchange_lib
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 
@@ -243,7 +244,7 @@ def test_bounded_buffer_counts_overflow_and_never_writes_out_of_bounds():
     cfg = mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8, top_k=1, ep_buffer_factor=2.0)
     params, x, owned = _skewed(cfg, seed, 5, 8)
     t_l = BATCH * SEQ // 8
-    cap = ep_lib.pair_capacity(t_l * 1, 8, 2.0)
+    cap = exchange_lib.pair_capacity(t_l * 1, 8, 2.0)
     assert cap == 2
     out = _fast_jit(lambda p, x: mp.moe_block(p, x, cfg, mesh=mesh, resources=res))(params, x)
     ref = mp.moe_block(params, x, mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8, top_k=1))
@@ -298,15 +299,15 @@ def test_all_tokens_padded_under_ep():
 
 def test_buffer_sizes():
     # worst case: a device may send all R copies to one rank; a rank may receive ep * R.
-    assert ep_lib.pair_capacity(16, 8) == 16
-    assert ep_lib.recv_capacity(16, 8) == 128
+    assert exchange_lib.pair_capacity(16, 8) == 16
+    assert exchange_lib.recv_capacity(16, 8) == 128
     # bounded: f x the balanced load, never more than the worst case, at least one row
-    assert ep_lib.pair_capacity(16, 8, 1.0) == 2
-    assert ep_lib.pair_capacity(16, 8, 1.5) == 3
-    assert ep_lib.pair_capacity(16, 8, 100.0) == 16
-    assert ep_lib.recv_capacity(16, 8, 1.5) == 24
-    assert ep_lib.recv_capacity(16, 8, 100.0) == 128
-    assert ep_lib.pair_capacity(3, 8, 0.01) == 1
+    assert exchange_lib.pair_capacity(16, 8, 1.0) == 2
+    assert exchange_lib.pair_capacity(16, 8, 1.5) == 3
+    assert exchange_lib.pair_capacity(16, 8, 100.0) == 16
+    assert exchange_lib.recv_capacity(16, 8, 1.5) == 24
+    assert exchange_lib.recv_capacity(16, 8, 100.0) == 128
+    assert exchange_lib.pair_capacity(3, 8, 0.01) == 1
 
 
 def _compiled_collectives(hlo: str):
@@ -380,14 +381,14 @@ def test_ragged_exchange_lowers_with_one_ragged_all_to_all_each_way():
     params = mp.init_moe_params(jax.random.key(0), cfg)
     mesh, res = make_mesh("dp2xfsdp2xep2")
     layout = mp.ep_bootstrap(mesh, res, 8)
-    fn = ep_lib.sharded_fn(cfg,
-                           layout,
-                           mesh,
-                           kind="ragged",
-                           seq_len=None,
-                           t_global=64,
-                           param_names=tuple(params),
-                           backend="xla")
+    fn = moe_lib.sharded_fn(cfg,
+                            layout,
+                            mesh,
+                            kind="ragged",
+                            seq_len=None,
+                            t_global=64,
+                            param_names=tuple(params),
+                            backend="xla")
     x, valid = jnp.ones((64, D_MODEL)), jnp.ones((64, ), bool)
     text = jax.jit(fn).lower(params, x, valid).as_text()
     assert text.count("ragged_all_to_all") == 2, text.count("ragged_all_to_all")
@@ -413,14 +414,14 @@ class _FakeMesh:
 
 def test_exchange_selection_by_platform_and_override():
     cfg = mp.MoEConfig(d_model=8, d_ff=8, num_experts=4)
-    assert ep_lib.exchange_kind(cfg, _FakeMesh("cpu")) == "padded"
-    assert ep_lib.exchange_kind(cfg, _FakeMesh("gpu")) == "ragged"
-    assert ep_lib.exchange_kind(cfg, _FakeMesh("tpu")) == "ragged"
+    assert exchange_lib.exchange_kind(cfg, _FakeMesh("cpu")) == "padded"
+    assert exchange_lib.exchange_kind(cfg, _FakeMesh("gpu")) == "ragged"
+    assert exchange_lib.exchange_kind(cfg, _FakeMesh("tpu")) == "ragged"
     forced = mp.MoEConfig(d_model=8, d_ff=8, num_experts=4, ep_exchange="padded")
-    assert ep_lib.exchange_kind(forced, _FakeMesh("gpu")) == "padded"
-    assert ep_lib.exchange_kind(cfg, make_mesh("ep8")[0]) == "padded"
+    assert exchange_lib.exchange_kind(forced, _FakeMesh("gpu")) == "padded"
+    assert exchange_lib.exchange_kind(cfg, make_mesh("ep8")[0]) == "padded"
     abstract = jax.sharding.AbstractMesh((2, 4), ("dp", "ep"))  # what jit sees under set_mesh
-    assert ep_lib.mesh_platform(abstract) == jax.default_backend()
+    assert exchange_lib.mesh_platform(abstract) == jax.default_backend()
     with pytest.raises(ValueError, match="ep_exchange='scatter'"):
         mp.MoEConfig(d_model=8, d_ff=8, num_experts=4, ep_exchange="scatter")
     with pytest.raises(ValueError, match="ep_buffer_factor=0"):
@@ -542,9 +543,9 @@ def test_gpu_exchanges_equal_single_device(exchange, backend):
     out = jax.jit(lambda p, x: mp.moe_block(p, x, cfg, mesh=mesh, resources=res))(params, x)
     t_l = x.shape[0] * x.shape[1] // n
     if exchange == "padded":
-        kept_per_device = np.full(n, ep_lib.pair_capacity(t_l, n, 1.0))
+        kept_per_device = np.full(n, exchange_lib.pair_capacity(t_l, n, 1.0))
     else:  # the receiver's buffer of B rows fills in source-rank order
-        b = ep_lib.recv_capacity(t_l, n, 1.0)
+        b = exchange_lib.recv_capacity(t_l, n, 1.0)
         kept_per_device = np.clip(b - t_l * np.arange(n), 0, t_l)
     assert int(out.dropped_tokens) == int(np.sum(t_l - kept_per_device)), kept_per_device
     assert bool(jnp.all(jnp.isfinite(out.y)))

@@ -3,6 +3,7 @@
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -150,6 +151,50 @@ def test_mesh_resources_roles_without_a_mesh():
         r.check_axis_names(("d1", "d2", "f", "e", "t", "t"))
     with pytest.raises(ValueError, match="axis 'x' already plays 'dp'"):
         mp.MeshResources(dp="x", fsdp="x")
+
+
+def test_bootstrap_without_a_mesh_is_one_device():
+    layout = mp.ep_bootstrap(None, None, 8, d_model=6, d_ff=5)
+    assert (layout.dp_size, layout.fsdp_size, layout.ep_size, layout.tp_size) == (1, 1, 1, 1)
+    assert layout.token_axes == () and layout.num_token_shards == 1
+    assert layout.experts_per_rank == 8 and layout.experts_of_rank(0) == list(range(8))
+    assert layout.weight_specs["wi_up"] == P(None, None, None)
+    assert mp.ep_bootstrap(None, mp.MeshResources(), 8) == layout
+    with pytest.raises(ValueError, match="name mesh axes but mesh is None"):
+        mp.ep_bootstrap(None, mp.MeshResources(ep="ep"), 8)
+
+
+def test_bootstrap_is_evaluated_once_for_identical_calls(monkeypatch):
+    """Experiments and the Praxis layer validate at build time and moe_block asks again per
+    layer and trace: identical calls must validate once and share one EPLayout."""
+    calls = []
+    real = res_lib._bootstrap
+    monkeypatch.setattr(res_lib, "_bootstrap", lambda *a: calls.append(a) or real(*a))
+    res_lib._bootstrap_memo.cache_clear()
+    mesh = mesh_of((2, 4), ("dp", "ep"))
+    abstract = jax.sharding.AbstractMesh((2, 4), ("dp", "ep"))
+    res = mp.MeshResources(dp="dp", ep="ep")
+    first = mp.ep_bootstrap(mesh, res, 8, d_model=16, d_ff=32)
+    for _ in range(3):
+        assert mp.ep_bootstrap(mesh, mp.MeshResources(dp="dp", ep="ep"), 8, d_model=16,
+                               d_ff=32) is first
+    assert len(calls) == 1
+    mp.ep_bootstrap(abstract, res, 8, d_model=16, d_ff=32)  # another mesh: evaluated again
+    mp.ep_bootstrap(abstract, res, 8, d_model=16, d_ff=32)
+    assert len(calls) == 2
+    mp.ep_bootstrap(mesh, res, 16, d_model=16, d_ff=32)  # other arguments: evaluated again
+    assert len(calls) == 3
+    # a refused layout is refused every time (errors are not remembered as layouts)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="num_experts=6 is not divisible by the ep size 4"):
+            mp.ep_bootstrap(mesh, res, 6)
+    assert len(calls) == 5
+    # and the trace of moe_block asks the memoised bootstrap, not a second validation
+    cfg = mp.MoEConfig(d_model=16, d_ff=32, num_experts=8, top_k=2)
+    params = mp.init_moe_params(jax.random.key(0), cfg)
+    jax.eval_shape(lambda p, x: mp.moe_block(p, x, cfg, mesh=mesh, resources=res), params,
+                   jax.ShapeDtypeStruct((64, 16), jnp.float32))
+    assert len(calls) == 5
 
 
 DOCS = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "parallelism.md"

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_praxis as mp
-from moe_praxis import ops, routing
+from moe_praxis import ops, router_stats, routing
 from tests.testutil import seed as _seed
 
 # ------------------------------------------------------------------ aux loss (ops.aux_loss)
@@ -165,7 +165,7 @@ def test_z_loss_formula():
     valid = jnp.array([1, 1, 0, 1, 1, 1], bool)
     lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
     want = 0.3 * np.mean((lse**2)[np.asarray(valid)])
-    np.testing.assert_allclose(float(routing.z_loss(logits, valid, 0.3)), want, rtol=1e-6)
+    np.testing.assert_allclose(float(router_stats.z_loss(logits, valid, 0.3)), want, rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------------- config

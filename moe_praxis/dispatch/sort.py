@@ -1,0 +1,90 @@
+"""Sort the T*k token copies by expert (and back).
+
+Letters: T tokens, k top_k, E experts, R = T*k rows (one per token copy), M d_model.
+
+Rows are sorted by expert id, stable, so an expert's rows keep token order. Copies that are
+not kept (over capacity: dispatch.capacity) or belong to padded tokens get the sentinel
+expert id E: they sort to the end, belong to no group, read zeros and are never written
+back. Dropless (the default) keeps every valid copy. Dropped copies are counted, never
+silently lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_praxis import ops
+from moe_praxis.config import MoEConfig
+from moe_praxis.dispatch.capacity import local_keep
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    order: jax.Array  # [R] int32: flat copy index (t * k + j) of each expert-sorted row
+    row_map: jax.Array  # [R] int32: token of each sorted row; T for dropped / padded rows
+    sorted_experts: jax.Array  # [R] int32: expert of each sorted row; E for dropped / padded
+    group_sizes: jax.Array  # [E] int32: rows kept per expert (sum <= R)
+    dropped_tokens: jax.Array  # [] int32: valid token copies dropped by the capacity
+
+
+def sort_copies(expert_ids, keep, num_experts: int, dropped_tokens) -> Dispatch:
+    """expert_ids: [T, k]; keep: [T, k] bool (False = dropped or padded); dropped_tokens: []
+    int32 (carried into the Dispatch) -> Dispatch, the kept copies sorted by expert."""
+    t, k = expert_ids.shape
+    e = num_experts
+    flat_e = jnp.where(keep, expert_ids, e).reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
+    sorted_e = flat_e[order]
+    row_map = jnp.where(sorted_e < e, order // k, t).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat_e, length=e + 1)[:e].astype(jnp.int32)
+    return Dispatch(order=order,
+                    row_map=row_map,
+                    sorted_experts=sorted_e,
+                    group_sizes=group_sizes,
+                    dropped_tokens=dropped_tokens)
+
+
+def make_dispatch(expert_ids, weights, valid, config: MoEConfig) -> Dispatch:
+    """One device's dispatch: expert_ids, weights: [T, k]; valid: [T] bool -> Dispatch with
+    the capacity of config (capacity.local_keep) applied."""
+    keep, dropped = local_keep(expert_ids, weights, valid, config)
+    return sort_copies(expert_ids, keep, config.num_experts, dropped)
+
+
+def dispatch_rows(x, d: Dispatch, *, backend: str = "auto"):
+    """x: [T, M] -> expert-sorted rows [R, M] (zeros for dropped / padded rows)."""
+    return ops.permute(x, d.row_map, backend=backend)
+
+
+def row_weights(weights, d: Dispatch):
+    """weights: [T, k] -> [R] float32 routing weight of each expert-sorted row."""
+    return weights.reshape(-1)[d.order].astype(jnp.float32)
+
+
+def combine_sorted(rows, w_rows, row_map, num_tokens: int, weighted: bool, *, backend: str):
+    """rows: [R, M] expert outputs in sorted order -> [T, M]: a plain unpermute when the
+    routing weights are already in the rows (weighted=False: expert_ffn's row_weights), else
+    the float32 sum of w_rows [R] x rows."""
+    if weighted:
+        rows = rows.astype(jnp.float32) * w_rows[:, None]
+    return ops.unpermute(rows, row_map, num_tokens, backend=backend)
+
+
+def combine_rows(y_rows, weights, d: Dispatch, num_tokens: int, *, backend: str = "auto"):
+    """y_rows: [R, M] expert outputs, weights: [T, k] -> [T, M] = sum_j w[t, j] * y[copy t, j].
+
+    The weighted sum is computed in float32 and returned in y_rows.dtype. (moe_block instead
+    multiplies the weights into the activation, `expert_ffn(row_weights=...)`, and combines
+    with a plain unpermute: no float32 [R, M] copy.)
+    """
+    scaled = combine_sorted(y_rows,
+                            row_weights(weights, d),
+                            d.row_map,
+                            num_tokens,
+                            True,
+                            backend=backend)
+    return scaled.astype(y_rows.dtype)
