@@ -2,6 +2,8 @@
 
 import numpy as np
 
+from moe_praxis import MoEConfig
+
 
 def seed() -> int:
     """A fresh random seed every call (print it in failure messages to reproduce)."""
@@ -24,8 +26,6 @@ def sum_err(got, want, scale) -> float:
 
 def router_config(e, k, score_func, pre_softmax, norm_topk, groups, group_topk, scaling, use_bias):
     """The MoEConfig of a router test case (d_model / d_ff do not matter to the router)."""
-    from moe_praxis import MoEConfig
-
     return MoEConfig(d_model=8,
                      d_ff=8,
                      num_experts=e,
