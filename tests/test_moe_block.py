@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import moe_praxis as mp
+from moe_praxis import moe as moe_lib
 from tests.moe_reference import reference_decisions, reference_moe
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
@@ -194,3 +195,33 @@ def test_init_param_keys_and_shapes():
     p2 = mp.init_moe_params(jax.random.key(0),
                             dataclasses.replace(cfg, gated=False, use_expert_bias=False))
     assert set(p2) == {"router", "wi_up", "wo"}
+
+
+def test_one_body_with_and_without_a_mesh(monkeypatch):
+    """moe_block runs ONE body: alone without a mesh (ep_bootstrap's layout with no axes),
+    under shard_map with one. On a one-device mesh whose roles name no axis, both are the
+    same computation; the no-mesh call asks ep_bootstrap for the layout without axes."""
+    cfg = mp.MoEConfig(d_model=8,
+                       d_ff=6,
+                       num_experts=4,
+                       top_k=2,
+                       z_loss_coeff=1e-2,
+                       capacity_factor=0.75,
+                       aux_loss_type="sequence")
+    params, x, seed = _setup(cfg, shape=(2, 8), skew=True)
+    layouts = []
+    real = moe_lib.ep_bootstrap
+    monkeypatch.setattr(moe_lib, "ep_bootstrap", lambda *a, **k: layouts.append(a) or real(*a, **k))
+    alone = jax.jit(lambda p, x: mp.moe_block(p, x, cfg))(params, x)
+    assert layouts == [(None, None, 4)]
+    mesh = jax.make_mesh((1, ), ("x", ), devices=jax.devices()[:1])
+    sharded = jax.jit(
+        lambda p, x: mp.moe_block(p, x, cfg, mesh=mesh, resources=mp.MeshResources()))(params, x)
+    msg = f"seed={seed}"
+    assert int(alone.dropped_tokens) > 0, msg
+    for name in ("tokens_per_expert", "dropped_tokens"):
+        np.testing.assert_array_equal(getattr(alone, name), getattr(sharded, name), err_msg=msg)
+    assert rel_err(sharded.y, alone.y) < 1e-6, msg
+    for name in ("aux_loss", "z_loss", "router_entropy"):
+        a, b = float(getattr(alone, name)), float(getattr(sharded, name))
+        assert abs(a - b) <= 1e-6 * abs(a), f"{name}: {a} vs {b} {msg}"

@@ -114,7 +114,7 @@ def fuse_weights(layout) -> bool:
     tensor parallelism adds partial sums after the combine (then it stays float32, weighted
     after the return trip). The 'ragged' exchange never fuses: moving the weights there takes
     a second ragged_all_to_all, which costs more than the float32 combine it would save
-    (benchmarks/results)."""
+    (docs/parallelism.md, Measurements)."""
     return not layout.tp_axes
 
 
