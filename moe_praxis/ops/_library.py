@@ -78,7 +78,7 @@ def load_library(path: Optional[os.PathLike] = None, *, force: bool = False) -> 
     if _state.loaded and not force and path is None:
         return True, _state.reason
     p = Path(path) if path is not None else library_path()
-    _state.path = p
+    _state.path, _state.lib = p, None
     if not p.is_file():
         how = (f"${ENV_LIB}={os.environ[ENV_LIB]}" if os.environ.get(ENV_LIB) else
                f"the default location (set ${ENV_LIB} to use another)")
@@ -149,7 +149,7 @@ def ffi(name: str, results, *args, **attrs):
     library; a library that is not there is no error here (lowering for the CPU never uses the
     target; the backend layer says why CUDA is unusable)."""
     if name not in KERNELS:
-        raise KeyError(f"FFI target {name!r} is not in moe_praxis.ops KERNELS "
+        raise KeyError(f"FFI target {name!r} is not in moe_praxis.ops.backend.KERNELS "
                        f"(known: {sorted(KERNELS)})")
     library_status()
     conv = {}
