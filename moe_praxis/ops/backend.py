@@ -139,8 +139,9 @@ def cuda_status(op: str = "") -> tuple[bool, str]:
     name = dev["devices"][0]["name"]
     if min(ccs) < lo or (hi is not None and max(ccs) >= hi):
         need = f">= {_cc_text(lo)}" if hi is None else f"{_cc_text(lo)} to below {_cc_text(hi)}"
-        return False, (f"{op or 'the kernels'} need compute capability {need}, the GPU "
-                       f"{name!r} has {', '.join(_cc_text(c) for c in sorted(set(ccs)))}")
+        who = f"the {op} kernel needs" if op else "the kernels need"
+        return False, (f"{who} compute capability {need}, the GPU {name!r} has "
+                       f"{', '.join(_cc_text(c) for c in sorted(set(ccs)))}")
     return True, f"{why}; GPU {name} (compute capability {_cc_text(min(ccs))})"
 
 
