@@ -30,8 +30,8 @@ its source, every ``kernels/*.h`` / ``*.cuh`` header, the flags, the targets and
 version, and reused when nothing changed (``--no-cache`` compiles everything).
 
 Options: ``--output PATH``, ``--jobs N`` (parallel nvcc processes; default: CPU count),
-``--nvcc PATH`` (default: the CUDA toolkit's nvcc as ``cuda.pathfinder`` finds it, else
-``$CUDA_HOME/bin/nvcc``, ``nvcc`` on PATH or ``/usr/local/cuda/bin/nvcc``), ``--only a.cu,b.cu``
+``--nvcc PATH`` (default: ``$CUDA_HOME/bin/nvcc``, else the CUDA toolkit's nvcc as
+``cuda.pathfinder`` finds it, ``nvcc`` on PATH or ``/usr/local/cuda/bin/nvcc``), ``--only a.cu,b.cu``
 (compile a subset; skips the symbol check for symbols of other files; for development).
 """
 
@@ -91,17 +91,17 @@ def _pathfinder_nvcc() -> str:
 
 
 def find_nvcc(nvcc: str | None = None) -> str:
-    """Path of nvcc: the argument, the toolkit's (cuda.pathfinder), $CUDA_HOME/bin/nvcc, nvcc
-    on PATH or /usr/local/cuda/bin/nvcc; else BuildError."""
+    """Path of nvcc: the argument, $CUDA_HOME/bin/nvcc, the toolkit's as cuda.pathfinder finds
+    it, nvcc on PATH or /usr/local/cuda/bin/nvcc; else BuildError."""
     candidates = [nvcc] if nvcc else []
-    candidates.append(_pathfinder_nvcc())
-    if os.environ.get("CUDA_HOME"):
+    if os.environ.get("CUDA_HOME"):  # an explicit toolkit choice comes first
         candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
+    candidates.append(_pathfinder_nvcc())
     candidates += [shutil.which("nvcc") or "", "/usr/local/cuda/bin/nvcc"]
     for c in candidates:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
-    raise BuildError("nvcc not found (looked at --nvcc, cuda.pathfinder, $CUDA_HOME/bin/nvcc, "
+    raise BuildError("nvcc not found (looked at --nvcc, $CUDA_HOME/bin/nvcc, cuda.pathfinder, "
                      "PATH and /usr/local/cuda/bin/nvcc); install the CUDA toolkit (12.4+) or "
                      "pass --nvcc")
 
