@@ -30,7 +30,7 @@ from experiments.bench_grouped_gemm import SHAPES, group_sizes, rel_err, time_fn
 from moe_praxis import ops
 from moe_praxis.ops import gate_up
 
-gg = gate_up._gg
+gg = gate_up.gg
 
 
 def _inputs(e, m, k, h, dist):
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
                     cfg = gg.config_name(
                         tile,
                         gg.parse_config(gate_up.choose_fused_config(m, k, 2 * h, e))[1])
-                    f = jax.jit(lambda x, b, w, g, c=cfg: gate_up._cuda_fwd(x, b, g, w, True, c)[2])
+                    f = jax.jit(lambda x, b, w, g, c=cfg: gate_up.cuda_fwd(x, b, g, w, True, c)[2])
                     fused[cfg] = (time_fn(f, x, wgu, w, gs), rel_err(f(x, wgu, w, gs), ref))
                 chosen = gate_up.choose_fused_config(m, k, 2 * h, e)
 

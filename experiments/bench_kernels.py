@@ -36,7 +36,7 @@ import numpy as np
 
 from moe_praxis import ops, routing
 from moe_praxis.config import MoEConfig
-from moe_praxis.ops import cuda
+from moe_praxis.ops.router import router_cuda
 
 NOMINAL_COPY_BW = 4.3e12  # bytes/s, device-to-device copy on the H200 (read + write)
 
@@ -142,7 +142,7 @@ def cases(t, e, k, d, h):
 
     def router_ours(l, b, dp, dw):
         del dp, dw
-        return cuda.fused_router(cfg, l, b)
+        return router_cuda(l, b, **routing.router_args(cfg))
 
     def router_xla(l, b, dp, dw):
         del dp, dw

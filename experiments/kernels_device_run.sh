@@ -21,7 +21,7 @@ shift 2 2>/dev/null
   nvcc --version | tail -2
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-if ! python3 -c "from moe_praxis.ops import cuda; ok, why = cuda.load_library(); print(why); raise SystemExit(0 if ok else 1)" 2>&1 | tee -a "$OUT/env.txt"; then
+if ! python3 -c "from moe_praxis.ops import backend; ok, why = backend.load_library(); print(why); raise SystemExit(0 if ok else 1)" 2>&1 | tee -a "$OUT/env.txt"; then
   echo "carried library not loadable: building here"
   python3 -m moe_praxis.build_kernels --jobs 16 2>&1 | tee "$OUT/build.log"
 fi

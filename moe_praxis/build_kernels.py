@@ -18,10 +18,10 @@ Conventions (every kernel author follows these; the loader and the tests rely on
    path when that package is installed.
 4. Location. The library is written to ``moe_praxis/lib/libmoe_praxis_kernels.so`` (next to this
    package), or to the path in the environment variable ``MOE_PRAXIS_KERNEL_LIB`` when it is
-   set; the loader (``moe_praxis.ops.cuda``) reads the same variable. ``--output`` overrides
-   both for one build.
+   set; the name, path and variable are the library layer's (``moe_praxis.ops._library``), which
+   loads the library on first use. ``--output`` overrides both for one build.
 5. Symbols. Every FFI handler is defined with ``XLA_FFI_DEFINE_HANDLER_SYMBOL`` and listed in
-   the ONE table ``moe_praxis.ops.cuda.KERNELS`` (target name -> exported symbol). After
+   the ONE table ``moe_praxis.ops.backend.KERNELS`` (target name -> exported symbol). After
    linking, the build checks that every symbol in that table is exported by the library and
    fails, naming the missing ones, otherwise.
 
@@ -30,7 +30,8 @@ its source, every ``kernels/*.h`` / ``*.cuh`` header, the flags, the targets and
 version, and reused when nothing changed (``--no-cache`` compiles everything).
 
 Options: ``--output PATH``, ``--jobs N`` (parallel nvcc processes; default: CPU count),
-``--nvcc PATH`` (default: ``$CUDA_HOME/bin/nvcc`` or ``nvcc`` on PATH), ``--only a.cu,b.cu``
+``--nvcc PATH`` (default: ``$CUDA_HOME/bin/nvcc``, else the CUDA toolkit's nvcc as
+``cuda.pathfinder`` finds it, ``nvcc`` on PATH or ``/usr/local/cuda/bin/nvcc``), ``--only a.cu,b.cu``
 (compile a subset; skips the symbol check for symbols of other files; for development).
 """
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -48,11 +50,18 @@ import tempfile
 import time
 from pathlib import Path
 
-ENV_LIB = "MOE_PRAXIS_KERNEL_LIB"
-LIB_NAME = "libmoe_praxis_kernels.so"
+import jax.ffi
+
+from moe_praxis.ops._library import (  # noqa: F401  (the library layer's constants)
+    DEFAULT_LIB, ENV_LIB, KERNELS, LIB_NAME, library_path)
+
+try:
+    from cuda import pathfinder as _pathfinder
+except ImportError:  # cuda-python is the optional 'cuda' extra: the fallbacks below remain
+    _pathfinder = None
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = REPO_ROOT / "kernels"
-DEFAULT_LIB = Path(__file__).resolve().parent / "lib" / LIB_NAME
 CACHE_DIR = REPO_ROOT / "build" / "kernels"
 
 GENCODES = {
@@ -71,31 +80,36 @@ class BuildError(RuntimeError):
     """The build could not run or failed; the message says what to do."""
 
 
-def library_path() -> Path:
-    """Where the library is (to be) built: $MOE_PRAXIS_KERNEL_LIB, else moe_praxis/lib/."""
-    env = os.environ.get(ENV_LIB)
-    return Path(env).expanduser().resolve() if env else DEFAULT_LIB
+def _pathfinder_nvcc() -> str:
+    """nvcc of the CUDA toolkit as cuda.pathfinder finds it ('' when it does not)."""
+    if _pathfinder is None:
+        return ""
+    try:
+        return _pathfinder.find_nvidia_binary_utility("nvcc") or ""
+    except Exception:  # noqa: BLE001 - not found: the other candidates are tried
+        return ""
 
 
 def find_nvcc(nvcc: str | None = None) -> str:
-    """Path of nvcc: the argument, $CUDA_HOME/bin/nvcc, or nvcc on PATH; else BuildError."""
+    """Path of nvcc: the argument, $CUDA_HOME/bin/nvcc, the toolkit's as cuda.pathfinder finds
+    it, nvcc on PATH or /usr/local/cuda/bin/nvcc; else BuildError."""
     candidates = [nvcc] if nvcc else []
-    if os.environ.get("CUDA_HOME"):
+    if os.environ.get("CUDA_HOME"):  # an explicit toolkit choice comes first
         candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
+    candidates.append(_pathfinder_nvcc())
     candidates += [shutil.which("nvcc") or "", "/usr/local/cuda/bin/nvcc"]
     for c in candidates:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
-    raise BuildError("nvcc not found (looked at --nvcc, $CUDA_HOME/bin/nvcc, PATH and "
-                     "/usr/local/cuda/bin/nvcc); install the CUDA toolkit (12.4+) or pass --nvcc")
+    raise BuildError("nvcc not found (looked at --nvcc, $CUDA_HOME/bin/nvcc, cuda.pathfinder, "
+                     "PATH and /usr/local/cuda/bin/nvcc); install the CUDA toolkit (12.4+) or "
+                     "pass --nvcc")
 
 
 def include_dirs() -> list[str]:
     """FFI headers from jaxlib, kernels/ itself, and CUTLASS headers when nvidia-cutlass is
     installed. Raises BuildError when the FFI header is missing."""
     try:
-        import jax.ffi
-
         ffi_inc = jax.ffi.include_dir()
     except Exception as e:  # noqa: BLE001 - any failure means: no headers
         raise BuildError(f"cannot locate the XLA FFI headers via jax.ffi.include_dir(): {e}")
@@ -110,8 +124,6 @@ def include_dirs() -> list[str]:
 def cutlass_include_dirs() -> list[str]:
     """CUTLASS and CuTe include dirs of the nvidia-cutlass package ([] if not installed)."""
     try:
-        import importlib.util
-
         spec = importlib.util.find_spec("cutlass_library")
     except Exception:  # noqa: BLE001
         spec = None
@@ -166,9 +178,7 @@ def exported_symbols(lib: Path) -> set[str]:
 
 
 def required_symbols() -> dict[str, str]:
-    """The one table of FFI handlers: target name -> symbol (moe_praxis.ops.cuda.KERNELS)."""
-    from moe_praxis.ops.cuda import KERNELS
-
+    """The one table of FFI handlers: target name -> symbol (moe_praxis.ops.backend.KERNELS)."""
     return dict(KERNELS)
 
 
@@ -182,7 +192,7 @@ def check_symbols(lib: Path, only: list[str] | None = None) -> None:
         return
     if missing:
         raise BuildError(f"{lib} does not export {missing} listed in "
-                         "moe_praxis.ops.cuda.KERNELS; define them with "
+                         "moe_praxis.ops.backend.KERNELS; define them with "
                          "XLA_FFI_DEFINE_HANDLER_SYMBOL in a kernels/*.cu file")
 
 

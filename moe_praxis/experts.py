@@ -17,16 +17,13 @@ Checkpoint names (for jax.checkpoint policies such as save_only_these_names):
 from __future__ import annotations
 
 import importlib
-import warnings
 
-import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis import ops
 from moe_praxis.config import MoEConfig
-
-_CUDNN_WARNED: set[str] = set()
+from moe_praxis.ops import backend as ops_backend
 
 
 def cudnn_fusion_status() -> tuple[bool, str]:
@@ -36,15 +33,13 @@ def cudnn_fusion_status() -> tuple[bool, str]:
     lazily, never at module import). This version of moe_praxis has no cuDNN fused path yet,
     so the answer is always False, with the first reason that applies.
     """
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if not gpus:
-        return False, f"no GPU visible to JAX (backend: {jax.default_backend()})"
-    cc = getattr(gpus[0], "compute_capability", "0")
-    if float(cc) < 10.0:
-        return False, f"{gpus[0].device_kind} has compute capability {cc}; it needs SM100+"
+    dev = ops_backend.device_query()
+    if dev["reason"]:
+        return False, dev["reason"]
+    cc = ops_backend.compute_capability()
+    if cc < 100:
+        return False, (f"{dev['devices'][0]['name']} has compute capability "
+                       f"{cc // 10}.{cc % 10}; it needs SM100+")
     try:
         importlib.import_module("cudnn.jax")
     except ImportError as e:
@@ -54,12 +49,8 @@ def cudnn_fusion_status() -> tuple[bool, str]:
 
 def _warn_cudnn_fallback(backend: str) -> None:
     _, why = cudnn_fusion_status()
-    if why not in _CUDNN_WARNED:
-        _CUDNN_WARNED.add(why)
-        warnings.warn(
-            f"use_cudnn_fusion=True is not honoured here: {why}. Running the "
-            f"{backend!r}-backend grouped GEMM + SwiGLU instead.",
-            stacklevel=3)
+    ops_backend.warn_once(f"use_cudnn_fusion=True is not honoured here: {why}. Running the "
+                          f"{backend!r}-backend grouped GEMM + SwiGLU instead.")
 
 
 def expert_ffn(rows, group_sizes, weights, config: MoEConfig, *, backend="auto", row_weights=None):

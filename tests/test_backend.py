@@ -1,8 +1,9 @@
 """Backend selection, the kernel library loader, and the CUDA primitives' shared code path,
-on the CPU (no GPU needed): every ops.cuda primitive runs its platform_dependent default
-branch (the reference) here, through the same custom_vjp the GPU uses."""
+on the CPU (no GPU needed): every op family's CUDA path (`*_cuda`) runs its platform_dependent
+default branch (the reference) here, through the same custom_vjp the GPU uses."""
 
 import functools
+import importlib
 import re
 from pathlib import Path
 
@@ -16,7 +17,12 @@ from jax.sharding import PartitionSpec as P
 import moe_praxis as mp
 from moe_praxis import build_kernels, ops, routing
 from moe_praxis.config import MoEConfig
-from moe_praxis.ops import cuda
+from moe_praxis.ops import backend
+from moe_praxis.ops.router import router_cuda, router_unsupported
+from moe_praxis.ops.permute import permute_cuda, permute_unsupported, unpermute_cuda
+from moe_praxis.ops.swiglu import swiglu_cuda, swiglu_unsupported
+
+aux_loss_cuda = importlib.import_module("moe_praxis.ops.aux_loss").aux_loss_cuda
 from tests import kernel_reference as ref
 from tests.testutil import router_config
 
@@ -40,7 +46,7 @@ def test_backend_info_lists_every_backend_with_a_reason():
     assert info["xla"]["usable"] is True
     for name, entry in info.items():
         assert isinstance(entry["usable"], bool) and entry["reason"], name
-    assert info["cuda"]["library"] == str(cuda.library_path())
+    assert info["cuda"]["library"] == str(backend.library_path())
 
 
 @needs_no_gpu
@@ -73,44 +79,44 @@ def test_invalid_backend_names_value_and_choices():
 
 def test_missing_library_reason_names_path_and_env_var(tmp_path, monkeypatch):
     missing = tmp_path / "nope" / "libmoe_praxis_kernels.so"
-    monkeypatch.setenv(cuda.ENV_LIB, str(missing))
+    monkeypatch.setenv(backend.ENV_LIB, str(missing))
     try:
-        assert cuda.library_path() == missing
+        assert backend.library_path() == missing
         assert build_kernels.library_path() == missing
-        ok, why = cuda.load_library(force=True)
+        ok, why = backend.load_library(force=True)
         assert not ok
         assert str(missing) in why and "MOE_PRAXIS_KERNEL_LIB" in why
         assert "python -m moe_praxis.build_kernels" in why
-        assert cuda.library_status() == (False, why)
+        assert backend.library_status() == (False, why)
     finally:
-        monkeypatch.delenv(cuda.ENV_LIB)
-        cuda.load_library(force=True)
+        monkeypatch.delenv(backend.ENV_LIB)
+        backend.load_library(force=True)
 
 
 def test_unloadable_library_gives_reason(tmp_path):
     bad = tmp_path / "libmoe_praxis_kernels.so"
     bad.write_bytes(b"not an ELF file")
     try:
-        ok, why = cuda.load_library(bad)
+        ok, why = backend.load_library(bad)
         assert not ok and "cannot open" in why and str(bad) in why
     finally:
-        cuda.load_library(force=True)
+        backend.load_library(force=True)
 
 
 def test_default_library_location_and_env_var_documented():
     """Docs and code in step: the env var and default path are what the code reads."""
-    assert cuda.ENV_LIB == build_kernels.ENV_LIB == "MOE_PRAXIS_KERNEL_LIB"
-    assert cuda.DEFAULT_LIB == build_kernels.DEFAULT_LIB
-    assert cuda.DEFAULT_LIB == REPO / "moe_praxis" / "lib" / "libmoe_praxis_kernels.so"
+    assert backend.ENV_LIB == build_kernels.ENV_LIB == "MOE_PRAXIS_KERNEL_LIB"
+    assert backend.DEFAULT_LIB == build_kernels.DEFAULT_LIB
+    assert backend.DEFAULT_LIB == REPO / "moe_praxis" / "lib" / "libmoe_praxis_kernels.so"
     doc = (REPO / "docs" / "kernels.md").read_text()
     assert "MOE_PRAXIS_KERNEL_LIB" in doc and "moe_praxis/lib/libmoe_praxis_kernels.so" in doc
     assert "python -m moe_praxis.build_kernels" in doc
     # every kernel in the one table is documented (here or on its own docs page)
     all_docs = "".join(p.read_text() for p in (REPO / "docs").glob("*.md"))
-    for name in cuda.KERNELS:
+    for name in backend.KERNELS:
         assert f"`{name}`" in all_docs, f"no docs/*.md lists the FFI target {name}"
     # the build's env var is read by the code (no documented-but-unread variables)
-    src = (REPO / "moe_praxis" / "ops" / "cuda.py").read_text()
+    src = (REPO / "moe_praxis" / "ops" / "_library.py").read_text()
     assert "os.environ.get(ENV_LIB)" in src
 
 
@@ -118,33 +124,37 @@ def test_every_table_symbol_is_defined_in_a_kernel_source():
     defined = set()
     for src in (REPO / "kernels").glob("*.cu"):
         defined |= set(re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+)", src.read_text()))
-    missing = sorted(set(cuda.KERNELS.values()) - defined)
+    missing = sorted(set(backend.KERNELS.values()) - defined)
     assert not missing, f"KERNELS symbols with no XLA_FFI_DEFINE_HANDLER_SYMBOL: {missing}"
 
 
 def test_ffi_helper_rejects_unknown_target():
-    with pytest.raises(KeyError, match="not in moe_praxis.ops.cuda.KERNELS"):
-        cuda.ffi("moe_nope", jax.ShapeDtypeStruct((), jnp.float32))
+    with pytest.raises(KeyError, match="not in moe_praxis.ops.backend.KERNELS"):
+        backend.ffi("moe_nope", jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def _router_unsupported(num_experts, cfg):
+    return router_unsupported(num_experts, cfg.top_k, cfg.num_expert_groups)
 
 
 def test_unsupported_shapes_name_the_reason():
     cfg = MoEConfig(d_model=8, d_ff=8, num_experts=1024, top_k=16)
-    assert "num_experts=1024" in cuda.router_unsupported(1024, cfg)
-    assert cuda.router_unsupported(64, MoEConfig(d_model=8, d_ff=8, num_experts=64, top_k=8)) == ""
+    assert "num_experts=1024" in _router_unsupported(1024, cfg)
+    assert _router_unsupported(64, MoEConfig(d_model=8, d_ff=8, num_experts=64, top_k=8)) == ""
     grouped = MoEConfig(d_model=8,
                         d_ff=8,
                         num_experts=64,
                         top_k=8,
                         num_expert_groups=8,
                         group_topk=4)
-    assert cuda.router_unsupported(64, grouped) == ""  # group-limited top-k runs in the kernel
-    assert "num_expert_groups=64" in cuda.router_unsupported(
+    assert _router_unsupported(64, grouped) == ""  # group-limited top-k runs in the kernel
+    assert "num_expert_groups=64" in _router_unsupported(
         64, MoEConfig(d_model=8, d_ff=8, num_experts=64, top_k=1, num_expert_groups=64))
     x = jnp.ones((4, 8))
-    assert "act='gelu'" in cuda.swiglu_unsupported(x, "gelu")
-    assert "float16" in cuda.swiglu_unsupported(x.astype(jnp.float16), "silu")
-    assert cuda.swiglu_unsupported(x, "silu") == ""
-    assert "float16" in cuda.permute_unsupported(x.astype(jnp.float16), jnp.zeros(3, jnp.int32))
+    assert "act='gelu'" in swiglu_unsupported(x, "gelu")
+    assert "float16" in swiglu_unsupported(x.astype(jnp.float16), "silu")
+    assert swiglu_unsupported(x, "silu") == ""
+    assert "float16" in permute_unsupported(x.astype(jnp.float16), jnp.zeros(3, jnp.int32))
 
 
 # ------------------------------------------------- the CUDA primitives' code path on the CPU
@@ -165,14 +175,14 @@ def test_fused_router_path_matches_numpy_reference(case):
     k1, k2, k3, k4 = jax.random.split(jax.random.key(s), 4)
     logits = jax.random.normal(k1, (t, e))
     bias = 0.1 * jax.random.normal(k2, (e, )) if use_bias else jnp.zeros((e, ))
-    probs, ids, w = jax.jit(functools.partial(cuda.fused_router, cfg))(logits, bias)
+    kern = functools.partial(router_cuda, **routing.router_args(cfg))
+    probs, ids, w = jax.jit(kern)(logits, bias)
     p64, ids64, w64 = ref.router_for(logits, cfg, bias)
     np.testing.assert_array_equal(np.asarray(ids), ids64, err_msg=f"seed={s}")
     assert ref.rel_err(probs, p64) <= F32_TOL and ref.rel_err(w, w64) <= F32_TOL
     # gradient of the custom_vjp (reference backward branch) == autodiff of the reference
     dp, dw = jax.random.normal(k3, (t, e)), jax.random.normal(k4, (t, k))
-    f1 = lambda l: jnp.sum(cuda.fused_router(cfg, l, bias)[0] * dp) + jnp.sum(
-        cuda.fused_router(cfg, l, bias)[2] * dw)
+    f1 = lambda l: jnp.sum(kern(l, bias)[0] * dp) + jnp.sum(kern(l, bias)[2] * dw)
     r_bias = bias if use_bias else None
     f2 = lambda l: jnp.sum(routing.route_logits_reference(l, cfg, r_bias).probs * dp) + jnp.sum(
         routing.route_logits_reference(l, cfg, r_bias).weights * dw)
@@ -194,9 +204,9 @@ def test_swiglu_permute_aux_paths_match_numpy_reference():
     up = jnp.asarray(rng.standard_normal((33, 24)), jnp.float32)
     w = jnp.asarray(rng.random(33), jnp.float32)
     dout = jnp.asarray(rng.standard_normal((33, 24)), jnp.float32)
-    assert ref.rel_err(cuda.swiglu(gate, up, w), ref.swiglu(gate, up, w)) <= F32_TOL
-    assert ref.rel_err(cuda.swiglu(gate, up), ref.swiglu(gate, up)) <= F32_TOL
-    g = jax.grad(lambda a, b, c: jnp.sum(cuda.swiglu(a, b, c) * dout), argnums=(0, 1, 2))(gate, up,
+    assert ref.rel_err(swiglu_cuda(gate, up, w), ref.swiglu(gate, up, w)) <= F32_TOL
+    assert ref.rel_err(swiglu_cuda(gate, up), ref.swiglu(gate, up)) <= F32_TOL
+    g = jax.grad(lambda a, b, c: jnp.sum(swiglu_cuda(a, b, c) * dout), argnums=(0, 1, 2))(gate, up,
                                                                                           w)
     for got, want in zip(g, ref.swiglu_grads(gate, up, w, dout)):
         assert ref.rel_err(got, want) <= F32_TOL
@@ -204,14 +214,14 @@ def test_swiglu_permute_aux_paths_match_numpy_reference():
     row_map = jnp.asarray(ref.row_map_for(t, k, 8, rng))
     x = jnp.asarray(rng.standard_normal((t, 5)), jnp.float32)
     y = jnp.asarray(rng.standard_normal((t * k, 5)), jnp.float32)
-    np.testing.assert_allclose(cuda.permute(x, row_map), ref.permute(x, row_map), rtol=1e-7)
-    assert ref.rel_err(cuda.unpermute(y, row_map, t), ref.unpermute(y, row_map, t)) <= F32_TOL
+    np.testing.assert_allclose(permute_cuda(x, row_map), ref.permute(x, row_map), rtol=1e-7)
+    assert ref.rel_err(unpermute_cuda(y, row_map, t), ref.unpermute(y, row_map, t)) <= F32_TOL
     cy = jnp.asarray(rng.standard_normal((t * k, 5)), jnp.float32)
-    gx = jax.grad(lambda a: jnp.sum(cuda.permute(a, row_map) * cy))(x)
+    gx = jax.grad(lambda a: jnp.sum(permute_cuda(a, row_map) * cy))(x)
     assert ref.rel_err(gx, ref.unpermute(cy, row_map, t)) <= F32_TOL
     probs = jax.nn.softmax(jnp.asarray(rng.standard_normal((40, 8)), jnp.float32))
     f = jnp.asarray(rng.integers(0, 20, 8), jnp.int32)
-    got = cuda.aux_loss(probs, f, jnp.asarray(40), 2, 0.3)
+    got = aux_loss_cuda(probs, f, jnp.asarray(40), 2, 0.3)
     assert abs(float(got) - ref.aux_loss(probs, f, top_k=2, coeff=0.3)) <= 1e-6 * float(got)
 
 
@@ -230,7 +240,7 @@ def test_swiglu_custom_vjp_inside_shard_map_with_mixed_varying_inputs(weighted):
     w = jnp.asarray(rng.random(8), jnp.float32)  # the same [8] weights on every shard
 
     def local(g, u, d, ww):
-        out = cuda.swiglu(g[0], u[0], ww if weighted else None)
+        out = swiglu_cuda(g[0], u[0], ww if weighted else None)
         return jnp.sum(out * d[0])
 
     def loss(g, u, ww):
@@ -261,7 +271,7 @@ def _aux_sharded(mesh_shape, axes, spec):
     probs = jax.nn.softmax(jax.random.normal(jax.random.key(s), (t, e)), -1)
     f = jax.random.randint(jax.random.key(s + 1), (e, ), 0, 9)
     probs = jax.device_put(probs, NamedSharding(mesh, spec))
-    fn = jax.jit(jax.value_and_grad(lambda p: 1.5 * cuda.aux_loss(p, f, jnp.asarray(t), k, 0.2)))
+    fn = jax.jit(jax.value_and_grad(lambda p: 1.5 * aux_loss_cuda(p, f, jnp.asarray(t), k, 0.2)))
     return fn, probs, f, (t, e, k)
 
 
@@ -289,16 +299,21 @@ def test_aux_loss_sharded_lowering_for_cuda_keeps_cotangent_rank0():
                      text), text[-2000:]
 
 
-def test_call_stats_says_why_without_library(monkeypatch):
-    monkeypatch.setattr(cuda._state, "lib", None)
-    monkeypatch.setattr(cuda._state, "reason", "the library is not built: /x/lib.so")
-    with pytest.raises(RuntimeError, match="not built: /x/lib.so"):
-        cuda.call_stats()
+def test_call_stats_says_why_without_library(tmp_path):
+    missing = tmp_path / "lib.so"
+    try:
+        ok, why = backend.load_library(missing)
+        assert not ok and str(missing) in why
+        with pytest.raises(RuntimeError, match=f"not built: {re.escape(str(missing))}"):
+            backend.call_stats()
+    finally:
+        backend.load_library(force=True)
 
 
 def test_call_stats_reads_the_counters_when_loaded():
-    if cuda._state.lib is None:
-        pytest.skip(f"kernel library not loaded here: {cuda._state.reason}")
-    stats = cuda.call_stats()
+    state = backend.library_state()
+    if not state["loaded"]:
+        pytest.skip(f"kernel library not loaded here: {state['reason']}")
+    stats = backend.call_stats()
     assert set(stats) == {"calls", "captured"}
     assert 0 <= stats["captured"] <= stats["calls"]

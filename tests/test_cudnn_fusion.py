@@ -9,6 +9,7 @@ import pytest
 
 import moe_praxis as mp
 from moe_praxis import experts
+from moe_praxis.ops import backend as ops_backend
 
 
 def test_import_does_not_import_cudnn():
@@ -16,7 +17,7 @@ def test_import_does_not_import_cudnn():
 
 
 def test_fusion_flag_warns_once_with_reason_and_falls_back():
-    experts._CUDNN_WARNED.clear()
+    ops_backend.reset_warnings()
     cfg = mp.MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2)
     fused = mp.MoEConfig(d_model=8, d_ff=8, num_experts=4, top_k=2, use_cudnn_fusion=True)
     params = mp.init_moe_params(jax.random.key(0), cfg)

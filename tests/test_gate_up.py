@@ -9,6 +9,7 @@ must equal ops.swiglu(gate, up, w, backend='cuda') bitwise. Fresh random inputs 
 """
 
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,8 @@ from moe_praxis.ops import gate_up
 from tests.test_grouped_gemm import KINDS, _cuda_or_skip, make_sizes
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
+
+swiglu_mod = importlib.import_module("moe_praxis.ops.swiglu")  # ops.swiglu is the function
 
 RTOL_F32 = 1e-5
 RTOL_BF16 = 1e-2
@@ -123,15 +126,10 @@ def test_cuda_backend_falls_back_with_a_warning_naming_the_reason(monkeypatch):
     """With the CUDA status forced on (as on a Hopper GPU), problems the fused kernel does not
     take run the XLA path, warning once per reason: a non-silu activation, H % 8 != 0 and
     float32 inputs. The result is the reference's."""
-    import importlib
-
     from moe_praxis.ops import backend as backend_mod
 
-    monkeypatch.setattr(backend_mod, "_cuda_status", lambda op="": (True, "forced"))
-    gg = importlib.import_module("moe_praxis.ops.grouped_gemm")
-    monkeypatch.setattr(gg, "_device_reason", lambda: None)
-    monkeypatch.setattr(gg, "_warned", set())  # once per reason: fresh sets for this test
-    monkeypatch.setattr(ops.cuda, "_warned", set())
+    monkeypatch.setattr(backend_mod, "cuda_status", lambda op="": (True, "forced"))
+    backend_mod.reset_warnings()  # once per reason: a fresh record for this test
     gs = jnp.array([5, 3])
     cases = [
         (jnp.bfloat16, 8, "gelu", r"act='gelu'"),
@@ -216,14 +214,14 @@ def test_cuda_fused_forward_matches_reference(kind, tile, split):
     the kernel's own gate and up; tails zero; outputs poisoned by an earlier call. split: the
     row split (pieces of 256 rows: the epilogue finds each piece's first row)."""
     _cuda_or_skip()
-    gg = gate_up._gg
+    gg = gate_up.gg
     config = gg.config_name(tile, 0, 1, split)
     for m, k, h, e in GPU_SHAPES:
         for weighted in (False, True):
             seed = _seed()
             lhs, w_gu, gs, w_row, _ = _inputs(m, k, h, e, kind, jnp.bfloat16, seed)
-            ww = w_row if weighted else ops.cuda.no_weights()
-            f = jax.jit(lambda a, b, g, w: gate_up._cuda_fwd(a, b, g, w, weighted, config))
+            ww = w_row if weighted else swiglu_mod.no_weights()
+            f = jax.jit(lambda a, b, g, w: gate_up.cuda_fwd(a, b, g, w, weighted, config))
             jax.block_until_ready(f(lhs * 2 + 1, w_gu + 1, gs[::-1], ww + 1))  # poison
             gate, up, act = f(lhs, w_gu, gs, ww)
             msg = f"seed={seed} kind={kind} tile={config} shape={(m, k, h, e)} w={weighted}"
@@ -315,9 +313,8 @@ def test_fused_under_ep_meshes_equals_unfused_single_device(mesh_name, forced_cu
     from tests import test_ep
 
     if forced_cuda:
-        monkeypatch.setattr(backend_mod, "_cuda_status", lambda op="": (True, "forced"))
+        monkeypatch.setattr(backend_mod, "cuda_status", lambda op="": (True, "forced"))
         gg = importlib.import_module("moe_praxis.ops.grouped_gemm")
-        monkeypatch.setattr(gg, "_device_reason", lambda: None)
         # float32 passes too, so the fused op takes its CUDA Python path (platform_call)
         monkeypatch.setattr(gg, "cuda_unsupported_reason", lambda lhs, rhs: None)
     seed = _seed()
@@ -404,7 +401,7 @@ def test_fused_config_rule_follows_the_forward_rule(monkeypatch):
     where the fused kernel lacks it (none of the rule's tiles: the rule's configuration is kept
     whole); the same for a tile MOE_PRAXIS_GG_TILE names (docs/grouped_gemm.md, "Fused
     gate/up")."""
-    gg = gate_up._gg
+    gg = gate_up.gg
     monkeypatch.delenv(gg.ENV_TILE, raising=False)
     assert set(gate_up.FUSED_STANDIN.values()) <= set(gate_up.FUSED_TILES)
     assert set(gate_up.FUSED_STANDIN) | set(gate_up.FUSED_TILES) == set(range(len(gg.TILE_CONFIGS)))
@@ -429,5 +426,5 @@ def test_fused_config_rule_follows_the_forward_rule(monkeypatch):
     monkeypatch.setenv(gg.ENV_TILE, "pingpong_128x128_c2x1")
     assert gate_up.choose_fused_config(32768, 4096, 28672, 8) == gg.config_name(1, 0, 1)
     with pytest.raises(ValueError, match="not built"):
-        gate_up._cuda_fwd(jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 16, 16), jnp.bfloat16),
-                          jnp.array([4, 4]), jnp.zeros((1, )), False, gg.config_name(0))
+        gate_up.cuda_fwd(jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 16, 16), jnp.bfloat16),
+                         jnp.array([4, 4]), jnp.zeros((1, )), False, gg.config_name(0))

@@ -181,9 +181,9 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_cuda_backend_without_usable_kernels_says_why():
-    ok = ops.backend_info()["cuda"]["usable"] and gg._device_reason() is None
-    if ok:
-        pytest.skip("the CUDA kernels are usable here")
+    if ops.backend.cuda_status()[0]:
+        pytest.skip("a GPU and the kernel library are usable here (a resolved 'cuda' falls back "
+                    "where only the grouped GEMM's compute capability is unmet)")
     with pytest.raises(RuntimeError, match="kernel_backend='cuda' requested for grouped_gemm"):
         ops.grouped_gemm(jnp.ones((8, 8), jnp.bfloat16),
                          jnp.ones((2, 8, 8), jnp.bfloat16),
@@ -256,16 +256,16 @@ def test_tile_rule_env_override_and_docs_in_step(monkeypatch):
 
 
 def test_kernel_table_lists_the_grouped_gemm_handlers():
-    from moe_praxis.ops import cuda
+    from moe_praxis.ops import backend
 
     src = "".join((REPO / "kernels" / f"grouped_gemm_{op}.cu").read_text() for op in gg.OPS)
     for op in gg.OPS:
-        target = gg._TARGETS[op]
-        assert target in cuda.KERNELS, f"{target} missing from ops/cuda.py KERNELS"
-        assert f"XLA_FFI_DEFINE_HANDLER_SYMBOL({cuda.KERNELS[target]}," in src
+        target = gg.TARGETS[op]
+        assert target in backend.KERNELS, f"{target} missing from ops/_library.py KERNELS"
+        assert f"XLA_FFI_DEFINE_HANDLER_SYMBOL({backend.KERNELS[target]}," in src
     header = (REPO / "kernels" / "grouped_gemm.cuh").read_text()
     m = re.search(r"kGroupArrayBytesPerGroup = (\d+);", header)
-    assert m and int(m.group(1)) == gg._GROUP_ARRAY_BYTES_PER_GROUP
+    assert m and int(m.group(1)) == gg.GROUP_ARRAY_BYTES_PER_GROUP
     assert f"constexpr int kNumTiles = {len(gg.TILE_CONFIGS)};" in header
 
 
@@ -273,9 +273,9 @@ def test_kernel_table_lists_the_grouped_gemm_handlers():
 
 
 def _cuda_or_skip():
-    if not ops.backend_info()["cuda"]["usable"] or gg._device_reason() is not None:
+    if not ops.backend.cuda_status("grouped_gemm")[0]:
         pytest.skip(f"CUDA grouped GEMM not usable: {ops.backend_info()['cuda']['reason']} / "
-                    f"{gg._device_reason()}")
+                    f"{ops.backend.cuda_status('grouped_gemm')[1]}")
 
 
 def _uses_kernel(fn, *args, target="moe_grouped_gemm_fwd"):
@@ -483,10 +483,11 @@ def test_cuda_adaptive_tile_choice_matches_model_and_both_kernels_are_right(tile
     cfg = gg.TILE_CONFIGS[tile]
     split_cfg = cfg + "/along_m/s1/r256"  # pieces of 256 rows: the same tiles, the same choice
     m, k, n, e = 4096, 128, 2048, 64
-    fwd = jax.jit(lambda a, b, g: gg._ffi("fwd", (m, n), a, b, g, cfg, with_workspace=True))
-    dgrad = jax.jit(lambda d, b, g: gg._ffi("dgrad", (m, k), d, b, g, cfg, with_workspace=True))
+    fwd = jax.jit(lambda a, b, g: gg.run_kernel("fwd", (m, n), a, b, g, cfg, with_workspace=True))
+    dgrad = jax.jit(
+        lambda d, b, g: gg.run_kernel("dgrad", (m, k), d, b, g, cfg, with_workspace=True))
     fwd_split = jax.jit(
-        lambda a, b, g: gg._ffi("fwd", (m, n), a, b, g, split_cfg, with_workspace=True))
+        lambda a, b, g: gg.run_kernel("fwd", (m, n), a, b, g, split_cfg, with_workspace=True))
     problems = gg.num_problems(e, m, 256)
     rng = np.random.default_rng(_seed())
     patterns = {
@@ -575,7 +576,7 @@ def test_cuda_unsupported_problem_falls_back_with_warning():
     _cuda_or_skip()
     lhs = jnp.ones((16, 12), jnp.bfloat16)  # K = 12 is not a multiple of 8
     rhs = jnp.ones((2, 12, 16), jnp.bfloat16)
-    gg._warned.clear()
+    ops.backend.reset_warnings()
     with pytest.warns(UserWarning, match="K and N multiples of 8"):
         out = ops.grouped_gemm(lhs, rhs, jnp.array([8, 8]), backend="cuda")
     np.testing.assert_allclose(np.asarray(out, np.float32), 12.0)
@@ -608,7 +609,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 sys.path.insert(0, sys.argv[1])
 from moe_praxis import ops
-from moe_praxis.ops import cuda
+from moe_praxis.ops import backend
 import moe_praxis as mp
 from tests import test_grouped_gemm as t
 
@@ -628,7 +629,7 @@ for i, kind in enumerate(t.KINDS):  # new group sizes every call, one executable
                  float(t.rel_err(dr, rr))])
 out["gg_errs"] = errs
 out["gg_cache_size"] = fj._cache_size()
-out["gg_stats"] = cuda.call_stats()
+out["gg_stats"] = backend.call_stats()
 out["gg_hlo_has_kernel"] = "moe_grouped_gemm_fwd" in fj.lower(lhs, rhs, gs, dout).as_text()
 
 import dataclasses
@@ -653,7 +654,7 @@ print("RESULT " + json.dumps(out))
 @pytest.mark.gpu
 def test_cuda_kernels_inside_cuda_graphs():
     """Every kernel declares XLA's command-buffer trait: group sizes are read on the device,
-    so a captured graph is correct with any sizes. `ops.cuda.call_stats()` counts the grouped
+    so a captured graph is correct with any sizes. `ops.backend.call_stats()` counts the grouped
     GEMM handler calls made while XLA captured their stream into a CUDA graph. A fresh process with command buffers
     forced on for custom calls (min graph size 1) runs the grouped GEMM fwd/dgrad/wgrad with
     seven group-size patterns through ONE executable, and the moe_block (router, aux loss,

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import moe_praxis as mp
 from moe_praxis import ops, routing
 from moe_praxis.config import MoEConfig
-from moe_praxis.ops import cuda
+from moe_praxis.ops.router import router_cuda
 from tests import kernel_reference as ref
 from tests.testutil import router_config
 
@@ -111,7 +111,7 @@ def _router_case(case):
     dprobs = jax.random.normal(k3, (t, e), jnp.float32)
     dw = jax.random.normal(k4, (t, k), jnp.float32)
 
-    kern = jax.jit(functools.partial(cuda.fused_router, cfg))
+    kern = jax.jit(functools.partial(router_cuda, **routing.router_args(cfg)))
     poison()
     probs, ids, w = kern(logits, bias)
     r = routing.route_logits_reference(logits, cfg, bias if use_bias else None)
@@ -140,7 +140,8 @@ def _router_case(case):
         return jax.jit(run)(logits, bias, dprobs, dw)
 
     poison()
-    g_k = vjp_of(lambda l, b: (lambda o: (o[0], o[2]))(cuda.fused_router(cfg, l, b)))
+    g_k = vjp_of(lambda l, b: (lambda o: (o[0], o[2]))
+                 (router_cuda(l, b, **routing.router_args(cfg))))
     g_r = vjp_of(lambda l, b: (lambda o: (o.probs, o.weights))
                  (routing.route_logits_reference(l, cfg, b if use_bias else None)))
     g_k, g_r = np.asarray(g_k)[same], np.asarray(g_r)[same]
@@ -170,7 +171,9 @@ def test_router_exact_ties_break_to_lower_index(sf, pre):
     # integer logits in {0, 1, 2}: every token has many exactly tied experts
     logits = jax.random.randint(jax.random.key(s), (t, e), 0, 3).astype(jnp.float32)
     poison()
-    _, ids, w = jax.jit(functools.partial(cuda.fused_router, cfg))(logits, jnp.zeros((e, )))
+    _, ids, w = jax.jit(functools.partial(router_cuda, **routing.router_args(cfg)))(logits,
+                                                                                    jnp.zeros(
+                                                                                        (e, )))
     r = routing.route_logits_reference(logits, cfg)
     _, ids64, w64 = ref.router(np.asarray(logits), top_k=k, score_func=sf, pre_softmax=pre)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(r.expert_ids), err_msg=f"seed={s}")

@@ -1,23 +1,33 @@
-"""Primitives with interchangeable backends.
+"""Primitives with interchangeable backends, in three layers.
 
-Every primitive here has a pure-JAX reference that is both the CPU path and the test oracle;
-CUDA kernels (kernels/, loaded by ``moe_praxis.ops.cuda``) sit behind the same functions.
+1. Per op family, one public module: the pure-JAX reference (the CPU path and the test oracle)
+   and the public op (a custom_vjp taking explicit static arguments), with its CUDA lowering
+   (FFI calls, custom_partitioning, abstract shapes) beside it: `aux_loss`, `router`, `swiglu`,
+   `permute`, `grouped_gemm` (+ `grouped_gemm_tiles`, its kernel configurations and rule) and
+   `gate_up`.
+2. `backend`: the device query, each op's compute-capability requirement, 'auto' | 'xla' |
+   'cuda' resolution (once per block), the one warn-once, `backend_info()`.
+3. `_library` (private): the kernel library's table, path and environment variable, loading
+   and FFI registration on first use, the FFI call helper.
+
+`vma` holds the shard_map typing helpers. Importing this package loads no shared library.
 """
 
-from moe_praxis.ops import cuda
+from moe_praxis.ops import backend, vma
 from moe_praxis.ops.aux_loss import aux_loss, aux_loss_reference
 from moe_praxis.ops.backend import backend_info, resolve_backend
 from moe_praxis.ops.gate_up import gate_up_swiglu, interleave_gate_up, split_gate_up
 from moe_praxis.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moe_praxis.ops.permute import permute, permute_reference, unpermute, unpermute_reference
+from moe_praxis.ops.router import route, router_reference
 from moe_praxis.ops.swiglu import activation, swiglu, swiglu_reference
 
 __all__ = [
     "activation",
     "aux_loss",
     "aux_loss_reference",
+    "backend",
     "backend_info",
-    "cuda",
     "gate_up_swiglu",
     "grouped_gemm",
     "grouped_gemm_reference",
@@ -25,9 +35,12 @@ __all__ = [
     "permute",
     "permute_reference",
     "resolve_backend",
+    "route",
+    "router_reference",
     "split_gate_up",
     "swiglu",
     "swiglu_reference",
     "unpermute",
     "unpermute_reference",
+    "vma",
 ]

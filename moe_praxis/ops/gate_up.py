@@ -28,9 +28,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_praxis.ops import cuda as _cuda
-from moe_praxis.ops import grouped_gemm as _gg
-from moe_praxis.ops.swiglu import swiglu_reference
+from moe_praxis.ops import backend as _backend
+from moe_praxis.ops import grouped_gemm as gg
+from moe_praxis.ops._library import platform_call
+from moe_praxis.ops.swiglu import no_weights, swiglu_bwd_ffi, swiglu_reference
+from moe_praxis.ops.vma import vary_together, zero_cotangent
 
 # Tiles (ops.grouped_gemm.TILE_CONFIGS indices) kernels/grouped_gemm_swiglu.cu is built for:
 # pingpong_128x128, coop_128x256 with 2x1 and with 1x1 clusters, the adaptive pair
@@ -39,11 +41,11 @@ from moe_praxis.ops.swiglu import swiglu_reference
 _FUSED_NAMES = ("pingpong_128x128_c2x1", "coop_128x256_c2x1", "adaptive_128x256_64x256",
                 "coop_128x256_c1x1", "adaptive_128x256_64x256_c1x1", "pingpong_128x192_c1x1",
                 "pingpong_128x192_c2x1")
-FUSED_TILES = tuple(_gg.TILE_CONFIGS.index(t) for t in _FUSED_NAMES)
+FUSED_TILES = tuple(gg.TILE_CONFIGS.index(t) for t in _FUSED_NAMES)
 # The fused tile that stands in for each tile the fused kernel is not built for: the 64-row
 # 1x1 tile -> the 1x1 pair, other adaptive or 64-row tiles -> the 2x1 pair, the rest ->
 # coop_128x256_c2x1. (coop_128x256_c1x1, the forward rule's tile for groups of 257-2048 rows,
-# is built since 2026-11-30: docs/grouped_gemm.md, "Fused gate/up".)
+# is built too: docs/grouped_gemm.md, "Fused gate/up".)
 _STANDIN_NAMES = {
     "coop_256x128_c2x1": "coop_128x256_c2x1",
     "pingpong_64x256_c2x1": "adaptive_128x256_64x256",
@@ -53,7 +55,7 @@ _STANDIN_NAMES = {
     "pingpong_64x256_c1x1": "adaptive_128x256_64x256_c1x1",
 }
 FUSED_STANDIN = {
-    _gg.TILE_CONFIGS.index(a): _gg.TILE_CONFIGS.index(b)
+    gg.TILE_CONFIGS.index(a): gg.TILE_CONFIGS.index(b)
     for a, b in _STANDIN_NAMES.items()
 }
 TARGET = "moe_grouped_gemm_swiglu_fwd"
@@ -78,31 +80,34 @@ def choose_fused_config(m: int, k: int, n: int, num_groups: int) -> str:
     (or the environment variable MOE_PRAXIS_GG_TILE), its tile replaced by FUSED_STANDIN's
     when the fused kernel is not built for it (the rule's own tiles all are; a tile forced by
     MOE_PRAXIS_GG_TILE may not be: docs/grouped_gemm.md, "Fused gate/up")."""
-    tile, raster, swizzle, split_rows = _gg.parse_config(
-        _gg.choose_config("fwd", m, k, n, num_groups))
+    tile, raster, swizzle, split_rows = gg.parse_config(gg.choose_config(
+        "fwd", m, k, n, num_groups))
     tile = FUSED_STANDIN.get(tile, tile)
-    return _gg.config_name(tile, raster, swizzle, split_rows)
+    return gg.config_name(tile, raster, swizzle, split_rows)
 
 
 def gate_up_swiglu_reference(lhs, w_gate_up, group_sizes, row_weights=None, *, act="silu"):
     """(gate [M, H], up [M, H], act [M, H]) in lhs.dtype, from ragged_dot and
     swiglu_reference."""
-    h = _gg.grouped_gemm_reference(lhs, w_gate_up, group_sizes).astype(lhs.dtype)
+    h = gg.grouped_gemm_reference(lhs, w_gate_up, group_sizes).astype(lhs.dtype)
     gate, up = split_gate_up(h)
     return gate, up, swiglu_reference(gate, up, row_weights, act=act)
 
 
-def _cuda_fwd(lhs, w_gate_up, group_sizes, w, has_weight: bool, config: str):
+def cuda_fwd(lhs, w_gate_up, group_sizes, w, has_weight: bool, config: str):
+    """The fused forward kernel with `config` (tiles in FUSED_TILES): (gate, up, act), each
+    [M, H] in lhs.dtype; w: [M] float32 row weights, or no_weights() with has_weight=False.
+    No fallback, no vjp."""
     half = jax.ShapeDtypeStruct((lhs.shape[0], w_gate_up.shape[2] // 2), lhs.dtype)
-    gate, up, act, _ = _gg.call_kernel(TARGET, (half, half, half),
-                                       lhs,
-                                       w_gate_up,
-                                       group_sizes,
-                                       w,
-                                       num_groups=group_sizes.shape[0],
-                                       config=config,
-                                       tiles=FUSED_TILES,
-                                       has_weight=has_weight)
+    gate, up, act, _ = gg.call_kernel(TARGET, (half, half, half),
+                                      lhs,
+                                      w_gate_up,
+                                      group_sizes,
+                                      w,
+                                      num_groups=group_sizes.shape[0],
+                                      config=config,
+                                      tiles=FUSED_TILES,
+                                      has_weight=has_weight)
     return gate, up, act
 
 
@@ -116,13 +121,13 @@ def _swiglu_bwd_ref(gate, up, w, dact, has_weight, act):
 def _fwd_impl(lhs, w_gate_up, group_sizes, w, impl):
     backend, config, has_weight, act = impl
     ref = functools.partial(_fwd_ref, has_weight=has_weight, act=act)
-    if backend == "xla" or _gg._empty(lhs.shape[0], lhs.shape[1], w_gate_up.shape[2],
-                                      w_gate_up.shape[0]):
+    if backend == "xla" or gg.is_empty(lhs.shape[0], lhs.shape[1], w_gate_up.shape[2],
+                                       w_gate_up.shape[0]):
         return ref(lhs, w_gate_up, group_sizes, w)
     cfg = config or choose_fused_config(lhs.shape[0], lhs.shape[1], w_gate_up.shape[2],
                                         group_sizes.shape[0])
-    return _cuda.platform_call(lambda a, b, g, ww: _cuda_fwd(a, b, g, ww, has_weight, cfg), ref,
-                               lhs, w_gate_up, group_sizes, w)
+    return platform_call(lambda a, b, g, ww: cuda_fwd(a, b, g, ww, has_weight, cfg), ref, lhs,
+                         w_gate_up, group_sizes, w)
 
 
 def _fwd_ref(lhs, w_gate_up, group_sizes, w, *, has_weight, act):
@@ -147,13 +152,13 @@ def _vjp_bwd(impl, res, dact):
     if backend == "xla":
         dh, dw = ref(gate, up, w, dact)
     else:
-        dh, dw = _cuda.platform_call(
-            functools.partial(_cuda.swiglu_bwd_ffi, has_weight=has_weight, interleaved=True), ref,
-            gate, up, w, dact)
+        dh, dw = platform_call(
+            functools.partial(swiglu_bwd_ffi, has_weight=has_weight, interleaved=True), ref, gate,
+            up, w, dact)
     gimpl = (backend, None)  # dgrad / wgrad: ops.grouped_gemm's kernels and rule
-    dlhs = _gg._dgrad_impl(dh, w_gate_up, group_sizes, gimpl)
-    dw_gate_up = _gg._wgrad_impl(lhs, dh, group_sizes, gimpl).astype(w_gate_up.dtype)
-    return (dlhs, dw_gate_up, _cuda.zero_cotangent(group_sizes),
+    dlhs = gg.dgrad_impl(dh, w_gate_up, group_sizes, gimpl)
+    dw_gate_up = gg.wgrad_impl(lhs, dh, group_sizes, gimpl).astype(w_gate_up.dtype)
+    return (dlhs, dw_gate_up, zero_cotangent(group_sizes),
             dw.astype(w.dtype) if has_weight else jnp.zeros_like(w))
 
 
@@ -161,7 +166,7 @@ _gate_up_swiglu.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 def _unsupported(lhs, w_gate_up, act: str) -> str | None:
-    why = _gg.cuda_unsupported_reason(lhs, w_gate_up)
+    why = gg.cuda_unsupported_reason(lhs, w_gate_up)
     if why is not None:
         return why
     if act != "silu":
@@ -196,20 +201,20 @@ def gate_up_swiglu(lhs,
     if row_weights is not None and row_weights.shape != lhs.shape[:1]:
         raise ValueError(f"row_weights must be [M={lhs.shape[0]}], got {row_weights.shape}")
     if config is not None:
-        config = _gg.config_name(*_gg.parse_config(config))
-    resolved = _gg._resolve(backend, lhs, w_gate_up)
+        config = gg.config_name(*gg.parse_config(config))
+    resolved = gg.resolve(backend, lhs, w_gate_up, op="gate_up_swiglu")
     if resolved == "cuda":
         why = _unsupported(lhs, w_gate_up, act)
         if why is not None:
-            _cuda.warn_fallback("gate_up_swiglu", why)
+            _backend.warn_fallback("gate_up_swiglu", why)
             resolved = "xla"
     has_weight = row_weights is not None
     if has_weight:
-        # one shard_map type for the rows and their weights (ops.cuda.vary_together): the
+        # one shard_map type for the rows and their weights (ops.vma.vary_together): the
         # weights' gradient comes back in their own type
-        lhs, w = _cuda.vary_together(lhs, row_weights.astype(jnp.float32))
+        lhs, w = vary_together(lhs, row_weights.astype(jnp.float32))
     else:
-        w = _cuda.no_weights()
+        w = no_weights()
     out = _gate_up_swiglu(lhs, w_gate_up, group_sizes.astype(jnp.int32), w,
                           (resolved, config, has_weight, act))
     return out

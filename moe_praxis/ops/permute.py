@@ -5,14 +5,21 @@
 
 Each is the other's transpose (so each is the other's backward). Rows whose row_map is out
 of range (>= T, used for dropped / padded copies) read zeros and are not written.
+
+CUDA side (kernels/permute.cu): `permute_cuda` / `unpermute_cuda`, custom_vjps whose forward
+and backward are each a `platform_call` of a kernel and the reference.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
-from moe_praxis.ops import cuda
-from moe_praxis.ops.backend import resolve_backend
+from moe_praxis.ops import backend as _backend
+from moe_praxis.ops._library import ffi, platform_call
+from moe_praxis.ops.vma import zero_cotangent
 
 
 def permute_reference(x, row_map):
@@ -24,21 +31,106 @@ def unpermute_reference(y, row_map, num_tokens: int):
     return out.at[row_map].add(y, mode="drop")
 
 
+# ------------------------------------------------------------------------------ CUDA side
+
+
+def _workspace(num_tokens: int, rows: int):
+    """The kernels' int32 workspace: the CSR inverse of row_map (2 * T + 4 + R elements)."""
+    return jax.ShapeDtypeStruct((2 * num_tokens + 4 + rows, ), jnp.int32)
+
+
+def _permute_ffi(x, row_map):
+    r = row_map.shape[0]
+    out = (jax.ShapeDtypeStruct((r, ) + x.shape[1:], x.dtype), _workspace(x.shape[0], r))
+    return ffi("moe_permute", out, x, row_map)[0]
+
+
+def _unpermute_ffi(num_tokens, y, row_map):
+    r = row_map.shape[0]
+    out = (jax.ShapeDtypeStruct((num_tokens, ) + y.shape[1:], y.dtype), _workspace(num_tokens, r))
+    return ffi("moe_unpermute", out, y, row_map)[0]
+
+
+def _unpermute_ref(num_tokens, y, row_map):
+    return unpermute_reference(y, row_map, num_tokens)
+
+
+def _permute_call(x, row_map):
+    return platform_call(_permute_ffi, permute_reference, x, row_map)
+
+
+def _unpermute_call(num_tokens, y, row_map):
+    return platform_call(functools.partial(_unpermute_ffi, num_tokens),
+                         functools.partial(_unpermute_ref, num_tokens), y, row_map)
+
+
+@jax.custom_vjp
+def permute_cuda(x, row_map):
+    """The permute kernel (the reference where not lowered for CUDA): y[r] = x[row_map[r]]
+    (zeros where row_map[r] is outside [0, T)). x: [T, M] f32/bf16; row_map: [R] int32
+    -> [R, M]. Backward: unpermute."""
+    return _permute_call(x, row_map)
+
+
+def _permute_fwd(x, row_map):
+    return _permute_call(x, row_map), (row_map, x.shape[0])
+
+
+def _permute_bwd(res, dy):
+    row_map, t = res
+    return _unpermute_call(t, dy, row_map), zero_cotangent(row_map)
+
+
+permute_cuda.defvjp(_permute_fwd, _permute_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, ))
+def unpermute_cuda(y, row_map, num_tokens: int):
+    """The unpermute kernel: x[t] = sum_{r: row_map[r] = t} y[r]. y: [R, M] f32/bf16; row_map:
+    [R] int32 -> [T, M]. Backward: permute."""
+    return _unpermute_call(num_tokens, y, row_map)
+
+
+def _unpermute_fwd(y, row_map, num_tokens):
+    return _unpermute_call(num_tokens, y, row_map), row_map
+
+
+def _unpermute_bwd(num_tokens, row_map, dx):
+    return _permute_call(dx, row_map), zero_cotangent(row_map)
+
+
+unpermute_cuda.defvjp(_unpermute_fwd, _unpermute_bwd)
+
+
+def permute_unsupported(x, row_map) -> str:
+    """'' if the permute kernels handle these inputs, else why not."""
+    if x.ndim != 2:
+        return f"x must be [T, M], got shape {x.shape}"
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        return f"dtype {x.dtype} (float32 / bfloat16 only)"
+    if row_map.ndim != 1:
+        return f"row_map must be [R], got shape {row_map.shape}"
+    return ""
+
+
+# -------------------------------------------------------------------------------- public
+
+
 def permute(x, row_map, *, backend: str = "auto"):
-    """x: [T, M], row_map: [R] int -> [R, M]. backend 'cuda': the permute kernel (ops.cuda)."""
-    if resolve_backend(backend, "permute") == "cuda":
-        why = cuda.permute_unsupported(x, row_map)
+    """x: [T, M], row_map: [R] int -> [R, M]. backend 'cuda': the permute kernel."""
+    if _backend.op_backend(backend, "permute") == "cuda":
+        why = permute_unsupported(x, row_map)
         if not why:
-            return cuda.permute(x, row_map.astype(jnp.int32))
-        cuda.warn_fallback("permute", why)
+            return permute_cuda(x, row_map.astype(jnp.int32))
+        _backend.warn_fallback("permute", why)
     return permute_reference(x, row_map)
 
 
 def unpermute(y, row_map, num_tokens: int, *, backend: str = "auto"):
     """y: [R, M], row_map: [R] int -> [T, M]. backend 'cuda': the unpermute kernel."""
-    if resolve_backend(backend, "unpermute") == "cuda":
-        why = cuda.permute_unsupported(y, row_map)
+    if _backend.op_backend(backend, "unpermute") == "cuda":
+        why = permute_unsupported(y, row_map)
         if not why:
-            return cuda.unpermute(y, row_map.astype(jnp.int32), int(num_tokens))
-        cuda.warn_fallback("unpermute", why)
+            return unpermute_cuda(y, row_map.astype(jnp.int32), int(num_tokens))
+        _backend.warn_fallback("unpermute", why)
     return unpermute_reference(y, row_map, num_tokens)

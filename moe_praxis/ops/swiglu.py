@@ -1,15 +1,22 @@
 """Expert activations: SwiGLU (and the other gated / plain activations Praxis uses).
 
     swiglu(gate, up, w) = silu(gate) * up * w[:, None]     (w optional: the routing weight)
+
+CUDA side (kernels/swiglu.cu): `swiglu_cuda`, a custom_vjp whose forward and backward are each
+a `platform_call` of the kernel and the reference; `swiglu_bwd_ffi` is the backward kernel,
+also used by the fused gate/up op (ops.gate_up) in its interleaved form.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from moe_praxis.ops import cuda
-from moe_praxis.ops.backend import resolve_backend
+from moe_praxis.ops import backend as _backend
+from moe_praxis.ops._library import ffi, platform_call
+from moe_praxis.ops.vma import vary_together
 
 _ACTS = {
     "silu": jax.nn.silu,
@@ -32,19 +39,117 @@ def swiglu_reference(gate, up, weights=None, *, act: str = "silu"):
     return out.astype(gate.dtype)
 
 
+# ------------------------------------------------------------------------------ CUDA side
+
+
+def no_weights():
+    """The routing-weight operand of the kernels that take optional weights (has_weight=False):
+    one float32 element, never read. Not a zero-size array: with the 'ragged' exchange, the GPU
+    compiler's SPMD partitioner crashed on a zero-size placeholder, as it did on a varying-cast
+    one (a psum of the zero-size cotangent)."""
+    return jnp.zeros((1, ), jnp.float32)
+
+
+def _float_ok(*xs) -> bool:
+    return all(x.dtype in (jnp.float32, jnp.bfloat16) for x in xs)
+
+
+def _ref(gate, up, w, has_weight):
+    return swiglu_reference(gate, up, w if has_weight else None, act="silu")
+
+
+def _fwd_ffi(gate, up, w, has_weight):
+    return ffi("moe_swiglu_fwd",
+               jax.ShapeDtypeStruct(gate.shape, gate.dtype),
+               gate,
+               up,
+               w,
+               has_weight=has_weight)
+
+
+def _bwd_ref(gate, up, w, dout, has_weight):
+    _, vjp = jax.vjp(lambda g, u, ww: _ref(g, u, ww, has_weight), gate, up, w)
+    dg, du, dw = vjp(dout)
+    return dg, du, dw
+
+
+def swiglu_bwd_ffi(gate, up, w, dout, has_weight, interleaved=False):
+    """The SwiGLU backward kernel: (dgate, dup, dw), or with interleaved=True (dgate_up [R, 2H],
+    column 2j d gate j, 2j + 1 d up j: the fused gate/up layout, ops.gate_up) and dw."""
+    r, h = gate.shape
+    dw = jax.ShapeDtypeStruct(w.shape, jnp.float32)
+    if interleaved:
+        return tuple(
+            ffi("moe_swiglu_bwd_interleaved", (jax.ShapeDtypeStruct((r, 2 * h), gate.dtype), dw),
+                gate,
+                up,
+                w,
+                dout,
+                has_weight=has_weight))
+    out = (jax.ShapeDtypeStruct(gate.shape, gate.dtype), jax.ShapeDtypeStruct(up.shape,
+                                                                              up.dtype), dw)
+    return tuple(ffi("moe_swiglu_bwd", out, gate, up, w, dout, has_weight=has_weight))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, ))
+def _swiglu(gate, up, w, has_weight):
+    return platform_call(functools.partial(_fwd_ffi, has_weight=has_weight),
+                         functools.partial(_ref, has_weight=has_weight), gate, up, w)
+
+
+def _swiglu_vjp_fwd(gate, up, w, has_weight):
+    return _swiglu(gate, up, w, has_weight), (gate, up, w)
+
+
+def _swiglu_vjp_bwd(has_weight, res, dout):
+    gate, up, w = res
+    dg, du, dw = platform_call(functools.partial(swiglu_bwd_ffi, has_weight=has_weight),
+                               functools.partial(_bwd_ref, has_weight=has_weight), gate, up, w,
+                               dout)
+    return dg, du, dw if has_weight else jnp.zeros_like(w)
+
+
+_swiglu.defvjp(_swiglu_vjp_fwd, _swiglu_vjp_bwd)
+
+
+def swiglu_unsupported(gate, act: str) -> str:
+    """'' if the SwiGLU kernel handles these inputs, else why not."""
+    if act != "silu":
+        return f"act={act!r} (the kernel fuses silu only)"
+    if gate.ndim != 2:
+        return f"gate must be [R, H], got shape {gate.shape}"
+    if not _float_ok(gate):
+        return f"dtype {gate.dtype} (float32 / bfloat16 only)"
+    return ""
+
+
+def swiglu_cuda(gate, up, weights=None):
+    """The SwiGLU kernels (the reference where not lowered for CUDA): silu(gate) * up
+    (* weights[:, None]); gate, up: [R, H] f32 or bf16 (one dtype); weights: optional [R]
+    (gradient returned in its dtype). Output in gate.dtype."""
+    up = up.astype(gate.dtype)
+    # Inside shard_map the inputs get one type (vary_together): e.g. weights that vary over
+    # fewer axes than the rows get their gradient summed over the others. Without weights the
+    # kernels get no_weights(), left alone (its cotangent is zeros of its own type).
+    if weights is None:
+        return _swiglu(*vary_together(gate, up), no_weights(), False)
+    # autodiff of the cast returns the weights' gradient in their own dtype
+    return _swiglu(*vary_together(gate, up, weights.astype(jnp.float32)), True)
+
+
 def swiglu(gate, up, weights=None, *, act: str = "silu", backend: str = "auto"):
     """Gated activation `act(gate) * up` (times an optional per-row weight).
 
     gate, up: [R, H]; weights: optional [R]. backend 'cuda' runs the fused SwiGLU kernels
-    (ops.cuda.swiglu: act='silu', float32 / bfloat16; otherwise the reference, with a warning).
+    (swiglu_cuda: act='silu', float32 / bfloat16; otherwise the reference, with a warning).
     """
     if gate.shape != up.shape:
         raise ValueError(f"gate and up must have one shape, got {gate.shape} and {up.shape}")
     if weights is not None and weights.shape != gate.shape[:1]:
         raise ValueError(f"weights must be [R={gate.shape[0]}], got {weights.shape}")
-    if resolve_backend(backend, "swiglu") == "cuda":
-        why = cuda.swiglu_unsupported(gate, act)
+    if _backend.op_backend(backend, "swiglu") == "cuda":
+        why = swiglu_unsupported(gate, act)
         if not why:
-            return cuda.swiglu(gate, up, weights)
-        cuda.warn_fallback("swiglu", why)
+            return swiglu_cuda(gate, up, weights)
+        _backend.warn_fallback("swiglu", why)
     return swiglu_reference(gate, up, weights, act=act)
