@@ -1,4 +1,4 @@
-"""Grouped GEMM benchmark: `python -m experiments.bench_grouped_gemm [--out FILE.json]`.
+"""Grouped GEMM benchmark: `python -m benchmarks.bench_grouped_gemm [--out FILE.json]`.
 
 On one GPU, times forward, dgrad and wgrad at the shapes
 
@@ -249,7 +249,7 @@ def pallas_fn(op: str, cfg):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.bench_grouped_gemm")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_grouped_gemm")
     ap.add_argument("--out", default="bench_grouped_gemm.json")
     ap.add_argument("--shapes", default="A,B,C")
     ap.add_argument("--dists", default=",".join(DISTS))
