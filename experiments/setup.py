@@ -1,0 +1,179 @@
+"""Setting an experiment up: validate and build its Fiddle config, make the device mesh.
+
+``prepare(cfg)`` validates everything that can be validated without compiling (sub-config
+fields, model vs data vs mesh) and returns a ``Prepared`` experiment: the built
+``ExperimentConfig``, the device mesh and the sharded model. ``experiments.loop.Trainer`` runs
+it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any
+
+import fiddle as fdl
+import jax
+import numpy as np
+
+import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
+from praxis import pax_fiddle
+
+from configs import base, models
+from experiments import data as data_lib
+
+
+class ConfigError(ValueError):
+    """An experiment config that cannot run; raised before anything is compiled."""
+
+
+# ------------------------------------------------------------------------------ prepare
+
+
+@dataclasses.dataclass
+class Prepared:
+    config: base.ExperimentConfig  # built; config.model is the (unbound) TransformerLm
+    mesh: Any  # jax.sharding.Mesh or AbstractMesh
+    model_config: pax_fiddle.Config  # the model config after mesh annotations
+    dataset: Any = None  # experiments.data.ByteDataset, read and split
+    layout: Any = None  # moe_praxis.EPLayout of the MoE layers (None: data parallel only)
+
+    @property
+    def model(self):
+        return self.config.model
+
+
+def _build_part(cfg, field: str):
+    part = getattr(cfg, field)
+    try:
+        return fdl.build(part) if isinstance(part, fdl.Buildable) else part
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--fdl.{field}: {e}") from e
+
+
+def make_mesh(mesh_cfg: base.MeshConfig, devices=None) -> jax.sharding.Mesh:
+    """The device mesh (-1 = the remaining devices) over ``devices`` (default all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_cfg.resolved_shape(len(devices))
+    return jax.sharding.Mesh(np.array(devices).reshape(shape), mesh_cfg.axis_names)
+
+
+def _annotate_model(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig,
+                    mesh_shape: tuple) -> None:
+    """Writes the mesh into the model config: Praxis's canonical sharding (weights over fsdp
+    and tp, activations' batch over the token axes) and the MoE layers' MeshResources and
+    expert-weight layout (expert dim over (ep, fsdp), hidden dim over tp).
+
+    A pure data-parallel mesh needs none of it (weights replicated, batch split by the jit
+    input sharding), so nothing is written then. Returns the MoE layers' ``EPLayout`` from
+    ``moe_praxis.ep_bootstrap`` (None when nothing was written)."""
+    if not (mesh_cfg.fsdp or mesh_cfg.ep or mesh_cfg.tp):
+        return None
+    from praxis.layers import transformer_models
+
+    def one(axes):
+        return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+    dp, fsdp, ep, tp = (one(mesh_cfg.role_axes(r)) for r in ("dp", "fsdp", "ep", "tp"))
+    token_axes = mesh_cfg.token_axes()
+    transformer_models.TransformerLm.set_sharding_params_v1(model_cfg,
+                                                            replica_axis=dp,
+                                                            data_axis=fsdp,
+                                                            mdl_axis=tp,
+                                                            ici_mesh_shape=list(mesh_shape),
+                                                            mesh_axis_names=list(
+                                                                mesh_cfg.axis_names),
+                                                            batch_axes=tuple(token_axes),
+                                                            training_optimized=True)
+    block = models.stack_block(model_cfg)
+    if not block.moe_layers:
+        return None
+    from moe_praxis import ep_bootstrap
+
+    resources = mesh_cfg.resources()
+    mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), tuple(mesh_cfg.axis_names))
+    try:  # resources.py is the one place that interprets the roles
+        layout = ep_bootstrap(mesh,
+                              resources,
+                              block.num_experts,
+                              d_model=model_cfg.model_dims,
+                              d_ff=block.moe_layer_tpl.hidden_dims or block.hidden_dims)
+    except ValueError as e:
+        raise ConfigError(f"--fdl.mesh: {e}") from e
+    specs = layout.weight_specs
+    moe = block.moe_layer_tpl
+    moe.mesh_resources = resources
+    moe.weight_split_dims_mapping.me = list(specs["router"])
+    moe.weight_split_dims_mapping.emh = list(specs["wi_up"])
+    moe.weight_split_dims_mapping.ehm = list(specs["wo"])
+    return layout
+
+
+def _validate(exp: base.ExperimentConfig, model_cfg, mesh_shape: tuple) -> None:
+    """Cross-part checks (each part validated its own fields when built)."""
+    lm = model_cfg
+    block = models.stack_block(lm)
+    nl = models.num_layers(lm)
+    if lm.vocab_size < data_lib.VOCAB_SIZE:
+        raise ConfigError(f"--fdl.model.vocab_size={lm.vocab_size} is invalid: byte-level data "
+                          f"needs at least {data_lib.VOCAB_SIZE}")
+    if block.dim_per_head is None and lm.model_dims % block.num_heads:
+        raise ConfigError(f"model_dims={lm.model_dims} is not divisible by num_heads="
+                          f"{block.num_heads} (or set dim_per_head)")
+    bad = [i for i in (block.moe_layers or []) if not 0 <= i < block.num_layers]
+    if bad:
+        raise ConfigError(f"moe_layers={list(block.moe_layers)} has indices {bad} outside "
+                          f"[0, num_layers={block.num_layers})")
+    if block.moe_layers:
+        k = block.moe_layer_tpl.num_experts_per_token
+        if not 1 <= k <= block.num_experts:
+            raise ConfigError(f"num_experts_per_token={k} must be in [1, num_experts="
+                              f"{block.num_experts}]")
+    # (experts vs the ep size and every other role check: ep_bootstrap, in _annotate_model)
+    sizes = dict(zip(exp.mesh.axis_names, mesh_shape))
+    tokens = math.prod(sizes[a] for a in exp.mesh.token_axes())
+    if exp.data.batch_size % tokens:
+        raise ConfigError(f"--fdl.data.batch_size={exp.data.batch_size} is not divisible by the "
+                          f"{tokens} devices of the token axes {exp.mesh.token_axes()} of mesh "
+                          f"{sizes}")
+    if nl < 1:
+        raise ConfigError(f"the model has {nl} layers; it needs at least 1")
+
+
+def prepare(cfg: pax_fiddle.Config, *, devices=None) -> Prepared:
+    """Validates and builds an experiment config and reads its data. No tracing, no
+    compilation. Raises ConfigError naming the problem.
+
+    devices: the devices of the mesh (default: all, over every process; fake host devices
+      for ``experiments.validate``).
+    """
+    if not isinstance(cfg, fdl.Buildable) or cfg.__fn_or_cls__ is not base.ExperimentConfig:
+        got = getattr(cfg, "__fn_or_cls__", type(cfg))
+        raise ConfigError(f"the experiment config must be a Config of "
+                          f"configs.base.ExperimentConfig, got one of {got!r}")
+    cfg = copy.deepcopy(cfg)
+    parts = {f: _build_part(cfg, f) for f in ("data", "optimizer", "mesh", "train")}
+    mesh_cfg = parts["mesh"]
+    try:
+        mesh = make_mesh(mesh_cfg, devices)
+    except ValueError as e:
+        raise ConfigError(f"--fdl.mesh: {e}") from e
+    mesh_shape = tuple(mesh.devices.shape)
+    model_cfg = cfg.model
+    if not isinstance(model_cfg, pax_fiddle.Config):
+        raise ConfigError(f"--fdl.model must be a pax_fiddle.Config of a TransformerLm, got "
+                          f"{type(model_cfg).__name__}")
+    exp_stub = base.ExperimentConfig(name=cfg.name, model=None, **parts)
+    layout = _annotate_model(model_cfg, mesh_cfg, mesh_shape)
+    _validate(exp_stub, model_cfg, mesh_shape)
+    try:
+        model = pax_fiddle.build(model_cfg)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--fdl.model: {e}") from e
+    exp = dataclasses.replace(exp_stub, model=model)
+    try:
+        dataset = data_lib.load_dataset(exp.data)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--fdl.data: {e}") from e
+    return Prepared(config=exp, mesh=mesh, model_config=model_cfg, dataset=dataset, layout=layout)
