@@ -17,10 +17,10 @@ import fiddle as fdl
 import jax
 import numpy as np
 
-import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
+import moe_praxis  # (also: Praxis shims before praxis is imported)
 from praxis import pax_fiddle
 
-from configs import base, models
+from configs import base, models, sharding
 from experiments import data as data_lib
 
 
@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 class Prepared:
     config: base.ExperimentConfig  # built; config.model is the (unbound) TransformerLm
     mesh: Any  # jax.sharding.Mesh or AbstractMesh
-    model_config: pax_fiddle.Config  # the model config after mesh annotations
+    model_config: pax_fiddle.Config  # the model config, sharded by the experiment config
     dataset: Any = None  # experiments.data.ByteDataset, read and split
     layout: Any = None  # moe_praxis.EPLayout of the MoE layers (None: data parallel only)
 
@@ -59,55 +59,73 @@ def make_mesh(mesh_cfg: base.MeshConfig, devices=None) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices).reshape(shape), mesh_cfg.axis_names)
 
 
-def _annotate_model(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig,
-                    mesh_shape: tuple) -> None:
-    """Writes the mesh into the model config: Praxis's canonical sharding (weights over fsdp
-    and tp, activations' batch over the token axes) and the MoE layers' MeshResources and
-    expert-weight layout (expert dim over (ep, fsdp), hidden dim over tp).
+def _fits(written, shape: tuple) -> bool:
+    """Whether a model's ici_mesh_shape describes ``shape`` (a -1 stands for any size)."""
+    return written is not None and len(written) == len(shape) and all(
+        w in (-1, s) for w, s in zip(written, shape))
 
-    A pure data-parallel mesh needs none of it (weights replicated, batch split by the jit
-    input sharding), so nothing is written then. Returns the MoE layers' ``EPLayout`` from
-    ``moe_praxis.ep_bootstrap`` (None when nothing was written)."""
-    if not (mesh_cfg.fsdp or mesh_cfg.ep or mesh_cfg.tp):
+
+def _fill_mesh_shape(node, written: list, shape: list) -> None:
+    """Replaces ``written`` (a mesh shape with a -1) by the resolved ``shape`` in every
+    ``ici_mesh_shape`` of a model config: Praxis copies the shape into each sub-layer."""
+    if isinstance(node, fdl.Buildable):
+        if "ici_mesh_shape" in node.__arguments__ and node.ici_mesh_shape is not None and list(
+                node.ici_mesh_shape) == written:
+            node.ici_mesh_shape = list(shape)
+        children = node.__arguments__.values()
+    elif isinstance(node, (list, tuple)):
+        children = node
+    elif isinstance(node, dict):
+        children = node.values()
+    else:
+        return
+    for child in children:
+        _fill_mesh_shape(child, written, shape)
+
+
+def _check_sharding(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig, mesh_shape: tuple):
+    """Checks the sharding that the experiment config wrote into the model
+    (``configs.sharding.annotate``) against the mesh, fills a -1 of its mesh shape in, and
+    validates the MoE layers' roles on the real mesh with ``moe_praxis.ep_bootstrap`` (the one
+    call per built step). Nothing the config wrote is changed, so ``--fdl`` overrides of
+    sharding fields stand. Returns the MoE layers' ``EPLayout`` (None without one)."""
+    sizes = dict(zip(mesh_cfg.axis_names, mesh_shape))
+    fix = ("the model's sharding is written when the experiment config is built; set the mesh "
+           "with a fiddler (--fiddler='use_mesh(shape=..., ep=...)', use_expert_parallel, "
+           "use_fsdp_expert_parallel) or an experiment's MESH_* knobs, not --fdl.mesh overrides")
+    written = model_cfg.mesh_axis_names
+    if written is None:
+        if sharding.is_sharded(mesh_cfg):
+            raise ConfigError(f"--fdl.mesh: mesh {sizes} shards over fsdp, ep or tp but the "
+                              f"model carries no sharding: {fix}")
         return None
-    from praxis.layers import transformer_models
-
-    def one(axes):
-        return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-
-    dp, fsdp, ep, tp = (one(mesh_cfg.role_axes(r)) for r in ("dp", "fsdp", "ep", "tp"))
-    token_axes = mesh_cfg.token_axes()
-    transformer_models.TransformerLm.set_sharding_params_v1(model_cfg,
-                                                            replica_axis=dp,
-                                                            data_axis=fsdp,
-                                                            mdl_axis=tp,
-                                                            ici_mesh_shape=list(mesh_shape),
-                                                            mesh_axis_names=list(
-                                                                mesh_cfg.axis_names),
-                                                            batch_axes=tuple(token_axes),
-                                                            training_optimized=True)
+    if tuple(written) != tuple(
+            mesh_cfg.axis_names) or not _fits(model_cfg.ici_mesh_shape, mesh_shape):
+        raise ConfigError(f"--fdl.mesh: the model is sharded for mesh axes {list(written)} of "
+                          f"shape {model_cfg.ici_mesh_shape}, the experiment's mesh is {sizes}: "
+                          f"{fix}")
+    if list(model_cfg.ici_mesh_shape) != list(mesh_shape):
+        _fill_mesh_shape(model_cfg, list(model_cfg.ici_mesh_shape), list(mesh_shape))
     block = models.stack_block(model_cfg)
     if not block.moe_layers:
         return None
-    from moe_praxis import ep_bootstrap
-
-    resources = mesh_cfg.resources()
+    written = block.moe_layer_tpl.mesh_resources
+    try:
+        written = fdl.build(written) if isinstance(written, fdl.Buildable) else written
+    except ValueError as e:
+        raise ConfigError(f"the MoE layers' mesh_resources: {e}") from e
+    if written != mesh_cfg.resources:
+        raise ConfigError(f"--fdl.mesh: the MoE layers' mesh_resources {written} are not the "
+                          f"mesh's {mesh_cfg.resources}: {fix}")
     mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), tuple(mesh_cfg.axis_names))
     try:  # resources.py is the one place that interprets the roles
-        layout = ep_bootstrap(mesh,
-                              resources,
-                              block.num_experts,
-                              d_model=model_cfg.model_dims,
-                              d_ff=block.moe_layer_tpl.hidden_dims or block.hidden_dims)
+        return moe_praxis.ep_bootstrap(mesh,
+                                       mesh_cfg.resources,
+                                       block.num_experts,
+                                       d_model=model_cfg.model_dims,
+                                       d_ff=block.moe_layer_tpl.hidden_dims or block.hidden_dims)
     except ValueError as e:
         raise ConfigError(f"--fdl.mesh: {e}") from e
-    specs = layout.weight_specs
-    moe = block.moe_layer_tpl
-    moe.mesh_resources = resources
-    moe.weight_split_dims_mapping.me = list(specs["router"])
-    moe.weight_split_dims_mapping.emh = list(specs["wi_up"])
-    moe.weight_split_dims_mapping.ehm = list(specs["wo"])
-    return layout
 
 
 def _validate(exp: base.ExperimentConfig, model_cfg, mesh_shape: tuple) -> None:
@@ -130,12 +148,13 @@ def _validate(exp: base.ExperimentConfig, model_cfg, mesh_shape: tuple) -> None:
         if not 1 <= k <= block.num_experts:
             raise ConfigError(f"num_experts_per_token={k} must be in [1, num_experts="
                               f"{block.num_experts}]")
-    # (experts vs the ep size and every other role check: ep_bootstrap, in _annotate_model)
+    # (experts vs the ep size and every other role check: ep_bootstrap, in _check_sharding)
     sizes = dict(zip(exp.mesh.axis_names, mesh_shape))
-    tokens = math.prod(sizes[a] for a in exp.mesh.token_axes())
+    token_axes = exp.mesh.resources.token_axes
+    tokens = math.prod(sizes[a] for a in token_axes)
     if exp.data.batch_size % tokens:
         raise ConfigError(f"--fdl.data.batch_size={exp.data.batch_size} is not divisible by the "
-                          f"{tokens} devices of the token axes {exp.mesh.token_axes()} of mesh "
+                          f"{tokens} devices of the token axes {token_axes} of mesh "
                           f"{sizes}")
     if nl < 1:
         raise ConfigError(f"the model has {nl} layers; it needs at least 1")
@@ -165,7 +184,7 @@ def prepare(cfg: pax_fiddle.Config, *, devices=None) -> Prepared:
         raise ConfigError(f"--fdl.model must be a pax_fiddle.Config of a TransformerLm, got "
                           f"{type(model_cfg).__name__}")
     exp_stub = base.ExperimentConfig(name=cfg.name, model=None, **parts)
-    layout = _annotate_model(model_cfg, mesh_cfg, mesh_shape)
+    layout = _check_sharding(model_cfg, mesh_cfg, mesh_shape)
     _validate(exp_stub, model_cfg, mesh_shape)
     try:
         model = pax_fiddle.build(model_cfg)

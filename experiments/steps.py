@@ -74,7 +74,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
     tx, schedule = make_optimizer(exp.optimizer, exp.train.num_steps)
     b, s = exp.data.batch_size, exp.data.seq_len
     # The batch is split over the token axes exactly as the MoE block splits its tokens.
-    token_axes = prep.layout.token_axes if prep.layout is not None else exp.mesh.token_axes()
+    token_axes = exp.mesh.resources.token_axes
     batch_spec = P(token_axes if token_axes else None, None)
     batch_sharding = jax.sharding.NamedSharding(mesh, batch_spec)
     fake = {

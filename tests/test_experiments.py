@@ -158,11 +158,13 @@ def test_invalid_config_stops_before_compilation(arg, pattern, monkeypatch):
 
 def test_mesh_errors_come_from_ep_bootstrap():
     cfg = experiments.tiny()
-    cfg.mesh = experiments.fdl.Config(base.MeshConfig,
-                                      shape=(2, 4),
-                                      axis_names=("data", "ex"),
-                                      dp="data",
-                                      ep="ex")
+    experiments.use_mesh(
+        cfg,
+        experiments.fdl.Config(base.MeshConfig,
+                               shape=(2, 4),
+                               axis_names=("data", "ex"),
+                               dp="data",
+                               ep="ex"))
     cfg.model.stacked_transformer_tpl.num_experts = 6
     with pytest.raises(setup.ConfigError, match=r"num_experts=6.*ep"):
         setup.prepare(cfg)
@@ -173,18 +175,64 @@ def test_mesh_errors_come_from_ep_bootstrap():
 
 def test_expert_parallel_mesh_annotates_the_moe_layer():
     cfg = experiments.tiny()
-    cfg.mesh = experiments.fdl.Config(base.MeshConfig,
-                                      shape=(2, 2, 2),
-                                      axis_names=("data", "fsdp", "ex"),
-                                      dp="data",
-                                      fsdp="fsdp",
-                                      ep="ex")
+    experiments.use_mesh(
+        cfg,
+        experiments.fdl.Config(base.MeshConfig,
+                               shape=(2, 2, 2),
+                               axis_names=("data", "fsdp", "ex"),
+                               dp="data",
+                               fsdp="fsdp",
+                               ep="ex"))
     prep = setup.prepare(cfg)
     moe = prep.model_config.stacked_transformer_tpl.moe_layer_tpl
     assert moe.mesh_resources.ep == "ex" and moe.mesh_resources.fsdp == "fsdp"
     # ep before fsdp on the expert dimension (DESIGN.md), from ep_bootstrap's weight specs.
     assert list(moe.weight_split_dims_mapping.emh)[0] == ("ex", "fsdp")
     assert list(moe.weight_split_dims_mapping.ehm)[0] == ("ex", "fsdp")
+
+
+MOE_TPL = "model.stacked_transformer_tpl.moe_layer_tpl"
+
+
+def test_sharding_is_written_by_the_config_and_fdl_overrides_win():
+    """The model's sharding is part of the experiment config (written before --fdl overrides):
+    an override of a sharding field reaches the built model unchanged, and a mesh given by a
+    fiddler is written with its roles."""
+    emh = "[('fsdp', 'expert'), None, None]"
+    parse("--fiddler=use_fsdp_expert_parallel(dp=2, fsdp=2, ep=2)",
+          f"--fdl.{MOE_TPL}.weight_split_dims_mapping.emh={emh}",
+          f"--fdl.{MOE_TPL}.weight_split_dims_mapping.me=[None, 'fsdp']")
+    cfg, _ = main_lib.config_from_flags()
+    moe_cfg = cfg.model.stacked_transformer_tpl.moe_layer_tpl
+    assert moe_cfg.mesh_resources.ep == "expert" and moe_cfg.mesh_resources.fsdp == "fsdp"
+    assert list(moe_cfg.weight_split_dims_mapping.ehm) == [("expert", "fsdp"), None, None]
+    prep = setup.prepare(cfg)
+    for moe in (prep.model_config.stacked_transformer_tpl.moe_layer_tpl,
+                prep.model.stacked_transformer_tpl.moe_layer_tpl):
+        assert list(moe.weight_split_dims_mapping.emh) == [("fsdp", "expert"), None, None]
+        assert list(moe.weight_split_dims_mapping.me) == [None, "fsdp"]
+        assert list(moe.weight_split_dims_mapping.ehm) == [("expert", "fsdp"), None, None]
+    assert prep.layout.token_axes == ("data", "fsdp", "expert")
+
+
+def test_mesh_override_after_the_sharding_was_written_is_refused():
+    """A mesh changed by --fdl.mesh overrides (after the config wrote the model's sharding for
+    its own mesh) is refused with the fix, instead of training with stale sharding."""
+    parse("--fiddler=use_expert_parallel(ep=2)", "--fdl.mesh.shape=(2, 4)")
+    cfg, _ = main_lib.config_from_flags()
+    with pytest.raises(setup.ConfigError,
+                       match=r"sharded for mesh axes \['data', 'expert'\] "
+                       r"of shape \[-1, 2\].*use_mesh"):
+        setup.prepare(cfg)
+    parse("--fdl.mesh.shape=(4, 2)", "--fdl.mesh.axis_names=('data', 'expert')",
+          "--fdl.mesh.ep='expert'")
+    cfg, _ = main_lib.config_from_flags()
+    with pytest.raises(setup.ConfigError, match=r"model carries no sharding.*use_mesh"):
+        setup.prepare(cfg)
+    parse("--fiddler=use_mesh(shape=(4, 2), axis_names=('data', 'expert'), ep='expert')")
+    cfg, _ = main_lib.config_from_flags()
+    prep = setup.prepare(cfg)
+    assert prep.layout.ep_size == 2 and list(prep.model_config.ici_mesh_shape) == [4, 2]
 
 
 # --------------------------------------------------------------------------------- data

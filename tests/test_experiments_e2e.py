@@ -242,7 +242,7 @@ def test_expert_parallel_meshes_train_like_data_parallel():
     def losses(mesh):
         cfg = experiments.tiny()
         cfg.data.batch_size, cfg.data.seq_len = 8, 32
-        cfg.mesh = mesh
+        experiments.use_mesh(cfg, mesh)
         prep = setup.prepare(cfg)
         fns = steps.make_step_fns(prep)
         ds = data_lib.load_dataset(prep.config.data)
