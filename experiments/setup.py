@@ -87,8 +87,8 @@ def _check_sharding(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig, mes
     """Checks the sharding that the experiment config wrote into the model
     (``configs.sharding.annotate``) against the mesh, fills a -1 of its mesh shape in, and
     validates the MoE layers' roles on the real mesh with ``moe_praxis.ep_bootstrap`` (the one
-    call per built step). Nothing the config wrote is changed, so ``--fdl`` overrides of
-    sharding fields stand. Returns the MoE layers' ``EPLayout`` (None without one)."""
+    call per built step). Apart from the size of a -1 axis, nothing the config wrote is
+    changed, so ``--fdl`` overrides of sharding fields stand. Returns the MoE layers' ``EPLayout`` (None without one)."""
     sizes = dict(zip(mesh_cfg.axis_names, mesh_shape))
     fix = ("the model's sharding is written when the experiment config is built; set the mesh "
            "with a fiddler (--fiddler='use_mesh(shape=..., ep=...)', use_expert_parallel, "
@@ -99,8 +99,8 @@ def _check_sharding(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig, mes
             raise ConfigError(f"--fdl.mesh: mesh {sizes} shards over fsdp, ep or tp but the "
                               f"model carries no sharding: {fix}")
         return None
-    if tuple(written) != tuple(
-            mesh_cfg.axis_names) or not _fits(model_cfg.ici_mesh_shape, mesh_shape):
+    same_axes = tuple(written) == tuple(mesh_cfg.axis_names)
+    if not same_axes or not _fits(model_cfg.ici_mesh_shape, mesh_shape):
         raise ConfigError(f"--fdl.mesh: the model is sharded for mesh axes {list(written)} of "
                           f"shape {model_cfg.ici_mesh_shape}, the experiment's mesh is {sizes}: "
                           f"{fix}")
@@ -109,14 +109,15 @@ def _check_sharding(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig, mes
     block = models.stack_block(model_cfg)
     if not block.moe_layers:
         return None
-    written = block.moe_layer_tpl.mesh_resources
+    moe_resources = block.moe_layer_tpl.mesh_resources
     try:
-        written = fdl.build(written) if isinstance(written, fdl.Buildable) else written
+        if isinstance(moe_resources, fdl.Buildable):
+            moe_resources = fdl.build(moe_resources)
     except ValueError as e:
         raise ConfigError(f"the MoE layers' mesh_resources: {e}") from e
-    if written != mesh_cfg.resources:
-        raise ConfigError(f"--fdl.mesh: the MoE layers' mesh_resources {written} are not the "
-                          f"mesh's {mesh_cfg.resources}: {fix}")
+    if moe_resources != mesh_cfg.resources:
+        raise ConfigError(f"--fdl.mesh: the MoE layers' mesh_resources {moe_resources} are not "
+                          f"the mesh's {mesh_cfg.resources}: {fix}")
     mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), tuple(mesh_cfg.axis_names))
     try:  # resources.py is the one place that interprets the roles
         return moe_praxis.ep_bootstrap(mesh,
