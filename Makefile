@@ -31,10 +31,10 @@ kernels: install
 	$(PY) -m moe_praxis.build_kernels
 
 format: install
-	$(VENV)/bin/yapf -i -r moe_praxis configs experiments tests
+	$(VENV)/bin/yapf -i -r moe_praxis configs experiments benchmarks tests
 
 lint: install
-	$(VENV)/bin/yapf --diff -r moe_praxis configs experiments tests
+	$(VENV)/bin/yapf --diff -r moe_praxis configs experiments benchmarks tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

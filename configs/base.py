@@ -3,8 +3,8 @@
 An experiment config is ``pax_fiddle.Config(ExperimentConfig, model=..., data=..., ...)``; every
 leaf can be overridden from the command line (``--fdl.train.num_steps=50``,
 ``--fdl.model.stacked_transformer_tpl.num_layers=4``). Building it validates every field here
-(``__post_init__``) before anything is traced or compiled; ``validate_experiment`` adds the
-checks that need more than one part (model vs data, model vs mesh).
+(``__post_init__``) before anything is traced or compiled; ``experiments.setup.prepare`` adds
+the checks that need more than one part (model vs data, model vs mesh).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any, Optional, Sequence, Union
+
+from moe_praxis import MeshResources
 
 DATA_SOURCES = ("pydoc", "synthetic", "text")
 SCHEDULES = ("cosine", "constant", "linear")
@@ -111,9 +113,12 @@ class MeshConfig:
       default mesh ``(-1,)`` is data parallel over whatever devices the machine has).
     axis_names: one name per axis.
     dp, fsdp, ep, tp: the axis (name, tuple of names, or None) playing each role, exactly the
-      fields of ``moe_praxis.MeshResources``; ``resources()`` builds it.
+      fields of ``moe_praxis.MeshResources``, which ``resources`` holds.
     fsdp_dim: MeshResources.fsdp_dim: fsdp shards the expert weights' 'expert' dimension
       (after ep) or their 'model' (d_model) dimension.
+
+    The roles are interpreted by ``moe_praxis.resources`` only: building a MeshConfig builds its
+    ``MeshResources`` and checks the roles against the axis names there.
     """
 
     shape: tuple = (-1, )
@@ -130,35 +135,29 @@ class MeshConfig:
         object.__setattr__(self, "axis_names", names)
         if len(shape) != len(names) or not shape:
             raise _bad("MeshConfig", "shape", shape, f"needs one size per axis name {names}")
-        if len(set(names)) != len(names):
-            raise _bad("MeshConfig", "axis_names", names, "names must be distinct")
         if sum(1 for s in shape if s == -1) > 1:
             raise _bad("MeshConfig", "shape", shape, "at most one axis may be -1")
         for s in shape:
             if not isinstance(s, int) or (s < 1 and s != -1):
                 raise _bad("MeshConfig", "shape", shape, "sizes are positive ints or one -1")
-        if self.fsdp_dim not in ("expert", "model"):
-            raise _bad("MeshConfig", "fsdp_dim", self.fsdp_dim, "valid: ('expert', 'model')")
-        seen = {}
-        for role in ("dp", "fsdp", "ep", "tp"):
-            for axis in self.role_axes(role):
-                if axis not in names:
-                    raise _bad("MeshConfig", role, getattr(self, role),
-                               f"axis {axis!r} is not a mesh axis; axes are {names}")
-                if axis in seen:
-                    raise _bad("MeshConfig", role, getattr(self, role),
-                               f"axis {axis!r} already plays {seen[axis]!r}")
-                seen[axis] = role
+        try:
+            resources = MeshResources(dp=self.dp,
+                                      fsdp=self.fsdp,
+                                      ep=self.ep,
+                                      tp=self.tp,
+                                      fsdp_dim=self.fsdp_dim)
+            resources.check_axis_names(names)
+        except ValueError as e:
+            # The user set these through MeshConfig's fields (--fdl.mesh.ep=...): name them so.
+            msg = str(e).replace("MeshResources.", "MeshConfig.")
+            raise ValueError(("MeshConfig." if msg.startswith("axis_names=") else "") +
+                             msg) from None
+        object.__setattr__(self, "_resources", resources)
 
-    def role_axes(self, role: str) -> tuple:
-        v = getattr(self, role)
-        if v is None:
-            return ()
-        return (v, ) if isinstance(v, str) else tuple(v)
-
-    def token_axes(self) -> tuple:
-        """The axes the batch is split over: dp, fsdp and ep together (DESIGN.md)."""
-        return self.role_axes("dp") + self.role_axes("fsdp") + self.role_axes("ep")
+    @property
+    def resources(self) -> MeshResources:
+        """The ``moe_praxis.MeshResources`` naming these roles."""
+        return self._resources
 
     def resolved_shape(self, num_devices: int) -> tuple:
         """The shape with -1 replaced; raises if it does not use exactly ``num_devices``."""
@@ -172,16 +171,6 @@ class MeshConfig:
             raise ValueError(f"MeshConfig.shape={self.shape} needs {fixed} devices; this job has "
                              f"{num_devices} (use -1 for 'the rest')")
         return self.shape
-
-    def resources(self):
-        """The ``moe_praxis.MeshResources`` naming these roles."""
-        import moe_praxis
-
-        return moe_praxis.MeshResources(dp=self.dp,
-                                        fsdp=self.fsdp,
-                                        ep=self.ep,
-                                        tp=self.tp,
-                                        fsdp_dim=self.fsdp_dim)
 
 
 @dataclasses.dataclass(frozen=True)

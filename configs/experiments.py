@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import fiddle as fdl
 from praxis import pax_fiddle
 
-from configs import base, meshes, models
+from configs import base, meshes, models, sharding
 from configs.registry import register, short_name
 
 
@@ -130,14 +130,17 @@ class LanguageModel:
                           seed=self.SEED)
 
     def experiment_config(self) -> pax_fiddle.Config:
-        """The whole experiment as one Fiddle config (nothing built yet)."""
-        return pax_fiddle.Config(base.ExperimentConfig,
-                                 name=short_name(type(self)),
-                                 model=self.model(),
-                                 data=self.data(),
-                                 optimizer=self.optimizer(),
-                                 mesh=self.mesh(),
-                                 train=self.train())
+        """The whole experiment as one Fiddle config (nothing built yet), the model's
+        sharding written from the mesh (``configs.sharding.annotate``)."""
+        cfg = pax_fiddle.Config(base.ExperimentConfig,
+                                name=short_name(type(self)),
+                                model=self.model(),
+                                data=self.data(),
+                                optimizer=self.optimizer(),
+                                mesh=self.mesh(),
+                                train=self.train())
+        sharding.annotate(cfg)
+        return cfg
 
 
 @register
@@ -210,8 +213,8 @@ class DeepSeekV3(LanguageModel):
     NUM_EXPERTS = 256
     TOP_K = 8
     AUX_LOSS_COEFF = 1e-4
-    # fine-grained experts (H=2048): the fused gate/up GEMM measured 1.02-1.04x fwd+bwd at
-    # the grouped GEMM benchmark's shape B (E=32, K=7168, H=2048; docs/grouped_gemm.md)
+    # fine-grained experts (H=2048): the fused gate/up GEMM pays where H is small, with the
+    # backward (docs/grouped_gemm.md, "Fused gate/up")
     FUSE_GATE_UP = True
     REPEAT = True
     REMAT = True
@@ -263,9 +266,26 @@ def use_synthetic_data(cfg: pax_fiddle.Config) -> None:
     cfg.data.source = "synthetic"
 
 
+def use_mesh(cfg: pax_fiddle.Config, mesh: Optional[fdl.Config] = None, **fields) -> None:
+    """Fiddler (--fiddler='use_mesh(shape=(4, 2))'): set the experiment's mesh and rewrite the
+    model's sharding for it.
+
+    mesh: a ``fdl.Config(MeshConfig)`` (e.g. from ``configs.meshes``) replacing the mesh;
+    fields: MeshConfig fields changed on the (new) mesh (shape, axis_names, dp, fsdp, ep, tp,
+    fsdp_dim). Change the mesh this way rather than by ``--fdl.mesh.X=`` overrides, which come
+    after the model's sharding was written: the trainer refuses a model sharded for another
+    mesh than the experiment's.
+    """
+    if mesh is not None:
+        cfg.mesh = mesh
+    for name, value in fields.items():
+        setattr(cfg.mesh, name, value)
+    sharding.annotate(cfg)
+
+
 def use_expert_parallel(cfg: pax_fiddle.Config, ep: int = 2) -> None:
     """Fiddler (--fiddler='use_expert_parallel(ep=4)'): mesh data (the rest) x expert (ep)."""
-    cfg.mesh = meshes.expert_parallel(ep)
+    use_mesh(cfg, meshes.expert_parallel(ep))
 
 
 def use_fsdp_expert_parallel(cfg: pax_fiddle.Config,
@@ -275,4 +295,4 @@ def use_fsdp_expert_parallel(cfg: pax_fiddle.Config,
                              fsdp_dim: str = "expert") -> None:
     """Fiddler (--fiddler='use_fsdp_expert_parallel(dp=2, fsdp=2, ep=2)'): data x fsdp x
     expert mesh."""
-    cfg.mesh = meshes.fsdp_expert_parallel(dp, fsdp, ep, fsdp_dim)
+    use_mesh(cfg, meshes.fsdp_expert_parallel(dp, fsdp, ep, fsdp_dim))

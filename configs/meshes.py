@@ -1,8 +1,10 @@
 """Mesh presets: a mesh shape, its axis names and the role of each axis (MeshResources).
 
 Each returns ``fdl.Config(MeshConfig)``; ``-1`` is "every device the others leave". The roles
-are interpreted in one place only, ``moe_praxis.resources`` (``MeshConfig.resources()``
-builds the ``MeshResources``; the trainer asks ``ep_bootstrap`` for the expert layout).
+are interpreted in one place only, ``moe_praxis.resources`` (a built ``MeshConfig`` holds its
+``MeshResources``; ``configs.sharding`` and the trainer ask ``ep_bootstrap`` for the expert
+layout). Give one to an experiment with ``configs.experiments.use_mesh``, which also rewrites
+the model's sharding.
 """
 
 from __future__ import annotations

@@ -205,14 +205,14 @@ def main(argv) -> int:
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
         logging.set_verbosity(logging.WARNING)
     cfg, name = config_from_flags()
-    from experiments import train
+    from experiments import loop, setup
 
     init_distributed(_NUM_PROCESSES.value, _PROCESS_ID.value, _COORDINATOR.value)
     import jax
 
     try:
-        prep = train.prepare(cfg)
-    except train.ConfigError as e:
+        prep = setup.prepare(cfg)
+    except setup.ConfigError as e:
         raise UsageError(f"invalid config: {e}") from None
     job_log_dir = Path(_JOB_LOG_DIR.value or Path("runs") / name).absolute()
     chief = jax.process_index() == 0
@@ -222,18 +222,18 @@ def main(argv) -> int:
             f"experiment {name}: {jax.device_count()} {jax.devices()[0].platform} devices in "
             f"{jax.process_count()} process(es), mesh {mesh}; job_log_dir {job_log_dir}",
             flush=True)
-    trainer = train.Trainer(prep, job_log_dir, progress=not _NO_PROGRESS.value)
+    trainer = loop.Trainer(prep, job_log_dir, progress=not _NO_PROGRESS.value)
     if _MODE.value == "eval":
         try:
             result = trainer.evaluate_latest()
-        except (FileNotFoundError, train.ConfigError) as e:
+        except (FileNotFoundError, setup.ConfigError) as e:
             raise UsageError(str(e)) from None
         if chief:
             print(json.dumps(result, indent=1))
         return 0
     try:
         result = trainer.run()
-    except train.ConfigError as e:
+    except setup.ConfigError as e:
         raise UsageError(str(e)) from None
     if chief:
         first, last = result.get("first_eval"), result.get("last_eval")

@@ -21,7 +21,7 @@ import fiddle as fdl
 import jax
 import numpy as np
 
-from experiments import train
+from experiments import setup, steps
 
 
 def _per_device_bytes(abstract_state) -> int:
@@ -40,8 +40,8 @@ def validate(cfg, devices=None) -> dict:
         # A preset with a fixed mesh shape uses the first prod(shape) fake devices.
         shape = tuple(fdl.build(cfg.mesh).shape) if isinstance(cfg.mesh, fdl.Buildable) else ()
         devices = jax.devices()[:math.prod(shape)] if shape and -1 not in shape else None
-    prep = train.prepare(cfg, devices=devices)
-    fns = train.make_step_fns(prep)
+    prep = setup.prepare(cfg, devices=devices)
+    fns = steps.make_step_fns(prep)
     exp = prep.config
     b, s = exp.data.batch_size, exp.data.seq_len
     batch = {

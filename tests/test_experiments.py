@@ -17,7 +17,7 @@ from fiddle._src.absl_flags import legacy_flags as fdl_legacy
 from configs import base, experiments, registry
 from experiments import data as data_lib
 from experiments import main as main_lib
-from experiments import train
+from experiments import metrics, setup, steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,39 +152,87 @@ def test_invalid_config_stops_before_compilation(arg, pattern, monkeypatch):
     parse(arg)
     cfg, _ = main_lib.config_from_flags()
     monkeypatch.setattr(jax, "jit", no_jit)
-    with pytest.raises(train.ConfigError, match=pattern):
-        train.prepare(cfg)
+    with pytest.raises(setup.ConfigError, match=pattern):
+        setup.prepare(cfg)
 
 
 def test_mesh_errors_come_from_ep_bootstrap():
     cfg = experiments.tiny()
-    cfg.mesh = experiments.fdl.Config(base.MeshConfig,
-                                      shape=(2, 4),
-                                      axis_names=("data", "ex"),
-                                      dp="data",
-                                      ep="ex")
+    experiments.use_mesh(
+        cfg,
+        experiments.fdl.Config(base.MeshConfig,
+                               shape=(2, 4),
+                               axis_names=("data", "ex"),
+                               dp="data",
+                               ep="ex"))
     cfg.model.stacked_transformer_tpl.num_experts = 6
-    with pytest.raises(train.ConfigError, match=r"num_experts=6.*ep"):
-        train.prepare(cfg)
+    with pytest.raises(setup.ConfigError, match=r"num_experts=6.*ep"):
+        setup.prepare(cfg)
     cfg.mesh.shape = (3, 4)
-    with pytest.raises(train.ConfigError, match=r"needs 12 devices; this job has 8"):
-        train.prepare(cfg)
+    with pytest.raises(setup.ConfigError, match=r"needs 12 devices; this job has 8"):
+        setup.prepare(cfg)
 
 
 def test_expert_parallel_mesh_annotates_the_moe_layer():
     cfg = experiments.tiny()
-    cfg.mesh = experiments.fdl.Config(base.MeshConfig,
-                                      shape=(2, 2, 2),
-                                      axis_names=("data", "fsdp", "ex"),
-                                      dp="data",
-                                      fsdp="fsdp",
-                                      ep="ex")
-    prep = train.prepare(cfg)
+    experiments.use_mesh(
+        cfg,
+        experiments.fdl.Config(base.MeshConfig,
+                               shape=(2, 2, 2),
+                               axis_names=("data", "fsdp", "ex"),
+                               dp="data",
+                               fsdp="fsdp",
+                               ep="ex"))
+    prep = setup.prepare(cfg)
     moe = prep.model_config.stacked_transformer_tpl.moe_layer_tpl
     assert moe.mesh_resources.ep == "ex" and moe.mesh_resources.fsdp == "fsdp"
     # ep before fsdp on the expert dimension (DESIGN.md), from ep_bootstrap's weight specs.
     assert list(moe.weight_split_dims_mapping.emh)[0] == ("ex", "fsdp")
     assert list(moe.weight_split_dims_mapping.ehm)[0] == ("ex", "fsdp")
+
+
+MOE_TPL = "model.stacked_transformer_tpl.moe_layer_tpl"
+
+
+def test_sharding_is_written_by_the_config_and_fdl_overrides_win():
+    """The model's sharding is part of the experiment config (written before --fdl overrides):
+    an override of a sharding field reaches the built model unchanged, and a mesh given by a
+    fiddler is written with its roles."""
+    emh = "[('fsdp', 'expert'), None, None]"
+    parse("--fiddler=use_fsdp_expert_parallel(dp=2, fsdp=2, ep=2)",
+          f"--fdl.{MOE_TPL}.weight_split_dims_mapping.emh={emh}",
+          f"--fdl.{MOE_TPL}.weight_split_dims_mapping.me=[None, 'fsdp']")
+    cfg, _ = main_lib.config_from_flags()
+    moe_cfg = cfg.model.stacked_transformer_tpl.moe_layer_tpl
+    assert moe_cfg.mesh_resources.ep == "expert" and moe_cfg.mesh_resources.fsdp == "fsdp"
+    assert list(moe_cfg.weight_split_dims_mapping.ehm) == [("expert", "fsdp"), None, None]
+    prep = setup.prepare(cfg)
+    for moe in (prep.model_config.stacked_transformer_tpl.moe_layer_tpl,
+                prep.model.stacked_transformer_tpl.moe_layer_tpl):
+        assert list(moe.weight_split_dims_mapping.emh) == [("fsdp", "expert"), None, None]
+        assert list(moe.weight_split_dims_mapping.me) == [None, "fsdp"]
+        assert list(moe.weight_split_dims_mapping.ehm) == [("expert", "fsdp"), None, None]
+    assert prep.layout.token_axes == ("data", "fsdp", "expert")
+
+
+def test_mesh_override_after_the_sharding_was_written_is_refused():
+    """A mesh changed by --fdl.mesh overrides (after the config wrote the model's sharding for
+    its own mesh) is refused with the fix, instead of training with stale sharding."""
+    parse("--fiddler=use_expert_parallel(ep=2)", "--fdl.mesh.shape=(2, 4)")
+    cfg, _ = main_lib.config_from_flags()
+    with pytest.raises(setup.ConfigError,
+                       match=r"sharded for mesh axes \['data', 'expert'\] "
+                       r"of shape \[-1, 2\].*use_mesh"):
+        setup.prepare(cfg)
+    parse("--fdl.mesh.shape=(4, 2)", "--fdl.mesh.axis_names=('data', 'expert')",
+          "--fdl.mesh.ep='expert'")
+    cfg, _ = main_lib.config_from_flags()
+    with pytest.raises(setup.ConfigError, match=r"model carries no sharding.*use_mesh"):
+        setup.prepare(cfg)
+    parse("--fiddler=use_mesh(shape=(4, 2), axis_names=('data', 'expert'), ep='expert')")
+    cfg, _ = main_lib.config_from_flags()
+    prep = setup.prepare(cfg)
+    assert prep.layout.ep_size == 2 and list(prep.model_config.ici_mesh_shape) == [4, 2]
 
 
 # --------------------------------------------------------------------------------- data
@@ -284,7 +332,7 @@ def test_expert_load_from_summaries_stacked_and_repeated():
             for l in (0, 2)
         }
     }
-    got = np.asarray(train.expert_load(stacked, 3))
+    got = np.asarray(metrics.expert_load(stacked, 3))
     np.testing.assert_allclose(got[[0, 2]], loads[[0, 2]], rtol=1e-6)
     assert np.all(np.isnan(got[1]))  # a dense layer
     repeated = {
@@ -301,8 +349,8 @@ def test_expert_load_from_summaries_stacked_and_repeated():
             }
         }
     }
-    np.testing.assert_allclose(np.asarray(train.expert_load(repeated, 3)), loads, rtol=1e-6)
-    assert train.expert_load({"a": {"b_scalar": 1.0}}, 2) is None
+    np.testing.assert_allclose(np.asarray(metrics.expert_load(repeated, 3)), loads, rtol=1e-6)
+    assert metrics.expert_load({"a": {"b_scalar": 1.0}}, 2) is None
 
 
 def test_read_metrics_keeps_the_last_record_per_step_and_plot(tmp_path):
@@ -312,11 +360,11 @@ def test_read_metrics_keeps_the_last_record_per_step_and_plot(tmp_path):
     recs += [{"kind": "eval", "step": s, "heldout_loss": 4.0 - 0.02 * s} for s in (0, 10, 20)]
     recs += [{"kind": "expert_load", "step": 20, "load": np.full((2, 8), 0.125).tolist()}]
     p.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
-    got = train.read_metrics(p)
+    got = metrics.read_metrics(p)
     steps12 = [r for r in got if r["kind"] == "train" and r["step"] == 12]
     assert len(steps12) == 1 and steps12[0]["xent"] == 1.5
     assert [r["step"] for r in got] == sorted(r["step"] for r in got)
-    png = train.plot_summary(p, tmp_path / "s.png", title="t")
+    png = metrics.plot_summary(p, tmp_path / "s.png", title="t")
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10000
 
@@ -330,7 +378,7 @@ def test_optimizer_clips_and_schedules():
                                end_lr_fraction=0.1,
                                clip_norm=0.5,
                                weight_decay=0.0)
-    _, sched = train.make_optimizer(opt, num_steps=110)
+    _, sched = steps.make_optimizer(opt, num_steps=110)
     assert float(sched(0)) == 0.0 and abs(float(sched(10)) - 1.0) < 1e-6
     assert abs(float(sched(60)) - (0.1 + 0.9 * 0.5)) < 1e-5  # half way down the cosine
     assert abs(float(sched(110)) - 0.1) < 1e-6
@@ -342,7 +390,7 @@ def test_optimizer_clips_and_schedules():
                                eps=1.0,
                                clip_norm=0.5,
                                weight_decay=0.0)
-    tx, sched = train.make_optimizer(opt, num_steps=10)
+    tx, sched = steps.make_optimizer(opt, num_steps=10)
     params = {"w": jnp.zeros(2)}
     g = {"w": jnp.array([3.0, 4.0])}  # global norm 5
     upd, _ = tx.update(g, tx.init(params), params)
@@ -403,8 +451,8 @@ def test_docs_list_every_registered_experiment():
 def test_missing_text_path_is_a_config_error(tmp_path):
     parse("--fdl.data.source='text'", f"--fdl.data.path='{tmp_path / 'missing'}'")
     cfg, _ = main_lib.config_from_flags()
-    with pytest.raises(train.ConfigError, match=r"--fdl.data: .*missing' is neither a file"):
-        train.prepare(cfg)
+    with pytest.raises(setup.ConfigError, match=r"--fdl.data: .*missing' is neither a file"):
+        setup.prepare(cfg)
 
 
 def test_docs_list_every_knob():
@@ -429,7 +477,7 @@ def test_fdl_config_file_round_trip(tmp_path):
         want.train.num_steps = 3
         assert cfg == want and name == want.name
         if fn is experiments.tiny:
-            assert train.prepare(cfg).config.train.num_steps == 3  # the loaded config builds
+            assert setup.prepare(cfg).config.train.num_steps == 3  # the loaded config builds
 
 
 def test_current_mesh_inside_jit_is_the_concrete_mesh():

@@ -43,7 +43,7 @@ def run_main(args, *, devices=1, check=True, timeout=300):
 
 
 def records(job_dir, kind):
-    from experiments.train import read_metrics
+    from experiments.metrics import read_metrics
 
     return [r for r in read_metrics(Path(job_dir) / "metrics.jsonl") if r["kind"] == kind]
 
@@ -234,22 +234,23 @@ def test_expert_parallel_meshes_train_like_data_parallel():
     import jax
 
     from configs import experiments, meshes
-    from experiments import train
+    from experiments import data as data_lib
+    from experiments import setup, steps
 
     assert jax.device_count() == 8
 
     def losses(mesh):
         cfg = experiments.tiny()
         cfg.data.batch_size, cfg.data.seq_len = 8, 32
-        cfg.mesh = mesh
-        prep = train.prepare(cfg)
-        fns = train.make_step_fns(prep)
-        ds = train.data_lib.load_dataset(prep.config.data)
+        experiments.use_mesh(cfg, mesh)
+        prep = setup.prepare(cfg)
+        fns = steps.make_step_fns(prep)
+        ds = data_lib.load_dataset(prep.config.data)
         out = []
         with jax.set_mesh(prep.mesh):
             state = fns.init(jax.random.key(0))
             for step in range(3):
-                state, m = fns.train(state, train.put_batch(ds.train_batch(step),
+                state, m = fns.train(state, steps.put_batch(ds.train_batch(step),
                                                             fns.batch_sharding))
                 out.append([float(m["loss"]), float(m["aux_loss"])])
         return np.array(out), prep

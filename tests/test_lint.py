@@ -13,7 +13,7 @@ def test_tree_is_yapf_formatted():
     pytest.importorskip("yapf", reason="yapf comes with the dev extra (make install)")
     r = subprocess.run([
         sys.executable, "-m", "yapf", "--diff", "-r", "moe_praxis", "configs", "experiments",
-        "tests"
+        "benchmarks", "tests"
     ],
                        cwd=ROOT,
                        capture_output=True,

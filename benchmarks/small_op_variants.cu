@@ -2,7 +2,7 @@
 // (T = 16384, E = 64, f32 probs, int32 counts: the bench_kernels sizes). Not part of the
 // library: the experiment behind the aux-loss launch shapes in kernels/aux_loss.cu and the
 // latency floor in docs/kernels.md.
-//   nvcc -O3 -arch=sm_90a -std=c++17 -o /tmp/sov experiments/small_op_variants.cu && /tmp/sov
+//   nvcc -O3 -arch=sm_90a -std=c++17 -o /tmp/sov benchmarks/small_op_variants.cu && /tmp/sov
 // Three timings per variant, each the median of 7 batches:
 //   b2b   - 200 launches back to back between two events, per launch (launch-rate bound at
 //           this size: an empty kernel measured 3.5 us);

@@ -2,7 +2,7 @@
 # One call on the GPU machine for the CUDA kernels: load the carried library (or build it), run
 # the GPU tests (pytest-timeout per test, so a hang names its test), then the kernel benchmark;
 # everything is logged under $OUT.
-#   bash experiments/kernels_device_run.sh [TEST_BUDGET_S] [BENCH_BUDGET_S] [PYTEST_ARGS...]
+#   bash benchmarks/kernels_device_run.sh [TEST_BUDGET_S] [BENCH_BUDGET_S] [PYTEST_ARGS...]
 # BENCH_BUDGET_S=0 skips the benchmarks; NCU_CASES="case,case" adds an Nsight Compute pass over
 # those bench cases (ncu segfaulted under JAX on 2026-11-29); GG_BENCH_S=N adds the grouped GEMM
 # benchmark with an N-second limit (GG_BENCH_ARGS: its options, e.g. "--skip ragged,tiles"),
@@ -46,21 +46,21 @@ done
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if [ -n "$NCU" ] && [ -n "${NCU_CASES:-}" ]; then
   timeout 150 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv \
-    --log-file "$OUT/ncu.csv" python3 -m experiments.bench_kernels --only "$NCU_CASES" --n 1 \
+    --log-file "$OUT/ncu.csv" python3 -m benchmarks.bench_kernels --only "$NCU_CASES" --n 1 \
     --reps 1 --no-copy-bw --hlo-dir /tmp/hlo --out /tmp/ncu_bench.json > /tmp/ncu_run.log 2>&1
   echo "ncu rc=$? ($(wc -l < "$OUT/ncu.csv") lines)"; tail -3 /tmp/ncu_run.log
   tar czf "$OUT/hlo.tgz" -C /tmp hlo 2>/dev/null
 fi
-timeout "$BENCH_T" python3 -m experiments.bench_kernels --device-time --out "$OUT/bench_kernels.json" 2>&1 \
+timeout "$BENCH_T" python3 -m benchmarks.bench_kernels --device-time --out "$OUT/bench_kernels.json" 2>&1 \
   | tee "$OUT/bench.log" | tail -26
 echo "bench rc=$?"
 if [ "${GATE_UP_BENCH_S:-0}" -gt 0 ]; then
-  timeout "$GATE_UP_BENCH_S" python3 -m experiments.bench_gate_up --out "$OUT/bench_gate_up.json" \
+  timeout "$GATE_UP_BENCH_S" python3 -m benchmarks.bench_gate_up --out "$OUT/bench_gate_up.json" \
     2>&1 | tee "$OUT/bench_gate_up.log" | tail -10
   echo "gate/up bench rc=$?"
 fi
 if [ "${GG_BENCH_S:-0}" -gt 0 ]; then
-  timeout "$GG_BENCH_S" python3 -m experiments.bench_grouped_gemm --out "$OUT/bench_grouped_gemm.json" \
+  timeout "$GG_BENCH_S" python3 -m benchmarks.bench_grouped_gemm --out "$OUT/bench_grouped_gemm.json" \
     ${GG_BENCH_ARGS:-} \
     2>&1 | tee "$OUT/bench_gg.log" | tail -30
   echo "grouped GEMM bench rc=$?"

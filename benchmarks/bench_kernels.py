@@ -1,4 +1,4 @@
-"""CUDA kernel benchmark: `python -m experiments.bench_kernels [--out FILE.json]`.
+"""CUDA kernel benchmark: `python -m benchmarks.bench_kernels [--out FILE.json]`.
 
 Times each moe_praxis CUDA kernel against its XLA reference (the pure-JAX op, jitted) at
 T=16384 tokens, E=64 experts, k=8, d=4096 (SwiGLU rows R=T*k of width --hidden, default 2048),

@@ -1,7 +1,7 @@
 // Standalone timing of SwiGLU backward variants (bf16, R = 131072 x H = 2048), cudaEvent,
 // median of 20 after 5 warm-ups; prints us and TB/s (5 arrays moved) per variant. Not part of
 // the library: the experiment behind kRowUnroll in kernels/swiglu.cu (docs/kernels.md).
-//   nvcc -O3 -arch=sm_90a -std=c++17 -o /tmp/swb experiments/swiglu_bwd_variants.cu && /tmp/swb
+//   nvcc -O3 -arch=sm_90a -std=c++17 -o /tmp/swb benchmarks/swiglu_bwd_variants.cu && /tmp/swb
 #include <cuda_bf16.h>
 #include <cstdio>
 #include <vector>

@@ -1,4 +1,4 @@
-"""Grouped GEMM benchmark: `python -m experiments.bench_grouped_gemm [--out FILE.json]`.
+"""Grouped GEMM benchmark: `python -m benchmarks.bench_grouped_gemm [--out FILE.json]`.
 
 On one GPU, times forward, dgrad and wgrad at the shapes
 
@@ -75,7 +75,7 @@ PALLAS_CONFIGS = {
 }
 PALLAS_CONFIGS["dgrad"] = PALLAS_CONFIGS["fwd"]
 # Our configurations timed at every point (the chosen one is timed too if not among them).
-# (Swizzles 2, 4, 8 were timed until 2026-11-30: the same kernel as 1, docs/grouped_gemm.md.)
+# (Swizzles 2, 4, 8 run the same kernel as 1 here: docs/grouped_gemm.md, "Raster and swizzle".)
 SWEEP = [
     gg.config_name(2, 0),
     gg.config_name(2, 1),
@@ -249,7 +249,7 @@ def pallas_fn(op: str, cfg):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.bench_grouped_gemm")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_grouped_gemm")
     ap.add_argument("--out", default="bench_grouped_gemm.json")
     ap.add_argument("--shapes", default="A,B,C")
     ap.add_argument("--dists", default=",".join(DISTS))

@@ -1,9 +1,9 @@
 """Benchmark: fused gate/up + SwiGLU (MoEConfig.fuse_gate_up) against the unfused path.
 
-    python -m experiments.bench_gate_up [--out bench_gate_up.json] [--shapes A,B,C]
+    python -m benchmarks.bench_gate_up [--out bench_gate_up.json] [--shapes A,B,C]
 
 On one GPU, for the issue's grouped GEMM shapes (E, M, K, N) with H = N (so the unfused path
-is two of the grouped GEMMs of experiments.bench_grouped_gemm plus the SwiGLU kernel, the
+is two of the grouped GEMMs of benchmarks.bench_grouped_gemm plus the SwiGLU kernel, the
 fused one a grouped GEMM of N = 2H with the SwiGLU in its epilogue), balanced and skewed group
 sizes (the same as bench_grouped_gemm), with routing weights:
   fwd:      unfused  gate = gg(x, wi_gate), up = gg(x, wi_up), act = swiglu(gate, up, w)
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_grouped_gemm import SHAPES, group_sizes, rel_err, time_fn
+from benchmarks.bench_grouped_gemm import SHAPES, group_sizes, rel_err, time_fn
 from moe_praxis import ops
 from moe_praxis.ops import gate_up
 
@@ -51,7 +51,7 @@ def _unfused_fwd(x, wg, wu, w, gs):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.bench_gate_up")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_gate_up")
     ap.add_argument("--out", default="bench_gate_up.json")
     ap.add_argument("--shapes", default="A,B,C")
     ap.add_argument("--dists", default="balanced,skewed")

@@ -1,0 +1,151 @@
+"""What a run writes and reads back: metrics.jsonl, TensorBoard events, the summary plot, and
+the expert load gathered from the MoE layers' summaries."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+_LOAD_RE = re.compile(r"moe_expert_load_(\d+)_scalar$")
+_LAYER_RE = re.compile(r"x_layers_(\d+)$")
+
+
+def _flat_summaries(tree, prefix=()):
+    if isinstance(tree, dict) or hasattr(tree, "items"):
+        for k, v in tree.items():
+            yield from _flat_summaries(v, prefix + (str(k), ))
+    else:
+        yield prefix, tree
+
+
+def expert_load(summaries, num_layers: int, layers_per_block: int = 1):
+    """[num_layers, E] fraction of routed token copies per expert, from the layers'
+    ``moe_expert_load_{e}`` summaries (rows of dense layers are NaN); None if there are none.
+
+    StackedTransformer: layer l's summaries sit under ``x_layers_{l}``. The repeated stack
+    stacks its block's summaries along a leading repeat dimension: layer = repeat index *
+    layers_per_block + the index inside the block."""
+    found = {}
+    for path, v in _flat_summaries(summaries):
+        m = _LOAD_RE.search(path[-1])
+        if not m:
+            continue
+        e = int(m.group(1))
+        inner = next((int(_LAYER_RE.match(p).group(1)) for p in path if _LAYER_RE.match(p)), 0)
+        vals = jnp.asarray(v, jnp.float32).reshape(-1)
+        if vals.shape[0] == 1:
+            found[(inner, e)] = vals[0]
+        else:
+            for r in range(vals.shape[0]):
+                found[(r * layers_per_block + inner, e)] = vals[r]
+    if not found:
+        return None
+    num_e = max(e for _, e in found) + 1
+    rows = [[found.get((li, e), jnp.float32(jnp.nan)) for e in range(num_e)]
+            for li in range(num_layers)]
+    return jnp.asarray(rows, jnp.float32)
+
+
+class MetricsWriter:
+    """metrics.jsonl + TensorBoard events, written by process 0 only."""
+
+    def __init__(self, job_log_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.path = job_log_dir / "metrics.jsonl"
+        self.tb_dir = job_log_dir / "tensorboard"
+        self._file = None
+        self._tb = None
+        if enabled:
+            job_log_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.tb_dir))
+
+    def write(self, kind: str, step: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        rec = {"kind": kind, "step": int(step), "time": time.time()}
+        for k, v in values.items():
+            v = np.asarray(v)
+            rec[k] = v.tolist() if v.ndim else float(v)
+            if v.ndim == 0:
+                self._tb.add_scalar(f"{kind}/{k}", float(v), int(step))
+            elif v.ndim == 2:  # the [layers, experts] load as a grey image (white = max)
+                img = np.nan_to_num(v.astype(np.float32))
+                self._tb.add_image(f"{kind}/{k}",
+                                   img / max(float(img.max()), 1e-9),
+                                   int(step),
+                                   dataformats="HW")
+        self._file.write(json.dumps(rec) + "\n")
+
+    def close(self):
+        if self.enabled:
+            self._file.close()
+            self._tb.flush()
+            self._tb.close()
+
+
+def read_metrics(path) -> list[dict]:
+    """metrics.jsonl records, keeping the LAST record of each (kind, step) (a restarted run may
+    repeat steps done after its last checkpoint), sorted by step."""
+    latest = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                latest[(rec["kind"], rec["step"])] = rec
+    return sorted(latest.values(), key=lambda r: (r["step"], r["kind"]))
+
+
+def plot_summary(metrics_path, png_path, title: str = "") -> Path:
+    """Loss curves (train xent, held-out loss) and the expert-load heatmap (layers x experts,
+    fraction of routed token copies, latest record) from metrics.jsonl, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = read_metrics(metrics_path)
+    train = [r for r in recs if r["kind"] == "train"]
+    ev = [r for r in recs if r["kind"] == "eval"]
+    loads = [r for r in recs if r["kind"] == "expert_load"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax = axes[0]
+    if train:
+        ax.plot([r["step"] for r in train], [r["xent"] for r in train],
+                lw=0.8,
+                label="train cross-entropy")
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["heldout_loss"] for r in ev],
+                "o-",
+                label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats / byte")
+    ax.set_title(f"{title} loss".strip())
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax = axes[1]
+    if loads:
+        mat = np.array(loads[-1]["load"], dtype=float)
+        im = ax.imshow(mat, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
+        if mat.shape[0] <= 64:
+            ax.set_yticks(range(mat.shape[0]))
+        if mat.shape[1] <= 32:
+            ax.set_xticks(range(mat.shape[1]))
+        ax.set_xlabel("expert")
+        ax.set_ylabel("layer")
+        ax.set_title(f"expert load at step {loads[-1]['step']} (fraction of routed tokens)")
+        fig.colorbar(im, ax=ax)
+    else:
+        ax.text(0.5, 0.5, "no expert-load summaries", ha="center", va="center")
+        ax.set_axis_off()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return Path(png_path)

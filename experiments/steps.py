@@ -1,0 +1,208 @@
+"""The jitted step functions: init, train and eval with explicit shardings, and the optimizer.
+
+- The state {step, params, opt_state, non_trainable} is sharded by Praxis's ``WeightHParams``
+  split mappings for parameters, the same for the optimizer's moments; the batch is split over
+  every token axis (dp, fsdp, ep).
+- A train step: loss = TransformerLm's ``total_loss`` = mean next-byte cross-entropy + every aux
+  loss the layers registered (``mutable=[aux_loss, summaries, non_trainable]``), global-norm
+  clipping, AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
+from praxis import base_layer, py_utils
+
+from configs import base, models
+from experiments.metrics import expert_load
+from experiments.setup import Prepared
+
+P = jax.sharding.PartitionSpec
+NestedMap = py_utils.NestedMap
+MUTABLE = [base_layer.AUX_LOSS, base_layer.SUMMARIES, base_layer.NON_TRAINABLE]
+
+
+def _model_inputs(batch):
+    ids = batch["ids"]
+    paddings = jnp.zeros(ids.shape, jnp.float32)
+    labels = NestedMap(class_ids=batch["labels"], class_weights=batch["weights"])
+    return ids, paddings, labels
+
+
+def make_optimizer(opt: base.OptimizerConfig, num_steps: int) -> optax.GradientTransformation:
+    """clip_by_global_norm(clip_norm) -> AdamW(schedule). Returns (transformation, schedule)."""
+    decay = opt.decay_steps or num_steps
+    lr, w = opt.learning_rate, opt.warmup_steps
+    if opt.schedule == "constant":
+        after = optax.constant_schedule(lr)
+    elif opt.schedule == "cosine":
+        after = optax.cosine_decay_schedule(lr, max(decay - w, 1), alpha=opt.end_lr_fraction)
+    else:
+        after = optax.linear_schedule(lr, lr * opt.end_lr_fraction, max(decay - w, 1))
+    # Linear warmup from 0 over w steps, then the decay over the remaining decay - w steps.
+    sched = after if w == 0 else optax.join_schedules([optax.linear_schedule(0.0, lr, w), after],
+                                                      [w])
+    chain = [optax.clip_by_global_norm(opt.clip_norm)] if opt.clip_norm > 0 else []
+    chain.append(
+        optax.adamw(sched, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay))
+    return optax.chain(*chain), sched
+
+
+@dataclasses.dataclass
+class StepFns:
+    init: Any
+    train: Any
+    eval: Any
+    state_sharding: Any
+    batch_sharding: Any
+    abstract_state: Any
+    schedule: Any
+
+
+def make_step_fns(prep: Prepared) -> StepFns:
+    """Jitted init / train / eval with explicit shardings (nothing is compiled yet)."""
+    exp, model, mesh = prep.config, prep.model, prep.mesh
+    nl = models.num_layers(prep.model_config)
+    lpb = models.stack_block(prep.model_config).num_layers
+    tx, schedule = make_optimizer(exp.optimizer, exp.train.num_steps)
+    b, s = exp.data.batch_size, exp.data.seq_len
+    # The batch is split over the token axes exactly as the MoE block splits its tokens.
+    token_axes = exp.mesh.resources.token_axes
+    batch_spec = P(token_axes if token_axes else None, None)
+    batch_sharding = jax.sharding.NamedSharding(mesh, batch_spec)
+    fake = {
+        "ids": jax.ShapeDtypeStruct((b, s), jnp.int32),
+        "labels": jax.ShapeDtypeStruct((b, s), jnp.int32),
+        "weights": jax.ShapeDtypeStruct((b, s), jnp.float32)
+    }
+
+    def init_fn(key):
+        ids, paddings, labels = _model_inputs({
+            k: jnp.zeros(v.shape, v.dtype)
+            for k, v in fake.items()
+        })
+        k1, k2 = jax.random.split(key)
+        variables = model.init({
+            base_layer.PARAMS: k1,
+            base_layer.RANDOM: k2
+        },
+                               ids,
+                               paddings,
+                               labels=labels)
+        params = variables[base_layer.PARAMS]
+        rest = {k: v for k, v in variables.items() if k == base_layer.NON_TRAINABLE}
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": tx.init(params),
+            "non_trainable": rest
+        }
+
+    # Shardings: Praxis's WeightHParams split mappings when the model has a mesh, else
+    # replicated parameters.
+    with jax.set_mesh(mesh):
+        abstract = jax.eval_shape(init_fn, jax.random.key(0))
+    if getattr(model, "ici_mesh_shape", None) is not None:
+        ids, paddings, labels = _model_inputs(fake)
+        with jax.set_mesh(mesh):
+            var_hparams = model.abstract_init_with_metadata(ids, paddings, labels=labels)
+        specs = base_layer.var_partition_specs(var_hparams,
+                                               mesh_shape=model.ici_mesh_shape,
+                                               device_axis_names=model.mesh_axis_names)
+        param_specs = specs[base_layer.PARAMS]
+        nt_specs = {k: specs[k] for k in abstract["non_trainable"]}
+    else:
+        param_specs = jax.tree_util.tree_map(lambda _: P(), abstract["params"])
+        nt_specs = jax.tree_util.tree_map(lambda _: P(), abstract["non_trainable"])
+    opt_specs = optax.tree_map_params(tx,
+                                      lambda _, spec: spec,
+                                      abstract["opt_state"],
+                                      param_specs,
+                                      transform_non_params=lambda _: P(),
+                                      is_leaf=lambda x: isinstance(x, P))
+    specs = {"step": P(), "params": param_specs, "opt_state": opt_specs, "non_trainable": nt_specs}
+    state_sharding = jax.tree_util.tree_map(lambda sp: jax.sharding.NamedSharding(mesh, sp),
+                                            specs,
+                                            is_leaf=lambda x: isinstance(x, P))
+    replicated = jax.sharding.NamedSharding(mesh, P())
+
+    def loss_fn(params, non_trainable, batch, key, do_eval):
+        ids, paddings, labels = _model_inputs(batch)
+        ctx = base_layer.JaxContext.HParams(do_eval=do_eval)
+        with base_layer.JaxContext.new_context(hparams=ctx):
+            out, updated = model.apply({
+                base_layer.PARAMS: params,
+                **non_trainable
+            },
+                                       ids,
+                                       paddings,
+                                       labels=labels,
+                                       rngs={base_layer.RANDOM: key},
+                                       mutable=MUTABLE)
+        return out.total_loss, (out, updated)
+
+    def train_fn(state, batch):
+        step = state["step"]
+        key = jax.random.fold_in(jax.random.key(exp.train.seed + 1), step)
+        (loss, (out, updated)), grads = jax.value_and_grad(loss_fn,
+                                                           has_aux=True)(state["params"],
+                                                                         state["non_trainable"],
+                                                                         batch, key, False)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        nt = {k: updated.get(k, v) for k, v in state["non_trainable"].items()}
+        metrics = {
+            "loss": loss,
+            "xent": out.avg_xent,
+            "aux_loss": out.get("aux_loss", jnp.zeros(())),
+            "grad_norm": optax.global_norm(grads),
+            "learning_rate": schedule(step),
+        }
+        load = expert_load(updated.get(base_layer.SUMMARIES, {}), nl, lpb)
+        if load is not None:
+            metrics["expert_load"] = load
+        new_state = {
+            "step": step + 1,
+            "params": params,
+            "opt_state": opt_state,
+            "non_trainable": nt
+        }
+        return new_state, metrics
+
+    def eval_fn(state, batch):
+        loss, (out, _) = loss_fn(state["params"], state["non_trainable"], batch, jax.random.key(0),
+                                 True)
+        return {"xent": out.avg_xent}
+
+    init = jax.jit(init_fn, out_shardings=state_sharding)
+    train = jax.jit(train_fn,
+                    in_shardings=(state_sharding, batch_sharding),
+                    out_shardings=(state_sharding, replicated),
+                    donate_argnums=0)
+    evaluate = jax.jit(eval_fn,
+                       in_shardings=(state_sharding, batch_sharding),
+                       out_shardings=replicated)
+    abstract_state = jax.tree_util.tree_map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, state_sharding)
+    return StepFns(init=init,
+                   train=train,
+                   eval=evaluate,
+                   state_sharding=state_sharding,
+                   batch_sharding=batch_sharding,
+                   abstract_state=abstract_state,
+                   schedule=schedule)
+
+
+def put_batch(batch: dict, sharding) -> dict:
+    """Global numpy batch -> global jax arrays; each process fills only its own shards."""
+    return {
+        k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+        for k, v in batch.items()
+    }
