@@ -17,7 +17,7 @@ namespace {
 // memset); pass 2 (one block) adds the partials in a fixed order and scales: the loss is
 // bitwise reproducible from call to call.
 constexpr int kFwdThreads = 512;
-constexpr int kMaxPartials = 512;  // the workspace output's length (ops/cuda.py)
+constexpr int kMaxPartials = 512;  // the workspace output's length (AUX_PARTIALS, ops/aux_loss.py)
 constexpr int kBwdThreads = 256;
 
 // The column of element `idx` (a 32-bit modulo when the index fits;
@@ -88,11 +88,11 @@ __global__ void __launch_bounds__(kFwdThreads)
 }
 
 // Backward when E is a power of two (every E in practice): one thread per 16-byte vector, no
-// loop, the column a mask. GPU time at T = 16384, E = 64 f32 on the H200: 2.31 us (XLA's
-// broadcast fusion 2.30), where the same kernel with a 32-bit modulo by the run-time E (the
-// first thing each thread does) took 2.52 and the general kernel below 2.54; 128 or 512
-// threads, or two vectors per thread, were no faster, and CUTLASS's FastDivmod in place of
-// the modulo took 2.56 (docs/kernels.md).
+// loop, the column a mask. On the H200 this matched XLA's broadcast fusion, where the same
+// kernel with a 32-bit modulo by the run-time E (the first thing each thread does) and the
+// general kernel below were slower; 128 or 512 threads, or two vectors per thread, were no
+// faster, and CUTLASS's FastDivmod in place of the modulo was slower again
+// (benchmarks/results/kernels_history.md, "aux_loss.cu: aux_loss_bwd_pow2_kernel").
 template <typename T, typename F, int VEC>
 __global__ void __launch_bounds__(kBwdThreads)
     aux_loss_bwd_pow2_kernel(const float* __restrict__ g, const F* __restrict__ f,
@@ -111,8 +111,8 @@ __global__ void __launch_bounds__(kBwdThreads)
 }
 
 // Backward (write-only): one thread per 16-byte vector (grid-stride beyond 2112 blocks).
-// (264 blocks of 512 threads looping over the vectors measured 2.8 us against 2.6 for this
-// shape on the H200, T = 16384, E = 64.)
+// (A fixed grid of 512-thread blocks looping over the vectors measured slower on the H200:
+// benchmarks/results/kernels_history.md, "aux_loss.cu: aux_loss_bwd_kernel launch shape".)
 template <typename T, typename F, int VEC>
 __global__ void __launch_bounds__(kBwdThreads)
     aux_loss_bwd_kernel(const float* __restrict__ g, const F* __restrict__ f,

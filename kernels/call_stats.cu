@@ -1,7 +1,7 @@
 // Call statistics for tests: how many grouped GEMM handler calls ran, and how many of them ran
 // while their stream was being captured into a CUDA graph (XLA command buffers record FFI
 // handlers that declare kCmdBufferCompatible by stream capture). Read through ctypes by
-// moe_praxis.ops.cuda.call_stats(); a relaxed atomic add and cudaStreamIsCapturing per call.
+// moe_praxis.ops._library.call_stats(); a relaxed atomic add and cudaStreamIsCapturing per call.
 #include <cuda_runtime.h>
 
 #include <atomic>

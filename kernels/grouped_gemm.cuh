@@ -105,13 +105,13 @@ struct Adaptive {
   static constexpr int kDgradCostPct = kDgradCostPctV;
 };
 // 64x256 ping-pong against 128x256 cooperative on balanced groups, where neither wastes a tile
-// (wall clock, shapes A, B, C, H200): 2x1 clusters 1.04x-1.07x (2026-11-29; 1.07x in profiler
-// kernel time at B and C); 1x1 clusters, two runs of 2026-11-30: fwd 1.05x-1.11x (mean 1.08),
-// dgrad 1.00x-1.06x (mean 1.03). One factor for both ops mispicked on the benchmark's skewed
-// sizes (105 took 64x256 for the forward at B, measured 4-7% slower with 1x1 clusters and 2-5%
-// with 2x1; 107 would take 128x256 for dgrad at C, 2.5-9% slower), so each op has its own:
-// 108 for the forwards (plain and fused), 105 for dgrad (its mean of 1.03 would take 64x256 for
-// dgrad at B skewed, measured 3% slower). The wave count is the coarse part of the model.
+// (wall clock, the benchmark's shapes, H200): ping-pong takes longer per FLOP, more so in the
+// forwards than in dgrad. One factor for both ops mispicked on the benchmark's skewed sizes (a
+// lower one took 64x256 for a forward where it was slower, a higher one would take 128x256 for
+// a dgrad where that was slower), so each op has its own: 108 for the forwards (plain and
+// fused), 105 for dgrad (above dgrad's balanced mean, which would take 64x256 for a skewed dgrad
+// where it was slower). The wave count is the coarse part of the model. The measurements:
+// benchmarks/results/kernels_history.md, "grouped_gemm.cuh: AdaptiveWideThin cost factors".
 using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 108, 105>;
 // tiles 5-7: the same with 1x2 clusters; 8-10: with 1x1 clusters (kernels/grouped_gemm.cuh
 // dispatch_tile; TILE_CONFIGS in moe_praxis/ops/grouped_gemm.py).

@@ -3,7 +3,7 @@
 // Conventions (see moe_praxis/build_kernels.py for the build side):
 //   * Handlers are small adapters from XLA FFI buffers to one kernel launch; each is defined
 //     with XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXxx, ...) and listed by name -> symbol in the ONE
-//     table moe_praxis/ops/cuda.py:KERNELS.
+//     table moe_praxis/ops/_library.py:KERNELS.
 //   * Every CUDA call goes through MOE_CUDA_CHECK / MOE_LAUNCH_CHECK, which turn a CUDA error
 //     into an ffi::Error that names the call, the file and the line (XLA raises it in Python).
 //   * Shape checks return MOE_INVALID("...") errors naming the offending value.

@@ -8,8 +8,10 @@
 // Both build the inverse map (CSR: per-token row lists) in an explicit int32 workspace output
 // of 2 * T + 4 + R elements (XLA's scratch allocator is not used):
 //   permute (rows of >= 512 bytes): one block per token reads x[t] ONCE and writes it to each of
-//     its rows (the row-major gather read each token k times: 0.42 of copy bandwidth on the
-//     H200); rows mapped outside [0, T) form one extra "sink" list that a few blocks zero.
+//     its rows (the row-major gather read each token k times and measured far below copy
+//     bandwidth on the H200: benchmarks/results/kernels_history.md, "permute.cu:
+//     permute_tokens_kernel"); rows mapped outside [0, T) form one extra "sink" list that a few
+//     blocks zero.
 //     Narrower rows keep the row-major gather (no CSR).
 //   unpermute: sorts each token's rows, then one thread per 16-byte output vector sums its
 //     token's rows in increasing row order (deterministic).
@@ -120,7 +122,8 @@ __global__ void histogram_kernel(const int32_t* __restrict__ row_map, int32_t* _
 // In-place inclusive scan of n ints by one block; also copies the result to `copy`. Tiles of
 // 4 * kScanThreads ints: each thread scans 4 consecutive ints (coalesced across the block),
 // warps scan the thread totals with shuffles, a running carry links the tiles. (A thread-per-
-// chunk version made strided, latency-bound loads: ~20 us at T = 16384.)
+// chunk version made strided, latency-bound loads: benchmarks/results/kernels_history.md,
+// "permute.cu: scan_kernel".)
 __global__ void __launch_bounds__(kScanThreads)
     scan_kernel(int32_t* __restrict__ a, int32_t* __restrict__ copy, int64_t n) {
   constexpr int kWarpsScan = kScanThreads / 32;

@@ -5,7 +5,8 @@
 // token's group holds experts e = l + LANES * j (j < VPT), so the group reads a token's logits
 // coalesced. The launcher picks LANES so that VPT is about 8 (E = 64: 8 lanes, 4 tokens per
 // warp): the k rounds of arg-max then need log2(LANES) shuffle steps, not 5. (One warp per
-// token at E = 64 made the forward instruction-bound: 40 us at T = 16384 on the H200.)
+// token at E = 64 made the forward instruction-bound on the H200:
+// benchmarks/results/kernels_history.md, "router.cu: LANES per token".)
 // Group-limited routing needs num_expert_groups <= LANES (the launcher raises LANES).
 // Ties in the selection go to the lower expert index (jax.lax.top_k's order). Limits (checked;
 // the Python side falls back to the reference beyond them): E <= 512, k <= 8,

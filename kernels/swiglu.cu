@@ -18,7 +18,8 @@ namespace {
 // sigmoid in f32. For bf16 inputs and outputs the fast intrinsics (ex2.approx, approximate
 // division: ~2 ulp of f32) are used: their error is far below the one rounding of the output to
 // bf16 (8 mantissa bits), and the accurate expf + IEEE division made the bf16 forward
-// instruction-bound (0.77x XLA on the H200, 2026-11-29). f32 keeps the accurate functions (its
+// instruction-bound and slower than XLA on the H200 (benchmarks/results/kernels_history.md,
+// "swiglu.cu: sigmoid_t<__nv_bfloat16>"). f32 keeps the accurate functions (its
 // tests compare at 1e-6). Large |g|: __expf(-g) -> inf gives __fdividef(1, inf) = 0, as expected.
 template <typename T>
 __device__ __forceinline__ float sigmoid_t(float g) {
@@ -52,10 +53,10 @@ __device__ __forceinline__ void put_grads(Vec<T, VEC>* dg, Vec<T, VEC>* du, Vec<
 
 constexpr int kFlatThreads = 256;
 constexpr int kUnroll = 4;
-// The unweighted backward: one 8-byte vector per thread (XLA's loop-fusion access width). On the
-// H200 (2026-11-30, experiments/swiglu_bwd_variants.cu, R = 131072, H = 2048 bf16) 8-byte x 1
-// measured 629.6-630.3 us against 641.3-641.7 for 16-byte x 4 (the kernel before) and 634.2 for
-// 16-byte x 1; XLA's fusion ran 618.4 us in JAX against our 628.4.
+// The unweighted backward: one 8-byte vector per thread (XLA's loop-fusion access width):
+// measured faster than one or four 16-byte vectors per thread on the H200
+// (benchmarks/swiglu_bwd_variants.cu; benchmarks/results/kernels_history.md, "swiglu.cu:
+// kBwdVecBytes, kBwdUnroll").
 constexpr int kBwdUnroll = 1;
 constexpr int kBwdVecBytes = 8;
 
@@ -138,14 +139,15 @@ __global__ void __launch_bounds__(kFlatThreads)
 }
 
 // Backward with routing weights: one block of THREADS threads per row, one vector per thread at
-// a time, then a block reduction of the row's dw. On the H200 (2026-11-30,
-// experiments/swiglu_bwd_variants.cu, R = 131072, H = 2048 bf16) one 8-byte vector per thread
-// with 512 threads per row measured 622.8 us against 633.5-633.8 for the kernel before (one warp
-// per row with 8 16-byte vectors per lane in flight; 656.7 with one). It needs full occupancy
-// (32 registers at 512 threads), measured in JAX (GPU time, XLA's fusion 633 us): a grid-stride
-// loop over rows with the output layout chosen at run time (52 registers) 945.5 us; one block per
-// row with the layout a template parameter (40 registers) 701.6 us; the same held to 32 registers
-// by the launch bound below (a few spilled bytes) 627.0 us. Rows <= INT32_MAX (checked).
+// a time, then a block reduction of the row's dw. On the H200 (benchmarks/swiglu_bwd_variants.cu)
+// one 8-byte vector per thread with 512 threads per row measured faster than the kernel before
+// (one warp per row with several 16-byte vectors per lane in flight). It needs full occupancy
+// (32 registers at 512 threads), measured in JAX: a grid-stride loop over rows with the output
+// layout chosen at run time (more registers) and one block per row with the layout a template
+// parameter (more than 32 registers) were much slower than the same held to 32 registers by the
+// launch bound below (a few spilled bytes), which is on par with XLA's fusion
+// (benchmarks/results/kernels_history.md, "swiglu.cu: swiglu_bwd_kernel"). Rows <= INT32_MAX
+// (checked).
 template <typename T, int VEC, int THREADS, bool INTERLEAVED>
 __global__ void __launch_bounds__(THREADS, 2048 / THREADS)
     swiglu_bwd_kernel(const T* __restrict__ gate, const T* __restrict__ up,
