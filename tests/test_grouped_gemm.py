@@ -379,7 +379,7 @@ def test_adaptive_model_on_the_benchmark_sizes_picks_the_measured_winners():
     64-row kernel only for dgrad at C skewed, where it measured 2.5-2.9% faster; 128 x 256 at B
     skewed fwd and dgrad, where it measured 3-7% faster (docs/grouped_gemm.md); the 2x1 pair
     keeps 64 rows for C skewed fwd and dgrad (10-12% faster there in 2026-11-29's runs)."""
-    from experiments.bench_grouped_gemm import SHAPES, group_sizes
+    from benchmarks.bench_grouped_gemm import SHAPES, group_sizes
 
     picks = {}
     for tile in (4, 10):
@@ -396,11 +396,11 @@ def test_adaptive_model_on_the_benchmark_sizes_picks_the_measured_winners():
 
 
 def test_benchmark_issued_tiles_counts_each_groups_grid_rounded_to_clusters():
-    """The benchmark's tiles / waves column (experiments/bench_grouped_gemm.issued_tiles) on
+    """The benchmark's tiles / waves column (benchmarks/bench_grouped_gemm.issued_tiles) on
     fresh random group sizes (empty groups included) against a count written out here: per
     group, ceil(rows / tile_m) x ceil(cols / tile_n), each rounded up to the cluster's shape;
     wgrad counts K x N per non-empty group; the adaptive pairs (chosen on the device) give None."""
-    from experiments.bench_grouped_gemm import issued_tiles
+    from benchmarks.bench_grouped_gemm import issued_tiles
 
     rng = np.random.default_rng()
     sizes = rng.integers(0, 3000, size=17)
@@ -430,7 +430,7 @@ def test_benchmark_issued_tiles_counts_each_groups_grid_rounded_to_clusters():
         assert issued_tiles(gg.config_name(tile), "fwd", sizes, k, n) is None
     # the benchmark's B skewed fwd with the rule's tile (ping-pong 128x192): 270 row tiles
     # (per group ceil(rows / 128)) x 11 column tiles (2048 / 192, rounded up)
-    from experiments.bench_grouped_gemm import SHAPES, group_sizes
+    from benchmarks.bench_grouped_gemm import SHAPES, group_sizes
     e, m, k, n = SHAPES["B"]
     cfg = gg.choose_config("fwd", m, k, n, e)
     assert gg.TILE_CONFIGS[gg.parse_config(cfg)[0]] == "pingpong_128x192_c1x1"
@@ -442,7 +442,7 @@ def test_benchmark_batched_reference_equals_ragged_reference_on_balanced_groups(
     fwd, dgrad and wgrad as the ragged references when every group has M/E rows (fresh random
     float32 inputs, 1e-5 relative), and the summary divides them into ours and marks methods
     that were skipped apart from ones that failed."""
-    from experiments.bench_grouped_gemm import batched_fns, group_sizes, summary_table
+    from benchmarks.bench_grouped_gemm import batched_fns, group_sizes, summary_table
 
     rng = np.random.default_rng()
     e, m, k, n = 4, 48, 24, 40
