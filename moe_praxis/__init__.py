@@ -1,12 +1,12 @@
 """moe_praxis: an expert-parallel Mixture-of-Experts layer for JAX and Praxis.
 
-Importing this package applies the Praxis-on-current-JAX shims (``moe_praxis.compat``) so
-that ``praxis`` can be imported afterwards.
+Importing this package applies the Praxis-on-current-JAX shims (``moe_praxis.praxis.compat``)
+so that ``praxis`` can be imported afterwards.
 """
 
-from moe_praxis import compat as _compat
+from moe_praxis.praxis import compat  # imports no praxis
 
-_compat.apply()
+compat.apply()
 
 from moe_praxis.config import MoEConfig  # noqa: E402
 from moe_praxis.moe import MoEOutput, init_moe_params, moe_block  # noqa: E402
@@ -16,10 +16,14 @@ __all__ = ["MoEConfig", "MoEOutput", "init_moe_params", "moe_block"]
 
 def __getattr__(name):
     # Praxis-dependent names are imported lazily so the functional API does not import praxis.
-    if name in ("MoEFeedForward", "convert_gshard_params"):
-        from moe_praxis import praxis_layer
+    if name == "MoEFeedForward":
+        from moe_praxis.praxis import layer
 
-        return getattr(praxis_layer, name)
+        return layer.MoEFeedForward
+    if name == "convert_gshard_params":
+        from moe_praxis.praxis import gshard
+
+        return gshard.convert_gshard_params
     if name in ("MeshResources", "ep_bootstrap", "EPLayout"):
         from moe_praxis import resources
 

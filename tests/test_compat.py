@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import moe_praxis  # noqa: F401  (applies the shims)
-from moe_praxis import compat
+from moe_praxis.praxis import compat
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ import pytest
 
 import moe_praxis  # noqa: F401  (applies the Praxis compat shims)
 from moe_praxis import MoEFeedForward, convert_gshard_params
-from moe_praxis import praxis_layer
+from moe_praxis.praxis import fields, gshard
 from praxis import base_layer, pax_fiddle, py_utils
 from praxis.layers import activations, transformer_models, transformers
 from praxis.layers.checkpoint_policy import AutodiffCheckpointType
@@ -518,15 +518,13 @@ def test_fuse_gate_up_layer_equals_unfused_with_converted_weights():
     and computes the unfused layer's function on convert_gshard_params(..., fuse_gate_up=True)
     of the unfused layer's weights (GShard names in between): y and the aux losses; a
     non-gated layer refuses both."""
-    from moe_praxis.praxis_layer import GSHARD_PARAM_NAMES
-
     x, pad = _inputs(0, pad_from=5)
     kw = dict(use_gated_activation=True, gating_func="top2", router_z_loss_weight=0.1)
     unfused = _init_layer(_moe_tpl(**kw), x, pad)
     fused_vars = _init_layer(_moe_tpl(**kw, fuse_gate_up=True), x, pad)
     assert fused_vars["params"]["wi_gate_up"].shape == (E, M, 2 * H)
     assert "wi_gate" not in fused_vars["params"] and "wi_up" not in fused_vars["params"]
-    to_gshard = {v: k for k, v in GSHARD_PARAM_NAMES.items()}
+    to_gshard = {v: k for k, v in gshard.GSHARD_PARAM_NAMES.items()}
     gshard = {to_gshard.get(k, k): v for k, v in unfused["params"].items()}
     fused = dict(unfused, params=convert_gshard_params(gshard, fuse_gate_up=True))
     assert sorted(fused["params"]) == sorted(fused_vars["params"])
@@ -821,4 +819,4 @@ def test_docs_list_every_field_with_its_default():
             continue
         assert f.name in rows, f"docs/praxis.md lacks field {f.name}"
         assert rows[f.name] == repr(f.default), (f.name, rows[f.name], f.default)
-    assert set(praxis_layer.GATING_FUNCS) <= set(re.findall(r"'([a-z_0-9]+)'", text))
+    assert set(fields.GATING_FUNCS) <= set(re.findall(r"'([a-z_0-9]+)'", text))
