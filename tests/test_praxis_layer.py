@@ -859,9 +859,9 @@ def test_weight_sharding_defaults_to_and_is_checked_against_the_layout():
             _init_layer(_ep_tpl(**{letter: value}), x, pad)
     # The layout itself is validated by ep_bootstrap, its error named with the layer.
     with pytest.raises(ValueError,
-                       match=r"MoEFeedForward 'moe': mesh_resources=.*num_experts=6 "
+                       match=r"MoEFeedForward 'moe': mesh_resources=.*num_experts=5 "
                        r"is not divisible by the ep size 2"):
-        _init_layer(_ep_tpl(num_experts=6), x, pad)
+        _init_layer(_ep_tpl(num_experts=5), x, pad)
 
 
 def test_fsdp_first_expert_sharding_gets_the_named_error():
