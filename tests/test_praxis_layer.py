@@ -22,7 +22,8 @@ import pytest
 
 import moe_praxis  # noqa: F401  (applies the Praxis compat shims)
 from moe_praxis import MoEFeedForward, convert_gshard_params
-from moe_praxis.praxis import fields, gshard
+from moe_praxis.praxis import fields
+from moe_praxis.praxis.gshard import GSHARD_PARAM_NAMES
 from praxis import base_layer, pax_fiddle, py_utils
 from praxis.layers import activations, transformer_models, transformers
 from praxis.layers.checkpoint_policy import AutodiffCheckpointType
@@ -524,7 +525,7 @@ def test_fuse_gate_up_layer_equals_unfused_with_converted_weights():
     fused_vars = _init_layer(_moe_tpl(**kw, fuse_gate_up=True), x, pad)
     assert fused_vars["params"]["wi_gate_up"].shape == (E, M, 2 * H)
     assert "wi_gate" not in fused_vars["params"] and "wi_up" not in fused_vars["params"]
-    to_gshard = {v: k for k, v in gshard.GSHARD_PARAM_NAMES.items()}
+    to_gshard = {v: k for k, v in GSHARD_PARAM_NAMES.items()}
     gshard = {to_gshard.get(k, k): v for k, v in unfused["params"].items()}
     fused = dict(unfused, params=convert_gshard_params(gshard, fuse_gate_up=True))
     assert sorted(fused["params"]) == sorted(fused_vars["params"])
