@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import moe_praxis  # noqa: F401  (applies the shims)
-from moe_praxis import compat
+from moe_praxis.praxis import compat
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -113,3 +113,24 @@ def test_apply_is_idempotent():
     compat._applied = False
     compat.apply()
     assert py_utils.global_mesh_defined is fn
+
+
+def test_import_moe_praxis_applies_the_shims_without_importing_praxis():
+    """`import moe_praxis` applies the shims from moe_praxis.praxis.compat but imports no
+    praxis module; so does the GShard converter; MoEFeedForward imports praxis on access."""
+    r = _run("""
+        import sys
+        import moe_praxis
+        praxis_mods = lambda: sorted(m for m in sys.modules if m.split(".")[0] == "praxis")
+        import jax
+        print("SHIMMED", hasattr(jax.lib, "xla_client"), hasattr(jax, "tree_map"))
+        print("AFTER_IMPORT", praxis_mods())
+        moe_praxis.convert_gshard_params({})
+        print("AFTER_CONVERTER", praxis_mods())
+        moe_praxis.MoEFeedForward
+        print("AFTER_LAYER", "praxis.base_layer" in praxis_mods())
+    """)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "SHIMMED True True" in r.stdout, r.stdout
+    assert "AFTER_IMPORT []" in r.stdout and "AFTER_CONVERTER []" in r.stdout, r.stdout
+    assert "AFTER_LAYER True" in r.stdout, r.stdout

@@ -486,7 +486,7 @@ def test_current_mesh_inside_jit_is_the_concrete_mesh():
     import jax
     import jax.numpy as jnp
 
-    from moe_praxis import compat
+    from moe_praxis.praxis import compat
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
     seen = []

@@ -22,7 +22,8 @@ import pytest
 
 import moe_praxis  # noqa: F401  (applies the Praxis compat shims)
 from moe_praxis import MoEFeedForward, convert_gshard_params
-from moe_praxis import praxis_layer
+from moe_praxis.praxis import fields
+from moe_praxis.praxis.gshard import GSHARD_PARAM_NAMES
 from praxis import base_layer, pax_fiddle, py_utils
 from praxis.layers import activations, transformer_models, transformers
 from praxis.layers.checkpoint_policy import AutodiffCheckpointType
@@ -518,8 +519,6 @@ def test_fuse_gate_up_layer_equals_unfused_with_converted_weights():
     and computes the unfused layer's function on convert_gshard_params(..., fuse_gate_up=True)
     of the unfused layer's weights (GShard names in between): y and the aux losses; a
     non-gated layer refuses both."""
-    from moe_praxis.praxis_layer import GSHARD_PARAM_NAMES
-
     x, pad = _inputs(0, pad_from=5)
     kw = dict(use_gated_activation=True, gating_func="top2", router_z_loss_weight=0.1)
     unfused = _init_layer(_moe_tpl(**kw), x, pad)
@@ -597,6 +596,36 @@ def test_summaries_and_aux_losses_skip_padded_tokens(gating_func):
     documented = set(re.findall(r"^\| `(moe_[a-z_{}]+)` \| [a-z]", DOCS.read_text(), flags=re.M))
     written = {re.sub(r"_\d+$", "_{e}", k[:-len("_scalar")]) for k in summ}
     assert written == documented
+
+
+def test_gshard_group_statistics_are_the_groups_means():
+    """'top2' with num_groups=2: the aux loss, z-loss and router entropy are the means of the
+    two groups' values (float64 references per group), the loads count both groups."""
+    tpl = _moe_tpl(gating_func="top2",
+                   num_groups=2,
+                   unadjusted_expert_capacity_factor=float(E),
+                   norm_policy="post",
+                   moe_load_balance_loss_weight=0.3,
+                   router_z_loss_weight=0.02)
+    x, pad = _inputs(25)
+    variables = _init_layer(tpl, x, pad, seed=26)
+    _, summ, aux = _run_layer(tpl, variables, x, pad)
+    x2, p2 = np.asarray(x).reshape(-1, M), np.asarray(pad).reshape(-1)
+    half = x2.shape[0] // 2
+    refs = [
+        _reference_stats(x2[g * half:(g + 1) * half],
+                         variables["params"]["router"],
+                         p2[g * half:(g + 1) * half],
+                         k=2,
+                         aux_coeff=0.3,
+                         z_coeff=0.02) for g in range(2)
+    ]
+    mean = lambda key: np.mean([r[key] for r in refs], axis=0)
+    np.testing.assert_allclose(aux["aux_moe_load_balance_loss"].value, mean("aux"), rtol=1e-5)
+    np.testing.assert_allclose(summ["moe_z_loss_scalar"], mean("z"), rtol=1e-5)
+    np.testing.assert_allclose(summ["moe_router_entropy_scalar"], mean("entropy"), rtol=1e-5)
+    load = [float(summ[f"moe_expert_load_{e}_scalar"]) for e in range(E)]
+    np.testing.assert_allclose(load, mean("load"), rtol=1e-6)  # equal groups: mean = pooled
 
 
 def test_padded_tokens_route_nowhere_even_with_capacity():
@@ -701,11 +730,11 @@ def test_declared_activation_constraints_in_hlo():
 @pytest.mark.parametrize("gating_func", ["dense_top2", "top2"])
 def test_expert_parallel_matches_single_device(gating_func, monkeypatch):
     """mesh_resources under jax.set_mesh (DP2 x EP2 on 4 CPU devices) = one device."""
-    from moe_praxis import MeshResources, ep
+    from moe_praxis import MeshResources, moe
 
     calls = []
-    sharded = ep.moe_sharded
-    monkeypatch.setattr(ep, "moe_sharded", lambda *a, **k: calls.append(1) or sharded(*a, **k))
+    sharded = moe.sharded_fn
+    monkeypatch.setattr(moe, "sharded_fn", lambda *a, **k: calls.append(1) or sharded(*a, **k))
 
     kw = dict(gating_func=gating_func, use_gated_activation=True, router_z_loss_weight=0.1)
     if gating_func == "top2":
@@ -769,6 +798,117 @@ def test_set_sharding_params_v1_configures_the_layer():
     assert re.search(r'<@mesh, \[\{"data"\}, \{\}, \{"mdl"\}\]>.*tensor<4x8x16xf32>', text)
 
 
+_EP_AXES = ("data", "fsdp", "expert")  # DP2 x FSDP2 x EP2 on the 8 CPU devices
+
+
+def _ep_tpl(emh="unset", ehm="unset", me="unset", shape=(2, 2, 2), **kw):
+    """A layer with mesh_resources AND its own mesh (ici_mesh_shape / mesh_axis_names), 8
+    experts; letters not given stay unset (None)."""
+    from moe_praxis import MeshResources
+
+    kw.setdefault("num_experts", 8)
+    kw.setdefault("gating_func", "dense_top2")
+    tpl = _moe_tpl(mesh_resources=MeshResources(dp="data", fsdp="fsdp", ep="expert"),
+                   ici_mesh_shape=list(shape),
+                   mesh_axis_names=list(_EP_AXES),
+                   **kw)
+    for letter, value in (("emh", emh), ("ehm", ehm), ("me", me)):
+        if value != "unset":
+            setattr(tpl.weight_split_dims_mapping, letter, value)
+    return tpl
+
+
+def _weight_specs(tpl):
+    layer = base_layer.instantiate(tpl)
+    x, pad = _inputs(0)
+    with _ctx():
+        return base_layer.var_partition_specs(layer.abstract_init_with_metadata(x, pad),
+                                              mesh_shape=tpl.ici_mesh_shape,
+                                              device_axis_names=tpl.mesh_axis_names)["params"]
+
+
+def test_weight_sharding_defaults_to_and_is_checked_against_the_layout():
+    """With mesh_resources and the layer's mesh: unset me / emh / ehm take
+    EPLayout.weight_specs; the layout's own values are accepted; anything else raises,
+    naming the field, the value given and the value the layout needs."""
+    from moe_praxis import MeshResources, ep_bootstrap
+
+    mesh = jax.sharding.AbstractMesh((2, 2, 2), _EP_AXES)
+    layout = ep_bootstrap(mesh, MeshResources(dp="data", fsdp="fsdp", ep="expert"), 8)
+    want = layout.weight_specs
+    assert want["wi_up"] == jax.sharding.PartitionSpec(("expert", "fsdp"), None, None)
+    for tpl in (_ep_tpl(),
+                _ep_tpl(emh=[("expert", "fsdp"), None, None],
+                        ehm=(("expert", "fsdp"), None, None),
+                        me=[None, None])):
+        specs = _weight_specs(tpl)
+        assert (specs["router"], specs["wi_up"], specs["wo"]) == (want["router"], want["wi_up"],
+                                                                  want["wo"])
+    gated = _weight_specs(_ep_tpl(use_gated_activation=True, fuse_gate_up=True))
+    assert gated["wi_gate_up"] == want["wi_gate_up"]
+    bad = [
+        ("emh", ["expert", None, None], r"weight_split_dims_mapping.emh=\['expert', None, None\] "
+         r"does not match .* needs \[\('expert', 'fsdp'\), None, None\]"),
+        ("ehm", [("expert", "fsdp"), None, "fsdp"], r"weight_split_dims_mapping.ehm=.* needs "
+         r"\[\('expert', 'fsdp'\), None, None\] \(EPLayout.weight_specs\['wo'\]\)"),
+        ("me", [None, "expert"], r"weight_split_dims_mapping.me=\[None, 'expert'\] .*needs "
+         r"\[None, None\]"),
+    ]
+    x, pad = _inputs(0)
+    for letter, value, match in bad:
+        with pytest.raises(ValueError, match=r"MoEFeedForward 'moe': " + match):
+            _init_layer(_ep_tpl(**{letter: value}), x, pad)
+    # The layout itself is validated by ep_bootstrap, its error named with the layer.
+    with pytest.raises(ValueError,
+                       match=r"MoEFeedForward 'moe': mesh_resources=.*num_experts=5 "
+                       r"is not divisible by the ep size 2"):
+        _init_layer(_ep_tpl(num_experts=5), x, pad)
+
+
+def test_fsdp_first_expert_sharding_gets_the_named_error():
+    """emh (('fsdp', 'ep'), None, None) on EP2 x FSDP2 would give EP rank 0 experts
+    [0, 1, 4, 5]: resources.py's fsdp-before-ep error, naming the field. With fsdp of size 1
+    the same order gathers the same experts and is accepted."""
+    x, pad = _inputs(0)
+    for letter in ("emh", "ehm"):
+        with pytest.raises(ValueError,
+                           match=rf"weight_split_dims_mapping.{letter}=.*puts fsdp before ep on "
+                           r"the expert dimension.*EP rank 0 would gather experts \[0, 1, 4, 5\]"):
+            _init_layer(_ep_tpl(**{letter: [("fsdp", "expert"), None, None]}), x, pad)
+    specs = _weight_specs(_ep_tpl(emh=[("fsdp", "expert"), None, None], shape=(2, 1, 4)))
+    assert specs["wi_up"] == jax.sharding.PartitionSpec(("fsdp", "expert"), None, None)
+
+
+def test_layout_sharded_weights_match_single_device():
+    """Weights placed by the layer's (layout-derived) specs on DP2 x FSDP2 x EP2, run under
+    jax.set_mesh: the same outputs, losses and summaries as one device."""
+    kw = dict(use_gated_activation=True, router_z_loss_weight=0.1)
+    x, pad = _inputs(23, pad_from=5)
+    tpl = _ep_tpl(**kw)
+    variables = _init_layer(_moe_tpl(num_experts=8, gating_func="dense_top2", **kw),
+                            x,
+                            pad,
+                            seed=24)
+    ref = _run_layer(_moe_tpl(num_experts=8, gating_func="dense_top2", **kw), variables, x, pad)
+    mesh = jax.make_mesh((2, 2, 2), _EP_AXES, axis_types=(jax.sharding.AxisType.Auto, ) * 3)
+    specs = _weight_specs(tpl)
+    params = {
+        k:
+        jax.device_put(v, jax.sharding.NamedSharding(mesh, specs[k]))
+        if k in specs and not isinstance(v, dict) else v
+        for k, v in variables["params"].items()
+    }
+    with jax.set_mesh(mesh):
+        got = _run_layer(tpl, {"params": params}, x, pad)
+    assert params["wi_up"].sharding.spec == jax.sharding.PartitionSpec(("expert", "fsdp"), None,
+                                                                       None)
+    assert _rel(got[0], ref[0]) < 1e-5
+    for name, value in ref[2].items():
+        np.testing.assert_allclose(got[2][name].value, value.value, rtol=1e-5, err_msg=name)
+    for name, value in ref[1].items():
+        np.testing.assert_allclose(got[1][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -821,4 +961,4 @@ def test_docs_list_every_field_with_its_default():
             continue
         assert f.name in rows, f"docs/praxis.md lacks field {f.name}"
         assert rows[f.name] == repr(f.default), (f.name, rows[f.name], f.default)
-    assert set(praxis_layer.GATING_FUNCS) <= set(re.findall(r"'([a-z_0-9]+)'", text))
+    assert set(fields.GATING_FUNCS) <= set(re.findall(r"'([a-z_0-9]+)'", text))

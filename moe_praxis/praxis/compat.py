@@ -2,7 +2,8 @@
 
 Praxis 1.4.0 is the last release and pins jax 0.4.26 and TensorFlow 2.9. We install it with
 ``pip install --no-deps`` and apply these shims before ``praxis`` is imported (``import
-moe_praxis`` does it; so does ``moe_praxis.compat.apply()`` called by hand):
+moe_praxis`` does it; so does ``moe_praxis.praxis.compat.apply()`` called by hand). This module
+does not import praxis itself: it patches ``praxis.py_utils`` when that is first imported.
 
 1. ``jax.lib.xla_client`` is gone. ``praxis.base_input`` does ``from jax.lib import
    xla_client`` at import time (so ``import praxis.layers`` fails); we re-expose jaxlib's
@@ -26,6 +27,16 @@ import importlib.util
 import sys
 
 import jax
+import jax.lib
+
+try:  # private modules: the shims degrade to no-ops if a future JAX removes them
+    from jax._src import mesh as _mesh_lib
+except ImportError:  # pragma: no cover
+    _mesh_lib = None
+try:
+    from jax._src.lib import xla_client as _xla_client  # the module jaxlib still ships
+except ImportError:  # pragma: no cover
+    _xla_client = None
 
 # Top-level names Praxis / lingvo / clu call that moved to jax.tree_util.
 TREE_ALIASES = {
@@ -43,15 +54,20 @@ _applied = False
 
 
 def _shim_xla_client() -> bool:
-    import jax.lib
-
-    if hasattr(jax.lib, "xla_client"):
+    if hasattr(jax.lib, "xla_client") or _xla_client is None:
         return False
-    from jax._src.lib import xla_client  # the module jaxlib still ships
-
-    jax.lib.xla_client = xla_client
-    sys.modules.setdefault("jax.lib.xla_client", xla_client)
+    jax.lib.xla_client = _xla_client
+    sys.modules.setdefault("jax.lib.xla_client", _xla_client)
     return True
+
+
+def _legacy_mesh():
+    """The mesh of a legacy ``with mesh:`` block, or None."""
+    try:
+        pm = _mesh_lib.thread_resources.env.physical_mesh
+    except AttributeError:  # pragma: no cover - removed in a future JAX (or _mesh_lib None)
+        return None
+    return None if pm.empty else pm
 
 
 def _shim_tree_aliases() -> list[str]:
@@ -67,12 +83,7 @@ def mesh_defined() -> bool:
     """True when a mesh is active, set either by ``jax.set_mesh`` or by legacy ``with mesh:``."""
     if not jax.sharding.get_abstract_mesh().empty:
         return True
-    try:
-        from jax._src import mesh as mesh_lib
-
-        return not mesh_lib.thread_resources.env.physical_mesh.empty
-    except (ImportError, AttributeError):  # pragma: no cover - removed in a future JAX
-        return False
+    return _legacy_mesh() is not None
 
 
 def current_mesh():
@@ -84,23 +95,13 @@ def current_mesh():
     try:
         m = jax.sharding.get_mesh() if hasattr(jax.sharding, "get_mesh") else None
     except ValueError:  # under jit: "get_mesh can only be used outside of jax.jit"
-        try:
-            from jax._src import mesh as mesh_lib
-
-            m = mesh_lib.get_concrete_mesh()
-        except (ImportError, AttributeError):  # pragma: no cover - a future JAX
-            m = None
+        get_concrete = getattr(_mesh_lib, "get_concrete_mesh", None)
+        m = get_concrete() if get_concrete is not None else None
         if m is None or m.empty:
             m = jax.sharding.get_abstract_mesh()
     if m is not None and not m.empty:
         return m
-    try:
-        from jax._src import mesh as mesh_lib
-
-        pm = mesh_lib.thread_resources.env.physical_mesh
-        return None if pm.empty else pm
-    except (ImportError, AttributeError):  # pragma: no cover
-        return None
+    return _legacy_mesh()
 
 
 def _patch_py_utils(py_utils) -> None:

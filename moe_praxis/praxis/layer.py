@@ -1,0 +1,332 @@
+"""MoEFeedForward: a thin Praxis BaseLayer over ``moe_block``.
+
+``MoEFeedForward`` is a drop-in replacement for Praxis's ``TransformerFeedForwardMoe``: set it
+as ``StackedTransformer.moe_layer_tpl`` (or ``Transformer.tr_fflayer_tpl``) and nothing else
+in the model config has to change. It accepts every field Praxis's ``Transformer``,
+``StackedTransformer`` and PaxML's ``maybe_setup_moe_params`` write on that template, maps
+them onto ONE ``MoEConfig`` built at setup (which validates the fields it holds; the layer
+validates only its own), and raises a clear error at setup for any value it cannot honour.
+docs/praxis.md lists the fields, the checkpoint names, the sharding letters and the summaries.
+The field checks and the MoEConfig mapping live in ``moe_praxis.praxis.fields``, the GShard
+capacity rule and checkpoint converter in ``moe_praxis.praxis.gshard``, the weight-sharding
+check in ``moe_praxis.praxis.sharding``.
+
+Letters (GShard's, kept so ``TransformerLm.set_sharding_params_v1`` configures this layer):
+  B batch, L length, M model dim, H hidden dim, E experts, T = B*L tokens;
+  g / s: GShard's token groups and group size (our [B, L] token layout takes their place);
+  e / c: GShard's expert / capacity dims of its one-hot dispatch tensors (not built here).
+
+Forward (norm_policy='pre'):
+  y = x + residual_weight * dropout(moe_block(layer_norm(x), paddings))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from praxis import base_layer
+from praxis import pax_fiddle
+from praxis.layers import activations as activations_lib
+from praxis.layers import normalizations
+from praxis.layers import stochastics
+
+from moe_praxis.moe import MoEOutput, moe_block, param_shapes
+from moe_praxis.praxis import compat
+from moe_praxis.praxis import fields
+from moe_praxis.praxis.gshard import capacity_and_groups
+from moe_praxis.praxis.sharding import checked_weight_splits
+
+JTensor = base_layer.JTensor
+LayerTpl = pax_fiddle.Config[base_layer.BaseLayer]
+SplitDimsMapping = base_layer.SplitDimsMapping
+WeightHParams = base_layer.WeightHParams
+WeightInit = base_layer.WeightInit
+template_field = base_layer.template_field
+
+
+class MoEFeedForward(base_layer.BaseLayer):
+    """Pre/post layer norm, MoE feed-forward (moe_block), dropout and residual connection.
+
+    Every field of Praxis's TransformerFeedForwardMoe, with its default and meaning
+    (docs/praxis.md has the table, kept in step with these fields by a test), plus ours:
+      fuse_gate_up: gated only; one weight wi_gate_up [E, M, 2H] (MoEConfig.fuse_gate_up).
+      num_experts_per_token: k for gating_func='topk' (top2 / dense_top2 need 2).
+      aux_loss_type, kernel_backend, ep_exchange, ep_buffer_factor: MoEConfig's.
+      router_z_loss_weight: MoEConfig.z_loss_coeff (0 = off).
+      mesh_resources: a moe_praxis.MeshResources; when set and a mesh is in scope
+        (jax.set_mesh or `with mesh:`), moe_block runs expert-parallel on it, and when the
+        layer also has mesh_axis_names and ici_mesh_shape its weight sharding is checked
+        against the layout (moe_praxis.praxis.sharding).
+    gating_func: 'top2' (GShard top-2 with its per-group capacity, moe_praxis.praxis.gshard),
+    'dense_top2' (GShard top-2, dropless) or 'topk' (dropless softmax top-k).
+    """
+
+    input_dims: int = 0
+    hidden_dims: int = 0
+    apply_padding_first: bool = False
+    ln_tpl: LayerTpl = template_field(normalizations.LayerNorm)
+    activation_tpl: pax_fiddle.Config[activations_lib.BaseActivation] = template_field(
+        activations_lib.ReLU)
+    relu_dropout_tpl: LayerTpl = template_field(stochastics.Dropout)
+    relu_dropout_prob: float = 0.0
+    residual_dropout_tpl: LayerTpl = template_field(stochastics.Dropout)
+    residual_dropout_prob: float = 0.0
+    add_skip_connection: bool = True
+    residual_weight: float = 1.0
+    norm_policy: str = "pre"
+    residual_droppath_prob: float = 0.0
+    gating_func: str = "top2"
+    num_experts: int = 0
+    num_groups: int = 1
+    min_group_size: Optional[int] = None
+    expert_capacity_dim: int = 0
+    unadjusted_expert_capacity_factor: float = 2.0
+    expert_weight_shards: int = 1
+    second_expert_policy: str = "all"
+    internal_gshard_variance_scaling_fan_in_init: bool = True
+    explicit_fan_in_fan_out_axes: bool = False
+    moe_load_balance_loss_weight: float = 1.0
+    gating_logit_cap: float = 0.0
+    moe_gating_embedding_level: str = "token"
+    use_gated_activation: bool = False
+    # moe_praxis fields.
+    fuse_gate_up: bool = False
+    num_experts_per_token: int = 2
+    aux_loss_type: str = "gshard"
+    router_z_loss_weight: float = 0.0
+    kernel_backend: str = "auto"
+    mesh_resources: Any = None
+    ep_exchange: str = "auto"
+    ep_buffer_factor: Optional[float] = None
+
+    class WeightSharding(base_layer.BaseLayer.WeightSharding):
+        """Weight sharding (mesh axis per dim).
+
+        Attributes:
+          me: router [M, E].
+          emh: wi_up and wi_gate [E, M, H].
+          ehm: wo [E, H, M].
+        """
+
+        me: SplitDimsMapping = None
+        emh: SplitDimsMapping = None
+        ehm: SplitDimsMapping = None
+
+    class ActivationSharding(base_layer.BaseLayer.ActivationSharding):
+        """Activation sharding (mesh axis per dim).
+
+        Attributes:
+          gsm: the layer's token activations [B, L, M] (g -> B, s -> L): the normalised
+            input to moe_block and its output ([B, M] in extend_step: g and m entries).
+          gs: paddings [B, L].
+          gsec, gecs, gec, egcm, egch, gecm: GShard's one-hot dispatch / combine and
+            capacity-padded expert tensors. This layer sorts tokens instead and builds none
+            of them; the fields exist so Praxis's sharding helpers can write them, their
+            ranks are validated, and they have no effect (docs/praxis.md).
+        """
+
+        gsm: SplitDimsMapping = None
+        gs: SplitDimsMapping = None
+        gsec: SplitDimsMapping = None
+        gecs: SplitDimsMapping = None
+        gec: SplitDimsMapping = None
+        egcm: SplitDimsMapping = None
+        egch: SplitDimsMapping = None
+        gecm: SplitDimsMapping = None
+
+    # ------------------------------------------------------------------------- setup
+
+    def setup(self) -> None:
+        fields.validate(self)
+        self.moe_config = fields.build_config(self)
+        config = self.moe_config
+        wp = self.weight_split_dims_mapping
+        # Checked against the layout of mesh_resources when the layer knows its mesh; an unset
+        # letter then takes the layout's spec.
+        splits = checked_weight_splits(
+            f"MoEFeedForward {self.name!r}",
+            self.mesh_resources,
+            self.mesh_axis_names,
+            self.mesh_shape if self.ici_mesh_shape is not None else None,
+            {letter: getattr(wp, letter)
+             for letter in fields.WEIGHT_RANKS},
+            num_experts=config.num_experts,
+            d_model=config.d_model,
+            d_ff=config.d_ff)
+
+        if self.norm_policy == "primer_hybrid":
+            ln_p = self.ln_tpl.clone()
+            ln_p.dim = self.input_dims
+            self.create_child("pre_layer_norm", ln_p)
+            self.create_child("post_layer_norm", ln_p)
+        else:
+            ln_p = self.ln_tpl.clone()
+            ln_p.name = "layer_norm"
+            ln_p.dim = self.input_dims
+            self.create_child("layer_norm", ln_p)
+
+        dropout_p = self.residual_dropout_tpl.clone()
+        dropout_p.keep_prob = 1.0 - self.residual_dropout_prob
+        self.create_child("residual_dropout", dropout_p)
+        if self.residual_droppath_prob > 0:
+            droppath_p = pax_fiddle.Config(stochastics.StochasticResidual,
+                                           name="residual_droppath",
+                                           survival_prob=1.0 - self.residual_droppath_prob)
+            self.create_child("residual_droppath", droppath_p)
+
+        def init(fan_in):
+            if self.internal_gshard_variance_scaling_fan_in_init:
+                return WeightInit.Uniform(math.sqrt(3.0 / fan_in))
+            return WeightInit.Gaussian(1.0 / math.sqrt(fan_in))
+
+        # The variables are moe_block's parameters (moe.param_shapes), created in this order;
+        # emh's last entry also shards wi_gate_up's interleaved 2H (whole units per shard).
+        shapes = param_shapes(config)
+        letters = {"router": "me", "wo": "ehm"}  # the wi_* weights: emh
+        for name in ("router", "wi_gate", "wi_up", "wi_gate_up", "wo"):
+            if name in shapes:  # fan-in: the contracted dimension, shape[-2]
+                self.create_variable(
+                    name,
+                    WeightHParams(shape=list(shapes[name]),
+                                  init=init(shapes[name][-2]),
+                                  mesh_shape=self.mesh_shape,
+                                  tensor_split_dims_mapping=splits[letters.get(name, "emh")]))
+
+    # ------------------------------------------------------------------------- forward
+
+    def _shard(self, x, split):
+        return base_layer.maybe_shard(x, split, self.mesh_axis_names)
+
+    def _token_split(self, ndim: int):
+        gsm = self.activation_split_dims_mapping.gsm
+        if gsm is None or ndim == 3:
+            return gsm
+        return [gsm[0], gsm[2]]  # [B, M] in extend_step
+
+    def _moe(self, x, paddings) -> MoEOutput:
+        """x: [..., M] normalised input; paddings: x.shape[:-1] or None.
+
+        With several GShard groups the losses and the router entropy are the groups' means,
+        the counts their sums."""
+        config = self.moe_config
+        params = {name: self.theta[name] for name in param_shapes(config)}
+        num_tokens = int(np.prod(x.shape[:-1]))
+        mesh = compat.current_mesh() if self.mesh_resources is not None else None
+        groups = 1
+        if self.gating_func == "top2":
+            # Expert parallel: the global batch is one group (moe_block's EP path applies one
+            # capacity to the global batch, exactly as on one device).
+            cf, groups = capacity_and_groups(num_tokens,
+                                             num_experts=config.num_experts,
+                                             top_k=config.top_k,
+                                             num_groups=1 if mesh is not None else self.num_groups,
+                                             min_group_size=self.min_group_size,
+                                             expert_capacity_dim=self.expert_capacity_dim,
+                                             capacity_factor=self.unadjusted_expert_capacity_factor,
+                                             where=f"MoEFeedForward {self.name!r}")
+            config = dataclasses.replace(config, capacity_factor=cf)
+        if mesh is not None:
+            return moe_block(params,
+                             x,
+                             config,
+                             mesh=mesh,
+                             resources=self.mesh_resources,
+                             paddings=paddings)
+        if groups == 1:
+            return moe_block(params, x, config, paddings=paddings)
+        if self.aux_loss_type == "sequence":
+            raise ValueError(f"MoEFeedForward {self.name!r}: aux_loss_type='sequence' needs "
+                             f"whole sequences; GShard token groups ({groups}) split them")
+        # GShard 'top2' with several groups: each group routes (and fills its capacity) alone.
+        xg = x.reshape(groups, num_tokens // groups, x.shape[-1])
+        pg = (jnp.zeros(xg.shape[:2], x.dtype)
+              if paddings is None else paddings.reshape(xg.shape[:2]))
+        out = jax.lax.map(lambda a: moe_block(params, a[0], config, paddings=a[1]), (xg, pg))
+        return dataclasses.replace(out,
+                                   y=out.y.reshape(x.shape),
+                                   aux_loss=jnp.mean(out.aux_loss),
+                                   z_loss=jnp.mean(out.z_loss),
+                                   tokens_per_expert=jnp.sum(out.tokens_per_expert, axis=0),
+                                   dropped_tokens=jnp.sum(out.dropped_tokens),
+                                   router_entropy=jnp.mean(out.router_entropy))
+
+    def _add_summaries(self, out: MoEOutput, paddings, num_tokens: int) -> None:
+        """Scalar summaries (docs/praxis.md), from the block's own statistics."""
+        config = self.moe_config
+        n_valid = (jnp.float32(num_tokens) if paddings is None else jnp.sum(
+            (paddings < 0.5).astype(jnp.float32)))
+        copies = jnp.maximum(n_valid, 1.0) * config.top_k
+        self.add_summary("moe_aux_loss", out.aux_loss)
+        self.add_summary("moe_z_loss", out.z_loss)
+        self.add_summary("moe_router_entropy", out.router_entropy)
+        self.add_summary("moe_dropped_token_fraction",
+                         out.dropped_tokens.astype(jnp.float32) / copies)
+        load = out.tokens_per_expert.astype(jnp.float32) / copies
+        for i in range(config.num_experts):
+            self.add_summary(f"moe_expert_load_{i}", load[i])
+
+    def __call__(self,
+                 inputs: JTensor,
+                 paddings: Optional[JTensor] = None,
+                 segment_ids: Optional[JTensor] = None) -> JTensor:
+        """Layer norm, route, experts, combine, dropout, residual.
+
+        Args:
+          inputs: [B, L, M] (or [B, M] in extend_step).
+          paddings: [B, L] (or [B]), 1 = padded; padded tokens route to no expert, output
+            zeros from the MoE branch and count in no statistic. None = no padding.
+          segment_ids: accepted for the Praxis signature; unused (token-level routing).
+
+        Returns:
+          [B, L, M], inputs' shape and dtype.
+        """
+        del segment_ids  # only GShard's 'sentence' gating embedding used them
+        if inputs.shape[-1] != self.input_dims:
+            raise ValueError(f"MoEFeedForward {self.name!r}: inputs must be [..., "
+                             f"input_dims={self.input_dims}], got {inputs.shape}")
+        if paddings is not None:
+            if paddings.shape != inputs.shape[:-1]:
+                raise ValueError(f"MoEFeedForward {self.name!r}: paddings must have shape "
+                                 f"{inputs.shape[:-1]}, got {paddings.shape}")
+            if inputs.ndim == 3:
+                paddings = self._shard(paddings, self.activation_split_dims_mapping.gs)
+            if self.apply_padding_first:
+                inputs = inputs * (1.0 - paddings[..., None]).astype(inputs.dtype)
+        split = self._token_split(inputs.ndim)
+        residual = inputs
+        if self.norm_policy == "primer_hybrid":
+            x = self.pre_layer_norm(inputs)
+        elif self.norm_policy == "pre":
+            x = self.layer_norm(inputs)
+        else:
+            x = inputs
+        x = self._shard(x, split)
+        out = self._moe(x, paddings)
+        y = self._shard(out.y, split)
+        self._add_summaries(out, paddings, int(np.prod(x.shape[:-1])))
+        if self.norm_policy == "primer_hybrid":
+            y = self.post_layer_norm(y)
+        elif self.norm_policy == "post":
+            y = self.layer_norm(y)
+        y = self.residual_dropout(y)
+        if self.add_skip_connection:
+            if self.residual_droppath_prob:
+                y = self.residual_droppath(residual, y)
+            else:
+                y = residual + y * self.residual_weight
+        if self.norm_policy == "post_skip":
+            y = self.layer_norm(y)
+        self.add_aux_loss("aux_moe_load_balance_loss", out.aux_loss.astype(jnp.float32))
+        if self.router_z_loss_weight > 0:
+            self.add_aux_loss("aux_moe_z_loss", out.z_loss.astype(jnp.float32))
+        return y
+
+    def extend_step(self, inputs: JTensor, *, time_step: JTensor) -> JTensor:
+        """Decoding step: inputs [B, M] -> [B, M]."""
+        del time_step
+        return self.__call__(inputs)
