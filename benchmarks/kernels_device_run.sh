@@ -4,11 +4,11 @@
 # everything is logged under $OUT.
 #   bash benchmarks/kernels_device_run.sh [TEST_BUDGET_S] [BENCH_BUDGET_S] [PYTEST_ARGS...]
 # BENCH_BUDGET_S=0 skips the benchmarks; NCU_CASES="case,case" adds an Nsight Compute pass over
-# those bench cases (ncu segfaulted under JAX on 2026-11-29); GG_BENCH_S=N adds the grouped GEMM
+# those bench cases (ncu has segfaulted under JAX); GG_BENCH_S=N adds the grouped GEMM
 # benchmark with an N-second limit (GG_BENCH_ARGS: its options, e.g. "--skip ragged,tiles"),
 # GATE_UP_BENCH_S=N the fused gate/up one.
 set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/kernels_out}
 mkdir -p "$OUT"
 TEST_T=${1:-300}
