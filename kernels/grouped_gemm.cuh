@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <mutex>
 #include <string>
 
@@ -117,7 +118,19 @@ using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 108, 105>;
 // dispatch_tile; TILE_CONFIGS in moe_praxis/ops/grouped_gemm.py).
 using AdaptiveWideThin12 = Adaptive<CoopWideC<1, 2>, PingpongThinC<1, 2>, 108, 105>;
 using AdaptiveWideThin11 = Adaptive<CoopWideC<1, 1>, PingpongThinC<1, 1>, 108, 105>;
-constexpr int kNumTiles = 11;
+// tile 11 (experiment): tile 8 with D's descriptor update deferred (DeferredStoreD)
+struct CoopWide11Deferred : CoopWideC<1, 1> {
+  static constexpr bool kDeferredD = true;
+};
+// tile 12 (experiment): cooperative 128x192, 1x1 cluster (N = 768 is 4 column tiles)
+struct CoopMid11 {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using Tile = Shape<_128, _192, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  static constexpr int kTilesInFlight = 1;
+};
+constexpr int kNumTiles = 13;
 
 // What a fused epilogue needs beyond the group arrays (kernels/grouped_gemm_swiglu.cu); the
 // plain epilogue ignores it.
@@ -151,14 +164,182 @@ struct KernelFor {
   static constexpr bool kAdaptive = false;
 };
 
+// CUTLASS's pointer-array TMA epilogue with D's descriptor update taken off the path between
+// two tiles (docs/grouped_gemm.md, "The epilogue's descriptor update").
+//
+// CUTLASS keeps one global copy of D's TMA descriptor per consumer warpgroup. When a CTA's next
+// tile is in another group (at C nearly every tile), the warpgroup's warp 0, right after the
+// tile's stores and before the next tile's first MMA (which its other warps wait for), loads the
+// group's pointer, stride and shape from global memory, rewrites the descriptor in shared memory,
+// waits until every TMA store in flight has read its source (they use that one copy), and copies
+// it out with a release fence. Here:
+//   - two global copies per warpgroup alternate, so a rewrite never touches the copy the last
+//     tile's stores use: the wait is for stores older than the last tile (long done), not for
+//     the ones just issued;
+//   - tensormaps_perform_update only issues the loads of the next group's pointer and stride
+//     (their values are used after the next tile's mainloop, so their latency is hidden), and
+//     the rewrite, wait and release happen in tensormaps_fence_acquire, which the kernel calls
+//     just before that tile's epilogue.
+// The kernel calls these members on its own (per-thread) epilogue object, so the object's
+// members carry the state from one call to the next. Only each warpgroup's warp 0 holds a
+// descriptor (the others get nullptr from store_init and pass it through unchanged).
+template <class Base>
+struct DeferredStoreD : Base {
+  using Base::Base;
+  using Params = typename Base::Params;
+  using TensorMapStorage = typename Base::TensorMapStorage;
+  using TensorStorage = typename Base::TensorStorage;
+  using InternalStrideD = typename Base::InternalStrideD;
+  using ElementD = typename Base::ElementD;
+  static constexpr int kWarpGroups = Base::NumEpilogueWarpGroups;
+  // descriptors per SM in CUTLASS's layout: one per epilogue warpgroup (+ C's, when there is one)
+  static constexpr int kPerSm =
+      kWarpGroups + (cute::is_void_v<typename Base::ElementC> ? 0 : 1);
+  // TMA store groups one tile commits: one per epilogue subtile
+  static constexpr int kStoresPerTile =
+      (cute::size<0>(typename Base::CtaTileMNK{}) /
+       cute::size<0>(typename Base::EpilogueTile{})) *
+      (cute::size<1>(typename Base::CtaTileMNK{}) /
+       cute::size<1>(typename Base::EpilogueTile{}));
+
+  template <class ProblemShape_>
+  static size_t get_workspace_size(ProblemShape_ const& problem_shape,
+                                   typename Base::Arguments const& args, int sm_count) {
+    // CUTLASS's region ([fusion workspace][sm_count x kPerSm descriptors]), then the second copies
+    return Base::get_workspace_size(problem_shape, args, sm_count) +
+           static_cast<size_t>(sm_count) * kPerSm * sizeof(cute::TmaDescriptor);
+  }
+
+  CUTLASS_DEVICE auto store_init(Params const& params, TensorMapStorage& shared_tensormaps,
+                                 int32_t sm_count, int32_t sm_idx, int32_t warp_group_idx) {
+    auto first = Base::store_init(params, shared_tensormaps, sm_count, sm_idx, warp_group_idx);
+    cute::TmaDescriptor* d = get<0>(first);
+    copies_[0] = d;
+    copies_[1] = d == nullptr ? nullptr : d + static_cast<int64_t>(sm_count) * kPerSm;
+    params_ = &params;
+    return first;
+  }
+
+  template <bool IsLoad, class ProblemShape_MNKL>
+  CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage& shared_tensormaps,
+                                                Params const& params,
+                                                cute::TmaDescriptor const* tensormap,
+                                                ProblemShape_MNKL problem_shape_mnkl,
+                                                int32_t next_batch, int32_t warp_group_idx) {
+    if constexpr (IsLoad) {
+      Base::template tensormaps_perform_update<IsLoad>(shared_tensormaps, params, tensormap,
+                                                       problem_shape_mnkl, next_batch,
+                                                       warp_group_idx);
+    } else if (!started_) {  // the CTA's first tile: as CUTLASS (nothing is in flight yet)
+      Base::template tensormaps_perform_update<IsLoad>(shared_tensormaps, params, tensormap,
+                                                       problem_shape_mnkl, next_batch,
+                                                       warp_group_idx);
+    } else {  // issue the loads; fence_acquire uses them
+      next_ptr_ = params.ptr_D[next_batch];
+      next_stride_ = params.dD[next_batch];
+      next_m_ = static_cast<uint32_t>(get<0>(problem_shape_mnkl));
+      next_n_ = static_cast<uint32_t>(get<1>(problem_shape_mnkl));
+      pending_ = true;
+    }
+  }
+
+  template <bool IsLoad>
+  CUTLASS_DEVICE void tensormaps_cp_fence_release(TensorMapStorage& shared_tensormaps,
+                                                  cute::TmaDescriptor const* tensormap,
+                                                  const int32_t warp_group_idx = 0) {
+    if constexpr (IsLoad) {
+      Base::template tensormaps_cp_fence_release<IsLoad>(shared_tensormaps, tensormap,
+                                                         warp_group_idx);
+    } else if (!started_) {  // the first tile's descriptor goes to copy 0
+      cute::tma_descriptor_cp_fence_release(copies_[0],
+                                            shared_tensormaps.smem_tensormap_D[warp_group_idx]);
+      smem_ = &shared_tensormaps.smem_tensormap_D[warp_group_idx];
+      started_ = true;
+    }
+    // later tiles: deferred to tensormaps_fence_acquire
+  }
+
+  template <bool IsLoad>
+  CUTLASS_DEVICE void tensormaps_fence_acquire(cute::TmaDescriptor const* tensormap) {
+    if constexpr (IsLoad) {
+      Base::template tensormaps_fence_acquire<IsLoad>(tensormap);
+    } else {
+      if (tensormap != nullptr && pending_) {  // warp 0 of the warpgroup, whole warp
+        if (cute::elect_one_sync()) {
+          cute::tma_descriptor_replace_addr_in_shared_mem(*smem_, next_ptr_);
+          cute::array<uint32_t, 5> shape = {1, 1, 1, 1, 1};
+          cute::array<uint64_t, 5> stride = {0, 0, 0, 0, 0};
+          ElementD const* null_d = nullptr;
+          Tensor tensor_d = make_tensor(
+              null_d, make_layout(make_shape(next_m_, next_n_, Int<1>{}), next_stride_));
+          cute::detail::fill_tma_gmem_shape_stride(params_->tma_store_d, tensor_d, shape, stride);
+          for (uint64_t& s : stride) s = (s * cute::sizeof_bits_v<ElementD>) / 8;
+          cute::tma_descriptor_replace_dims_strides_in_shared_mem(*smem_, shape, stride);
+          // the copy about to be rewritten was last used by stores older than the last tile's
+          // kStoresPerTile groups: wait until those have read their source (as CUTLASS does
+          // for all of them)
+          asm volatile("cp.async.bulk.wait_group.read %0;" : : "n"(kStoresPerTile) : "memory");
+        }
+        __syncwarp();
+        cur_ ^= 1;
+        cute::tma_descriptor_cp_fence_release(copies_[cur_], *smem_);
+        pending_ = false;
+      }
+      cute::tma_descriptor_fence_acquire(tensormap == nullptr ? tensormap : copies_[cur_]);
+    }
+  }
+
+  template <class LoadPipeline, class LoadPipelineState, class StorePipeline,
+            class StorePipelineState, class ProblemShapeMNKL, class TileShapeMNK,
+            class TileCoordMNKL, class AccEngine, class AccLayout, class TiledMma,
+            class TensorMapD>
+  CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadPipelineState load_pipe_consumer_state,
+                            StorePipeline store_pipeline,
+                            StorePipelineState store_pipe_producer_state,
+                            ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+                            TileCoordMNKL tile_coord_mnkl,
+                            cute::Tensor<AccEngine, AccLayout> accumulators, TiledMma tiled_mma,
+                            int thread_idx, TensorStorage& shared_tensors,
+                            TensorMapD const& store_tensormap, int subtile_idx = -1) {
+    TensorMapD tm = store_tensormap;
+    if (tm != nullptr) tm = copies_[cur_];
+    return Base::store(load_pipeline, load_pipe_consumer_state, store_pipeline,
+                       store_pipe_producer_state, problem_shape_mnkl, tile_shape_MNK,
+                       tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared_tensors, tm,
+                       subtile_idx);
+  }
+
+ private:
+  cute::TmaDescriptor* copies_[2] = {nullptr, nullptr};
+  cute::TmaDescriptor* smem_ = nullptr;
+  Params const* params_ = nullptr;
+  ElementD* next_ptr_ = nullptr;
+  InternalStrideD next_stride_{};
+  uint32_t next_m_ = 0, next_n_ = 0;
+  int cur_ = 0;
+  bool started_ = false;
+  bool pending_ = false;
+};
+
 // CUTLASS's TMA-store epilogue, D = accumulator (bf16, row-major, no C operand).
 template <class Config>
-using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+using CutlassEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile,
     typename Config::Cluster, cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc,
     ElementAcc, void, cutlass::layout::RowMajor*, 8, Element, cutlass::layout::RowMajor*, 8,
     typename Config::Epilogue,
     cutlass::epilogue::fusion::LinearCombination<Element, ElementAcc, void>>::CollectiveOp;
+
+// Config::kDeferredD (default false): DeferredStoreD around CUTLASS's epilogue.
+template <class C, class = void>
+struct DeferredDOf : std::false_type {};
+template <class C>
+struct DeferredDOf<C, std::void_t<decltype(C::kDeferredD)>>
+    : std::integral_constant<bool, C::kDeferredD> {};
+template <class Config>
+using PlainEpilogue = std::conditional_t<DeferredDOf<Config>::value,
+                                         DeferredStoreD<CutlassEpilogue<Config>>,
+                                         CutlassEpilogue<Config>>;
 
 template <class LayoutA, class LayoutB, class Config>
 struct GemmDef : KernelFor<LayoutA, LayoutB, Config, PlainEpilogue<Config>> {
@@ -664,6 +845,10 @@ ffi::Error dispatch_tile(int64_t tile, Schedule sched, F&& f) {
       return f(PingpongThinC<1, 1>{});
     case 10:
       return f(AdaptiveWideThin11{});
+    case 11:
+      return f(CoopWide11Deferred{});
+    case 12:
+      return f(CoopMid11{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: tile=" + std::to_string(tile) +
                                          " is invalid; valid: 0.." +
