@@ -35,6 +35,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "gemm_array_lookahead.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace moe_gg {
@@ -117,7 +118,11 @@ using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 108, 105>;
 // dispatch_tile; TILE_CONFIGS in moe_praxis/ops/grouped_gemm.py).
 using AdaptiveWideThin12 = Adaptive<CoopWideC<1, 2>, PingpongThinC<1, 2>, 108, 105>;
 using AdaptiveWideThin11 = Adaptive<CoopWideC<1, 1>, PingpongThinC<1, 1>, 108, 105>;
-constexpr int kNumTiles = 11;
+// tile 11 (experiment): tile 8 with the lookahead producer
+struct CoopWide11Lookahead : CoopWideC<1, 1> {
+  static constexpr bool kLookahead = true;
+};
+constexpr int kNumTiles = 12;
 
 // What a fused epilogue needs beyond the group arrays (kernels/grouped_gemm_swiglu.cu); the
 // plain epilogue ignores it.
@@ -128,6 +133,14 @@ struct EpilogueExtra {
   const float* row_weights;   // [rows] routing weights multiplied into act, or nullptr
   int64_t ld;                 // row length of the three outputs
 };
+
+// Config::kLookahead (default false): the cooperative kernel whose producer writes the next
+// group's A / B descriptors ahead (kernels/gemm_array_lookahead.cuh).
+template <class C, class = void>
+struct LookaheadOf : std::false_type {};
+template <class C>
+struct LookaheadOf<C, std::void_t<decltype(C::kLookahead)>>
+    : std::integral_constant<bool, C::kLookahead> {};
 
 // The CUTLASS kernel of one tile configuration around a collective epilogue.
 template <class LayoutA, class LayoutB, class Config, class CollectiveEpilogueT>
@@ -141,8 +154,11 @@ struct KernelFor {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Config::Kernel>::CollectiveOp;
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Kernel = std::conditional_t<
+      LookaheadOf<Config>::value,
+      cutlass::gemm::kernel::GemmArrayLookaheadCooperative<ProblemShape, CollectiveMainloop,
+                                                           CollectiveEpilogue>,
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -664,6 +680,8 @@ ffi::Error dispatch_tile(int64_t tile, Schedule sched, F&& f) {
       return f(PingpongThinC<1, 1>{});
     case 10:
       return f(AdaptiveWideThin11{});
+    case 11:
+      return f(CoopWide11Lookahead{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: tile=" + std::to_string(tile) +
                                          " is invalid; valid: 0.." +

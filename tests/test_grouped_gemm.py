@@ -684,3 +684,18 @@ def test_cuda_kernels_inside_cuda_graphs():
     lc, lx = res["block_loss"]
     assert abs(lc - lx) <= 2e-2 * abs(lx), f"seed={seed} {res}"
     assert max(res["block_grad_errs"]) < 2e-2, f"seed={seed} {res}"
+
+
+def test_lookahead_kernel_header_is_generated_from_cutlass():
+    """kernels/gemm_array_lookahead.cuh is exactly what experiments.make_lookahead_kernel writes
+    from the installed CUTLASS's cooperative ptr-array kernel (so it is never edited by hand),
+    and the generator refuses a CUTLASS whose text no longer has the parts it replaces."""
+    from experiments import make_lookahead_kernel as mk
+
+    try:
+        src = mk.source_path().read_text()
+    except FileNotFoundError as ex:
+        pytest.skip(f"nvidia-cutlass not installed: {ex}")
+    assert mk.TARGET.read_text() == mk.generate(src)
+    with pytest.raises(ValueError, match="changed"):
+        mk.generate(src.replace(mk.LOOP_START, ""))
