@@ -117,7 +117,25 @@ using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 108, 105>;
 // dispatch_tile; TILE_CONFIGS in moe_praxis/ops/grouped_gemm.py).
 using AdaptiveWideThin12 = Adaptive<CoopWideC<1, 2>, PingpongThinC<1, 2>, 108, 105>;
 using AdaptiveWideThin11 = Adaptive<CoopWideC<1, 1>, PingpongThinC<1, 1>, 108, 105>;
-constexpr int kNumTiles = 11;
+// tiles 11-13 (experiment): 128x160 tiles (cuBLAS's choice for the dense C and B GEMMs on the
+// H200: nvjet_sm90_tst_128x160_64x5_2x1)
+template <int CM, int CN>
+struct Pingpong160C {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+  using Tile = Shape<_128, Int<160>, _64>;
+  using Cluster = Shape<Int<CM>, Int<CN>, _1>;
+  static constexpr int kTilesInFlight = 2;
+};
+template <int CM, int CN>
+struct Coop160C {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using Tile = Shape<_128, Int<160>, _64>;
+  using Cluster = Shape<Int<CM>, Int<CN>, _1>;
+  static constexpr int kTilesInFlight = 1;
+};
+constexpr int kNumTiles = 14;
 
 // What a fused epilogue needs beyond the group arrays (kernels/grouped_gemm_swiglu.cu); the
 // plain epilogue ignores it.
@@ -664,6 +682,12 @@ ffi::Error dispatch_tile(int64_t tile, Schedule sched, F&& f) {
       return f(PingpongThinC<1, 1>{});
     case 10:
       return f(AdaptiveWideThin11{});
+    case 11:
+      return f(Pingpong160C<1, 1>{});
+    case 12:
+      return f(Coop160C<1, 1>{});
+    case 13:
+      return f(Pingpong160C<2, 1>{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: tile=" + std::to_string(tile) +
                                          " is invalid; valid: 0.." +
