@@ -117,7 +117,17 @@ using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 108, 105>;
 // dispatch_tile; TILE_CONFIGS in moe_praxis/ops/grouped_gemm.py).
 using AdaptiveWideThin12 = Adaptive<CoopWideC<1, 2>, PingpongThinC<1, 2>, 108, 105>;
 using AdaptiveWideThin11 = Adaptive<CoopWideC<1, 1>, PingpongThinC<1, 1>, 108, 105>;
-constexpr int kNumTiles = 11;
+// tiles 11-12 (experiment): cooperative 256x128 with 1x2 and 1x1 clusters (cuBLAS's batched C
+// kernel: nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA)
+template <int CM, int CN>
+struct CoopLargeC {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using Tile = Shape<_256, _128, _64>;
+  using Cluster = Shape<Int<CM>, Int<CN>, _1>;
+  static constexpr int kTilesInFlight = 1;
+};
+constexpr int kNumTiles = 13;
 
 // What a fused epilogue needs beyond the group arrays (kernels/grouped_gemm_swiglu.cu); the
 // plain epilogue ignores it.
@@ -664,6 +674,10 @@ ffi::Error dispatch_tile(int64_t tile, Schedule sched, F&& f) {
       return f(PingpongThinC<1, 1>{});
     case 10:
       return f(AdaptiveWideThin11{});
+    case 11:
+      return f(CoopLargeC<1, 2>{});
+    case 12:
+      return f(CoopLargeC<1, 1>{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: tile=" + std::to_string(tile) +
                                          " is invalid; valid: 0.." +

@@ -60,6 +60,9 @@ TILE_CONFIGS = (
     "coop_128x256_c1x1",
     "pingpong_64x256_c1x1",
     "adaptive_128x256_64x256_c1x1",
+    # 11-12 (experiment)
+    "coop_256x128_c1x2",
+    "coop_256x128_c1x1",
 )
 # The adaptive pairs (their workspace holds the choice); 4 is the 2x1-cluster one.
 ADAPTIVE_TILES = tuple(i for i, t in enumerate(TILE_CONFIGS) if t.startswith("adaptive_"))
