@@ -117,7 +117,15 @@ using AdaptiveWideThin = Adaptive<CoopWide, PingpongThin, 108, 105>;
 // dispatch_tile; TILE_CONFIGS in moe_praxis/ops/grouped_gemm.py).
 using AdaptiveWideThin12 = Adaptive<CoopWideC<1, 2>, PingpongThinC<1, 2>, 108, 105>;
 using AdaptiveWideThin11 = Adaptive<CoopWideC<1, 1>, PingpongThinC<1, 1>, 108, 105>;
-constexpr int kNumTiles = 11;
+// tiles 11, 12 (experiment): tile 8 with the mainloop's (A, B) / the epilogue's (D) descriptor
+// update done twice
+struct CoopWide11TwiceAB : CoopWideC<1, 1> {
+  static constexpr bool kTwiceAB = true;
+};
+struct CoopWide11TwiceD : CoopWideC<1, 1> {
+  static constexpr bool kTwiceD = true;
+};
+constexpr int kNumTiles = 13;
 
 // What a fused epilogue needs beyond the group arrays (kernels/grouped_gemm_swiglu.cu); the
 // plain epilogue ignores it.
@@ -129,18 +137,64 @@ struct EpilogueExtra {
   int64_t ld;                 // row length of the three outputs
 };
 
+// Experiment (run 13): the mainloop's / the epilogue's descriptor update done twice, to see
+// whether it is on the path between two tiles.
+template <class C, class = void>
+struct TwiceABOf : std::false_type {};
+template <class C>
+struct TwiceABOf<C, std::void_t<decltype(C::kTwiceAB)>> : std::true_type {};
+template <class C, class = void>
+struct TwiceDOf : std::false_type {};
+template <class C>
+struct TwiceDOf<C, std::void_t<decltype(C::kTwiceD)>> : std::true_type {};
+template <class Base>
+struct TwiceMainloopUpdate : Base {
+  using Base::Base;
+  template <class... A>
+  CUTLASS_DEVICE void tensormaps_perform_update(A&&... a) {
+    Base::tensormaps_perform_update(a...);
+    Base::tensormaps_perform_update(a...);
+  }
+  template <class... A>
+  CUTLASS_DEVICE void tensormaps_cp_fence_release(A&&... a) {
+    Base::tensormaps_cp_fence_release(a...);
+    __syncwarp();
+    Base::tensormaps_cp_fence_release(a...);
+  }
+};
+template <class Base>
+struct TwiceEpilogueUpdate : Base {
+  using Base::Base;
+  template <bool IsLoad, class... A>
+  CUTLASS_DEVICE void tensormaps_perform_update(A&&... a) {
+    Base::template tensormaps_perform_update<IsLoad>(a...);
+    Base::template tensormaps_perform_update<IsLoad>(a...);
+  }
+  template <bool IsLoad, class... A>
+  CUTLASS_DEVICE void tensormaps_cp_fence_release(A&&... a) {
+    Base::template tensormaps_cp_fence_release<IsLoad>(a...);
+    __syncwarp();
+    Base::template tensormaps_cp_fence_release<IsLoad>(a...);
+  }
+};
+
 // The CUTLASS kernel of one tile configuration around a collective epilogue.
 template <class LayoutA, class LayoutB, class Config, class CollectiveEpilogueT>
 struct KernelFor {
   static constexpr int kAlignment = 8;  // 16 bytes of bf16
-  using CollectiveEpilogue = CollectiveEpilogueT;
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using CollectiveEpilogue = std::conditional_t<TwiceDOf<Config>::value,
+                                                TwiceEpilogueUpdate<CollectiveEpilogueT>,
+                                                CollectiveEpilogueT>;
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment,
       Element, LayoutB*, kAlignment, ElementAcc, typename Config::Tile,
       typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Config::Kernel>::CollectiveOp;
+  using CollectiveMainloop = std::conditional_t<TwiceABOf<Config>::value,
+                                                TwiceMainloopUpdate<BuiltMainloop>,
+                                                BuiltMainloop>;
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -664,6 +718,10 @@ ffi::Error dispatch_tile(int64_t tile, Schedule sched, F&& f) {
       return f(PingpongThinC<1, 1>{});
     case 10:
       return f(AdaptiveWideThin11{});
+    case 11:
+      return f(CoopWide11TwiceAB{});
+    case 12:
+      return f(CoopWide11TwiceD{});
     default:
       return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: tile=" + std::to_string(tile) +
                                          " is invalid; valid: 0.." +

@@ -60,6 +60,9 @@ TILE_CONFIGS = (
     "coop_128x256_c1x1",
     "pingpong_64x256_c1x1",
     "adaptive_128x256_64x256_c1x1",
+    # 11-12 (experiment): 8 with the A/B (mainloop) or D (epilogue) descriptor update twice
+    "coop_128x256_c1x1_twiceab",
+    "coop_128x256_c1x1_twiced",
 )
 # The adaptive pairs (their workspace holds the choice); 4 is the 2x1-cluster one.
 ADAPTIVE_TILES = tuple(i for i, t in enumerate(TILE_CONFIGS) if t.startswith("adaptive_"))
@@ -67,7 +70,7 @@ ADAPTIVE_TILE = TILE_CONFIGS.index("adaptive_128x256_64x256")
 # (cluster rows, cluster columns) of each tile configuration: its `_cMxN` suffix, else 2x1 (the
 # 2x1 adaptive pair's name has none)
 CLUSTERS = tuple(
-    tuple(int(v) for v in m.groups()) if (m := re.search(r"_c(\d)x(\d)$", t)) else (2, 1)
+    tuple(int(v) for v in m.groups()) if (m := re.search(r"_c(\d)x(\d)(?=_|$)", t)) else (2, 1)
     for t in TILE_CONFIGS)
 # Run-time scheduling of the persistent tile scheduler (FFI attributes `raster`, `swizzle`):
 # the order in which a group's output tiles are handed out, and the swizzle width. (Without
