@@ -248,6 +248,7 @@ struct PrepareParams {
   int64_t rows;     // M: rows of the ragged operand(s)
   bool dgrad;       // the dgrad problem (the adaptive pair's dgrad cost factor)
   bool ragged_k;    // wgrad: the group's rows are the GEMM's K (problem = (K?, N, m_e))
+  bool order_by_rows;  // wgrad: problems in order of decreasing rows (moe_gg_prepare)
   int dim_a;        // fwd/dgrad: problem (m_e, dim_a, dim_b); wgrad: (m_e ? dim_a : 0, dim_b, m_e)
   int dim_b;
   const Element* a;
@@ -315,6 +316,9 @@ inline int64_t adaptive_bytes(int e) {
 }
 
 constexpr int kPrepareThreads = 256;
+// wgrad orders its problems by rows (moe_gg_prepare) up to this many groups (an O(E^2 / 256)
+// rank count per call); more groups keep the group order.
+constexpr int kLptMaxGroups = 2048;
 
 __device__ inline void zero_range(Element* p, int64_t n, int64_t tid, int64_t nthreads) {
   // n and p are multiples of 8 elements / 16 bytes (K, N % 8 == 0 is checked in Python).
@@ -353,6 +357,33 @@ __global__ void __launch_bounds__(kPrepareThreads)
   if (threadIdx.x == 0) carry = slot_carry = 0;
   __syncthreads();
   const bool writer = blockIdx.x == 0;
+  // wgrad (ragged K): the problems go in order of decreasing rows (ties: lower group first), so
+  // that the persistent scheduler, which deals tiles to CTAs round-robin in problem order, deals
+  // the longest mainloops first (longest-processing-time first). In the given order a large
+  // group's tiles land on a few CTAs after the others have filled up: on the benchmark's C
+  // skewed sizes the busiest CTA gets 1.33x the mean work, 1.21x in this order (counted with
+  // experiments.bench_grouped_gemm.group_sizes). Measured: 1.5-2% faster at B and C skewed,
+  // equal balanced (docs/grouped_gemm.md, run 23). Needs every group's rows first.
+  const bool lpt =
+      p.order_by_rows && p.ragged_k && p.zero_empty_experts && p.num_groups <= kLptMaxGroups;
+  if (lpt) {
+    for (int base = 0; base < p.num_groups; base += kPrepareThreads) {
+      const int e = base + threadIdx.x;
+      int64_t size = e < p.num_groups ? max(p.group_sizes[e], 0) : 0;
+      int64_t start, chunk_total;
+      BlockScan(scan_storage).ExclusiveSum(size, start, chunk_total);
+      start += carry;
+      __syncthreads();
+      if (threadIdx.x == 0) carry += chunk_total;
+      if (e < p.num_groups) {
+        const int64_t lo = min(start, p.rows);
+        rows_smem[e] = static_cast<int>(min(start + size, p.rows) - lo);
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) carry = 0;
+    __syncthreads();
+  }
   for (int base = 0; base < p.num_groups; base += kPrepareThreads) {
     const int e = base + threadIdx.x;
     int64_t size = e < p.num_groups ? max(p.group_sizes[e], 0) : 0;
@@ -372,6 +403,14 @@ __global__ void __launch_bounds__(kPrepareThreads)
     __syncthreads();  // everyone has read slot_carry
     if (threadIdx.x == 0) slot_carry += pieces_total;
     if (e < p.num_groups && p.zero_empty_experts) rows_smem[e] = static_cast<int>(m);
+    if (lpt && e < p.num_groups) {
+      int rank = 0;
+      for (int q = 0; q < p.num_groups; ++q) {
+        const int mq = rows_smem[q];
+        rank += (mq > m) || (mq == m && q < e);
+      }
+      slot = rank;  // one problem per group (no row split for ragged K)
+    }
     for (int64_t j = 0; j < pieces; ++j, ++slot) {
       const int64_t r0 = lo + j * p.split_rows;  // split_rows = 0: j = 0 only
       const int mj = static_cast<int>(p.split_rows > 0 ? min(p.split_rows, m - j * p.split_rows) : m);

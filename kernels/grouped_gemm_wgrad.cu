@@ -42,6 +42,7 @@ ffi::Error GroupedGemmWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
     p.map_b = {0, n};
     p.map_d = {k * n, 0};
     p.zero_empty_experts = true;
+    p.order_by_rows = true;
     p.zero_row = 0;
     p.zero_expert = k * n;
     return run_grouped<Def>(stream, p, make_ld_stride<typename Def::StrideA>(k),
