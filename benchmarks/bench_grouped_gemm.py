@@ -60,6 +60,7 @@ import importlib
 
 # The module (the attribute ops.grouped_gemm is the function).
 gg = importlib.import_module("moe_praxis.ops.grouped_gemm")
+backend = importlib.import_module("moe_praxis.ops.backend")
 
 SHAPES = {  # name: (E, M, K, N)
     "A": (8, 32768, 4096, 14336),
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001
         pass
     # SMs: the persistent kernels' CTAs (one per SM); waves = issued tiles / SMs
-    sms = getattr(dev, "core_count", None)
+    sms = backend.sm_count()
     meta["sm_count"] = sms
     print(json.dumps(meta), flush=True)
     rows, errors = [], []

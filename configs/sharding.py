@@ -28,9 +28,6 @@ from praxis.layers import transformer_models
 
 from configs import base, models
 
-# Roles whose axes shard something; a mesh with none of them is data parallel only.
-SHARDING_ROLES = ("fsdp", "ep", "tp")
-
 
 def mesh_of(cfg: pax_fiddle.Config) -> base.MeshConfig:
     """The experiment's built MeshConfig (ValueError naming the bad field if it is invalid)."""
@@ -40,7 +37,7 @@ def mesh_of(cfg: pax_fiddle.Config) -> base.MeshConfig:
 
 def is_sharded(mesh: base.MeshConfig) -> bool:
     """Whether any axis plays fsdp, ep or tp (else weights are replicated)."""
-    return any(mesh.resources.axes(role) for role in SHARDING_ROLES)
+    return mesh.resources.shards_weights
 
 
 def annotate(cfg: pax_fiddle.Config) -> None:

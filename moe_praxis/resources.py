@@ -103,6 +103,12 @@ class MeshResources:
         shard's index is row-major over them)."""
         return self.axes("dp") + self.axes("fsdp") + self.axes("ep")
 
+    @property
+    def shards_weights(self) -> bool:
+        """Whether any axis plays fsdp, ep or tp: the roles that shard weights (with dp alone
+        every weight is replicated)."""
+        return bool(self.axes("fsdp") or self.axes("ep") or self.axes("tp"))
+
     def spec_entry(self, role: str):
         """The PartitionSpec entry of `role`: None (no axis), its one axis name, or the tuple
         of its axis names (e.g. for Praxis's dense sharding: replica / data / mdl axes)."""

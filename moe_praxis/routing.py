@@ -23,7 +23,6 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from moe_praxis import ops
 from moe_praxis.config import MoEConfig
 from moe_praxis.ops import router as router_op
 

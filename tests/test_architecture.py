@@ -2,8 +2,8 @@
 
 (a) moe_praxis's import graph (each module's top-level imports) has no cycle.
 (b) No import statement inside a function or method body in moe_praxis/, except the PEP 562
-    module `__getattr__` of moe_praxis/__init__.py: it imports the Praxis layer (and the mesh
-    resources) on first access to their names, so that users of the functional API
+    module `__getattr__` of moe_praxis/__init__.py: it imports the Praxis layer on first access
+    to `MoEFeedForward`, so that users of the functional API
     (`moe_block`, `MoEConfig`) never import praxis. A function-local import elsewhere hides a
     dependency (or a cycle) from the reader and from (a).
 (c) `import moe_praxis, moe_praxis.ops` maps no kernel library and no CUDA library, in a fresh

@@ -376,9 +376,9 @@ def adaptive_model(group_sizes, out_cols, sm_count, tile=4, op="fwd"):
 
 def test_adaptive_model_on_the_benchmark_sizes_picks_the_measured_winners():
     """The 1x1 pair's cost model (per-op factors) on the benchmark's group sizes, 132 SMs: the
-    64-row kernel only for dgrad at C skewed, where it measured 2.5-2.9% faster; 128 x 256 at B
-    skewed fwd and dgrad, where it measured 3-7% faster (docs/grouped_gemm.md); the 2x1 pair
-    keeps 64 rows for C skewed fwd and dgrad (10-12% faster there in 2026-11-29's runs)."""
+    64-row kernel only for dgrad at C skewed; 128 x 256 at B skewed fwd and dgrad; the 2x1 pair
+    keeps 64 rows for C skewed fwd and dgrad: where each measured faster
+    (benchmarks/results/grouped_gemm_runs.md)."""
     from benchmarks.bench_grouped_gemm import SHAPES, group_sizes
 
     picks = {}

@@ -9,9 +9,9 @@
 Letters: T tokens, k top_k, E experts, R = T*k rows (one per token copy), M d_model.
 """
 
-from moe_praxis.dispatch.capacity import capacity_keep, global_keep, local_keep
+from moe_praxis.dispatch.capacity import capacity_keep, global_keep
 from moe_praxis.dispatch.sort import (Dispatch, combine_rows, combine_sorted, dispatch_rows,
-                                      make_dispatch, row_weights, sort_copies)
+                                      row_weights, sort_copies)
 
 __all__ = [
     "Dispatch",
@@ -20,8 +20,6 @@ __all__ = [
     "combine_sorted",
     "dispatch_rows",
     "global_keep",
-    "local_keep",
-    "make_dispatch",
     "row_weights",
     "sort_copies",
 ]

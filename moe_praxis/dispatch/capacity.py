@@ -45,15 +45,6 @@ def capacity_keep(expert_ids, weights, valid, config: MoEConfig, capacity: int):
     return (pos < capacity).reshape(t, k) & valid[:, None]
 
 
-def local_keep(expert_ids, weights, valid, config: MoEConfig):
-    """One device: (keep [T, k] bool, dropped [] int32) with capacity(T) of these T tokens."""
-    t, k = expert_ids.shape
-    if config.capacity_factor is None:
-        return jnp.broadcast_to(valid[:, None], (t, k)), jnp.zeros((), jnp.int32)
-    keep = capacity_keep(expert_ids, weights, valid, config, config.capacity(t))
-    return keep, jnp.sum(valid[:, None] & ~keep, dtype=jnp.int32)
-
-
 def _position_keep(ids, valid, config: MoEConfig, layout: EPLayout, shard, t_global):
     """drop_policy='position' keep mask [Tl, k], equal to the single-device one, from counts.
 
@@ -93,7 +84,7 @@ def global_keep(ids, weights, valid, config: MoEConfig, layout: EPLayout, shard,
     (_position_keep). 'weight': the routing decisions (ids and weights) are all-gathered over
     the token axes (in token-shard order, so row s * Tl + t is global token s * Tl + t),
     capacity_keep runs on them with the global capacity(T), and each shard slices its rows.
-    With no token axes (one device) this is exactly local_keep.
+    With no token axes (one device) this is capacity_keep with capacity(T) of these T tokens.
     """
     t_l, k = ids.shape
     axes = layout.token_axes

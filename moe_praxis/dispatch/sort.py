@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from moe_praxis import ops
 from moe_praxis.config import MoEConfig
-from moe_praxis.dispatch.capacity import local_keep
 
 
 @jax.tree_util.register_dataclass
@@ -46,13 +45,6 @@ def sort_copies(expert_ids, keep, num_experts: int, dropped_tokens) -> Dispatch:
                     sorted_experts=sorted_e,
                     group_sizes=group_sizes,
                     dropped_tokens=dropped_tokens)
-
-
-def make_dispatch(expert_ids, weights, valid, config: MoEConfig) -> Dispatch:
-    """One device's dispatch: expert_ids, weights: [T, k]; valid: [T] bool -> Dispatch with
-    the capacity of config (capacity.local_keep) applied."""
-    keep, dropped = local_keep(expert_ids, weights, valid, config)
-    return sort_copies(expert_ids, keep, config.num_experts, dropped)
 
 
 def dispatch_rows(x, d: Dispatch, *, backend: str = "auto"):

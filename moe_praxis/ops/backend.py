@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 import warnings
 
+import jax
+
 from moe_praxis.ops import _library
 from moe_praxis.ops._library import (  # noqa: F401  (the library layer's public names)
     DEFAULT_LIB, ENV_LIB, KERNELS, LIB_NAME, call_stats, ffi, library_path, library_status,
@@ -34,10 +36,10 @@ try:
     from cuda.bindings import runtime as _runtime
     from cuda.pathfinder import DynamicLibNotFoundError
     _CUDA_PYTHON_ERROR = ""
-except ImportError as e:  # cuda-python is the optional 'cuda' extra
+except ImportError as e:  # a dependency, but an install without it still imports
     _driver = _runtime = None
     DynamicLibNotFoundError = OSError
-    _CUDA_PYTHON_ERROR = f"cuda-python is not installed ({e}); pip install -e '.[cuda]'"
+    _CUDA_PYTHON_ERROR = f"cuda-python is not installed ({e}); pip install 'cuda-python>=12.6'"
 
 BACKENDS = ("auto", "xla", "cuda")
 
@@ -126,11 +128,30 @@ def requirement(op: str) -> tuple[int, int | None]:
     return COMPUTE_CAPABILITY.get(op.split(".")[0], DEFAULT_COMPUTE_CAPABILITY)
 
 
+def _jax_cuda_reason() -> str:
+    """'' when JAX runs on a CUDA GPU, else why not: the driver may see a GPU that JAX does not
+    use (JAX_PLATFORMS=cpu, a jaxlib without CUDA, a ROCm GPU). Asked when a backend is
+    resolved, never at import."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        return f"no GPU visible to JAX (default backend: {jax.default_backend()})"
+    version = str(getattr(gpus[0].client, "platform_version", "")).lower()
+    if "rocm" in version or "hip" in version:
+        return f"the GPU {gpus[0].device_kind!r} is not a CUDA device ({version})"
+    return ""
+
+
 def cuda_status(op: str = "") -> tuple[bool, str]:
     """(usable, reason) for the CUDA kernel of `op` ('' = the library as a whole)."""
     dev = device_query()
     if dev["reason"]:
         return False, dev["reason"]
+    jax_reason = _jax_cuda_reason()
+    if jax_reason:
+        return False, jax_reason
     ok, why = _library.library_status()
     if not ok:
         return False, why

@@ -112,7 +112,7 @@ def _patch_py_utils(py_utils) -> None:
         return mesh_defined()
 
     global_mesh_defined._moe_praxis_shim = True
-    global_mesh_defined.__doc__ = "moe_praxis.compat: " + mesh_defined.__doc__
+    global_mesh_defined.__doc__ = "moe_praxis.praxis.compat: " + mesh_defined.__doc__
     py_utils.global_mesh_defined = global_mesh_defined
 
 
