@@ -201,11 +201,13 @@ def test_diverging_run_stops_before_saving_non_finite_state(tmp_path):
     """The issue's command (learning rate 1000, no clipping, no warmup), shortened: it used to
     train on NaN to the end, checkpoint NaN parameters and exit 0."""
     job = tmp_path / "nan"
+    opt = [
+        "--fdl.optimizer.learning_rate=1000.0", "--fdl.optimizer.clip_norm=0.0",
+        "--fdl.optimizer.warmup_steps=0"
+    ]
     p = run_main([
-        f"--job_log_dir={job}", "--fdl.optimizer.learning_rate=1000.0",
-        "--fdl.optimizer.clip_norm=0.0", "--fdl.optimizer.warmup_steps=0",
-        "--fdl.train.num_steps=30", "--fdl.train.checkpoint_every=2", "--fdl.train.eval_every=100",
-        *SMALL
+        f"--job_log_dir={job}", *opt, "--fdl.train.num_steps=30", "--fdl.train.checkpoint_every=2",
+        "--fdl.train.eval_every=100", *SMALL
     ],
                  check=False)
     assert p.returncode == 3, p.stderr[-3000:]
@@ -224,8 +226,8 @@ def test_diverging_run_stops_before_saving_non_finite_state(tmp_path):
         leaves = jax.tree_util.tree_leaves(_read_checkpoint(job, s))
         assert all(np.all(np.isfinite(x)) for x in leaves if np.issubdtype(x.dtype, np.inexact))
     # The last good checkpoint restores.
-    p = run_main([f"--job_log_dir={job}", "--mode=eval", *SMALL])
-    assert f'"step": {max(steps)}' in p.stdout
+    p = run_main([f"--job_log_dir={job}", "--mode=eval", *opt, *SMALL])
+    assert f'"step": {max(steps)}' in p.stdout and "does not restore" not in p.stderr
 
 
 @pytest.mark.slow
@@ -252,9 +254,15 @@ def test_skip_policy_keeps_the_state_and_stops_past_the_limit(tmp_path):
     # A skipped step applies nothing: parameters and optimizer state (with Adam's count) stay.
     c1, c2, c3 = (_read_checkpoint(job, s) for s in (1, 2, 3))
     assert [int(c["step"]) for c in (c1, c2, c3)] == [1, 2, 3]
+    assert {"params", "opt_state"} <= set(c1)
     for c in (c2, c3):
-        for key in ("params", "opt_state", "non_trainable"):
-            _assert_equal(c[key], c1[key])
+        _assert_equal({
+            k: v
+            for k, v in c.items() if k != "step"
+        }, {
+            k: v
+            for k, v in c1.items() if k != "step"
+        })
 
 
 @pytest.mark.slow
