@@ -88,7 +88,7 @@ class Trainer:
         return {"heldout_loss": loss, "heldout_perplexity": math.exp(min(loss, 700.0))}
 
     def evaluate_latest(self) -> dict:
-        """Held-out loss and perplexity of the latest checkpoint (``--mode=eval``)."""
+        """Held-out loss and perplexity of the newest checkpoint that restores (``--mode=eval``)."""
         mngr = self.checkpoints.manager()
         try:
             with jax.set_mesh(self.prep.mesh):

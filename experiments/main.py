@@ -43,10 +43,11 @@ _EXP = flags.DEFINE_string(
     "--fdl_config_file are not given.")
 _JOB_LOG_DIR = flags.DEFINE_string(
     "job_log_dir", None, "Where metrics.jsonl, TensorBoard events, checkpoints and the summary "
-    "plot go; a run resumes from the latest checkpoint here. Default ./runs/<experiment>.")
+    "plot go; a run resumes from the newest checkpoint here that restores. Default "
+    "./runs/<experiment>.")
 _MODE = flags.DEFINE_enum(
     "mode", "train", MODES, "train: train (resuming if possible); "
-    "eval: held-out loss of the latest checkpoint.")
+    "eval: held-out loss of the newest checkpoint that restores.")
 _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", 1, "Processes in the job (jax.distributed.initialize num_processes).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index in [0, num_processes).")
