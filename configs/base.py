@@ -17,6 +17,7 @@ from moe_praxis import MeshResources
 
 DATA_SOURCES = ("pydoc", "synthetic", "text")
 SCHEDULES = ("cosine", "constant", "linear")
+NONFINITE_POLICIES = ("stop", "skip")
 AxisRole = Union[None, str, Sequence[str]]
 
 
@@ -187,6 +188,13 @@ class TrainConfig:
     summary_every: expert-load summaries are recorded every this many steps.
     sigterm_at_step: testing aid: the process sends itself SIGTERM after this step (0 = never),
       so a kill-and-resume test stops at an exact step through the real signal path.
+    on_nonfinite: what a step whose loss or gradient norm is not finite does. 'stop': the run
+      stops at that step without saving it (the earlier checkpoints stay) and exits with
+      status 3. 'skip': the step's update is not applied (parameters, optimizer state and
+      non-trainable variables stay as they were; the step's batch is consumed) and the run
+      goes on.
+    max_skipped_steps: with on_nonfinite='skip', the run stops as 'stop' does when more than
+      this many steps in a row were skipped.
     """
 
     num_steps: int = 200
@@ -197,11 +205,16 @@ class TrainConfig:
     seed: int = 0
     summary_every: int = 10
     sigterm_at_step: int = 0
+    on_nonfinite: str = "stop"
+    max_skipped_steps: int = 10
 
     def __post_init__(self):
         for name in ("num_steps", "eval_every", "eval_batches", "max_checkpoints", "summary_every"):
             _positive_int("TrainConfig", name, getattr(self, name))
-        for name in ("checkpoint_every", "sigterm_at_step"):
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise _bad("TrainConfig", "on_nonfinite", self.on_nonfinite,
+                       f"valid: {NONFINITE_POLICIES}")
+        for name in ("checkpoint_every", "sigterm_at_step", "max_skipped_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise _bad("TrainConfig", name, v, "must be an int >= 0")

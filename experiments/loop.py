@@ -1,11 +1,15 @@
 """The training loop: ``Trainer(prepared, job_log_dir).run()``.
 
-- initialises (or restores, from the latest orbax checkpoint in ``job_log_dir/checkpoints``)
-  the state with explicit shardings (``experiments.steps``);
+- initialises (or restores, from the newest orbax checkpoint in ``job_log_dir/checkpoints``
+  that restores: ``experiments.checkpoints``) the state with explicit shardings
+  (``experiments.steps``);
 - runs the jitted train steps, every ``eval_every`` steps the held-out loss and perplexity;
 - writes ``metrics.jsonl`` and TensorBoard events, checkpoints every ``checkpoint_every``
   steps, at the end and on SIGTERM/SIGINT, and draws ``summary.png`` (loss curves and the
-  expert-load heatmap, layers x experts) when it finishes (``experiments.metrics``).
+  expert-load heatmap, layers x experts) when it finishes (``experiments.metrics``);
+- stops without saving at a step whose loss or gradient norm is not finite
+  (``train.on_nonfinite='stop'``), or counts it as skipped and stops after more than
+  ``train.max_skipped_steps`` of them in a row (``'skip'``; the step left the state as it was).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +25,7 @@ import jax
 import numpy as np
 
 from experiments import data as data_lib
-from experiments.checkpoints import Checkpoints
+from experiments.checkpoints import Checkpoints, NonFiniteState
 from experiments.metrics import MetricsWriter, plot_summary
 from experiments.setup import Prepared
 from experiments.steps import make_step_fns, put_batch
@@ -47,21 +52,50 @@ class Trainer:
     def _on_signal(self, signum, frame):
         self._stop_signal = signum
 
+    def _say(self, line: str, err: bool = False):
+        if self.is_chief:
+            print(line, file=sys.stderr if err else sys.stdout, flush=True)
+
+    def _restore(self, mngr, set_aside: bool):
+        """(state or None, step or None) of the newest checkpoint that restores; says which
+        newer ones it passed over and why."""
+        state, step, notes = self.checkpoints.restore_newest(mngr, set_aside=set_aside)
+        for note in notes:
+            self._say(note, err=True)
+        return state, step
+
+    def _diverged(self, mngr, step: int, what: str) -> str:
+        """The one-line message of a run stopped by a non-finite value at ``step``."""
+        mngr.wait_until_finished()
+        latest = mngr.latest_step()
+        kept = "no checkpoint was written" if latest is None else \
+            f"the newest checkpoint is step {latest} in {self.ckpt_dir}"
+        return f"step {step}: {what}; stopped without saving this state; {kept}"
+
+    def _save(self, mngr, state, step: int, result: dict) -> bool:
+        """Saves a checkpoint; False (and ``result['diverged']`` set) if the state is not
+        finite, which a finite loss and gradient norm do not rule out (an overflowing update)."""
+        try:
+            self.checkpoints.save(mngr, state, step)
+        except NonFiniteState as e:
+            result["diverged"] = self._diverged(mngr, step, str(e))
+            return False
+        return True
+
     def _evaluate(self, state, eval_batches) -> dict:
         xs = [float(self.fns.eval(state, b)["xent"]) for b in eval_batches]
         loss = float(np.mean(xs))
         return {"heldout_loss": loss, "heldout_perplexity": math.exp(min(loss, 700.0))}
 
     def evaluate_latest(self) -> dict:
-        """Held-out loss and perplexity of the latest checkpoint (``--mode=eval``)."""
+        """Held-out loss and perplexity of the newest checkpoint that restores (``--mode=eval``)."""
         mngr = self.checkpoints.manager()
         try:
-            step = mngr.latest_step()
-            if step is None:
-                raise FileNotFoundError(f"--mode=eval needs a checkpoint; {self.ckpt_dir} has "
-                                        "none (train first, or point --job_log_dir at a run)")
             with jax.set_mesh(self.prep.mesh):
-                state = self.checkpoints.restore(mngr, step)
+                state, step = self._restore(mngr, set_aside=False)
+                if state is None:
+                    raise FileNotFoundError(f"--mode=eval needs a checkpoint; {self.ckpt_dir} has "
+                                            "none (train first, or point --job_log_dir at a run)")
                 batches = [
                     put_batch(b, self.fns.batch_sharding)
                     for b in self.dataset.eval_batches(self.exp.train.eval_batches)
@@ -72,9 +106,10 @@ class Trainer:
         return result
 
     def run(self) -> dict:
-        """Trains to ``train.num_steps`` (or until SIGTERM/SIGINT). Returns a summary dict:
-        start_step, final_step, stopped_by (None or the signal name), last train and eval
-        metrics, and the paths written."""
+        """Trains to ``train.num_steps`` (or until SIGTERM/SIGINT, or a non-finite value).
+        Returns a summary dict: start_step, final_step, stopped_by (None or the signal name),
+        diverged (None or the one-line message of a non-finite stop), skipped_steps, last train
+        and eval metrics, and the paths written."""
         exp, tr = self.exp, self.exp.train
         writer = MetricsWriter(self.job_log_dir, self.is_chief)
         mngr = self.checkpoints.manager()
@@ -86,12 +121,17 @@ class Trainer:
             "checkpoints": str(self.ckpt_dir),
             "plot": str(self.png_path),
             "stopped_by": None,
+            "diverged": None,
+            "skipped_steps": 0,
             "last_eval": None
         }
         try:
             with jax.set_mesh(self.prep.mesh):
-                state, restored = self.checkpoints.restore_or_init(
-                    mngr, lambda: self.fns.init(jax.random.key(tr.seed)))
+                state, restored = self._restore(mngr, set_aside=True)
+                if state is None:
+                    state = self.fns.init(jax.random.key(tr.seed))
+                else:
+                    self._say(f"resumed from the checkpoint of step {restored}")
                 start = int(jax.device_get(state["step"]))
                 result["start_step"] = start
                 result["restored_from"] = restored
@@ -122,6 +162,7 @@ class Trainer:
                                dynamic_ncols=True)
                 step = start
                 last = {}
+                in_a_row = 0  # steps skipped in a row (train.on_nonfinite='skip')
                 t_prev = time.perf_counter()
                 while step < tr.num_steps and self._stop_signal is None:
                     batch = put_batch(self.dataset.train_batch(step), self.fns.batch_sharding)
@@ -135,6 +176,19 @@ class Trainer:
                     last = {k: float(v) for k, v in metrics.items()}
                     last["tokens_per_sec"] = tps
                     writer.write("train", step, last)
+                    bad = [k for k in ("loss", "grad_norm") if not math.isfinite(last[k])]
+                    in_a_row = in_a_row + 1 if bad else 0
+                    if bad and tr.on_nonfinite == "skip":
+                        result["skipped_steps"] += 1
+                    if bad and (tr.on_nonfinite == "stop" or in_a_row > tr.max_skipped_steps):
+                        values = f"loss {last['loss']:.4g}, grad_norm {last['grad_norm']:.4g}"
+                        verb = "is" if len(bad) == 1 else "are"
+                        what = (f"{' and '.join(bad)} {verb} not finite ({values}; train."
+                                "on_nonfinite='stop')" if tr.on_nonfinite == "stop" else
+                                f"{in_a_row} steps in a row skipped, more than train."
+                                f"max_skipped_steps={tr.max_skipped_steps} ({values})")
+                        result["diverged"] = self._diverged(mngr, step, what)
+                        break
                     if load is not None and (step % tr.summary_every == 0 or step == tr.num_steps):
                         writer.write("expert_load", step, {"load": np.asarray(load)})
                     if bar is not None:
@@ -148,12 +202,14 @@ class Trainer:
                             bar.write(f"step {step}: held-out loss {ev['heldout_loss']:.4f}, "
                                       f"perplexity {ev['heldout_perplexity']:.3f}")
                     if tr.checkpoint_every and step % tr.checkpoint_every == 0:
-                        self.checkpoints.save(mngr, state, step)
+                        if not self._save(mngr, state, step, result):
+                            break
                     if tr.sigterm_at_step and step == tr.sigterm_at_step:
                         os.kill(os.getpid(), signal.SIGTERM)
                 if bar is not None:
                     bar.close()
-                self.checkpoints.save(mngr, state, step)
+                if result["diverged"] is None:
+                    self._save(mngr, state, step, result)
                 mngr.wait_until_finished()
                 result["final_step"] = step
                 result["last_train"] = last
@@ -164,6 +220,7 @@ class Trainer:
                 signal.signal(s, h)
             mngr.close()
             writer.close()
-        if self.is_chief and result["stopped_by"] is None and writer.path.exists():
+        if self.is_chief and result["stopped_by"] is None and result["diverged"] is None and \
+                writer.path.exists():
             plot_summary(writer.path, self.png_path, title=exp.name)
         return result

@@ -35,6 +35,7 @@ from fiddle._src.absl_flags import utils as fdl_utils
 
 MODES = ("train", "eval")
 DEFAULT_EXP = "tiny"
+EXIT_NONFINITE = 3  # the run stopped at a non-finite loss, gradient norm or state
 
 _EXP = flags.DEFINE_string(
     "exp", None, "Registered experiment: module.Class, a dotted suffix (Tiny, experiments.Tiny) "
@@ -42,10 +43,11 @@ _EXP = flags.DEFINE_string(
     "--fdl_config_file are not given.")
 _JOB_LOG_DIR = flags.DEFINE_string(
     "job_log_dir", None, "Where metrics.jsonl, TensorBoard events, checkpoints and the summary "
-    "plot go; a run resumes from the latest checkpoint here. Default ./runs/<experiment>.")
+    "plot go; a run resumes from the newest checkpoint here that restores. Default "
+    "./runs/<experiment>.")
 _MODE = flags.DEFINE_enum(
     "mode", "train", MODES, "train: train (resuming if possible); "
-    "eval: held-out loss of the latest checkpoint.")
+    "eval: held-out loss of the newest checkpoint that restores.")
 _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", 1, "Processes in the job (jax.distributed.initialize num_processes).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index in [0, num_processes).")
@@ -237,6 +239,8 @@ def main(argv) -> int:
         raise UsageError(str(e)) from None
     if chief:
         first, last = result.get("first_eval"), result.get("last_eval")
+        if result["diverged"]:  # the last eval is not of the final step
+            first = last = None
         if result["stopped_by"]:
             print(f"stopped by {result['stopped_by']} at step {result['final_step']}; the "
                   f"checkpoint is saved, rerun the same command to resume.")
@@ -253,11 +257,18 @@ def main(argv) -> int:
                   f"(perplexity {last['heldout_perplexity']:.3f})")
         if "compile_seconds" in result:
             print(f"train step compiled in {result['compile_seconds']:.1f} s")
+        if result["skipped_steps"]:
+            print(f"skipped {result['skipped_steps']} steps whose loss or gradient norm was not "
+                  "finite (train.on_nonfinite='skip'; metrics.jsonl marks them skipped=1)")
         print(f"metrics:     {result['metrics']}\ntensorboard: {result['tensorboard']}\n"
               f"checkpoints: {result['checkpoints']}")
-        if not result["stopped_by"] and Path(result["plot"]).exists():
+        if not (result["stopped_by"] or result["diverged"]) and Path(result["plot"]).exists():
             print(f"plot:        {result['plot']}")
         sys.stdout.flush()
+    if result["diverged"]:
+        if chief:
+            print(f"experiments.main: error: {result['diverged']}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
     if result["stopped_by"]:
         import signal
 

@@ -5,7 +5,8 @@
   every token axis (dp, fsdp, ep).
 - A train step: loss = TransformerLm's ``total_loss`` = mean next-byte cross-entropy + every aux
   loss the layers registered (``mutable=[aux_loss, summaries, non_trainable]``), global-norm
-  clipping, AdamW.
+  clipping, AdamW. With ``train.on_nonfinite='skip'`` a step whose loss or gradient norm is not
+  finite returns the state it was given (step + 1) and ``skipped=1`` in its metrics.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
     nl = models.num_layers(prep.model_config)
     lpb = models.stack_block(prep.model_config).num_layers
     tx, schedule = make_optimizer(exp.optimizer, exp.train.num_steps)
+    skip_nonfinite = exp.train.on_nonfinite == "skip"
     b, s = exp.data.batch_size, exp.data.seq_len
     # The batch is split over the token axes exactly as the MoE block splits its tokens.
     token_axes = exp.mesh.resources.token_axes
@@ -158,13 +160,23 @@ def make_step_fns(prep: Prepared) -> StepFns:
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         nt = {k: updated.get(k, v) for k, v in state["non_trainable"].items()}
+        grad_norm = optax.global_norm(grads)
         metrics = {
             "loss": loss,
             "xent": out.avg_xent,
             "aux_loss": out.get("aux_loss", jnp.zeros(())),
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": grad_norm,
             "learning_rate": schedule(step),
         }
+        if skip_nonfinite:
+            # Not optax.apply_if_finite: it looks at the gradients only, adds counters to the
+            # optimizer state (so the two policies' checkpoints would not be interchangeable)
+            # and applies the update anyway after its limit; the loop stops instead.
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            params, opt_state, nt = jax.tree_util.tree_map(
+                lambda new, old: jnp.where(finite, new, old), (params, opt_state, nt),
+                (state["params"], state["opt_state"], state["non_trainable"]))
+            metrics["skipped"] = jnp.where(finite, 0.0, 1.0)
         load = expert_load(updated.get(base_layer.SUMMARIES, {}), nl, lpb)
         if load is not None:
             metrics["expert_load"] = load
