@@ -214,12 +214,7 @@ class EPLayout:
     def explicit_spec(self, spec: P) -> P:
         """`spec` restricted to the Explicit mesh axes: the sharding an input's type must carry
         for shard_map's in_specs `spec` (jax.sharding.reshard accepts only Explicit axes)."""
-        keep = set(self.explicit_axes)
-        entries = []
-        for e in spec:
-            names = (e, ) if isinstance(e, str) else tuple(e or ())
-            entries.append(_entry(tuple(a for a in names if a in keep)))
-        return P(*entries)
+        return restrict_spec(spec, self.explicit_axes)
 
     def experts_of_rank(self, ep_rank: int) -> list[int]:
         """The experts EP rank `ep_rank` owns: [r * E / ep, (r + 1) * E / ep)."""
@@ -248,6 +243,16 @@ def _axis_sizes(mesh, axes: tuple[str, ...], role: str) -> int:
             raise ValueError(f"MeshResources.{role} names mesh axis {a!r}, which the mesh does "
                              f"not have; the mesh axes are {tuple(shape)}")
     return int(math.prod(shape[a] for a in axes))
+
+
+def restrict_spec(spec: P, axes) -> P:
+    """`spec` with only the mesh axes in `axes` left in its entries (the others replicated)."""
+    keep = set(axes)
+    entries = []
+    for e in spec:
+        names = (e, ) if isinstance(e, str) else tuple(e or ())
+        entries.append(_entry(tuple(a for a in names if a in keep)))
+    return P(*entries)
 
 
 def axis_types(mesh) -> dict:
