@@ -83,20 +83,22 @@ def _unflatten(y, x, mesh, layout: EPLayout):
     return jax.sharding.reshard(jnp.reshape(y, x.shape, out_sharding=target), target)
 
 
-def _flatten(x, paddings, config: MoEConfig, place):
-    """(x [T, M], valid [T], seq_len) placed by `place(a, shape, spec)` on the token spec."""
+def _flatten(x, paddings, config: MoEConfig, layout: EPLayout, place):
+    """(x [T, M], valid [T], seq_len), checked, then placed by `place(a, shape, rows)` on the
+    token spec (rows: a has the d_model dimension)."""
     if x.ndim < 1 or x.shape[-1] != config.d_model:
         raise ValueError(f"x must be [..., d_model={config.d_model}], got shape {x.shape}")
+    if paddings is not None and paddings.shape != x.shape[:-1]:
+        raise ValueError(f"paddings must have shape x.shape[:-1]={x.shape[:-1]}, "
+                         f"got {paddings.shape}")
     t = math.prod(x.shape[:-1])
+    seq_len = x.shape[-2] if x.ndim >= 3 else None
+    _check_token_shards(t, layout, config, seq_len)
     x2 = place(x, (t, config.d_model), True)
     if paddings is None:
         valid = place(jnp.ones((t, ), bool), (t, ), False)
     else:
-        if paddings.shape != x.shape[:-1]:
-            raise ValueError(f"paddings must have shape x.shape[:-1]={x.shape[:-1]}, "
-                             f"got {paddings.shape}")
         valid = place(paddings, (t, ), False) < 0.5
-    seq_len = x.shape[-2] if x.ndim >= 3 else None
     return x2, valid, seq_len
 
 
@@ -271,15 +273,14 @@ def moe_block(params: dict,
         check_mesh_in_scope(mesh)
     tok = layout.token_spec
     x2, valid, seq_len = _flatten(
-        x, paddings, config, lambda a, shape, rows: _placed(a, shape, mesh, layout,
-                                                            P(*tok, None) if rows else tok))
+        x, paddings, config, layout, lambda a, shape, rows: _placed(a, shape, mesh, layout,
+                                                                    P(*tok, None) if rows else tok))
     if layout.explicit_axes:
         params = {
             name: _placed(w, w.shape, mesh, layout, layout.weight_specs[name])
             for name, w in params.items()
         }
     t = x2.shape[0]
-    _check_token_shards(t, layout, config, seq_len)
     if mesh is None:
         kind = "padded"  # ep size 1: no exchange
         fn = functools.partial(block_body,

@@ -25,11 +25,10 @@ gather experts [0, 1, 4, 5]. Such a layout, given in `expert_dim_order`, is refu
 With `fsdp_dim='model'` the expert dimension is sharded over ep only and fsdp shards the
 d_model dimension M (wi: [E, M/fsdp, H], wo: [E, H, M/fsdp]).
 
-Mesh axis types. `jax.make_mesh` gives Explicit axes by default, `jax.sharding.Mesh` Auto
-ones; both work, and so do meshes mixing them. On Explicit axes an array's type carries its
-sharding and shard_map checks it against its in_specs, so the block gives each input the
-sharding of its spec on those axes first (`EPLayout.explicit_spec`). A role on a Manual axis
-(moe_block called inside a shard_map over that axis) is refused: the block runs its own.
+Mesh axis types: Explicit (`jax.make_mesh`'s default), Auto (`jax.sharding.Mesh`) or both.
+On Explicit axes shard_map checks an input's type against its in_specs, so the block first
+gives each input its spec's sharding on them (`EPLayout.explicit_spec`). A role on a Manual
+axis (moe_block inside a shard_map over it) is refused: the block runs its own shard_map.
 """
 
 from __future__ import annotations
@@ -151,8 +150,7 @@ class EPLayout:
     Specs: token_spec shards dim 0 of x [T, M] (and valid [T]) over the token axes;
     expert_spec is the PartitionSpec of the expert dimension alone; weight_specs maps each
     parameter name to its full PartitionSpec.
-    explicit_axes: the mesh axes of type Explicit (none for a jax.sharding.Mesh); arrays
-    entering the block get explicit_spec(spec) as their type's sharding.
+    explicit_axes: the mesh's Explicit axes; an input of spec s gets explicit_spec(s).
     """
 
     num_experts: int
@@ -247,34 +245,27 @@ def _axis_sizes(mesh, axes: tuple[str, ...], role: str) -> int:
 
 def restrict_spec(spec: P, axes) -> P:
     """`spec` with only the mesh axes in `axes` left in its entries (the others replicated)."""
-    keep = set(axes)
-    entries = []
-    for e in spec:
-        names = (e, ) if isinstance(e, str) else tuple(e or ())
-        entries.append(_entry(tuple(a for a in names if a in keep)))
-    return P(*entries)
+    names = lambda e: (e, ) if isinstance(e, str) else tuple(e or ())
+    return P(*(_entry(tuple(a for a in names(e) if a in set(axes))) for e in spec))
 
 
 def axis_types(mesh) -> dict:
     """{axis name: 'Auto' | 'Explicit' | 'Manual'} of a Mesh or AbstractMesh ({} for None)."""
     if mesh is None:
         return {}
-    types = getattr(mesh, "axis_types", None) or ("Auto", ) * len(mesh.axis_names)
-    return {a: getattr(t, "name", str(t)) for a, t in zip(mesh.axis_names, types)}
+    return {a: getattr(t, "name", str(t)) for a, t in zip(mesh.axis_names, mesh.axis_types)}
 
 
 def describe_mesh(mesh) -> str:
     """'data2 x expert4 (Explicit, Explicit)': a mesh's axes, sizes and axis types."""
-    types = axis_types(mesh)
     shape = dict(mesh.shape)
-    return (" x ".join(f"{a}{shape[a]}"
-                       for a in mesh.axis_names) + f" (axis types {tuple(types.values())})")
+    axes = " x ".join(f"{a}{shape[a]}" for a in mesh.axis_names)
+    return f"{axes} (axis types {tuple(axis_types(mesh).values())})"
 
 
 def check_mesh_in_scope(mesh) -> None:
-    """Refuses a mesh that differs from the one in scope (jax.set_mesh, or an enclosing
-    shard_map, which makes its axes Manual), where shard_map would refuse it: only an all-Auto
-    pair may differ. Raises ValueError naming both meshes' axis types and what to pass."""
+    """Raises ValueError, naming both meshes' axis types, for a mesh other than the one in scope
+    (jax.set_mesh, or an enclosing shard_map), which shard_map refuses unless both are Auto."""
     scope = jax.sharding.get_abstract_mesh()
     if scope.empty or mesh.abstract_mesh == scope:
         return
@@ -350,11 +341,10 @@ def _bootstrap(mesh, resources, num_experts, d_model, d_ff) -> EPLayout:
     types = axis_types(mesh)
     manual = [a for r in ROLES for a in axes[r] if types[a] == "Manual"]
     if manual:
-        raise ValueError(
-            f"mesh axes {manual} of {describe_mesh(mesh)} are Manual (moe_block is called inside "
-            "a shard_map over them), but MeshResources gives them roles and moe_block runs its "
-            "own shard_map over its role axes: call moe_block outside that shard_map, or leave "
-            "those axes out of the shard_map's axis_names")
+        raise ValueError(f"mesh axes {manual} of {describe_mesh(mesh)} are Manual (moe_block is "
+                         "called inside a shard_map over them) but have roles, and moe_block "
+                         "runs its own shard_map over its role axes: call moe_block outside "
+                         "that shard_map, or leave those axes out of its axis_names")
     ep = sizes["ep"]
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} is not divisible by the ep size {ep} (mesh "
