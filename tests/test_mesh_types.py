@@ -138,7 +138,9 @@ def test_mesh_types_are_read_into_the_layout():
     assert layout.explicit_spec(layout.weight_specs["wo"]) == P("ep", None, None)
 
 
-def test_manual_role_axis_and_a_mesh_other_than_the_one_in_scope_are_named_errors():
+def test_named_errors_on_explicit_meshes():
+    """A role on a Manual axis, an indivisible token count and a mesh other than the one in
+    scope each get their own error."""
     cfg = mp.MoEConfig(d_model=test_ep.D_MODEL, d_ff=test_ep.D_FF, num_experts=8)
     params = mp.init_moe_params(jax.random.key(0), cfg)
     x = jnp.ones((64, test_ep.D_MODEL))
@@ -158,6 +160,8 @@ def test_manual_role_axis_and_a_mesh_other_than_the_one_in_scope_are_named_error
                           out_specs=P("ep"),
                           axis_names={"ep"},
                           check_vma=False))(x)
+    with pytest.raises(ValueError, match="60 tokens .* not divisible by the 8 token shards"):
+        mp.moe_block(params, jnp.ones((60, test_ep.D_MODEL)), cfg, mesh=mesh, resources=res)
     auto, _ = explicit_mesh("dp2xep4", (AxisType.Auto, AxisType.Auto))
     with jax.set_mesh(mesh):
         with pytest.raises(ValueError,
