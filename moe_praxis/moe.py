@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_praxis import router_stats, routing
@@ -41,7 +43,7 @@ from moe_praxis.dispatch import capacity, exchange, sort
 from moe_praxis.experts import expert_ffn
 from moe_praxis.ops import resolve_backend, vma
 from moe_praxis.params import check_params, init_moe_params, param_shapes
-from moe_praxis.resources import EPLayout, ep_bootstrap, psum
+from moe_praxis.resources import EPLayout, check_mesh_in_scope, ep_bootstrap, psum
 
 __all__ = [
     "MoEOutput", "block_body", "check_params", "init_moe_params", "moe_block", "param_shapes",
@@ -60,18 +62,43 @@ class MoEOutput:
     router_entropy: jax.Array  # [] float32 mean entropy of softmax(logits), no gradient
 
 
-def _flatten(x, paddings, config: MoEConfig):
+def _placed(a, shape, mesh, layout: EPLayout, spec):
+    """a reshaped to `shape`; on a mesh with Explicit axes also given the sharding `spec` on
+    them in its type (shard_map checks an input's type against its in_specs there; a plain
+    reshape of a sharded type may be refused, so the reshape names its output sharding)."""
+    if not layout.explicit_axes:
+        return a.reshape(shape)
+    sharding = NamedSharding(mesh, layout.explicit_spec(spec))
+    return jax.sharding.reshard(jnp.reshape(a, shape, out_sharding=sharding), sharding)
+
+
+def _unflatten(y, x, mesh, layout: EPLayout):
+    """y [T, M] -> x's shape; with Explicit axes, x's type's sharding (replicated over the mesh
+    when x's type has none, e.g. a plain array outside jax.set_mesh)."""
+    if mesh is None or not layout.explicit_axes:
+        return y.reshape(x.shape)
+    target = getattr(jax.typeof(x), "sharding", None)
+    if not isinstance(target, NamedSharding) or target.mesh.empty:
+        target = NamedSharding(mesh, P())
+    return jax.sharding.reshard(jnp.reshape(y, x.shape, out_sharding=target), target)
+
+
+def _flatten(x, paddings, config: MoEConfig, layout: EPLayout, place):
+    """(x [T, M], valid [T], seq_len), checked, then placed by `place(a, shape, rows)` on the
+    token spec (rows: a has the d_model dimension)."""
     if x.ndim < 1 or x.shape[-1] != config.d_model:
         raise ValueError(f"x must be [..., d_model={config.d_model}], got shape {x.shape}")
-    x2 = x.reshape(-1, config.d_model)
-    if paddings is None:
-        valid = jnp.ones((x2.shape[0], ), bool)
-    else:
-        if paddings.shape != x.shape[:-1]:
-            raise ValueError(f"paddings must have shape x.shape[:-1]={x.shape[:-1]}, "
-                             f"got {paddings.shape}")
-        valid = paddings.reshape(-1) < 0.5
+    if paddings is not None and paddings.shape != x.shape[:-1]:
+        raise ValueError(f"paddings must have shape x.shape[:-1]={x.shape[:-1]}, "
+                         f"got {paddings.shape}")
+    t = math.prod(x.shape[:-1])
     seq_len = x.shape[-2] if x.ndim >= 3 else None
+    _check_token_shards(t, layout, config, seq_len)
+    x2 = place(x, (t, config.d_model), True)
+    if paddings is None:
+        valid = place(jnp.ones((t, ), bool), (t, ), False)
+    else:
+        valid = place(paddings, (t, ), False) < 0.5
     return x2, valid, seq_len
 
 
@@ -233,7 +260,6 @@ def moe_block(params: dict,
     Returns MoEOutput (y has x's shape and dtype).
     """
     check_params(params, config)
-    x2, valid, seq_len = _flatten(x, paddings, config)
     backend = resolve_backend(config.kernel_backend, "moe_block")
     if (mesh is None) != (resources is None):
         raise ValueError("moe_block needs both mesh and resources for expert parallelism "
@@ -243,8 +269,18 @@ def moe_block(params: dict,
                           config.num_experts,
                           d_model=config.d_model,
                           d_ff=config.d_ff)
+    if mesh is not None:
+        check_mesh_in_scope(mesh)
+    tok = layout.token_spec
+    x2, valid, seq_len = _flatten(
+        x, paddings, config, layout, lambda a, shape, rows: _placed(a, shape, mesh, layout,
+                                                                    P(*tok, None) if rows else tok))
+    if layout.explicit_axes:
+        params = {
+            name: _placed(w, w.shape, mesh, layout, layout.weight_specs[name])
+            for name, w in params.items()
+        }
     t = x2.shape[0]
-    _check_token_shards(t, layout, config, seq_len)
     if mesh is None:
         kind = "padded"  # ep size 1: no exchange
         fn = functools.partial(block_body,
@@ -265,7 +301,7 @@ def moe_block(params: dict,
                         param_names=tuple(params),
                         backend=backend)
     y, aux, zl, counts, dropped, ent = fn(params, x2, valid)
-    return MoEOutput(y=y.reshape(x.shape).astype(x.dtype),
+    return MoEOutput(y=_unflatten(y, x, mesh, layout).astype(x.dtype),
                      aux_loss=aux,
                      z_loss=zl,
                      tokens_per_expert=counts,

@@ -24,6 +24,11 @@ contiguous experts. fsdp before ep would not: with 8 experts on EP2 x FSDP2, EP 
 gather experts [0, 1, 4, 5]. Such a layout, given in `expert_dim_order`, is refused.
 With `fsdp_dim='model'` the expert dimension is sharded over ep only and fsdp shards the
 d_model dimension M (wi: [E, M/fsdp, H], wo: [E, H, M/fsdp]).
+
+Mesh axis types: Explicit (`jax.make_mesh`'s default), Auto (`jax.sharding.Mesh`) or both.
+On Explicit axes shard_map checks an input's type against its in_specs, so the block first
+gives each input its spec's sharding on them (`EPLayout.explicit_spec`). A role on a Manual
+axis (moe_block inside a shard_map over it) is refused: the block runs its own shard_map.
 """
 
 from __future__ import annotations
@@ -151,6 +156,7 @@ class EPLayout:
     Specs: token_spec shards dim 0 of x [T, M] (and valid [T]) over the token axes;
     expert_spec is the PartitionSpec of the expert dimension alone; weight_specs maps each
     parameter name to its full PartitionSpec.
+    explicit_axes: the mesh's Explicit axes; an input of spec s gets explicit_spec(s).
     """
 
     num_experts: int
@@ -163,6 +169,7 @@ class EPLayout:
     ep_size: int
     tp_size: int
     fsdp_dim: str
+    explicit_axes: tuple = ()  # the mesh's Explicit axes (any role or none), in mesh order
 
     @property
     def token_axes(self) -> tuple:
@@ -208,6 +215,11 @@ class EPLayout:
             "expert_bias": P(None),
         }
 
+    def explicit_spec(self, spec: P) -> P:
+        """`spec` restricted to the Explicit mesh axes: the sharding an input's type must carry
+        for shard_map's in_specs `spec` (jax.sharding.reshard accepts only Explicit axes)."""
+        return restrict_spec(spec, self.explicit_axes)
+
     def experts_of_rank(self, ep_rank: int) -> list[int]:
         """The experts EP rank `ep_rank` owns: [r * E / ep, (r + 1) * E / ep)."""
         n = self.experts_per_rank
@@ -235,6 +247,40 @@ def _axis_sizes(mesh, axes: tuple[str, ...], role: str) -> int:
             raise ValueError(f"MeshResources.{role} names mesh axis {a!r}, which the mesh does "
                              f"not have; the mesh axes are {tuple(shape)}")
     return int(math.prod(shape[a] for a in axes))
+
+
+def restrict_spec(spec: P, axes) -> P:
+    """`spec` with only the mesh axes in `axes` left in its entries (the others replicated)."""
+    names = lambda e: (e, ) if isinstance(e, str) else tuple(e or ())
+    return P(*(_entry(tuple(a for a in names(e) if a in set(axes))) for e in spec))
+
+
+def axis_types(mesh) -> dict:
+    """{axis name: 'Auto' | 'Explicit' | 'Manual'} of a Mesh or AbstractMesh ({} for None)."""
+    if mesh is None:
+        return {}
+    return {a: getattr(t, "name", str(t)) for a, t in zip(mesh.axis_names, mesh.axis_types)}
+
+
+def describe_mesh(mesh) -> str:
+    """'data2 x expert4 (Explicit, Explicit)': a mesh's axes, sizes and axis types."""
+    shape = dict(mesh.shape)
+    axes = " x ".join(f"{a}{shape[a]}" for a in mesh.axis_names)
+    return f"{axes} (axis types {tuple(axis_types(mesh).values())})"
+
+
+def check_mesh_in_scope(mesh) -> None:
+    """Raises ValueError, naming both meshes' axis types, for a mesh other than the one in scope
+    (jax.set_mesh, or an enclosing shard_map), which shard_map refuses unless both are Auto."""
+    scope = jax.sharding.get_abstract_mesh()
+    if scope.empty or mesh.abstract_mesh == scope:
+        return
+    if set(axis_types(mesh).values()) | set(axis_types(scope).values()) == {"Auto"}:
+        return
+    raise ValueError(f"the mesh {describe_mesh(mesh)} differs from the mesh in scope "
+                     f"{describe_mesh(scope)} (set by jax.set_mesh, or Manual inside a "
+                     "shard_map): pass the mesh in scope, mesh=jax.sharding.get_abstract_mesh(), "
+                     "or call outside jax.set_mesh")
 
 
 def gathered_experts(mesh, order: tuple[str, ...], ep_axes: tuple[str, ...],
@@ -298,6 +344,13 @@ def _bootstrap(mesh, resources, num_experts, d_model, d_ff) -> EPLayout:
         raise ValueError(f"num_experts={num_experts!r} must be a positive int")
     axes = {r: resources.axes(r) for r in ROLES}
     sizes = {r: _axis_sizes(mesh, axes[r], r) for r in ROLES}
+    types = axis_types(mesh)
+    manual = [a for r in ROLES for a in axes[r] if types[a] == "Manual"]
+    if manual:
+        raise ValueError(f"mesh axes {manual} of {describe_mesh(mesh)} are Manual (moe_block is "
+                         "called inside a shard_map over them) but have roles, and moe_block "
+                         "runs its own shard_map over its role axes: call moe_block outside "
+                         "that shard_map, or leave those axes out of its axis_names")
     ep = sizes["ep"]
     if num_experts % ep:
         raise ValueError(f"num_experts={num_experts} is not divisible by the ep size {ep} (mesh "
@@ -311,7 +364,8 @@ def _bootstrap(mesh, resources, num_experts, d_model, d_ff) -> EPLayout:
                       fsdp_size=sizes["fsdp"],
                       ep_size=ep,
                       tp_size=sizes["tp"],
-                      fsdp_dim=resources.fsdp_dim)
+                      fsdp_dim=resources.fsdp_dim,
+                      explicit_axes=tuple(a for a, t in types.items() if t == "Explicit"))
     if resources.fsdp_dim == "expert" and num_experts % (ep * sizes["fsdp"]):
         raise ValueError(
             f"num_experts={num_experts} is not divisible by ep x fsdp = {ep} x {sizes['fsdp']} "

@@ -35,6 +35,7 @@ from praxis.layers import activations as activations_lib
 from praxis.layers import normalizations
 from praxis.layers import stochastics
 
+from moe_praxis import resources
 from moe_praxis.moe import MoEOutput, moe_block, param_shapes
 from moe_praxis.praxis import compat
 from moe_praxis.praxis import fields
@@ -200,7 +201,20 @@ class MoEFeedForward(base_layer.BaseLayer):
     # ------------------------------------------------------------------------- forward
 
     def _shard(self, x, split):
-        return base_layer.maybe_shard(x, split, self.mesh_axis_names)
+        """x constrained to `split` (Praxis's maybe_shard). On the Explicit axes of the mesh in
+        scope a sharding constraint only asserts the type, so x is resharded there instead."""
+        if split is None or self.mesh_axis_names is None:
+            return x
+        types = resources.axis_types(jax.sharding.get_abstract_mesh())
+        explicit = [a for a, t in types.items() if t == "Explicit"]
+        if not explicit:
+            return base_layer.maybe_shard(x, split, self.mesh_axis_names)
+        spec = base_layer.to_partition_spec(split, self.mesh_axis_names)
+        x = jax.sharding.reshard(x, resources.restrict_spec(spec, explicit))
+        auto = resources.restrict_spec(spec, [a for a, t in types.items() if t == "Auto"])
+        if any(e is not None for e in auto):
+            x = jax.lax.with_sharding_constraint(x, auto)
+        return x
 
     def _token_split(self, ndim: int):
         gsm = self.activation_split_dims_mapping.gsm
