@@ -25,10 +25,9 @@ gather experts [0, 1, 4, 5]. Such a layout, given in `expert_dim_order`, is refu
 With `fsdp_dim='model'` the expert dimension is sharded over ep only and fsdp shards the
 d_model dimension M (wi: [E, M/fsdp, H], wo: [E, H, M/fsdp]).
 
-Mesh axis types: Explicit (`jax.make_mesh`'s default), Auto (`jax.sharding.Mesh`) or both.
-On Explicit axes shard_map checks an input's type against its in_specs, so the block first
-gives each input its spec's sharding on them (`EPLayout.explicit_spec`). A role on a Manual
-axis (moe_block inside a shard_map over it) is refused: the block runs its own shard_map.
+Mesh axis types: Explicit (`jax.make_mesh`'s default), Auto (`jax.sharding.Mesh`) or both. On
+Explicit axes shard_map checks an input's type against its in_specs, so the block first gives
+each input its spec's sharding there (`EPLayout.explicit_spec`). Manual role axes are refused.
 """
 
 from __future__ import annotations
@@ -110,8 +109,7 @@ class MeshResources:
 
     @property
     def shards_weights(self) -> bool:
-        """Whether any axis plays fsdp, ep or tp: the roles that shard weights (with dp alone
-        every weight is replicated)."""
+        """Whether any axis plays fsdp, ep or tp (with dp alone every weight is replicated)."""
         return bool(self.axes("fsdp") or self.axes("ep") or self.axes("tp"))
 
     def spec_entry(self, role: str):
@@ -227,14 +225,12 @@ class EPLayout:
 
 
 def psum(x, axes: tuple[str, ...]):
-    """x summed over the mesh axes `axes` inside shard_map; x itself with no axes (the layout
-    without a mesh), so one block body runs with and without a mesh."""
+    """x summed over the mesh axes `axes`; x itself with no axes (one body, mesh or none)."""
     return jax.lax.psum(x, axes) if axes else x
 
 
 def all_gather(x, axes: tuple[str, ...]):
-    """x [N, ...] all-gathered over the mesh axes `axes` along dim 0, tiled ([n * N, ...] in
-    shard order); x itself with no axes."""
+    """x [N, ...] all-gathered over `axes` along dim 0 ([n * N, ...]); x with no axes."""
     return jax.lax.all_gather(x, axes, axis=0, tiled=True) if axes else x
 
 
