@@ -113,8 +113,7 @@ class MeshResources:
         return bool(self.axes("fsdp") or self.axes("ep") or self.axes("tp"))
 
     def spec_entry(self, role: str):
-        """The PartitionSpec entry of `role`: None (no axis), its one axis name, or the tuple
-        of its axis names (e.g. for Praxis's dense sharding: replica / data / mdl axes)."""
+        """The PartitionSpec entry of `role`: None, its one axis name, or a tuple of names."""
         return _entry(self.axes(role))
 
     def check_axis_names(self, axis_names) -> None:
