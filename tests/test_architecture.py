@@ -180,13 +180,18 @@ def test_no_function_local_imports_in_the_package():
 
 _FRESH_IMPORT = r"""
 import json, os, sys
+
+def mapped():
+    return {line.split()[-1] for line in open("/proc/self/maps") if len(line.split()) >= 6}
+
+import jax  # what JAX itself maps on import (a CUDA jaxlib may map CUDA libraries) is not ours
+before = mapped()
 import moe_praxis, moe_praxis.ops
 from moe_praxis.ops import backend
-libs = sorted({line.split()[-1] for line in open("/proc/self/maps") if len(line.split()) >= 6})
 markers = ("libmoe_praxis_kernels", "libcuda.so", "libcudart", "libcublas", "libnvrtc",
            "libcudnn", "libnccl")
 print(json.dumps({
-    "loaded": [p for p in libs if any(m in os.path.basename(p) for m in markers)],
+    "loaded": sorted(p for p in mapped() - before if any(m in os.path.basename(p) for m in markers)),
     "library_state": backend.library_state(),
     "device_queried": backend.device_query.cache_info().currsize,
     "praxis_imported": "praxis" in sys.modules,
