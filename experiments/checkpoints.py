@@ -12,6 +12,7 @@ stopped.
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import sys
@@ -47,11 +48,34 @@ def one_line(e: BaseException, limit: int = 240) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+class _DropFailedReadTasks(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" reports of orbax reads: when a
+    restore fails, the reads of its other arrays still fail in tasks nobody awaits, and asyncio
+    logs each with a traceback at exit. The restore's failure is already reported in one line;
+    any other task's exception still gets through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Task exception was never retrieved"):
+            return True
+        e = record.exc_info[1] if record.exc_info else None
+        tb = e.__traceback__ if e is not None else None
+        while tb is not None:
+            if "orbax" in tb.tb_frame.f_code.co_filename:
+                return False
+            tb = tb.tb_next
+        return True
+
+
+_ASYNCIO_FILTER = _DropFailedReadTasks()
+
+
 def _drop_closed_loop_errors():
     """Tensorstore reads still in flight when a restore failed complete after orbax has closed
     its event loop; their callbacks raise 'Event loop is closed' where nothing can catch it and
-    Python prints each as a traceback. The restore has already failed and been reported, so
-    exactly those are dropped; every other unraisable exception still reaches the old hook."""
+    Python prints each as a traceback (and asyncio logs the reads that failed in unawaited
+    tasks). The restore has already failed and been reported, so exactly those are dropped;
+    every other unraisable exception still reaches the old hook."""
+    logging.getLogger("asyncio").addFilter(_ASYNCIO_FILTER)  # adding it twice is a no-op
     previous = sys.unraisablehook
     if getattr(previous, "drops_closed_loop_errors", False):
         return

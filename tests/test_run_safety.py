@@ -303,3 +303,29 @@ def test_resume_past_damaged_checkpoints_gives_the_uninterrupted_losses(tmp_path
                            "checkpoint of step 12 does not fit")
     assert "Traceback" not in p.stderr and "Event loop is closed" not in p.stderr
     assert _stored_steps(job) == [4, 8, 12]
+
+
+def test_failed_read_tasks_of_orbax_are_dropped_and_others_kept():
+    """asyncio's report of an unawaited orbax read that failed (a damaged checkpoint) is dropped;
+    the same report from other code, and other asyncio records, get through."""
+    import logging
+
+    from experiments import checkpoints as ckpt
+
+    def exc_from(filename):
+        ns = {}
+        exec(compile("def f():\n    raise ValueError('read failed')\n", filename, "exec"), ns)
+        try:
+            ns["f"]()
+        except ValueError as e:
+            return e
+
+    def record(msg, e):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, None,
+                                 (type(e), e, e.__traceback__))
+
+    task = "Task exception was never retrieved\nfuture: <Task finished>"
+    drop = ckpt._DropFailedReadTasks()
+    assert not drop.filter(record(task, exc_from("/site-packages/orbax/checkpoint/x.py")))
+    assert drop.filter(record(task, exc_from("/site-packages/mylib/x.py")))
+    assert drop.filter(record("Unclosed client session", exc_from("/orbax/x.py")))
