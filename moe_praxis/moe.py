@@ -204,6 +204,18 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
     return (y, stats.aux_loss, stats.z_loss, stats.tokens_per_expert, dropped, stats.router_entropy)
 
 
+def _bound_body(config: MoEConfig, layout: EPLayout, *, kind: str, seq_len, t_global: int,
+                backend: str):
+    """block_body with its static arguments bound: (params, x2, valid) -> the six outputs."""
+    return functools.partial(block_body,
+                             config=config,
+                             layout=layout,
+                             kind=kind,
+                             seq_len=seq_len,
+                             t_global=t_global,
+                             backend=backend)
+
+
 def sharded_fn(config: MoEConfig, layout: EPLayout, mesh, *, kind: str, seq_len, t_global: int,
                param_names, backend: str):
     """block_body under one shard_map over `mesh`: (params, x2 [T, M], valid [T]) -> (y [T, M],
@@ -211,13 +223,12 @@ def sharded_fn(config: MoEConfig, layout: EPLayout, mesh, *, kind: str, seq_len,
     exchange, 'ragged' or 'padded'; param_names: the keys of the parameter tree."""
     specs = layout.weight_specs
     tok = layout.token_spec
-    body = functools.partial(block_body,
-                             config=config,
-                             layout=layout,
-                             kind=kind,
-                             seq_len=seq_len,
-                             t_global=t_global,
-                             backend=backend)
+    body = _bound_body(config,
+                       layout,
+                       kind=kind,
+                       seq_len=seq_len,
+                       t_global=t_global,
+                       backend=backend)
     return jax.shard_map(body,
                          mesh=mesh,
                          in_specs=({
@@ -283,13 +294,7 @@ def moe_block(params: dict,
     t = x2.shape[0]
     if mesh is None:
         kind = "padded"  # ep size 1: no exchange
-        fn = functools.partial(block_body,
-                               config=config,
-                               layout=layout,
-                               kind=kind,
-                               seq_len=seq_len,
-                               t_global=t,
-                               backend=backend)
+        fn = _bound_body(config, layout, kind=kind, seq_len=seq_len, t_global=t, backend=backend)
     else:
         kind = exchange.checked_exchange_kind(config, mesh)
         fn = sharded_fn(config,

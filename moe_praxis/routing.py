@@ -2,17 +2,10 @@
 
 All routing math is float32. Letters: T tokens, M d_model, E experts, k top_k.
 
-Selection and weights (config fields in MoEConfig):
-  softmax, pre_softmax=True:  s = softmax(logits); ids = topk(s + bias); w = s[ids]
-                              (then w /= sum(w) if norm_topk)
-  softmax, pre_softmax=False: ids = topk(logits + bias); w = softmax(logits[ids])
-  sigmoid:                    s = sigmoid(logits); ids = topk(s + bias); w = s[ids]
-                              (then w /= sum(w) if norm_topk)
-  w *= routed_scaling_factor.
-The expert bias steers selection only; weights always come from unbiased scores.
-Group-limited top-k masks all but the best `group_topk` of `num_expert_groups` groups before
-the top-k; a group's score is the sum of its top `top_k // group_topk` selection scores.
-Ties go to the lower expert index (jax.lax.top_k's order).
+The math of selection and weights is written once, in moe_praxis.ops.router (the op's
+docstring); `router_args` maps MoEConfig's fields to the op's static arguments (score_func,
+pre_softmax, norm_topk, num_expert_groups -> num_groups, group_topk, routed_scaling_factor ->
+scaling).
 """
 
 from __future__ import annotations
