@@ -70,8 +70,8 @@ class MoEConfig:
         optional cudnn.jax). Not implemented yet: where it is not usable (always, in this
         version) the block warns once, naming the reason and the fallback, and runs the fallback.
       param_init_scale: std of the normal initialisation is `scale / sqrt(fan_in)`.
-      ep_exchange: expert-parallel token exchange (docs/parallelism.md): 'auto' (ragged on GPU
-        and TPU, padded elsewhere), 'ragged' (jax.lax.ragged_all_to_all; XLA:CPU cannot
+      ep_exchange: expert-parallel token exchange (docs/parallelism.md): 'auto' (padded on CPU
+        and on GPU meshes with ep <= 8, ragged on TPU and larger GPU meshes), 'ragged' (jax.lax.ragged_all_to_all; XLA:CPU cannot
         compile it), 'padded' (fixed-size all_to_all, runs everywhere).
       ep_buffer_factor: None = worst-case receive buffers (dropless stays dropless under EP).
         A float f > 0 bounds them to f x the balanced load; copies past the bound are

@@ -296,7 +296,7 @@ def moe_block(params: dict,
         kind = "padded"  # ep size 1: no exchange
         fn = _bound_body(config, layout, kind=kind, seq_len=seq_len, t_global=t, backend=backend)
     else:
-        kind = exchange.checked_exchange_kind(config, mesh)
+        kind = exchange.checked_exchange_kind(config, mesh, layout.ep_size)
         fn = sharded_fn(config,
                         layout,
                         mesh,

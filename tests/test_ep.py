@@ -415,8 +415,12 @@ class _FakeMesh:
 def test_exchange_selection_by_platform_and_override():
     cfg = mp.MoEConfig(d_model=8, d_ff=8, num_experts=4)
     assert exchange_lib.exchange_kind(cfg, _FakeMesh("cpu")) == "padded"
-    assert exchange_lib.exchange_kind(cfg, _FakeMesh("gpu")) == "ragged"
+    # GPU: padded up to PADDED_GPU_MAX_EP (XLA:GPU's ragged_all_to_all is the slow one there)
+    assert exchange_lib.exchange_kind(cfg, _FakeMesh("gpu")) == "padded"
+    assert exchange_lib.exchange_kind(cfg, _FakeMesh("gpu"), 8) == "padded"
+    assert exchange_lib.exchange_kind(cfg, _FakeMesh("gpu"), 16) == "ragged"
     assert exchange_lib.exchange_kind(cfg, _FakeMesh("tpu")) == "ragged"
+    assert exchange_lib.exchange_kind(cfg, _FakeMesh("cpu"), 64) == "padded"
     forced = mp.MoEConfig(d_model=8, d_ff=8, num_experts=4, ep_exchange="padded")
     assert exchange_lib.exchange_kind(forced, _FakeMesh("gpu")) == "padded"
     assert exchange_lib.exchange_kind(cfg, make_mesh("ep8")[0]) == "padded"

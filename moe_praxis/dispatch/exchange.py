@@ -44,17 +44,31 @@ def mesh_platform(mesh) -> str:
     return next(iter(devices.flat)).platform
 
 
-def exchange_kind(config: MoEConfig, mesh) -> str:
-    """'ragged' or 'padded': config.ep_exchange, with 'auto' resolved by the mesh platform
-    (ragged_all_to_all on GPU / TPU; XLA:CPU has none, so padded there)."""
+# 'auto' on GPUs: XLA:GPU's ragged_all_to_all moved the same bytes 33-50x slower than all_to_all
+# on 2 H200s (benchmarks/results/ep_exchange.md), which outweighs the padded exchange's
+# worst-case buffers (ep times the balanced bytes and memory) while ep is small; past one
+# NVLink node of GPUs those buffers grow too large, so 'auto' goes ragged there.
+PADDED_GPU_MAX_EP = 8
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def exchange_kind(config: MoEConfig, mesh, ep_size: int = 2) -> str:
+    """'ragged' or 'padded': config.ep_exchange, with 'auto' resolved by the mesh platform and
+    the ep size: padded on CPU (XLA:CPU has no ragged_all_to_all) and on GPU meshes with
+    ep_size <= PADDED_GPU_MAX_EP; ragged on TPU and on larger GPU meshes."""
     if config.ep_exchange != "auto":
         return config.ep_exchange
-    return "ragged" if mesh_platform(mesh) in RAGGED_PLATFORMS else "padded"
+    platform = mesh_platform(mesh)
+    if platform not in RAGGED_PLATFORMS:
+        return "padded"
+    if platform in GPU_PLATFORMS and ep_size <= PADDED_GPU_MAX_EP:
+        return "padded"
+    return "ragged"
 
 
-def checked_exchange_kind(config: MoEConfig, mesh) -> str:
+def checked_exchange_kind(config: MoEConfig, mesh, ep_size: int = 2) -> str:
     """exchange_kind, refusing 'ragged' where XLA cannot compile ragged_all_to_all."""
-    kind = exchange_kind(config, mesh)
+    kind = exchange_kind(config, mesh, ep_size)
     if kind == "ragged" and mesh_platform(mesh) not in RAGGED_PLATFORMS:
         raise ValueError(f"MoEConfig.ep_exchange='ragged' needs jax.lax.ragged_all_to_all, which "
                          f"XLA on platform {mesh_platform(mesh)!r} cannot compile; use "
