@@ -67,8 +67,10 @@ class MoEConfig:
         unfused block with `interleave_gate_up(wi_gate, wi_up)`.
       kernel_backend: 'auto' (CUDA kernels where built and supported, else XLA), 'xla', 'cuda'.
       use_cudnn_fusion: ask for cuDNN's fused grouped GEMM + SwiGLU (needs SM100+ and the
-        optional cudnn.jax). Not implemented yet: where it is not usable (always, in this
-        version) the block warns once, naming the reason and the fallback, and runs the fallback.
+        optional cudnn.jax). Not implemented yet, and it has run on no hardware: where it is not
+        usable (always, in this version) the block warns once (RuntimeWarning), naming the
+        reason and the fallback, and runs the fallback; MOE_PRAXIS_STRICT_CUDNN_FUSION=1 makes
+        that an error.
       param_init_scale: std of the normal initialisation is `scale / sqrt(fan_in)`.
       ep_exchange: expert-parallel token exchange (docs/parallelism.md): 'auto' (padded on CPU
         and on GPU meshes with ep <= 8, ragged on TPU and larger GPU meshes), 'ragged' (jax.lax.ragged_all_to_all; XLA:CPU cannot

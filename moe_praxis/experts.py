@@ -17,6 +17,7 @@ Checkpoint names (for jax.checkpoint policies such as save_only_these_names):
 from __future__ import annotations
 
 import importlib
+import os
 
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -24,6 +25,10 @@ from jax.ad_checkpoint import checkpoint_name
 from moe_praxis import ops
 from moe_praxis.config import MoEConfig
 from moe_praxis.ops import backend as ops_backend
+
+# Set to 1: use_cudnn_fusion=True where the fusion cannot run is an error, not a warning (for
+# jobs that must not silently run another kernel than the one asked for).
+ENV_STRICT_CUDNN = "MOE_PRAXIS_STRICT_CUDNN_FUSION"
 
 
 def cudnn_fusion_status() -> tuple[bool, str]:
@@ -49,8 +54,18 @@ def cudnn_fusion_status() -> tuple[bool, str]:
 
 def _warn_cudnn_fallback(backend: str) -> None:
     _, why = cudnn_fusion_status()
-    ops_backend.warn_once(f"use_cudnn_fusion=True is not honoured here: {why}. Running the "
-                          f"{backend!r}-backend grouped GEMM + SwiGLU instead.")
+    fallback = f"the {backend!r}-backend grouped GEMM + SwiGLU"
+    strict = os.environ.get(ENV_STRICT_CUDNN, "0")
+    if strict not in ("0", "1"):
+        raise ValueError(f"{ENV_STRICT_CUDNN}={strict!r} is invalid: use 1 (an error) or 0 / unset "
+                         "(a warning)")
+    if strict == "1":
+        raise RuntimeError(
+            f"use_cudnn_fusion=True is not honoured here: {why}; {ENV_STRICT_CUDNN}=1 "
+            f"makes this an error (unset it to run {fallback} instead)")
+    ops_backend.warn_once(
+        f"use_cudnn_fusion=True is not honoured here: {why}. Running {fallback} instead "
+        f"({ENV_STRICT_CUDNN}=1 makes this an error).", RuntimeWarning)
 
 
 def expert_ffn(rows, group_sizes, weights, config: MoEConfig, *, backend="auto", row_weights=None):
@@ -63,7 +78,8 @@ def expert_ffn(rows, group_sizes, weights, config: MoEConfig, *, backend="auto",
     activation (fused into the SwiGLU kernel on the 'cuda' backend): the output is then
     w[r] * FFN(rows[r]) (the down projection is linear), so the combine is a plain unpermute.
     With config.use_cudnn_fusion where cuDNN's fusion is unusable: warns once per reason
-    (naming it and the fallback) and runs the fallback.
+    (RuntimeWarning naming it and the fallback) and runs the fallback; with
+    MOE_PRAXIS_STRICT_CUDNN_FUSION=1 raises instead.
     """
     if config.use_cudnn_fusion:
         _warn_cudnn_fallback(backend)

@@ -234,11 +234,11 @@ def op_backend(backend: str, op: str) -> str:
 _warned: set[str] = set()
 
 
-def warn_once(message: str) -> None:
-    """Warns (UserWarning) once per distinct message: the one warn-once of moe_praxis."""
+def warn_once(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warns once per distinct message: the one warn-once of moe_praxis."""
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, category, stacklevel=3)
 
 
 def warn_fallback(op: str, why: str) -> None:
