@@ -10,10 +10,11 @@
 3. `_library` (private): the kernel library's table, path and environment variable, loading
    and FFI registration on first use, the FFI call helper.
 
-`vma` holds the shard_map typing helpers. Importing this package loads no shared library.
+`fp8` is the blockwise-scaled FP8 grouped GEMM's pure-JAX reference (MoEConfig.fp8 builds on
+it); `vma` holds the shard_map typing helpers. Importing this package loads no shared library.
 """
 
-from moe_praxis.ops import backend, vma
+from moe_praxis.ops import backend, fp8, vma
 from moe_praxis.ops.aux_loss import aux_loss, aux_loss_reference
 from moe_praxis.ops.backend import backend_info, resolve_backend
 from moe_praxis.ops.gate_up import gate_up_swiglu, interleave_gate_up, split_gate_up
@@ -28,6 +29,7 @@ __all__ = [
     "aux_loss_reference",
     "backend",
     "backend_info",
+    "fp8",
     "gate_up_swiglu",
     "grouped_gemm",
     "grouped_gemm_reference",

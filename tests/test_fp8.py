@@ -1,0 +1,172 @@
+"""Blockwise FP8 grouped GEMM reference (moe_praxis.ops.fp8) on the CPU.
+
+Tolerances:
+- the quantizer against an independent numpy / ml_dtypes one: bitwise;
+- the GEMMs against float64 products of the SAME dequantized operands: 1e-6 norm-wise (float32
+  accumulation of K <= 512 terms);
+- against float64 of the unquantized inputs: e4m3 keeps 3 mantissa bits, so each operand is
+  off by at most 2^-4 relative (half an ulp) and a product of two by about 2 x 2^-4; with
+  random signs the errors add like a random walk, and the norm-wise error of a GEMM output is
+  about the rms of that, sqrt(2/3) x 2^-4 ~ 0.05. Bound: 0.08. It must also be above 0.005,
+  or nothing was quantized.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from moe_praxis.ops import fp8
+from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
+from tests.testutil import rel_err
+from tests.testutil import seed as _seed
+
+K, N, E = 256, 384, 4
+FP8_BOUND = 0.08
+
+
+def _np_quantize_tiles(x):
+    """Independent 1x128 quantizer along the last axis (numpy float32, ml_dtypes cast)."""
+    t = np.asarray(x, np.float32).reshape(x.shape[0], -1, 128)
+    amax = np.abs(t).max(-1)
+    s = np.where(amax > 0, amax * np.float32(1 / 448), np.float32(1)).astype(np.float32)
+    q = (t / s[..., None]).astype(ml_dtypes.float8_e4m3fn)
+    return q.reshape(x.shape), s
+
+
+def _inputs(seed, rows=300, sizes=(0, 120, 1, 150)):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(k1, (rows, K), jnp.float32)
+    w = jax.random.normal(k2, (E, K, N), jnp.float32) / np.sqrt(K)
+    return x, w, jnp.array(sizes, jnp.int32)  # an empty group, a 1-row group, sum < rows
+
+
+def _f64_grouped(x, w, sizes):
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out, start = np.zeros((x.shape[0], w.shape[2])), 0
+    for e, n in enumerate(np.asarray(sizes)):
+        out[start:start + n] = x[start:start + n] @ w[e]
+        start += n
+    return out
+
+
+def test_quantize_tiles_matches_independent_quantizer_bitwise():
+    seed = _seed()
+    x = jax.random.normal(jax.random.key(seed), (64, 2 * 128)) * 3.0
+    x = x.at[5, :128].set(0.0)  # an all-zero tile: scale 1
+    q, s = fp8.quantize_tiles(x)
+    qn, sn = _np_quantize_tiles(np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(s), sn, err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), qn.view(np.uint8))
+    assert float(s[5, 0]) == 1.0
+    assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == 448.0  # each tile's amax maps to 448
+
+
+def test_blocks_roundtrip_and_shape_errors():
+    seed = _seed()
+    w = jax.random.normal(jax.random.key(seed), (2, 256, 128))
+    q, s = fp8.quantize_blocks(w)
+    assert q.dtype == fp8.E4M3 and s.shape == (2, 2, 1)
+    err = rel_err(fp8.dequantize_blocks(q, s), w)
+    assert 0.005 < err < FP8_BOUND / 2, f"seed={seed} {err}"
+    with pytest.raises(ValueError, match=r"shape \(2, 100, 128\).*multiples of 128"):
+        fp8.quantize_blocks(jnp.zeros((2, 100, 128)))
+
+
+def test_forward_equals_float64_of_dequantized_operands_and_bound_of_unquantized():
+    seed = _seed()
+    x, w, sizes = _inputs(seed)
+    y = fp8.fp8_grouped_gemm(x, w, sizes)
+    xq, xs = fp8.quantize_tiles(x)
+    wq, ws = fp8.quantize_blocks(w)
+    exact = _f64_grouped(fp8.dequantize_tiles(xq, xs), fp8.dequantize_blocks(wq, ws), sizes)
+    assert rel_err(y, exact) < 1e-6, f"seed={seed}"
+    err = rel_err(y, _f64_grouped(x, w, sizes))
+    assert 0.005 < err < FP8_BOUND, f"seed={seed} fp8 error {err}"
+    assert float(jnp.max(jnp.abs(y[int(sizes.sum()):]))) == 0.0  # rows past the sum
+
+
+def test_gradients_within_fp8_bound_and_empty_group_zero():
+    seed = _seed()
+    x, w, sizes = _inputs(seed)
+    cot = jax.random.normal(jax.random.key(seed + 1), (x.shape[0], N))
+    _, vjp = jax.vjp(lambda a, b: fp8.fp8_grouped_gemm(a, b, sizes), x, w)
+    dx, dw = vjp(cot)
+    with jax.default_matmul_precision("highest"):
+        _, vjp_ref = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x, w)
+        rdx, rdw = vjp_ref(cot)
+    used = int(sizes.sum())
+    ex = rel_err(dx[:used], rdx[:used])
+    ew = rel_err(dw, rdw)
+    assert 0.005 < ex < FP8_BOUND and 0.005 < ew < FP8_BOUND, f"seed={seed} dx {ex} dw {ew}"
+    assert float(jnp.max(jnp.abs(dw[0]))) == 0.0  # the empty expert
+    # the backward's operands are really quantized along the stated axes
+    gq, gs = fp8.quantize_tiles(cot, axis=0)
+    xq, xs = fp8.quantize_tiles(x, axis=0)
+    deq = lambda q, s: fp8.dequantize_tiles(q, s, axis=0)[:x.shape[0]]
+    with jax.default_matmul_precision("highest"):
+        want = grouped_gemm_wgrad_reference(deq(xq, xs), deq(gq, gs), sizes)
+    assert rel_err(dw, want) < 1e-6, f"seed={seed}"
+
+
+@pytest.mark.parametrize("gather_dim", [0, 1], ids=["fsdp-on-experts", "fsdp-on-model"])
+def test_quantize_before_gather_bitwise_equals_gather_then_quantize(gather_dim):
+    """fsdp4 x ep2: each ep rank holds E/2 experts, sharded over fsdp on the expert dim (or on
+    d_model) and gathered inside shard_map; every device has its own tokens and group sizes,
+    so the weight gradients are really summed over the fsdp shards."""
+    seed = _seed()
+    devices = np.array(jax.devices("cpu")[:8]).reshape(4, 2)
+    mesh = Mesh(devices, ("fsdp", "ep"))
+    e, rows = 8, 48  # 4 local experts and 48 rows per device
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(k1, (8 * rows, 512), jnp.float32)
+    w = (jax.random.normal(k2, (e, 512, N)) / np.sqrt(512)).astype(jnp.bfloat16)
+    # per device: 4 local group sizes summing to <= 48, some empty
+    cuts = np.sort(np.asarray(jax.random.randint(k4, (8, 3), 0, rows + 1)), axis=1)
+    sizes = np.diff(np.concatenate([np.zeros((8, 1)), cuts, np.full((8, 1), rows - 5)], 1), axis=1)
+    sizes = jnp.asarray(np.clip(sizes, 0, None).reshape(-1), jnp.int32)
+    cot = jax.random.normal(k3, (x.shape[0], N))
+    w_spec = P("ep", "fsdp") if gather_dim == 1 else P(("ep", "fsdp"))
+    tok = P(("ep", "fsdp"))
+
+    def run(quantize_first):
+
+        def local(x, w, sizes, cot):
+
+            def f(x, w):
+                if quantize_first:
+                    return fp8.gathered_fp8_grouped_gemm(x, w, sizes, "fsdp", gather_dim)
+                full = jax.lax.all_gather(w, "fsdp", axis=gather_dim, tiled=True)
+                return fp8.fp8_grouped_gemm(x, full, sizes)
+
+            y, vjp = jax.vjp(f, x, w)
+            return (y, ) + vjp(cot)
+
+        return jax.jit(
+            jax.shard_map(local,
+                          mesh=mesh,
+                          in_specs=(tok, w_spec, tok, tok),
+                          out_specs=(tok, tok, w_spec),
+                          check_vma=False))
+
+    args = (x, w, sizes, cot)
+    got, want = run(True)(*args), run(False)(*args)
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                      np.asarray(b, np.float32),
+                                      err_msg=f"seed={seed} {name}")
+    assert float(jnp.max(jnp.abs(got[2].astype(jnp.float32)))) > 0  # gradients reach the master
+    hlo = run(True).lower(*args).as_text()
+    gathers = [l for l in hlo.splitlines() if "all_gather" in l or "all-gather" in l]
+    assert any("f8E4M3FN" in l for l in gathers), gathers
+    assert not any("bf16" in l for l in gathers), gathers  # no bf16 weight gather
+    hlo_ref = run(False).lower(*args).as_text()
+    assert any("bf16" in l for l in hlo_ref.splitlines() if "all_gather" in l)
+
+
+def test_shard_not_whole_blocks_is_named_error():
+    with pytest.raises(ValueError, match=r"shard has shape \(1, 64, 384\).*multiples of 128"):
+        fp8.check_shard_blocks((1, 64, 384), 1, "the expert weight")
