@@ -45,7 +45,8 @@ from moe_praxis.ops import backend as _backend
 from moe_praxis.ops._library import ffi, platform_call
 from moe_praxis.ops.grouped_gemm_sm80 import (  # noqa: F401  (re-exported)
     SM80_DTYPES, SM80_TARGETS, SM80_TILE_CONFIGS, choose_sm80_config, is_sm80_config,
-    parse_sm80_config, run_sm80_kernel, sm80_unsupported_reason, sm80_workspace_bytes)
+    parse_sm80_config, run_sm80_kernel, sm80_tile_shape, sm80_unsupported_reason,
+    sm80_workspace_bytes)
 from moe_praxis.ops.grouped_gemm_tiles import (  # noqa: F401  (re-exported)
     ADAPTIVE_TILE, ADAPTIVE_TILES, CLUSTERS, CUTLASS_WORKSPACE_BYTES, ENV_TILE,
     GROUP_ARRAY_BYTES_PER_GROUP, OPS, RASTERS, SPLIT_ROWS_MULTIPLE, SWIZZLES, TILE_CONFIGS,
@@ -212,11 +213,8 @@ def _run(op, dims, reference, cuda_fn, a, b, group_sizes, impl):
         return reference(a, b, group_sizes)
     kernel, cfg = kernel_config(op, dims, a.dtype, impl[1])
     if kernel == "sm80":
-        out_shape = {
-            "fwd": (a.shape[0], b.shape[2]),
-            "dgrad": (a.shape[0], b.shape[1]),
-            "wgrad": (group_sizes.shape[0], a.shape[1], b.shape[1]),
-        }[op]
+        m, k, n, e = dims
+        out_shape = {"fwd": (m, n), "dgrad": (m, k), "wgrad": (e, k, n)}[op]
         cuda_fn = lambda x, y, g, c: run_sm80_kernel(op, out_shape, x, y, g, c)  # noqa: E731
     return platform_call(lambda x, y, g: cuda_fn(x, y, g, cfg), reference, a, b, group_sizes)
 

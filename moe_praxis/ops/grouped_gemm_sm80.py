@@ -58,7 +58,7 @@ def parse_sm80_config(name: str) -> int:
     return SM80_TILE_CONFIGS.index(name)
 
 
-def tile_shape(config: str) -> tuple[int, int, int, int]:
+def sm80_tile_shape(config: str) -> tuple[int, int, int, int]:
     """(tile M, tile N, tile K, stages) of an sm_80 configuration."""
     dims, stages = config[len("sm80_"):].split("_s")
     tm, tn, tk = (int(v) for v in dims.split("x"))
