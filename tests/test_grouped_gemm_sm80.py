@@ -462,3 +462,19 @@ def test_sm80_kernels_inside_cuda_graphs():
     lc, lx = res["block_loss"]
     assert abs(lc - lx) <= 2e-2 * abs(lx), f"seed={seed} {res}"
     assert max(res["block_grad_errs"]) < 2e-2, f"seed={seed} {res}"
+
+
+def test_benchmark_sm80_summary_ratios():
+    """The benchmark's sm_80 summary: speed ratios against dense, ragged_dot and the Hopper
+    kernel (> 1: the sm_80 kernel is faster) and the fastest sm_80 tile timed."""
+    from benchmarks.bench_grouped_gemm import sm80_summary
+
+    rows = [
+        dict(shape="A", dist="skewed", op="fwd", method=meth, ms=ms, tflops=tf, config=cfg)
+        for meth, ms, tf, cfg in (("dense", 1.0, 700, "-"), ("ragged", 6.0, 100, "-"),
+                                  ("ours", 0.8, 800, "-"), ("sm80", 2.0, 350, "sm80_128x256x64_s3"),
+                                  ("sm80[sm80_128x128x32_s4]", 1.6, 420, "sm80_128x128x32_s4"))
+    ]
+    line = sm80_summary(rows).splitlines()[-1]
+    assert "| 0.50 | 3.00 | 0.40 | sm80_128x128x32_s4 (420) |" in line, line
+    assert sm80_summary(rows[:3]).count("\n") == 1  # no sm80 rows: the header only
