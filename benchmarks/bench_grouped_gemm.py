@@ -447,7 +447,7 @@ def time_sm80(op, dims, data, ref, skip, paired, paired_extra, record, errors):
     """The sm_80 kernels at one point: the rule's tile goes into `paired` (timed interleaved
     with dense and ours), every other tile is timed alone now (none with 'tiles' in skip)."""
     m, k, n, e = dims
-    chosen = gg.choose_sm80_config(op, m, k, n, e)
+    chosen = gg.choose_sm80_config(op, m, k, n, e, backend.shared_memory_per_block())
     for c in [chosen] if "tiles" in skip else gg.SM80_TILE_CONFIGS:
         try:
             f = sm80_fn(op, c)

@@ -43,17 +43,21 @@ SHAPES = {  # the grouped GEMM benchmark's A, B, C: (E, M, K, N)
 # ------------------------------------------------------------------ faked devices (CPU)
 
 
-def _fake_device(monkeypatch, cc, name="NVIDIA A100-SXM4-80GB"):
+def _fake_device(monkeypatch, cc, name="NVIDIA A100-SXM4-80GB", smem=163 * 1024):
     """This process as a host whose driver sees one GPU of compute capability `cc`, JAX running
     on it and the kernel library loaded (device_query, jax_cuda_reason, library_status)."""
     dev = {
-        "reason": "",
-        "driver_version": 13000,
-        "runtime_version": 13000,
+        "reason":
+        "",
+        "driver_version":
+        13000,
+        "runtime_version":
+        13000,
         "devices": [{
             "name": name,
             "compute_capability": cc,
-            "sm_count": 108
+            "sm_count": 108,
+            "shared_memory_per_block": smem,
         }]
     }
     monkeypatch.setattr(backend, "device_query", lambda: dev)
@@ -258,6 +262,14 @@ def test_rule_examples_of_the_docs(monkeypatch):
     assert "`choose_sm80_config('fwd', 16384, 2048, 768, 128)` -> `sm80_64x128x32_s4`" in flat
     with pytest.raises(ValueError, match="op='up' is invalid"):
         gg.choose_sm80_config("up", 8, 8, 8, 1)
+    # the 128x256 tile needs 144 KiB of shared memory: on sm_86 / sm_89 (99 KiB) the rule
+    # takes 128x128; the shared memory of each tile is its mainloop's stages of A and B
+    for e, m, k, n in SHAPES.values():
+        for op in gg.OPS:
+            assert gg.choose_sm80_config(op, m, k, n, e, 99 * 1024) == "sm80_128x128x32_s4"
+            assert gg.choose_sm80_config(op, m, k, n, e, 227 * 1024) == "sm80_128x256x64_s3"
+    assert [gg.sm80_shared_memory(c) // 1024 for c in gg.SM80_TILE_CONFIGS] == [144, 64, 48, 48]
+    assert "on an sm_86 GPU (99 KiB per block) A, B and C take `sm80_128x128x32_s4`" in flat
 
 
 def test_tiles_match_the_kernel_header():

@@ -83,7 +83,7 @@ def device_query() -> dict:
 
     {'reason': '' or why there is no usable GPU, 'driver_version': int or None,
     'runtime_version': int or None, 'devices': [{'name', 'compute_capability' (major*10+minor),
-    'sm_count'}]}.
+    'sm_count', 'shared_memory_per_block' (bytes a block may opt in to)}]}.
     """
     out = {"reason": "", "driver_version": None, "runtime_version": None, "devices": []}
     if _driver is None:
@@ -99,16 +99,19 @@ def device_query() -> dict:
         out["driver_version"] = int(_call(_driver.cuDriverGetVersion))
         for i in range(int(_call(_driver.cuDeviceGetCount))):
             dev = _call(_driver.cuDeviceGet, i)
-            major, minor, sms = (int(_call(_driver.cuDeviceGetAttribute, a, dev))
-                                 for a in (attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-                                           attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
-                                           attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))
+            major, minor, sms, smem = (int(
+                _call(_driver.cuDeviceGetAttribute, a,
+                      dev)) for a in (attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                                      attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                                      attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                                      attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN))
             name = _call(_driver.cuDeviceGetName, 256, dev)
             name = name.split(b"\0", 1)[0].decode(errors="replace").strip()
             out["devices"].append({
                 "name": name,
                 "compute_capability": major * 10 + minor,
-                "sm_count": sms
+                "sm_count": sms,
+                "shared_memory_per_block": smem,
             })
     except DynamicLibNotFoundError as e:
         out["reason"] = f"no GPU: no CUDA driver ({e})"
@@ -132,6 +135,13 @@ def sm_count() -> int | None:
     """Streaming multiprocessors of the first CUDA GPU (None without one)."""
     devices = device_query()["devices"]
     return devices[0]["sm_count"] if devices else None
+
+
+def shared_memory_per_block() -> int | None:
+    """The least shared memory (bytes) a block may opt in to on this host's CUDA GPUs (None
+    without one, or where the query did not report it): which sm_80 tiles fit."""
+    sizes = [d.get("shared_memory_per_block") for d in device_query()["devices"]]
+    return min(sizes) if sizes and None not in sizes else None
 
 
 def _cc_text(cc: int) -> str:
@@ -260,7 +270,8 @@ def backend_info() -> dict[str, dict]:
 
     Returns {'xla': {'usable': True, 'reason': ...}, 'cuda': {'usable': bool, 'reason': str,
     'library': path, 'driver_version', 'runtime_version' (CUDA's integer form, e.g. 13000; None
-    when unknown), 'devices': [{'name', 'compute_capability', 'sm_count'}], 'ops': op_kernels()
+    when unknown), 'devices': [{'name', 'compute_capability', 'sm_count',
+    'shared_memory_per_block'}], 'ops': op_kernels()
     (the kernel each op family runs here and why)}}.
     """
     ok, why = cuda_status()

@@ -45,8 +45,8 @@ from moe_praxis.ops import backend as _backend
 from moe_praxis.ops._library import ffi, platform_call
 from moe_praxis.ops.grouped_gemm_sm80 import (  # noqa: F401  (re-exported)
     SM80_DTYPES, SM80_TARGETS, SM80_TILE_CONFIGS, choose_sm80_config, is_sm80_config,
-    parse_sm80_config, run_sm80_kernel, sm80_tile_shape, sm80_unsupported_reason,
-    sm80_workspace_bytes)
+    parse_sm80_config, run_sm80_kernel, sm80_shared_memory, sm80_tile_shape,
+    sm80_unsupported_reason, sm80_workspace_bytes)
 from moe_praxis.ops.grouped_gemm_tiles import (  # noqa: F401  (re-exported)
     ADAPTIVE_TILE, ADAPTIVE_TILES, CLUSTERS, CUTLASS_WORKSPACE_BYTES, ENV_TILE,
     GROUP_ARRAY_BYTES_PER_GROUP, OPS, RASTERS, SPLIT_ROWS_MULTIPLE, SWIZZLES, TILE_CONFIGS,
@@ -202,7 +202,9 @@ def kernel_config(op: str, dims, dtype, config: str | None) -> tuple[str, str]:
                          f"kernels that run here ({why}); valid tiles: {valid}")
     if config is not None:
         return kernel, config
-    return kernel, (choose_sm80_config if kernel == "sm80" else choose_config)(op, *dims)
+    if kernel == "sm80":
+        return kernel, choose_sm80_config(op, *dims, _backend.shared_memory_per_block())
+    return kernel, choose_config(op, *dims)
 
 
 def _run(op, dims, reference, cuda_fn, a, b, group_sizes, impl):

@@ -45,6 +45,13 @@ SM80_DTYPES = (jnp.bfloat16, jnp.float16)
 RULE_SM_COUNT = 108
 
 
+def sm80_shared_memory(config: str) -> int:
+    """Shared memory (bytes) one block of `config` needs: its mainloop's stages of the A and B
+    tiles (16-bit elements; the epilogue reuses that memory)."""
+    tm, tn, tk, stages = sm80_tile_shape(config)
+    return (tm * tk + tk * tn) * 2 * stages
+
+
 def is_sm80_config(name: str) -> bool:
     """Whether `name` names an sm_80 configuration (the 'sm80_' prefix)."""
     return str(name).startswith("sm80_")
@@ -78,7 +85,12 @@ def _waves(m_rows: float, out_cols: int, num_groups: int, tm: int, tn: int) -> f
     return num_groups * math.ceil(m_rows / tm) * math.ceil(out_cols / tn) / RULE_SM_COUNT
 
 
-def choose_sm80_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
+def choose_sm80_config(op: str,
+                       m: int,
+                       k: int,
+                       n: int,
+                       num_groups: int,
+                       shared_memory: int | None = None) -> str:
     """The sm_80 tile for one GEMM (docs/grouped_gemm_sm80.md, "The rule").
 
     op: 'fwd' | 'dgrad' | 'wgrad'; m, k, n, num_groups: the *forward* problem's shapes. Per
@@ -86,7 +98,9 @@ def choose_sm80_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
       - fwd/dgrad with at most 128 rows per group: 64x128 (a 128-row tile would be half empty
         at every group's ragged end);
       - 128x256 where it still makes at least 4 waves of tiles and out_cols >= 256 (the most
-        reuse of each operand byte; enough tiles that the last wave's tail is small);
+        reuse of each operand byte; enough tiles that the last wave's tail is small), and its
+        shared memory fits (`shared_memory`: the bytes a block may have on the GPU, None: no
+        limit; sm_86 / sm_89 GPUs have less than the tile needs, the A100 and H100 enough);
       - else 128x128 where it makes at least 2 waves;
       - else 128x64 (more, smaller tiles to fill the GPU).
     MOE_PRAXIS_GG_TILE (an sm_80 configuration) overrides the rule.
@@ -108,7 +122,8 @@ def choose_sm80_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
     }[op]
     if op != "wgrad" and rows <= 128:
         return SM80_TILE_CONFIGS[2]
-    if out_cols >= 256 and _waves(out_rows, out_cols, groups, 128, 256) >= 4:
+    fits = shared_memory is None or sm80_shared_memory(SM80_TILE_CONFIGS[0]) <= shared_memory
+    if fits and out_cols >= 256 and _waves(out_rows, out_cols, groups, 128, 256) >= 4:
         return SM80_TILE_CONFIGS[0]
     if _waves(out_rows, out_cols, groups, 128, 128) >= 2:
         return SM80_TILE_CONFIGS[1]
