@@ -69,10 +69,10 @@ def _fake_device(monkeypatch, cc, name="NVIDIA A100-SXM4-80GB", smem=163 * 1024)
 
 
 @pytest.mark.parametrize("cc,kernel", [(80, "sm80"), (86, "sm80"), (89, "sm80"), (90, "sm90"),
-                                       (100, "sm80"), (120, "sm80")])
+                                       (91, "sm80"), (100, "sm80"), (120, "sm80")])
 def test_grouped_gemm_kernel_by_compute_capability(monkeypatch, cc, kernel):
-    """sm_90 runs the Hopper kernels; 8.x and GPUs past Hopper (through the compute_80 PTX) the
-    sm_80 ones; fp16 inputs take the sm_80 kernels on Hopper too (the Hopper ones are bf16)."""
+    """9.0 runs the Hopper kernels; 8.x, a 9.x where sm_90a code cannot run, and GPUs past
+    Hopper (through the compute_80 PTX) the sm_80 ones; fp16 inputs take the sm_80 kernels on Hopper too (the Hopper ones are bf16)."""
     _fake_device(monkeypatch, cc)
     assert backend.grouped_gemm_kernel()[0] == kernel
     assert backend.grouped_gemm_kernel(dtype=jnp.bfloat16)[0] == kernel
@@ -121,7 +121,7 @@ def test_env_var_forces_the_kernel_family(monkeypatch):
     assert backend.grouped_gemm_kernel()[0] == "sm90"
     _fake_device(monkeypatch, 80)
     monkeypatch.setenv(backend.ENV_GROUPED_GEMM, "sm90")
-    assert backend.requirement("grouped_gemm") == (90, 100)
+    assert backend.requirement("grouped_gemm") == (90, 91)
     assert backend.resolve_backend("auto", "grouped_gemm") == "xla"
     with pytest.raises(RuntimeError, match=r"grouped_gemm kernel needs compute capability 9\.0"):
         backend.resolve_backend("cuda", "grouped_gemm")

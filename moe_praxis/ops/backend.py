@@ -45,25 +45,26 @@ except ImportError as e:  # a dependency, but an install without it still import
 BACKENDS = ("auto", "xla", "cuda")
 
 # Compute capability (major * 10 + minor) each op family's kernels run on: [minimum, first one
-# they cannot run) (None: no upper bound). The fused gate/up GEMM is sm_90a code (wgmma, TMA),
-# which runs on 9.x only; the other kernels (the grouped GEMM's sm_80 kernels among them) are
-# sm_80 machine code plus compute_80 PTX that newer GPUs compile at load time. Which grouped GEMM
-# kernel runs where: GROUPED_GEMM_KERNELS and grouped_gemm_kernel().
+# they cannot run) (None: no upper bound). The fused gate/up GEMM is sm_90a code (wgmma, TMA):
+# architecture-specific, it runs on compute capability 9.0 only. The other kernels (the grouped
+# GEMM's sm_80 kernels among them) are sm_80 machine code plus compute_80 PTX that newer GPUs
+# compile at load time. Which grouped GEMM kernel runs where: GROUPED_GEMM_KERNELS and
+# grouped_gemm_kernel().
 COMPUTE_CAPABILITY: dict[str, tuple[int, int | None]] = {
     "aux_loss": (80, None),
     "router": (80, None),
     "swiglu": (80, None),
     "permute": (80, None),
     "grouped_gemm": (80, None),
-    "gate_up_swiglu": (90, 100),
+    "gate_up_swiglu": (90, 91),
 }
 DEFAULT_COMPUTE_CAPABILITY: tuple[int, int | None] = (80, None)
 # The grouped GEMM's two kernel families and the compute capabilities each runs on: 'sm90'
 # (kernels/grouped_gemm_{fwd,dgrad,wgrad}.cu: CUTLASS 3 ptr-array, wgmma + TMA, sm_90a code, bf16)
 # and 'sm80' (kernels/grouped_gemm_sm80_*.cu: CUTLASS 2.x GemmGrouped, mma.sync, bf16 and fp16).
-GROUPED_GEMM_KERNELS: dict[str, tuple[int, int | None]] = {"sm90": (90, 100), "sm80": (80, None)}
+GROUPED_GEMM_KERNELS: dict[str, tuple[int, int | None]] = {"sm90": (90, 91), "sm80": (80, None)}
 # Environment variable choosing the grouped GEMM kernel family: 'auto' (default: 'sm90' on
-# compute capability 9.x, else 'sm80'), 'sm80' (force the sm_80 kernels, e.g. to test and time
+# compute capability 9.0, else 'sm80'), 'sm80' (force the sm_80 kernels, e.g. to test and time
 # them on a Hopper GPU) or 'sm90'. Read by grouped_gemm_kernel() only.
 ENV_GROUPED_GEMM = "MOE_PRAXIS_GROUPED_GEMM"
 GROUPED_GEMM_CHOICES = ("auto", "sm90", "sm80")
@@ -160,7 +161,7 @@ def grouped_gemm_choice() -> str:
 
 def grouped_gemm_kernel(cc: int | None = None, dtype=None) -> tuple[str, str]:
     """(kernel family, why) of the CUDA grouped GEMM: 'sm90' (Hopper, sm_90a, bf16) on compute
-    capability 9.x, else 'sm80' (CUTLASS 2.x GemmGrouped, bf16 and fp16); fp16 inputs take the
+    capability 9.0 (where sm_90a code runs), else 'sm80' (CUTLASS 2.x GemmGrouped, bf16 and fp16); fp16 inputs take the
     sm_80 kernels on a Hopper GPU too. $MOE_PRAXIS_GROUPED_GEMM=sm80 (or sm90) forces a family.
 
     cc: compute capability (major * 10 + minor; default: this host's lowest, None without a
@@ -178,7 +179,7 @@ def grouped_gemm_kernel(cc: int | None = None, dtype=None) -> tuple[str, str]:
                             "kernels take fp16")
         return "sm90", f"{where}: the Hopper kernels (sm_90a: wgmma, TMA)"
     return "sm80", (f"{where}: the sm_80 kernels (CUTLASS 2.x GemmGrouped, mma.sync); the Hopper "
-                    "kernels need compute capability 9.x")
+                    "kernels (sm_90a code) need compute capability 9.0")
 
 
 def requirement(op: str) -> tuple[int, int | None]:

@@ -14,7 +14,7 @@ group_sizes gets no gradient.
 Backends ('auto' | 'xla' | 'cuda', see `moe_praxis.ops.backend`):
   xla:  `jax.lax.ragged_dot` / `jax.lax.ragged_dot_general` (every platform; the test oracle).
   cuda: three FFI kernels per kernel family, chosen by backend.grouped_gemm_kernel:
-        'sm90' (compute capability 9.x): kernels/grouped_gemm_{fwd,dgrad,wgrad}.cu, CUTLASS's
+        'sm90' (compute capability 9.0): kernels/grouped_gemm_{fwd,dgrad,wgrad}.cu, CUTLASS's
         Hopper pointer-array grouped GEMM (warp-specialized, TMA), bf16 in, fp32 accumulate,
         bf16 out; 'sm80' (every other GPU from 8.0, fp16 inputs on Hopper, or forced with
         MOE_PRAXIS_GROUPED_GEMM=sm80): kernels/grouped_gemm_sm80_*.cu, CUTLASS 2.x GemmGrouped

@@ -3,7 +3,7 @@
 kernels/grouped_gemm_sm80_{fwd,dgrad,wgrad}.cu: CUTLASS 2.x `GemmGrouped` (tensor-core
 mma.sync, cp.async multistage mainloop), bf16 or fp16 in, fp32 accumulate, out in the input
 type, compiled for sm_80 plus compute_80 PTX: they run on every CUDA GPU from Ampere on (the
-Hopper kernels of ops.grouped_gemm_tiles run on 9.x only). The same contract as the Hopper
+Hopper kernels of ops.grouped_gemm_tiles, sm_90a code, on 9.0 only). The same contract as the Hopper
 kernels: ragged_dot semantics, group sizes read on the device by a prepare kernel (no host
 copy, no sync; CUDA-graph safe), rows past the sum zeroed, wgrad of empty experts zero. Which
 family runs: ops.backend.grouped_gemm_kernel (MOE_PRAXIS_GROUPED_GEMM=sm80 forces this one).
