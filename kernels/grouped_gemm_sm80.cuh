@@ -149,7 +149,9 @@ __device__ inline void zero_range(uint16_t* p, int64_t n, int64_t tid, int64_t n
   for (int64_t i = tid; i < nv; i += nthreads) v[i] = make_uint4(0, 0, 0, 0);
 }
 
-__global__ void __launch_bounds__(kPrepareThreads) moe_gg80_prepare(PrepareParams p, GroupArrays g) {
+// static: this header is included by three translation units, each gets its own copy
+static __global__ void __launch_bounds__(kPrepareThreads)
+    moe_gg80_prepare(PrepareParams p, GroupArrays g) {
   using BlockScan = cub::BlockScan<int64_t, kPrepareThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ int64_t carry;
