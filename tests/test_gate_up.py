@@ -129,7 +129,6 @@ def test_cuda_backend_falls_back_with_a_warning_naming_the_reason(monkeypatch):
     from moe_praxis.ops import backend as backend_mod
 
     monkeypatch.setattr(backend_mod, "cuda_status", lambda op="": (True, "forced"))
-    monkeypatch.setattr(backend_mod, "compute_capability", lambda: 90)
     backend_mod.reset_warnings()  # once per reason: a fresh record for this test
     gs = jnp.array([5, 3])
     cases = [

@@ -72,7 +72,8 @@ def _fake_device(monkeypatch, cc, name="NVIDIA A100-SXM4-80GB", smem=163 * 1024)
                                        (91, "sm80"), (100, "sm80"), (120, "sm80")])
 def test_grouped_gemm_kernel_by_compute_capability(monkeypatch, cc, kernel):
     """9.0 runs the Hopper kernels; 8.x, a 9.x where sm_90a code cannot run, and GPUs past
-    Hopper (through the compute_80 PTX) the sm_80 ones; fp16 inputs take the sm_80 kernels on Hopper too (the Hopper ones are bf16)."""
+    Hopper (through the compute_80 PTX) the sm_80 ones; fp16 inputs take the sm_80 kernels on
+    Hopper too (the Hopper ones are bf16)."""
     _fake_device(monkeypatch, cc)
     assert backend.grouped_gemm_kernel()[0] == kernel
     assert backend.grouped_gemm_kernel(dtype=jnp.bfloat16)[0] == kernel
@@ -465,7 +466,8 @@ def test_sm80_kernels_inside_cuda_graphs():
                           cwd=REPO,
                           timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"seed={seed}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and lines, (f"seed={seed}\n{proc.stdout[-3000:]}\n"
+                                            f"{proc.stderr[-3000:]}")
     res = json.loads(lines[-1][len("RESULT "):])
     assert res["gg_hlo_has_kernel"] and res["gg_stats"]["captured"] > 0, res
     assert res["gg_cache_size"] == 1, res

@@ -161,8 +161,10 @@ def grouped_gemm_choice() -> str:
 
 def grouped_gemm_kernel(cc: int | None = None, dtype=None) -> tuple[str, str]:
     """(kernel family, why) of the CUDA grouped GEMM: 'sm90' (Hopper, sm_90a, bf16) on compute
-    capability 9.0 (where sm_90a code runs), else 'sm80' (CUTLASS 2.x GemmGrouped, bf16 and fp16); fp16 inputs take the
-    sm_80 kernels on a Hopper GPU too. $MOE_PRAXIS_GROUPED_GEMM=sm80 (or sm90) forces a family.
+    capability 9.0 (where sm_90a code runs), else 'sm80' (CUTLASS 2.x GemmGrouped, bf16 and
+    fp16); fp16 inputs take the sm_80 kernels on a Hopper GPU too. Without a GPU (lowering for
+    CUDA on a CPU host) the Hopper family, as on the GPU the kernels were built for first.
+    $MOE_PRAXIS_GROUPED_GEMM=sm80 (or sm90) forces a family.
 
     cc: compute capability (major * 10 + minor; default: this host's lowest, None without a
     GPU); dtype: the inputs' dtype (None: bf16). Whether the family can run on the GPU at all
@@ -172,8 +174,8 @@ def grouped_gemm_kernel(cc: int | None = None, dtype=None) -> tuple[str, str]:
         return choice, f"${ENV_GROUPED_GEMM}={choice} forces the {choice} kernels"
     cc = compute_capability() if cc is None else cc
     lo, hi = GROUPED_GEMM_KERNELS["sm90"]
-    where = "no GPU" if cc is None else f"compute capability {_cc_text(cc)}"
-    if cc is not None and lo <= cc < hi:
+    where = f"compute capability {_cc_text(cc)}" if cc else "no GPU (the family of a 9.0 GPU)"
+    if cc is None or lo <= cc < hi:
         if dtype is not None and jax.numpy.dtype(dtype) == jax.numpy.float16:
             return "sm80", (f"{where}, fp16 inputs: the Hopper kernels take bf16 only, the sm_80 "
                             "kernels take fp16")

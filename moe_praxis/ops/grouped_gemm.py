@@ -148,10 +148,10 @@ def cuda_wgrad(lhs, dout, group_sizes, config: str):
                       group_sizes, config)
 
 
-def cuda_unsupported_reason(lhs, rhs, kernel: str = "sm90") -> str | None:
-    """Why the CUDA kernels of family `kernel` ('sm90' | 'sm80') cannot run this problem (None
-    if they can; device not checked)."""
-    if kernel == "sm80":
+def cuda_unsupported_reason(lhs, rhs) -> str | None:
+    """Why the CUDA kernels of the family that runs these inputs here (backend.
+    grouped_gemm_kernel) cannot run this problem (None if they can; device not checked)."""
+    if _backend.grouped_gemm_kernel(dtype=lhs.dtype)[0] == "sm80":
         return sm80_unsupported_reason(lhs, rhs)
     if lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16:
         return f"the CUDA grouped GEMM takes bf16 lhs and rhs, got {lhs.dtype} and {rhs.dtype}"
@@ -175,7 +175,7 @@ def resolve(backend: str, lhs, rhs, op: str = "grouped_gemm") -> str:
     if _backend.op_backend(backend, op) == "xla":
         _backend.warn_xla_on_gpu(op, f"no usable kernel: {_backend.cuda_status(op)[1]}")
         return "xla"
-    why = cuda_unsupported_reason(lhs, rhs, _backend.grouped_gemm_kernel(dtype=lhs.dtype)[0])
+    why = cuda_unsupported_reason(lhs, rhs)
     if why is None:
         return "cuda"
     _backend.warn_fallback(op, why)
