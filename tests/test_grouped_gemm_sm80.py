@@ -492,3 +492,22 @@ def test_benchmark_sm80_summary_ratios():
     line = sm80_summary(rows).splitlines()[-1]
     assert "| 0.50 | 3.00 | 0.40 | sm80_128x128x32_s4 (420) |" in line, line
     assert sm80_summary(rows[:3]).count("\n") == 1  # no sm80 rows: the header only
+
+
+def test_kernels_for_sm80_are_compiled_for_sm80():
+    """The router, SwiGLU, permute and aux-loss kernels and the sm_80 grouped GEMM are built
+    as sm_80 machine code plus compute_80 PTX (newer GPUs JIT it), and their requirement says
+    8.0; the Hopper grouped GEMM and the fused gate/up are sm_90a only, on 9.0."""
+    from moe_praxis import build_kernels
+
+    sm80 = {build_kernels.GENCODES["sm_80"], build_kernels.GENCODES["compute_80"]}
+    for name in ("router.cu", "swiglu.cu", "permute.cu", "aux_loss.cu", "grouped_gemm_sm80_fwd.cu",
+                 "grouped_gemm_sm80_dgrad.cu", "grouped_gemm_sm80_wgrad.cu"):
+        assert sm80 <= set(build_kernels.gencodes_for(REPO / "kernels" / name)), name
+    for name in ("grouped_gemm_fwd.cu", "grouped_gemm_swiglu.cu"):
+        assert build_kernels.gencodes_for(REPO / "kernels" /
+                                          name) == [build_kernels.GENCODES["sm_90a"]], name
+    for op in ("router", "swiglu", "permute", "aux_loss", "grouped_gemm"):
+        assert backend.COMPUTE_CAPABILITY[op] == (80, None), op
+    assert backend.COMPUTE_CAPABILITY["gate_up_swiglu"] == backend.GROUPED_GEMM_KERNELS["sm90"]
+    assert backend.GROUPED_GEMM_KERNELS == {"sm90": (90, 91), "sm80": (80, None)}
