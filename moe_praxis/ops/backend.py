@@ -11,6 +11,13 @@ its own requirement and falls back, warning once (`warn_fallback`, the one warn-
 package), where the GPU or the problem does not fit its kernel. An op called directly with
 'auto' resolves for itself.
 
+The grouped GEMM has two kernel families, chosen here only (`grouped_gemm_kernel`): the Hopper
+kernels (sm_90a) on compute capability 9.0, the CUTLASS 2.x sm_80 kernels on every other GPU
+from 8.0 and for fp16; $MOE_PRAXIS_GROUPED_GEMM forces one. The fused gate/up kernel stands on
+the Hopper ones; beside the sm_80 ones gate_up runs unfused. `backend_info()['cuda']['ops']`
+says which kernel each op runs and why. Where the grouped GEMM runs ragged_dot on a GPU,
+`warn_xla_on_gpu` names the cost (E times the useful work).
+
 The device is queried through cuda-python (`cuda.bindings.driver`): compute capability, SM
 count, driver and runtime versions, without initialising a JAX backend. Without a CUDA driver
 (or without cuda-python) the query degrades to a reason ("no GPU: ...").
