@@ -18,6 +18,10 @@ with balanced and skewed group sizes (both sum to M, so every method does 2*M*K*
           which the dense GEMM does not have
   ours    moe_praxis CUTLASS kernels, configuration chosen by grouped_gemm.choose_config;
           the configurations in SWEEP are timed too (ours[<config>]).
+  sm80    (--sm80) moe_praxis's sm_80 kernels (CUTLASS 2.x GemmGrouped, mma.sync), called
+          directly whatever the GPU: the tile choose_sm80_config picks (timed interleaved with
+          dense and ours) and every other tile of SM80_TILE_CONFIGS (sm80[<config>], alone;
+          not with --skip tiles); a second summary prints sm80 / dense, / ragged_dot, / ours.
 
 Prints a table (ms, TFLOP/s, ratio to dense; for ours also the CTA tiles the group scheduler
 issues and the waves they make on this GPU's SMs, `issued_tiles`) and writes JSON. Timing:
@@ -27,7 +31,8 @@ point the compared rows (dense, ours with the chosen configuration, Pallas with 
 configuration) are timed in interleaved batches (`time_paired`): a clock drift during the run
 moves them alike. (Until 2026-11-30 dense was timed once per shape and op, first.)
 Options: --shapes A,B,C  --dists balanced,skewed  --ops fwd,dgrad,wgrad
---skip ragged,pallas,tiles,batched
+--skip ragged,pallas,tiles,batched,ours (ours: the Hopper kernels, e.g. on an A100)
+--sm80 (time the sm_80 kernels too)
 --time-budget SECONDS (stop measuring, still print and write, when exceeded)
 --configs LIST (comma-separated, instead of SWEEP: configurations, or `rule` = the chosen
 configuration, optionally with parts replaced, e.g. `rule/r2048` (its row split set to 2048),
@@ -233,6 +238,21 @@ def ours_fn(op: str, config: str):
     return jax.jit(f)
 
 
+def sm80_fn(op: str, config: str):
+    """The sm_80 kernel of `op` with `config` (an SM80_TILE_CONFIGS name), jitted."""
+    f = {
+        "fwd":
+        lambda lhs, rhs, dout, gs: gg.run_sm80_kernel("fwd", (lhs.shape[0], rhs.shape[2]), lhs, rhs,
+                                                      gs, config),
+        "dgrad":
+        lambda lhs, rhs, dout, gs: gg.run_sm80_kernel("dgrad", (dout.shape[0], rhs.shape[1]), dout,
+                                                      rhs, gs, config),
+        "wgrad":
+        lambda lhs, rhs, dout, gs: gg.run_sm80_kernel("wgrad", rhs.shape, lhs, dout, gs, config),
+    }[op]
+    return jax.jit(f)
+
+
 def pallas_fn(op: str, cfg):
     bm, bn, bk, steps, gbn = cfg
     kw = dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=steps, grid_block_n=gbn)
@@ -255,7 +275,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="A,B,C")
     ap.add_argument("--dists", default=",".join(DISTS))
     ap.add_argument("--ops", default=",".join(OPS))
-    ap.add_argument("--skip", default="", help="comma-separated: ragged, pallas, tiles, batched")
+    ap.add_argument("--skip",
+                    default="",
+                    help="comma-separated: ragged, pallas, tiles, batched, ours")
+    ap.add_argument("--sm80",
+                    action="store_true",
+                    help="time the sm_80 kernels (every tile, the rule's interleaved) too")
     ap.add_argument("--time-budget", type=float, default=1e9)
     ap.add_argument("--configs", default="", help="comma-separated, instead of SWEEP (see doc)")
     ap.add_argument("--pair-configs",
@@ -273,6 +298,7 @@ def main(argv=None) -> int:
         "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
         "python": platform.python_version(),
         "tile_configs": list(gg.TILE_CONFIGS),
+        "sm80_tile_configs": list(gg.SM80_TILE_CONFIGS),
     }
     try:
         import jaxlib
@@ -339,10 +365,12 @@ def main(argv=None) -> int:
                         print("  ragged failed:", repr(ex)[:300], flush=True)
                 chosen = gg.choose_config(op, m, k, n, e)
                 configs = [chosen] if "tiles" in skip else SWEEP
+                if "ours" in skip:
+                    configs = []
                 if args.configs:
                     configs = list(
                         dict.fromkeys(expand_config(t, chosen) for t in args.configs.split(",")))
-                if chosen not in configs:
+                if chosen not in configs and "ours" not in skip:
                     configs = configs + [chosen]
                 for c in configs:
                     try:
@@ -365,6 +393,9 @@ def main(argv=None) -> int:
                     except Exception as ex:  # noqa: BLE001
                         errors.append(f"{shape} {dist} {op} ours {c}: {ex!r}")
                         print("  ours failed:", repr(ex)[:500], flush=True)
+                if args.sm80:
+                    time_sm80(op, (m, k, n, e), data, ref, skip, paired, paired_extra,
+                              lambda *a: record(shape, dist, *a), errors)
                 out = None
                 if "pallas" not in skip:
                     bkey = (shape, op)
@@ -403,11 +434,65 @@ def main(argv=None) -> int:
         gc.collect()
     print_table(rows)
     print("\n" + summary_table(rows, skip))
+    if args.sm80:
+        print("\n" + sm80_summary(rows))
     with open(args.out, "w") as fh:
         json.dump({"meta": meta, "rows": rows, "errors": errors}, fh, indent=1)
     print(f"wrote {args.out} ({len(rows)} rows, {len(errors)} errors) in "
           f"{time.time() - t_start:.0f} s")
     return 0
+
+
+def time_sm80(op, dims, data, ref, skip, paired, paired_extra, record, errors):
+    """The sm_80 kernels at one point: the rule's tile goes into `paired` (timed interleaved
+    with dense and ours), every other tile is timed alone now (none with 'tiles' in skip)."""
+    m, k, n, e = dims
+    chosen = gg.choose_sm80_config(op, m, k, n, e, backend.shared_memory_per_block())
+    for c in [chosen] if "tiles" in skip else gg.SM80_TILE_CONFIGS:
+        try:
+            f = sm80_fn(op, c)
+            out = f(*data)
+            extra = {"rel_err_vs_ragged": rel_err(out, ref) if ref is not None else None}
+            extra["config"] = c
+            del out
+            if c == chosen:
+                paired["sm80"], paired_extra["sm80"] = f, extra
+            else:
+                record(op, f"sm80[{c}]", time_fn(f, *data), 2.0 * m * k * n, extra)
+        except Exception as ex:  # noqa: BLE001
+            errors.append(f"{op} sm80 {c}: {ex!r}")
+            print("  sm80 failed:", repr(ex)[:500], flush=True)
+
+
+def sm80_summary(rows) -> str:
+    """One line per (shape, dist, op) with an sm80 row: the sm_80 kernels (the rule's tile, and
+    the best tile timed) against dense cuBLAS, ragged_dot and ours (the Hopper kernels); speed
+    ratios, > 1 means the sm_80 kernel is faster."""
+    out = [
+        "| shape | groups | op | dense | ragged_dot | ours (Hopper) | sm80 (config) "
+        "| sm80 / dense | sm80 / ragged_dot | sm80 / ours | best sm80 tile |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"
+    ]
+    keys = list(dict.fromkeys((r["shape"], r["dist"], r["op"]) for r in rows))
+    for key in keys:
+        get = {r["method"]: r for r in rows if (r["shape"], r["dist"], r["op"]) == key}
+        s = get.get("sm80")
+        if s is None:
+            continue
+        tiles = [r for name, r in get.items() if name == "sm80" or name.startswith("sm80[")]
+        best = min(tiles, key=lambda r: r["ms"])
+
+        def cell(r):
+            return f"{r['ms']:.3f} ms, {r['tflops']:.0f}" if r else "-"
+
+        def ratio(x):
+            return f"{x['ms'] / s['ms']:.2f}" if x else "-"
+
+        d, rg, o = get.get("dense"), get.get("ragged"), get.get("ours")
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {cell(d)} | {cell(rg)} | {cell(o)} | "
+                   f"{cell(s)} ({s['config']}) | {ratio(d)} | {ratio(rg)} | {ratio(o)} | "
+                   f"{best['config']} ({best['tflops']:.0f}) |")
+    return "\n".join(out)
 
 
 def summary_table(rows, skipped=()) -> str:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops import grouped_gemm as gg
 from moe_praxis.ops._library import platform_call
-from moe_praxis.ops.swiglu import no_weights, swiglu_bwd_ffi, swiglu_reference
+from moe_praxis.ops.swiglu import no_weights, swiglu, swiglu_bwd_ffi, swiglu_reference
 from moe_praxis.ops.vma import vary_together, zero_cotangent
 
 # Tiles (ops.grouped_gemm.TILE_CONFIGS indices) kernels/grouped_gemm_swiglu.cu is built for:
@@ -176,6 +176,19 @@ def _unsupported(lhs, w_gate_up, act: str) -> str | None:
     return None
 
 
+def _unfused(lhs, w_gate_up, group_sizes, row_weights, act, config):
+    """The grouped GEMM against w_gate_up, then the SwiGLU op on its halves (both on 'cuda'):
+    where the fused kernel cannot run beside the grouped GEMM kernel (backend.
+    fused_gate_up_reason). A forced fused configuration has no kernel to go to: an error."""
+    why = _backend.fused_gate_up_reason()
+    if config is not None:
+        raise ValueError(f"gate_up_swiglu config={config!r} configures the fused kernel, which "
+                         f"does not run here: {why}")
+    _backend.warn_once(f"moe_praxis: gate_up_swiglu runs unfused: {why}")
+    h = gg.grouped_gemm(lhs, w_gate_up, group_sizes, backend="cuda")
+    return swiglu(*split_gate_up(h), row_weights, act=act, backend="cuda")
+
+
 def gate_up_swiglu(lhs,
                    w_gate_up,
                    group_sizes,
@@ -202,6 +215,11 @@ def gate_up_swiglu(lhs,
         raise ValueError(f"row_weights must be [M={lhs.shape[0]}], got {row_weights.shape}")
     if config is not None:
         config = gg.config_name(*gg.parse_config(config))
+    if (backend != "xla" and _backend.fused_gate_up_reason()
+            and _backend.cuda_status("grouped_gemm")[0]
+            and gg.resolve(backend, lhs, w_gate_up) == "cuda"):
+        # the fused kernel is Hopper-only but the grouped GEMM has a kernel here: unfused
+        return _unfused(lhs, w_gate_up, group_sizes, row_weights, act, config)
     resolved = gg.resolve(backend, lhs, w_gate_up, op="gate_up_swiglu")
     if resolved == "cuda":
         why = _unsupported(lhs, w_gate_up, act)

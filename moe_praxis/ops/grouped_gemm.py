@@ -13,15 +13,19 @@ group_sizes gets no gradient.
 
 Backends ('auto' | 'xla' | 'cuda', see `moe_praxis.ops.backend`):
   xla:  `jax.lax.ragged_dot` / `jax.lax.ragged_dot_general` (every platform; the test oracle).
-  cuda: three FFI kernels from kernels/grouped_gemm_{fwd,dgrad,wgrad}.cu: CUTLASS's Hopper
-        pointer-array grouped GEMM (warp-specialized, TMA), bf16 in, fp32 accumulate, bf16 out.
-        Group sizes are read on the device (no host copy, no sync; CUDA-graph safe).
-        Needs a compute capability 9.x GPU (sm_90a code; backend.COMPUTE_CAPABILITY): 'auto'
-        falls back to xla elsewhere; a resolved 'cuda' (the block's) falls back with a warning
-        where only this requirement is unmet, and raises, saying why, where no GPU or library
-        is usable. Takes bf16 lhs and rhs with K and N multiples of 8 (16-byte rows for TMA);
-        other problems run the xla reference under 'auto' and 'cuda' alike, with a warning
-        naming the reason (once per reason).
+  cuda: three FFI kernels per kernel family, chosen by backend.grouped_gemm_kernel:
+        'sm90' (compute capability 9.0): kernels/grouped_gemm_{fwd,dgrad,wgrad}.cu, CUTLASS's
+        Hopper pointer-array grouped GEMM (warp-specialized, TMA), bf16 in, fp32 accumulate,
+        bf16 out; 'sm80' (every other GPU from 8.0, fp16 inputs on Hopper, or forced with
+        MOE_PRAXIS_GROUPED_GEMM=sm80): kernels/grouped_gemm_sm80_*.cu, CUTLASS 2.x GemmGrouped
+        (mma.sync), bf16 or fp16 (ops.grouped_gemm_sm80). Group sizes are read on the device
+        (no host copy, no sync; CUDA-graph safe). Needs compute capability 8.0 or newer
+        (backend.COMPUTE_CAPABILITY): 'auto' falls back to xla elsewhere; a resolved 'cuda'
+        (the block's) falls back with a warning where only this requirement is unmet, and
+        raises, saying why, where no GPU or library is usable. Takes K and N multiples of 8
+        (16-byte rows); other problems (float32, odd K or N) run the xla reference under 'auto'
+        and 'cuda' alike, with a warning naming the reason (once per reason). The xla path on
+        a GPU warns once more: ragged_dot there computes E times the useful work.
 Group sizes are clamped to [0, rows left] (negative sizes count as 0; a sum past M is cut at
 M), on every backend's CUDA path; valid inputs (sizes >= 0, sum <= M) need no clamping.
 
@@ -39,6 +43,10 @@ import jax.numpy as jnp
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops._library import ffi, platform_call
+from moe_praxis.ops.grouped_gemm_sm80 import (  # noqa: F401  (re-exported)
+    SM80_DTYPES, SM80_TARGETS, SM80_TILE_CONFIGS, choose_sm80_config, is_sm80_config,
+    parse_sm80_config, run_sm80_kernel, sm80_shared_memory, sm80_tile_shape,
+    sm80_unsupported_reason, sm80_workspace_bytes)
 from moe_praxis.ops.grouped_gemm_tiles import (  # noqa: F401  (re-exported)
     ADAPTIVE_TILE, ADAPTIVE_TILES, CLUSTERS, CUTLASS_WORKSPACE_BYTES, ENV_TILE,
     GROUP_ARRAY_BYTES_PER_GROUP, OPS, RASTERS, SPLIT_ROWS_MULTIPLE, SWIZZLES, TILE_CONFIGS,
@@ -141,7 +149,10 @@ def cuda_wgrad(lhs, dout, group_sizes, config: str):
 
 
 def cuda_unsupported_reason(lhs, rhs) -> str | None:
-    """Why the CUDA kernels cannot run this problem (None if they can; device not checked)."""
+    """Why the CUDA kernels of the family that runs these inputs here (backend.
+    grouped_gemm_kernel) cannot run this problem (None if they can; device not checked)."""
+    if _backend.grouped_gemm_kernel(dtype=lhs.dtype)[0] == "sm80":
+        return sm80_unsupported_reason(lhs, rhs)
     if lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16:
         return f"the CUDA grouped GEMM takes bf16 lhs and rhs, got {lhs.dtype} and {rhs.dtype}"
     k, n = rhs.shape[1], rhs.shape[2]
@@ -152,16 +163,23 @@ def cuda_unsupported_reason(lhs, rhs) -> str | None:
 
 def resolve(backend: str, lhs, rhs, op: str = "grouped_gemm") -> str:
     """'xla' or 'cuda' for one call: backend.op_backend (a resolved backend is not resolved
-    again; 'auto' is), then the problem check. A problem the kernels do not take (dtype other
-    than bf16, K or N not a multiple of 8) runs the XLA reference under 'auto' and 'cuda'
-    alike, with a warning (once per reason) naming the reason: moe_block passes its resolved
-    backend to every op, so a float32 model on a Hopper GPU must still run."""
+    again; 'auto' is), then the problem check against the kernel family that will run
+    (backend.grouped_gemm_kernel). A problem the kernels do not take (a dtype other than bf16,
+    or fp16 for the sm_80 kernels; K or N not a multiple of 8) runs the XLA reference under
+    'auto' and 'cuda' alike, with a warning (once per reason) naming the reason: moe_block
+    passes its resolved backend to every op, so a float32 model on a GPU must still run. Where
+    the result is 'xla' on a GPU, a second warning names ragged_dot's cost there."""
+    if backend == "xla":
+        _backend.warn_xla_on_gpu(op, "kernel_backend='xla'")
+        return "xla"
     if _backend.op_backend(backend, op) == "xla":
+        _backend.warn_xla_on_gpu(op, f"no usable kernel: {_backend.cuda_status(op)[1]}")
         return "xla"
     why = cuda_unsupported_reason(lhs, rhs)
     if why is None:
         return "cuda"
     _backend.warn_fallback(op, why)
+    _backend.warn_xla_on_gpu(op, why)
     return "xla"
 
 
@@ -173,12 +191,33 @@ def is_empty(m, k, n, e) -> bool:
     return 0 in (m, k, n, e)
 
 
+def kernel_config(op: str, dims, dtype, config: str | None) -> tuple[str, str]:
+    """(kernel family, configuration) of one CUDA GEMM: the family backend.grouped_gemm_kernel
+    picks for `dtype`, and `config` (checked against that family) or the family's rule for the
+    forward dims (m, k, n, e)."""
+    kernel, why = _backend.grouped_gemm_kernel(dtype=dtype)
+    if config is not None and is_sm80_config(config) != (kernel == "sm80"):
+        valid = SM80_TILE_CONFIGS if kernel == "sm80" else TILE_CONFIGS
+        raise ValueError(f"grouped GEMM config {config!r} is not a configuration of the {kernel} "
+                         f"kernels that run here ({why}); valid tiles: {valid}")
+    if config is not None:
+        return kernel, config
+    if kernel == "sm80":
+        return kernel, choose_sm80_config(op, *dims, _backend.shared_memory_per_block())
+    return kernel, choose_config(op, *dims)
+
+
 def _run(op, dims, reference, cuda_fn, a, b, group_sizes, impl):
     """One of the three GEMMs: the reference for impl 'xla' or an empty problem, else the CUDA
-    kernel (configuration: impl's, or choose_config's for the forward dims (m, k, n, e))."""
+    kernel of the family backend.grouped_gemm_kernel picks (configuration: impl's, or the
+    family's rule for the forward dims (m, k, n, e))."""
     if impl[0] == "xla" or is_empty(*dims):
         return reference(a, b, group_sizes)
-    cfg = impl[1] if impl[1] is not None else choose_config(op, *dims)
+    kernel, cfg = kernel_config(op, dims, a.dtype, impl[1])
+    if kernel == "sm80":
+        m, k, n, e = dims
+        out_shape = {"fwd": (m, n), "dgrad": (m, k), "wgrad": (e, k, n)}[op]
+        cuda_fn = lambda x, y, g, c: run_sm80_kernel(op, out_shape, x, y, g, c)  # noqa: E731
     return platform_call(lambda x, y, g: cuda_fn(x, y, g, cfg), reference, a, b, group_sizes)
 
 
@@ -239,7 +278,8 @@ def grouped_gemm(lhs, rhs, group_sizes, *, backend: str = "auto", config: str | 
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"group_sizes must be integers, got dtype {group_sizes.dtype}")
     if config is not None:
-        config = config_name(*parse_config(config))
+        config = (SM80_TILE_CONFIGS[parse_sm80_config(config)]
+                  if is_sm80_config(config) else config_name(*parse_config(config)))
     resolved = resolve(backend, lhs, rhs)
     impl = (resolved, config)
     return _grouped_gemm(lhs, rhs, group_sizes.astype(jnp.int32), impl)
