@@ -12,8 +12,9 @@ memset on the GPU streams is attributed to the HLO instruction it ran for, then 
   3. STAGES below, first match wins; a kernel with no instruction is matched on its own name
      (KERNEL_NAMES).
 
-The stage table (what each regex is matched against: `target` = custom-call target, `gemm` = a
-matrix product (dot, cuBLAS / cuBLASLt / Triton GEMM fusion) whose op_name matches, `scope` =
+The stage table (what each regex is matched against: `target` = custom-call target, `gemm` = an
+instruction (a dot, a cuBLAS call, a GEMM fusion) whose op_name ends in a matrix product
+(dot_general, ragged_dot, ...) and matches, `scope` =
 op_name):
 """
 
@@ -36,7 +37,7 @@ STAGES = [  # (stage, kind, regex)
     ("permute", "target", r"^moe_permute$"),
     ("unpermute / combine", "target", r"^moe_unpermute$"),
     ("router GEMM", "gemm", r"moe_router"),
-    ("grouped GEMM (XLA ragged_dot)", "scope", r"ragged_dot"),
+    ("expert GEMMs (XLA)", "gemm", r"moe_experts"),
     ("aux loss", "scope", r"aux_loss"),
     ("routing + statistics (XLA ops)", "scope", r"moe_router"),
     ("sort / capacity (XLA ops)", "scope", r"moe_dispatch"),
@@ -51,13 +52,14 @@ KERNEL_NAMES = [
     ("unpermute / combine", r"unpermute"),
     ("permute", r"permute|histogram_kernel|sort_lists_kernel|scan_kernel"),
     ("grouped GEMM (op not known)", r"cutlass|moe_gg_prepare"),
+    ("dense GEMM (cuBLAS, op not known)", r"gemm|xmma|nvjet|cublas"),
 ]
 __doc__ += "\n".join(f"  {stage:55s} {kind:6s} {rx}" for stage, kind, rx in STAGES)
 __doc__ += f"\n  {OTHER}\nKernels with no instruction, by name:\n" + "\n".join(
     f"  {stage:55s} {rx}" for stage, rx in KERNEL_NAMES) + "\n"
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_GEMM = re.compile(r"\b(dot|convolution)\(|__cublas|gemm|matmul|kind=kCustom|calls=%\S*(dot|gemm)")
+_GEMM_OPS = ("dot_general", "dot", "ragged_dot", "ragged_dot_general", "matmul")
 
 
 def _norm(name: str) -> str:
@@ -75,9 +77,10 @@ def hlo_index(hlo_text: str) -> dict[str, dict]:
         rest = m.group(2)
         target = re.search(r'custom_call_target="([^"]+)"', rest)
         op_name = re.search(r'op_name="([^"]+)"', rest)
+        op_name = op_name.group(1) if op_name else ""
         out[_norm(m.group(1))] = dict(target=target.group(1) if target else "",
-                                      op_name=op_name.group(1) if op_name else "",
-                                      gemm=bool(_GEMM.search(rest.split("metadata=")[0])))
+                                      op_name=op_name,
+                                      gemm=op_name.rsplit("/", 1)[-1] in _GEMM_OPS)
     return out
 
 
@@ -111,8 +114,9 @@ def _instruction(event: dict, index: dict, ops: list[dict]) -> tuple[dict | None
     for op in ops:  # ops sorted by start
         if op["ts"] > mid:
             break
-        if op["ts"] + op["dur"] >= mid and _norm(op["name"]) in index:
-            return index[_norm(op["name"])], "XLA Ops line"
+        name = _norm(op["name"].lstrip("%"))
+        if op["ts"] + op["dur"] >= mid and name in index:
+            return index[name], "XLA Ops line"
     return None, "none"
 
 

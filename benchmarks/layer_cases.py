@@ -14,12 +14,12 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from praxis import base_layer, pax_fiddle
-from praxis.layers import activations, transformers
 
-import moe_praxis as mp
+import moe_praxis as mp  # before praxis: applies the Praxis compat shims
 from moe_praxis import ops, routing
 from moe_praxis.praxis.gshard import GSHARD_PARAM_NAMES
+from praxis import base_layer, pax_fiddle
+from praxis.layers import activations, transformers
 
 
 class Shape(NamedTuple):
