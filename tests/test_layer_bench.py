@@ -123,3 +123,26 @@ def test_options_are_checked_naming_the_valid_ones(capsys):
     opts = layer_report.parse_args(["--quick"])
     assert opts.methods == list(lc.METHODS) and opts.skew and opts.reps == 2
     assert opts.json == "benchmarks/results/layer_bench.json"
+
+
+def test_options_and_device_script_knobs_are_documented():
+    """Every option of the layer benchmark and every knob of its device script is in
+    docs/performance.md, and the page names no option the benchmark lacks."""
+    import re
+
+    text = (ROOT / "docs/performance.md").read_text()
+    opts = {
+        o
+        for a in layer_report.build_parser()._actions
+        for o in a.option_strings if o.startswith("--") and o != "--help"
+    }
+    assert {"--shapes", "--methods", "--skew", "--breakdown", "--json", "--quick"} <= opts
+    missing = sorted(o for o in opts if o not in text)
+    assert not missing, f"options missing from docs/performance.md: {missing}"
+    unknown = set(re.findall(r"`(--[a-z-]+)", text)) - opts
+    assert not unknown, f"docs/performance.md names options the benchmark lacks: {unknown}"
+    script = (ROOT / "benchmarks/layer_device_run.sh").read_text()
+    knobs = set(re.findall(r"\$\{([A-Z_]+):-", script)) - {"OUT", "PYTHONPATH", "XLA_FLAGS"}
+    assert "BREAKDOWN_S" in knobs
+    for knob in knobs:
+        assert knob in text, f"device-script knob {knob} is not in docs/performance.md"
