@@ -162,7 +162,8 @@ def _ctx():
 
 
 def layer_x(shape: Shape, x):
-    """[T, M] -> [B, S, M] for the Praxis layers (S = min(T, 2048))."""
+    """[T, M] -> [B, S, M] for the Praxis layers (S = min(T, 2048)). The layers run with
+    fprop_dtype bfloat16 (Praxis's default float32 would run the whole layer in float32)."""
     s = min(shape.t, 2048)
     return x.reshape(shape.t // s, s, shape.m)
 
@@ -221,7 +222,8 @@ def moe_layer(shape: Shape, params: dict, x3, *, fuse: bool, backend: str):
                             aux_loss_type="switch",
                             moe_load_balance_loss_weight=0.01,
                             fuse_gate_up=fuse,
-                            kernel_backend=backend)
+                            kernel_backend=backend,
+                            fprop_dtype=jnp.bfloat16)
     layer, fns = _layer_fns(tpl)
     big = {n: v for n, v in params.items() if n != "expert_bias"}
     return fns, _variables(layer, x3, big)
@@ -240,7 +242,8 @@ def gshard_layer(shape: Shape, params: dict, x3, *, cf: float, groups: int):
                             unadjusted_expert_capacity_factor=cf,
                             use_gated_activation=True,
                             activation_tpl=pax_fiddle.Config(activations.SiLU),
-                            moe_load_balance_loss_weight=0.01)
+                            moe_load_balance_loss_weight=0.01,
+                            fprop_dtype=jnp.bfloat16)
     layer, fns = _layer_fns(tpl)
     ours_to_gshard = {ours: theirs for theirs, ours in GSHARD_PARAM_NAMES.items()}
     big = {ours_to_gshard[n]: v for n, v in params.items() if n in ours_to_gshard}

@@ -8,7 +8,8 @@
 # is $OUT/layer_bench_<shapes>.json, the log $OUT/layer_<shapes>.log.
 # BREAKDOWN_S=N adds the per-stage breakdown (--breakdown, 'cuda' and 'cuda+fuse', no skew) as a
 # second process limited to N seconds, with XLA's command buffers off so that every kernel in the
-# trace carries its HLO op (rerun with them on if this XLA rejects the flag).
+# trace carries its HLO op (rerun with them on if this XLA rejects the flag); BREAKDOWN_ARGS: more
+# options for that process (e.g. "--quick").
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/layer_out}
@@ -36,7 +37,7 @@ grep -E "^check|^skew|^note|OOM|FAIL|failed" "$OUT/layer_$TAG.log" | head -40
 sed -n '/^| shape | load |/,$p' "$OUT/layer_$TAG.log" | tail -80
 if [ "${BREAKDOWN_S:-0}" -gt 0 ]; then
   BD="python3 -m benchmarks.layer --shapes $SHAPES --methods cuda,cuda+fuse --no-skew --breakdown \
---reps 3 --json $OUT/layer_breakdown_$TAG.json"
+--reps 3 --json $OUT/layer_breakdown_$TAG.json ${BREAKDOWN_ARGS:-}"
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "$BREAKDOWN_S" $BD \
     > "$OUT/layer_breakdown_$TAG.log" 2>&1
   BRC=$?
