@@ -4,6 +4,7 @@ output on a GPU, never here."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from benchmarks import layer_breakdown as lb
 from benchmarks import layer_cases as lc
 from benchmarks import layer_report
+from tests.testutil import long_options
 
 ROOT = Path(__file__).resolve().parents[1]
 # XLA:CPU compile time dominates the quick run; LLVM's optimisation level changes speed only.
@@ -128,14 +130,8 @@ def test_options_are_checked_naming_the_valid_ones(capsys):
 def test_options_and_device_script_knobs_are_documented():
     """Every option of the layer benchmark and every knob of its device script is in
     docs/performance.md, and the page names no option the benchmark lacks."""
-    import re
-
     text = (ROOT / "docs/performance.md").read_text()
-    opts = {
-        o
-        for a in layer_report.build_parser()._actions
-        for o in a.option_strings if o.startswith("--") and o != "--help"
-    }
+    opts = long_options(layer_report.build_parser())
     assert {"--shapes", "--methods", "--skew", "--breakdown", "--json", "--quick"} <= opts
     missing = sorted(o for o in opts if o not in text)
     assert not missing, f"options missing from docs/performance.md: {missing}"
