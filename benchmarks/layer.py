@@ -123,6 +123,7 @@ class Shape:
         self.skew = None  # (router, offset, ratio by bisection)
         self.layers = {}  # method -> (fns, variables)
         self.steps = {}
+        self.failed = {}  # (method, pass) -> why it failed (OOM, an error)
 
     def block_params(self, method, load):
         p = self.fused if "fuse" in method else self.params
@@ -298,8 +299,12 @@ def time_unit(sh: Shape, opts, load: str, pass_: str) -> list[dict]:
         if method == "gshard":
             continue
         row = dict(shape=sh.name, load=load, pass_=pass_, method=method)
+        key = (method, pass_)
+        if key in sh.failed:  # failed at the balanced load: not compiled or run again
+            row["status"] = sh.failed[key]
+            rows.append(row)
+            continue
         try:
-            key = (method, pass_)
             if key not in sh.steps:
                 fns = sh.fns(method)  # builds the Praxis layer's variables first
                 sh.steps[key] = compile_step(fns[pass_], sh.args(method, pass_, load))
@@ -310,7 +315,7 @@ def time_unit(sh: Shape, opts, load: str, pass_: str) -> list[dict]:
         except Exception as ex:  # noqa: BLE001
             if not _is_oom(ex):
                 traceback.print_exc()
-            row["status"] = _failure(ex)
+            row["status"] = sh.failed[key] = _failure(ex)
             print(f"  {sh.name} {load} {pass_} {method}: {row['status']}", flush=True)
         rows.append(row)
     if "gshard" in sh.methods and sh.name == "mixtral" and load == "balanced":
