@@ -52,7 +52,8 @@ kernels (the CPU) it prints why and goes on.
 --quick: CPU sizes (layer_cases.QUICK_SHAPES), 2 rounds, small copy-bandwidth buffer: the
 end-to-end smoke test (tests/test_layer_bench.py).
 JSON (--json, default benchmarks/results/layer_bench.json): meta (date, versions, device,
-copy bandwidth), notes, checks, skew, rows, breakdown; rewritten after every shape.
+copy bandwidth), notes, checks, skew, rows, breakdown; rewritten after every (shape, load,
+pass).
 """
 
 from __future__ import annotations
@@ -396,6 +397,7 @@ def main(argv=None) -> int:
                         r["skew_max_over_mean"] = result["skew"][name]["skewed"]["max_over_mean"]
                 result["rows"] += rows
                 layer_report.print_rows(rows)
+                layer_report.write(opts.json, result)  # a run cut short keeps what it timed
         if opts.breakdown:
             result["breakdown"][name] = run_breakdown(sh)
         layer_report.write(opts.json, result)
