@@ -21,6 +21,7 @@ permute+unpermute at least 2x faster than XLA; every kernel at 60% or more of co
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import functools
 import json
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import trace
 from moe_praxis import ops, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.ops.router import router_cuda
@@ -64,41 +66,14 @@ def device_kernels(fn, inputs, reps, trace_dir):
     {kernel name: us per op call}), summed over the GPU streams' kernel and memset events.
     This is the time the GPU spends in the op's kernels, without the launch gaps that the
     wall-clock numbers include."""
-    import collections
-    import glob
-    import gzip
-    import shutil
-
     f = _batched(fn)
-    jax.block_until_ready(f(inputs))
-    shutil.rmtree(trace_dir, ignore_errors=True)
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        for _ in range(reps):
-            jax.block_until_ready(f(inputs))
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
-                            recursive=True))[-1]
-    with gzip.open(path) as fh:
-        trace = json.load(fh)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    procs, threads = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            procs[e["pid"]] = e["args"]["name"]
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            threads[(e["pid"], e["tid"])] = e["args"]["name"]
-    gpu = {pid for pid, name in procs.items() if "GPU" in name}
-    # kernels and memsets sit on the "Stream #..." lines; "XLA Ops" etc. repeat them
-    streams = {k for k, name in threads.items() if k[0] in gpu and name.startswith("Stream")}
-    if not streams:
-        raise RuntimeError(f"no GPU stream lines in the trace: processes {sorted(procs.values())}, "
-                           f"GPU threads {sorted(n for k, n in threads.items() if k[0] in gpu)}")
+    trace.traced(f, (inputs, ), reps, trace_dir)
     calls = reps * len(inputs)
     per_name = collections.Counter()
-    count = 0
+    events = trace.gpu_stream_events(trace_dir)
     for e in events:
-        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams:
-            per_name[e.get("name", "?")] += float(e.get("dur", 0.0)) / calls
-            count += 1
+        per_name[e["name"]] += e["dur"] / calls
+    count = len(events)
     return sum(per_name.values()), count / calls, dict(per_name.most_common())
 
 
@@ -273,9 +248,9 @@ def cases(t, e, k, d, h):
     }
 
 
-def copy_bandwidth(reps):
-    """Bytes/s of an elementwise float32 x * 2 over 2 GiB (read + write), the best of 2 runs."""
-    n_el = 1 << 29
+def copy_bandwidth(reps, n_el=1 << 29):
+    """Bytes/s of an elementwise float32 x * 2 over n_el elements (2 GiB by default; read +
+    write), the best of 2 runs."""
     xs = [(jax.random.normal(kk, (n_el, ), jnp.float32), ) for kk in _keys(9, 3)]
     sec = min(_time(lambda x: x * 2, xs, reps) for _ in range(2))
     del xs

@@ -17,6 +17,7 @@ DROP_POLICIES = ("position", "weight")
 ACTIVATIONS = ("silu", "gelu", "relu")
 KERNEL_BACKENDS = ("auto", "xla", "cuda")
 EP_EXCHANGES = ("auto", "ragged", "padded")
+ROUTER_PRECISIONS = ("float32", "tf32", "bf16")
 
 
 def _err(field: str, value, valid: str) -> ValueError:
@@ -45,6 +46,11 @@ class MoEConfig:
       use_expert_bias: a learned-outside-the-gradient [E] bias added to the scores for
         selection only; the weights come from the unbiased scores (DeepSeek-V3 aux-free).
       routed_scaling_factor: multiplies the final routing weights.
+      router_precision: the router GEMM `x @ router` (logits are float32 in every case):
+        'float32' (float32 inputs and arithmetic, Precision.HIGHEST), 'tf32' (inputs rounded to
+        TF32, float32 accumulation; TF32 tensor cores on a GPU), 'bf16' (inputs cast to bf16,
+        float32 accumulation; bf16 tensor cores). Lower precisions change some top-k choices
+        (tests/test_routing.py bounds the share) for a faster GEMM.
       router_logit_cap: soft cap `cap * tanh(logits / cap)` on the router logits (Praxis's
         `gating_logit_cap`); 0 = off.
       aux_loss_type: 'switch' (global-batch load balance), 'sequence' (the same per sequence,
@@ -91,6 +97,7 @@ class MoEConfig:
     group_topk: int = 1
     use_expert_bias: bool = False
     routed_scaling_factor: float = 1.0
+    router_precision: str = "float32"
     router_logit_cap: float = 0.0
     aux_loss_type: str = "switch"
     aux_loss_coeff: float = 0.01
@@ -154,6 +161,8 @@ class MoEConfig:
             raise _err("group_topk", self.group_topk, "needs num_expert_groups > 1")
         if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
             raise _err("routed_scaling_factor", self.routed_scaling_factor, "must be > 0")
+        if self.router_precision not in ROUTER_PRECISIONS:
+            raise _err("router_precision", self.router_precision, f"valid: {ROUTER_PRECISIONS}")
         if self.router_logit_cap < 0:
             raise _err("router_logit_cap", self.router_logit_cap, "must be >= 0 (0 = off)")
         if self.aux_loss_type not in AUX_LOSS_TYPES:

@@ -1,6 +1,6 @@
 """Router: logits -> scores -> top-k expert ids and weights (statistics: router_stats.py).
 
-All routing math is float32. Letters: T tokens, M d_model, E experts, k top_k.
+All routing math after the logits is float32 (the logits GEMM: MoEConfig.router_precision). Letters: T tokens, M d_model, E experts, k top_k.
 
 The math of selection and weights is written once, in moe_praxis.ops.router (the op's
 docstring); `router_args` maps MoEConfig's fields to the op's static arguments (score_func,
@@ -30,10 +30,9 @@ class RouteOutput:
 
 
 def router_logits(x, w_router, config: MoEConfig):
-    """x: [T, M] -> float32 logits [T, E] (soft-capped when router_logit_cap > 0)."""
-    logits = jnp.dot(x.astype(jnp.float32),
-                     w_router.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
+    """x: [T, M] -> float32 logits [T, E] (soft-capped when router_logit_cap > 0); the GEMM in
+    config.router_precision (ops.router.router_gemm), on every kernel backend."""
+    logits = router_op.router_gemm(x, w_router, precision=config.router_precision)
     if config.router_logit_cap > 0:
         cap = config.router_logit_cap
         logits = cap * jnp.tanh(logits / cap)

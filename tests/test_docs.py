@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from moe_praxis import config
+from tests.testutil import long_options
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -61,11 +62,7 @@ def test_benchmark_options_and_device_script_knobs_are_documented():
     from benchmarks import bench_kernels
 
     text = (ROOT / "docs/kernels.md").read_text()
-    parser_opts = {
-        o
-        for a in bench_kernels.build_parser()._actions
-        for o in a.option_strings if o.startswith("--") and o != "--help"
-    }
+    parser_opts = long_options(bench_kernels.build_parser())
     assert parser_opts, "no options found"
     missing = sorted(o for o in parser_opts if f"`{o}" not in text)
     assert not missing, f"bench_kernels options missing from docs/kernels.md: {missing}"

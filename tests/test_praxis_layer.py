@@ -931,6 +931,7 @@ def test_layout_sharded_weights_match_single_device():
     ("gating_logit_cap", -1.0, r"gating_logit_cap=-1.0"),
     ("residual_dropout_prob", 1.0, r"residual_dropout_prob=1.0"),
     ("ep_exchange", "nccl", r"MoEFeedForward 'moe': MoEConfig.ep_exchange='nccl'"),
+    ("router_precision", "fp8", r"MoEConfig.router_precision='fp8'.*\(the layer's router_pr"),
 ])
 def test_unsupported_fields_raise_at_setup(field, value, match):
     tpl = _moe_tpl(**{field: value})
@@ -962,3 +963,10 @@ def test_docs_list_every_field_with_its_default():
         assert f.name in rows, f"docs/praxis.md lacks field {f.name}"
         assert rows[f.name] == repr(f.default), (f.name, rows[f.name], f.default)
     assert set(fields.GATING_FUNCS) <= set(re.findall(r"'([a-z_0-9]+)'", text))
+
+
+def test_router_precision_reaches_the_config():
+    """The layer's router_precision is MoEConfig's (default float32: the logits GEMM as before)."""
+    assert fields.build_config(base_layer.instantiate(_moe_tpl())).router_precision == "float32"
+    cfg = fields.build_config(base_layer.instantiate(_moe_tpl(router_precision="bf16")))
+    assert cfg.router_precision == "bf16"

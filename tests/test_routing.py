@@ -160,6 +160,86 @@ def test_router_is_float32_for_bf16_inputs():
     assert r.logits.dtype == r.probs.dtype == r.weights.dtype == jnp.float32
 
 
+def test_router_precision_default_is_todays_float32_gemm_bit_for_bit():
+    """The default router_precision ('float32') computes the logits exactly as before the field
+    existed: float32 inputs, jnp.dot at Precision.HIGHEST (and so the whole route)."""
+    seed = _seed()
+    kx, kw = jax.random.split(jax.random.key(seed))
+    cfg = mp.MoEConfig(d_model=64, d_ff=8, num_experts=16, top_k=4)
+    assert cfg.router_precision == "float32"
+    x = jax.random.normal(kx, (256, 64), jnp.bfloat16)
+    w = jax.random.normal(kw, (64, 16), jnp.float32) / 8
+    today = jax.jit(lambda x, w: jnp.dot(
+        x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST))
+    got = jax.jit(lambda x, w: routing.router_logits(x, w, cfg))(x, w)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(today(x, w)), f"seed={seed}")
+
+
+def _changed_choices(ids, ref_ids, e):
+    """Share of the reference's (token, expert) choices that `ids` does not make."""
+    a = np.zeros((ids.shape[0], e), bool)
+    b = np.zeros_like(a)
+    np.put_along_axis(a, np.asarray(ids), True, axis=1)
+    np.put_along_axis(b, np.asarray(ref_ids), True, axis=1)
+    return float(np.sum(b & ~a) / b.sum())
+
+
+def test_router_precision_effect_on_logits_and_top_k_choices():
+    """Lower router precisions at a Qwen3-MoE-like router (M=2048, E=128, k=8, bf16 x,
+    init_moe_params' router), against float32 on the same fresh random inputs.
+
+    Logits vs a float64 reference (||got - ref|| / ||ref||): float32 under 1e-5; 'tf32' rounds
+    the router weights to 10 mantissa bits (a bf16 x is exact in TF32), measured near 2e-4,
+    bounded to [2e-5, 1e-3]; 'bf16' also rounds them to 7 bits, measured near 2e-3, bounded to
+    [3e-4, 1e-2]. Top-k choices that change (of T * k): 'tf32' measured 0.1-0.2%, bounded by
+    0.5%; 'bf16' measured 0.4-0.6%, bounded by 1.5% (and above 0: it does change some)."""
+    seed = _seed()
+    t, m, e, k = 4096, 2048, 128, 8
+    kx, kp = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (t, m), jnp.bfloat16)
+    base = mp.MoEConfig(d_model=m, d_ff=8, num_experts=e, top_k=k, kernel_backend="xla")
+    w = mp.init_moe_params(kp, base)["router"]
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    got = {}
+    for prec in ("float32", "tf32", "bf16"):
+        cfg = dataclasses.replace(base, router_precision=prec)
+        r = jax.jit(lambda x, w: routing.route(x, w, cfg))(x, w)
+        assert r.logits.dtype == r.weights.dtype == jnp.float32
+        err = np.linalg.norm(np.asarray(r.logits, np.float64) - ref) / np.linalg.norm(ref)
+        got[prec] = (err, np.asarray(r.expert_ids))
+    msg = f"seed={seed} " + str({
+        p: (f"{v[0]:.2e}", _changed_choices(v[1], got['float32'][1], e))
+        for p, v in got.items()
+    })
+    assert got["float32"][0] < 1e-5, msg
+    assert 2e-5 < got["tf32"][0] < 1e-3, msg
+    assert 3e-4 < got["bf16"][0] < 1e-2, msg
+    assert _changed_choices(got["tf32"][1], got["float32"][1], e) < 0.005, msg
+    assert 0 < _changed_choices(got["bf16"][1], got["float32"][1], e) < 0.015, msg
+
+
+def test_router_precision_reaches_the_block_and_its_gradients():
+    """moe_block with router_precision='bf16' differs from float32 only by the router GEMM's
+    rounding: outputs within bf16 tolerance (1e-2 relative), gradients finite, the router's
+    gradient float32."""
+    seed = _seed()
+    cfg = mp.MoEConfig(d_model=32, d_ff=16, num_experts=8, top_k=2, kernel_backend="xla")
+    kp, kx = jax.random.split(jax.random.key(seed))
+    params = mp.init_moe_params(kp, cfg)
+    x = jax.random.normal(kx, (64, 32), jnp.float32)
+
+    def loss(params, cfg):
+        return jnp.sum(mp.moe_block(params, x, cfg).y**2)
+
+    lo = dataclasses.replace(cfg, router_precision="bf16")
+    v32, g32 = jax.value_and_grad(loss)(params, cfg)
+    v16, g16 = jax.value_and_grad(loss)(params, lo)
+    assert abs(float(v16) - float(v32)) <= 1e-2 * abs(float(v32)), f"seed={seed}"
+    assert g16["router"].dtype == jnp.float32
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(g16))
+    assert not np.array_equal(np.asarray(g16["router"]), np.asarray(g32["router"]))
+
+
 def test_z_loss_formula():
     logits = jax.random.normal(jax.random.key(_seed()), (6, 5))
     valid = jnp.array([1, 1, 0, 1, 1, 1], bool)
@@ -183,6 +263,7 @@ BAD = [
     (dict(top_k=8, num_expert_groups=4, group_topk=2), "group_topk=2"),
     (dict(routed_scaling_factor=0.0), "routed_scaling_factor=0.0"),
     (dict(router_logit_cap=-1.0), "router_logit_cap=-1.0"),
+    (dict(router_precision="fp16"), "router_precision='fp16'.*float32.*tf32.*bf16"),
     (dict(aux_loss_type="foo"), "aux_loss_type='foo'.*switch"),
     (dict(aux_loss_coeff=-1.0), "aux_loss_coeff=-1.0"),
     (dict(z_loss_coeff=float("nan")), "z_loss_coeff=nan"),

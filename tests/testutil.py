@@ -5,6 +5,15 @@ import numpy as np
 from moe_praxis import MoEConfig
 
 
+def long_options(parser) -> set[str]:
+    """The --options of an argparse parser (--help left out), for the docs-in-step tests."""
+    return {
+        o
+        for a in parser._actions
+        for o in a.option_strings if o.startswith("--") and o != "--help"
+    }
+
+
 def seed() -> int:
     """A fresh random seed every call (print it in failure messages to reproduce)."""
     return int(np.random.SeedSequence().generate_state(1)[0])

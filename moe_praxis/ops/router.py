@@ -29,6 +29,8 @@ from moe_praxis.ops import backend as _backend
 from moe_praxis.ops._library import ffi, platform_call
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+# The router GEMM's precision (MoEConfig.router_precision): how x and w_router enter the dot.
+ROUTER_PRECISIONS = ("float32", "tf32", "bf16")
 ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_MAX_GROUPS = 512, 8, 32
 _ROUTER_MODES = {("softmax", True): 0, ("softmax", False): 1, ("sigmoid", True): 2}
 
@@ -89,6 +91,34 @@ def router_reference(logits, expert_bias: Optional[jax.Array] = None, **static):
     if expert_bias is not None:
         bias = jax.lax.stop_gradient(expert_bias.astype(jnp.float32))
     return _reference(RouterArgs(**static), logits, bias)
+
+
+def router_gemm(x, w_router, *, precision: str = "float32"):
+    """The router logits x [T, M] @ w_router [M, E] -> float32 [T, E], in the `precision`:
+
+      'float32': float32 inputs, float32 products and sums (Precision.HIGHEST: CUDA cores on a
+                 GPU, not tensor cores).
+      'tf32':    inputs rounded to TF32 (8 exponent, 10 mantissa bits; a bf16 x is exact in it),
+                 float32 sums, at the platform's default float32 precision (TF32 tensor cores
+                 on Ampere and later GPUs; float32 arithmetic on the CPU, same rounded inputs).
+      'bf16':    inputs cast to bfloat16, float32 accumulation (bf16 tensor cores on a GPU).
+
+    The GEMM is XLA's on every kernel backend (the fused router kernel takes the logits).
+    """
+    if precision == "float32":
+        return jnp.dot(x.astype(jnp.float32),
+                       w_router.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+    if precision == "tf32":
+        x32, w32 = (jax.lax.reduce_precision(a.astype(jnp.float32),
+                                             exponent_bits=8,
+                                             mantissa_bits=10) for a in (x, w_router))
+        return jnp.dot(x32, w32, preferred_element_type=jnp.float32)
+    if precision == "bf16":
+        return jnp.dot(x.astype(jnp.bfloat16),
+                       w_router.astype(jnp.bfloat16),
+                       preferred_element_type=jnp.float32)
+    raise ValueError(f"router precision {precision!r} is invalid; valid: {ROUTER_PRECISIONS}")
 
 
 # ------------------------------------------------------------------------------ CUDA side

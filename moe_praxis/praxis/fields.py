@@ -38,6 +38,7 @@ CONFIG_FIELDS = {
     "gated": "use_gated_activation",
     "fuse_gate_up": "fuse_gate_up",
     "kernel_backend": "kernel_backend",
+    "router_precision": "router_precision",
     "ep_exchange": "ep_exchange",
     "ep_buffer_factor": "ep_buffer_factor",
 }
@@ -141,6 +142,7 @@ def build_config(layer) -> MoEConfig:
             gated=bool(layer.use_gated_activation),
             fuse_gate_up=bool(layer.fuse_gate_up),
             kernel_backend=layer.kernel_backend,
+            router_precision=layer.router_precision,
             ep_exchange=layer.ep_exchange,
             ep_buffer_factor=layer.ep_buffer_factor,
         )

@@ -57,7 +57,8 @@ class MoEFeedForward(base_layer.BaseLayer):
     (docs/praxis.md has the table, kept in step with these fields by a test), plus ours:
       fuse_gate_up: gated only; one weight wi_gate_up [E, M, 2H] (MoEConfig.fuse_gate_up).
       num_experts_per_token: k for gating_func='topk' (top2 / dense_top2 need 2).
-      aux_loss_type, kernel_backend, ep_exchange, ep_buffer_factor: MoEConfig's.
+      aux_loss_type, kernel_backend, router_precision, ep_exchange, ep_buffer_factor:
+        MoEConfig's.
       router_z_loss_weight: MoEConfig.z_loss_coeff (0 = off).
       mesh_resources: a moe_praxis.MeshResources; when set and a mesh is in scope
         (jax.set_mesh or `with mesh:`), moe_block runs expert-parallel on it, and when the
@@ -101,6 +102,7 @@ class MoEFeedForward(base_layer.BaseLayer):
     aux_loss_type: str = "gshard"
     router_z_loss_weight: float = 0.0
     kernel_backend: str = "auto"
+    router_precision: str = "float32"
     mesh_resources: Any = None
     ep_exchange: str = "auto"
     ep_buffer_factor: Optional[float] = None

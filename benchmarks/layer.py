@@ -1,0 +1,442 @@
+"""The whole MoE layer on one device (issue 23): `python -m benchmarks.layer`.
+
+    python -m benchmarks.layer [--shapes mixtral,qwen3,deepseek] [--methods LIST]
+        [--skew | --no-skew] [--breakdown] [--json PATH] [--quick] [--reps N]
+        [--gshard-groups 8,32,128] [--time-budget SECONDS]
+
+Shapes (bf16 x and expert weights, float32 router; `layer_cases.SHAPES`):
+  mixtral   T=16384, M=4096, H=14336, E=8,   k=2, softmax top-k
+  qwen3     T=16384, M=2048, H=768,   E=128, k=8, softmax top-k
+  deepseek  T=8192,  M=7168, H=2048,  E=256, k=8, sigmoid, 8 expert groups top-4, expert bias,
+            routed scaling 2.5
+Each at balanced load (a random router) and, with --skew (the default), skewed: a router column
+and an input offset make the busiest expert take 4x the mean load T*k/E (every token where that
+is more than T), read back from moe_block's tokens_per_expert and printed.
+
+Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
+  cuda, cuda+fuse      moe_block, kernel_backend 'cuda', without / with fuse_gate_up
+  cuda+bf16router      moe_block, 'cuda', router_precision='bf16'
+  xla                  moe_block, kernel_backend 'xla' (RESOURCE_EXHAUSTED is caught: 'OOM')
+  layer, layer+fuse    MoEFeedForward (layer norm + moe_block + residual), 'cuda'; its routing
+                       is softmax top-k at every shape (the layer has no sigmoid / group fields)
+  gshard               Praxis's TransformerFeedForwardMoe (GShard top-2, gated SiLU) at the
+                       Mixtral shape, balanced load: capacity factor 2.5 in Praxis's per-token
+                       convention (= 1.25 per copy) and Praxis's default 2.0, both at the
+                       num_groups of --gshard-groups where cf 2.5 runs fwd+bwd fastest (each
+                       timed alone), with the share of copies it drops
+  ideal                the dense bf16 GEMMs of the expert shapes on T*k rows: 3 (fwd) or 9
+                       (fwd+bwd); and the roofline ideal (computed, not timed): the ideal plus
+                       reading the expert weights once (fwd) or twice and writing their
+                       gradients once (fwd+bwd), at the copy bandwidth measured in the same run
+The 'cuda' methods run with kernel_backend 'xla' where CUDA is unusable (--quick; the output
+says so). fwd = jit(moe_block) (or the layer's apply); fwd+bwd = jit(value_and_grad) of
+sum(y * cot) + aux losses w.r.t. the parameters and x.
+
+Before timing, each shape checks 'cuda' and 'cuda+fuse' against 'xla' (y, dx and the weight
+gradients, ||a - b|| / ||b||, bf16 tolerance 2e-2) on the first tokens (the
+full 'xla' layer does not fit everywhere). Timing: every executable compiled once
+(jit(...).lower().compile()), warmed up, then all the methods of one (shape, load, pass) timed
+in interleaved batches (bench_grouped_gemm.time_paired: median of --reps rounds).
+
+Columns: ms; TFLOP/s of the expert FLOPs (2 * T*k * M * H * 3, x3 for fwd+bwd); % of ideal
+(ideal ms / ms); % of roofline; x GShard (GShard cf 2.5 ms / ms, Mixtral, balanced); peak
+device memory of the executable (XLA's memory analysis: arguments + outputs + temporaries -
+aliased); target and PASS/FAIL against issue 23 (fwd+bwd, 'cuda' and 'cuda+fuse'): Qwen3-like
+>= 80% of ideal; DeepSeek-V3-like >= 75% of ideal or >= 90% of the roofline; Mixtral-like
+>= 95% of ideal and >= 1.25x GShard; skewed load within 15% of the balanced time. Speed is
+asserted here, in the output, never in a test.
+
+--breakdown: per-stage GPU time of the balanced fwd+bwd step of 'cuda' and 'cuda+fuse' from a
+profiler trace (benchmarks/layer_breakdown.py: the stage table); where the trace has no GPU
+kernels (the CPU) it prints why and goes on.
+--quick: CPU sizes (layer_cases.QUICK_SHAPES), 2 rounds, small copy-bandwidth buffer: the
+end-to-end smoke test (tests/test_layer_bench.py).
+JSON (--json, default benchmarks/results/layer_bench.json): meta (date, versions, device,
+copy bandwidth), notes, checks, skew, rows, breakdown; rewritten after every (shape, load,
+pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from benchmarks import bench_kernels, layer_breakdown, layer_report
+from benchmarks import layer_cases as lc
+from benchmarks import trace
+from benchmarks.bench_grouped_gemm import rel_err, time_fn, time_paired
+from moe_praxis import ops
+
+CHECK_TOL = 2e-2
+CHECK_TOKENS = 2048
+CHECK_BYTES = 8 << 30
+
+
+def _is_oom(ex: Exception) -> bool:
+    s = str(ex)
+    return "RESOURCE_EXHAUSTED" in s or "out of memory" in s.lower()
+
+
+def _failure(ex: Exception) -> str:
+    if _is_oom(ex):
+        return "OOM (RESOURCE_EXHAUSTED)"
+    return f"failed: {type(ex).__name__}: {str(ex)[:200]}"
+
+
+def compile_step(fn, args):
+    """(compiled, peak bytes or None): jit's AOT compile, and XLA's memory analysis of it."""
+    compiled = fn.lower(*args).compile()
+    peak = None
+    try:
+        ma = compiled.memory_analysis()
+        peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes -
+                ma.alias_size_in_bytes)
+    except Exception:  # noqa: BLE001 - a backend without the analysis: the column says n/a
+        pass
+    return compiled, peak
+
+
+class Shape:
+    """One shape's arrays and executables: `steps[(method, pass)] = (compiled, peak)` and
+    `args(method, pass, load)` (the skewed load only changes values: same executables)."""
+
+    def __init__(self, name, shape, methods, backend, key):
+        self.name, self.shape, self.methods, self.backend = name, shape, methods, backend
+        k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+        self.params = lc.make_params(shape, k1)
+        self.x = jax.random.normal(k2, (shape.t, shape.m), jnp.bfloat16)
+        self.cot = jax.random.normal(k3, (shape.t, shape.m), jnp.bfloat16)
+        self.fused = lc.fused_params(self.params) if {"cuda+fuse", "layer+fuse"} & set(methods) \
+            else None
+        self.ideal = lc.ideal_args(shape, k4) if "ideal" in methods else None
+        self.skew_key = k5
+        self.skew = None  # (router, offset, ratio by bisection)
+        self.layers = {}  # method -> (fns, variables)
+        self.steps = {}
+        self.failed = {}  # (method, pass) -> why it failed (OOM, an error)
+
+    def block_params(self, method, load):
+        p = self.fused if "fuse" in method else self.params
+        if load == "skewed":
+            p = {**p, "router": self.skew[0]}
+        return p
+
+    def args(self, method, pass_, load):
+        if method == "ideal":
+            return self.ideal
+        x = self.x
+        if method in self.layers:
+            fns, variables = self.layers[method]
+            v = dict(variables)
+            if load == "skewed":
+                prm = dict(v["params"], router=self.skew[0])
+                ln = dict(prm["layer_norm"])
+                ln["bias"] = self.skew[1].astype(ln["bias"].dtype)
+                prm["layer_norm"] = ln
+                v["params"] = prm
+            x3, c3 = lc.layer_x(self.shape, x), lc.layer_x(self.shape, self.cot)
+            return (v, x3) if pass_ == "fwd" else (v, x3, c3)
+        if load == "skewed":
+            x = (x.astype(jnp.float32) + self.skew[1]).astype(x.dtype)
+        p = self.block_params(method, load)
+        return (p, x) if pass_ == "fwd" else (p, x, self.cot)
+
+    def config(self, method, **extra):
+        fields, _ = lc.BLOCK_METHODS[method]
+        fields = dict(fields, **extra)
+        if fields.get("kernel_backend") == "cuda":
+            fields["kernel_backend"] = self.backend
+        return lc.config(self.shape, **fields)
+
+    def fns(self, method):
+        if method == "ideal":
+            return lc.ideal_fns()
+        fields, is_layer = lc.BLOCK_METHODS[method]
+        if is_layer:
+            if method not in self.layers:
+                p = self.fused if "fuse" in method else self.params
+                self.layers[method] = lc.moe_layer(self.shape,
+                                                   p,
+                                                   lc.layer_x(self.shape, self.x),
+                                                   fuse="fuse" in method,
+                                                   backend=self.config(method).kernel_backend)
+            return self.layers[method][0]
+        return lc.block_fns(self.config(method))
+
+
+def check_tokens(shape: lc.Shape) -> int:
+    """Tokens of the check: at most CHECK_TOKENS, and few enough that E x (T*k) x max(M, H)
+    bf16 values (what XLA's ragged_dot may materialise) stay under CHECK_BYTES."""
+    t = min(shape.t, CHECK_TOKENS, CHECK_BYTES // (2 * shape.e * shape.k * max(shape.m, shape.h)))
+    return max(8, 1 << (max(t, 1).bit_length() - 1))
+
+
+def check_against_xla(sh: Shape) -> list[dict]:
+    """'cuda' and 'cuda+fuse' against 'xla' on the first check_tokens() tokens (module doc)."""
+    t = check_tokens(sh.shape)
+    x, cot = sh.x[:t], sh.cot[:t]
+    ref = lc.block_fns(sh.config("xla"))
+    ref_y = ref["fwd"](sh.params, x).y
+    _, (ref_dp, ref_dx) = ref["fwd+bwd"](sh.params, x, cot)
+    if sh.fused is not None:
+        ref_dp = {
+            **ref_dp, "wi_gate_up": ops.interleave_gate_up(ref_dp["wi_gate"], ref_dp["wi_up"])
+        }
+    out = []
+    for method in ("cuda", "cuda+fuse"):
+        if method not in sh.methods:
+            continue
+        row = dict(shape=sh.name, method=method, tokens=t, backend=sh.config(method).kernel_backend)
+        try:
+            f = lc.block_fns(sh.config(method))
+            p = sh.block_params(method, "balanced")
+            errs = {"y": rel_err(f["fwd"](p, x).y, ref_y)}
+            _, (dp, dx) = f["fwd+bwd"](p, x, cot)
+            errs["dx"] = rel_err(dx, ref_dx)
+            for n in dp:
+                if n in ref_dp and n != "expert_bias":
+                    errs["d" + n] = rel_err(dp[n], ref_dp[n])
+            row["rel_err"] = errs
+            row["ok"] = all(e is not None and e < CHECK_TOL for e in errs.values())
+        except Exception as ex:  # noqa: BLE001
+            traceback.print_exc()
+            row.update(ok=False, error=_failure(ex))
+        print(
+            f"check {sh.name} {method} vs xla ({t} tokens): "
+            f"{'PASS' if row['ok'] else 'FAIL'} {row.get('rel_err', row.get('error'))}",
+            flush=True)
+        out.append(row)
+    return out
+
+
+def measure_skew(sh: Shape) -> dict:
+    """Builds the skewed router and offset, then reads the skew back from tokens_per_expert."""
+    sh.skew = lc.skew_inputs(sh.shape, sh.params, sh.x, sh.skew_key)
+    method = "cuda" if "cuda" in sh.methods else "xla"
+    if (method, "fwd") not in sh.steps:  # the timed executable, compiled once
+        args = sh.args(method, "fwd", "balanced")
+        sh.steps[(method, "fwd")] = compile_step(lc.block_fns(sh.config(method))["fwd"], args)
+    f = sh.steps[(method, "fwd")][0]
+    res = {}
+    for load in ("balanced", "skewed"):
+        counts = f(*sh.args(method, "fwd", load)).tokens_per_expert
+        counts = [int(c) for c in jax.device_get(counts)]
+        mean = sum(counts) / len(counts)
+        res[load] = dict(max_over_mean=max(counts) / mean, busiest=max(counts), mean=mean)
+    res["bisection_ratio"] = sh.skew[2]
+    print(
+        f"skew {sh.name}: busiest expert / mean load = {res['balanced']['max_over_mean']:.2f} "
+        f"balanced, {res['skewed']['max_over_mean']:.2f} skewed (target "
+        f"{min(lc.SKEW_RATIO, sh.shape.e / sh.shape.k):.2f}; from tokens_per_expert)",
+        flush=True)
+    return res
+
+
+def _gshard_sweep(sh: Shape, opts) -> int | None:
+    """The num_groups of opts.gshard_groups where GShard (cf 2.5) runs fwd+bwd fastest, each
+    timed alone; None if none ran."""
+    x3, c3 = lc.layer_x(sh.shape, sh.x), lc.layer_x(sh.shape, sh.cot)
+    cands = []
+    for g in opts.gshard_groups:
+        if sh.shape.t % g:
+            print(f"  gshard num_groups={g}: skipped, does not divide T={sh.shape.t}", flush=True)
+            continue
+        try:
+            fns, v = lc.gshard_layer(sh.shape, sh.params, x3, cf=2.5, groups=g)
+            comp, _ = compile_step(fns["fwd+bwd"], (v, x3, c3))
+            secs = time_fn(lambda: comp(v, x3, c3), target_s=opts.target_s, reps=3)
+            print(f"  gshard cf=2.5 num_groups={g}: {secs * 1e3:.3f} ms fwd+bwd", flush=True)
+            cands.append((secs, g))
+        except Exception as ex:  # noqa: BLE001
+            print(f"  gshard cf=2.5 num_groups={g}: {_failure(ex)}", flush=True)
+    return min(cands)[1] if cands else None
+
+
+def gshard_rows(sh: Shape, opts, pass_: str) -> dict:
+    """{label: (compiled, args, peak, extra)} of GShard at cf 2.5 and 2.0, both at the
+    num_groups of the sweep at 2.5 (_gshard_sweep), with the share of copies each drops."""
+    out = {}
+    x3, c3 = lc.layer_x(sh.shape, sh.x), lc.layer_x(sh.shape, sh.cot)
+    if "gshard groups" not in sh.steps:
+        sh.steps["gshard groups"] = _gshard_sweep(sh, opts)
+    groups = sh.steps["gshard groups"]
+    if groups is None:
+        return out
+    for cf in (2.5, 2.0):
+        try:
+            if ("gshard", cf) not in sh.steps:
+                fns, v = lc.gshard_layer(sh.shape, sh.params, x3, cf=cf, groups=groups)
+                sh.steps[("gshard", cf)] = dict(fns=fns,
+                                                variables=v,
+                                                dropped=lc.gshard_dropped(fns["fwd"](v, x3)[2]))
+            best = sh.steps[("gshard", cf)]
+            v = best["variables"]
+            args = (v, x3) if pass_ == "fwd" else (v, x3, c3)
+            if pass_ not in best:
+                best[pass_] = compile_step(best["fns"][pass_], args)
+            comp, peak = best[pass_]
+            out[f"gshard cf{cf}"] = (comp, args, peak,
+                                     dict(num_groups=groups, dropped=best["dropped"]))
+        except Exception as ex:  # noqa: BLE001
+            print(f"  gshard cf={cf} {pass_}: {_failure(ex)}", flush=True)
+    return out
+
+
+def time_unit(sh: Shape, opts, load: str, pass_: str) -> list[dict]:
+    """All methods of one (shape, load, pass), timed interleaved -> rows."""
+    timed, rows = {}, []
+    for method in sh.methods:
+        if method == "gshard":
+            continue
+        row = dict(shape=sh.name, load=load, pass_=pass_, method=method)
+        key = (method, pass_)
+        if key in sh.failed:  # failed at the balanced load: not compiled or run again
+            row["status"] = sh.failed[key]
+            rows.append(row)
+            continue
+        try:
+            if key not in sh.steps:
+                fns = sh.fns(method)  # builds the Praxis layer's variables first
+                sh.steps[key] = compile_step(fns[pass_], sh.args(method, pass_, load))
+            args = sh.args(method, pass_, load)
+            comp, row["peak_bytes"] = sh.steps[key]
+            jax.block_until_ready(comp(*args))
+            timed[method] = (comp, args)
+        except Exception as ex:  # noqa: BLE001
+            if not _is_oom(ex):
+                traceback.print_exc()
+            row["status"] = sh.failed[key] = _failure(ex)
+            print(f"  {sh.name} {load} {pass_} {method}: {row['status']}", flush=True)
+        rows.append(row)
+    if "gshard" in sh.methods and sh.name == "mixtral" and load == "balanced":
+        for label, (comp, args, peak, extra) in gshard_rows(sh, opts, pass_).items():
+            timed[label] = (comp, args)
+            rows.append(
+                dict(shape=sh.name, load=load, pass_=pass_, method=label, peak_bytes=peak, **extra))
+    fns = {m: (lambda c=c, a=a: c(*a)) for m, (c, a) in timed.items()}
+    try:
+        secs = time_paired(fns, target_s=opts.target_s, reps=opts.reps)
+    except Exception as ex:  # noqa: BLE001 - e.g. out of memory with all of them live
+        print(f"  interleaved timing failed ({_failure(ex)}): timing each alone", flush=True)
+        secs = {}
+        for m, f in fns.items():
+            try:
+                secs[m] = time_fn(f, target_s=opts.target_s, reps=opts.reps)
+            except Exception as ex2:  # noqa: BLE001
+                secs[m] = None
+                for r in rows:
+                    if r["method"] == m:
+                        r["status"] = _failure(ex2)
+    for r in rows:
+        if secs.get(r["method"]) is not None:
+            r["ms"] = secs[r["method"]] * 1e3
+            r.setdefault("status", "ok")
+    return rows
+
+
+def main(argv=None) -> int:
+    opts = layer_report.parse_args(argv)
+    t0 = time.time()
+    cuda = ops.backend_info()["cuda"]
+    backend = "cuda" if cuda["usable"] and not opts.quick else "xla"
+    notes = []
+    if backend == "xla" and any(m in lc.BLOCK_METHODS and m != "xla" for m in opts.methods):
+        notes.append(f"the 'cuda' methods run with kernel_backend='xla' here "
+                     f"({'--quick' if opts.quick else 'CUDA unusable: ' + str(cuda['reason'])})")
+    dev = jax.devices()[0]
+    n_el = (1 << 20) if opts.quick else (1 << 29)
+    copy_bw = bench_kernels.copy_bandwidth(2 if opts.quick else 5, n_el=n_el)
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=dev.device_kind,
+                platform=dev.platform,
+                jax=jax.__version__,
+                jaxlib=jaxlib.__version__,
+                python=platform.python_version(),
+                library=cuda["reason"],
+                backend=backend,
+                copy_bw=copy_bw,
+                quick=opts.quick,
+                argv=sys.argv[1:] if argv is None else list(argv))
+    print(json.dumps(meta), flush=True)
+    for n in notes:
+        print("note:", n, flush=True)
+    result = dict(meta=meta, notes=notes, checks=[], skew={}, rows=[], breakdown={})
+    shapes = lc.QUICK_SHAPES if opts.quick else lc.SHAPES
+    if "gshard" in opts.methods and "mixtral" not in opts.shapes:
+        notes.append("gshard runs at the Mixtral shape only: not run")
+    for i, name in enumerate(opts.shapes):
+        if time.time() - t0 > opts.time_budget:
+            notes.append(f"--time-budget {opts.time_budget:.0f} s reached: shapes from "
+                         f"{name!r} on not run")
+            break
+        sh = Shape(name, shapes[name], opts.methods, backend, jax.random.key(i))
+        print(f"\n== {name}: {shapes[name]}", flush=True)
+        if "xla" in opts.methods:
+            result["checks"] += check_against_xla(sh)
+        loads = ["balanced"]
+        if opts.skew:
+            result["skew"][name] = measure_skew(sh)
+            loads.append("skewed")
+        for load in loads:
+            for pass_ in lc.PASSES:
+                rows = time_unit(sh, opts, load, pass_)
+                layer_report.derive(rows, sh.shape, pass_, copy_bw)
+                if load == "skewed":
+                    for r in rows:
+                        r["skew_max_over_mean"] = result["skew"][name]["skewed"]["max_over_mean"]
+                result["rows"] += rows
+                layer_report.print_rows(rows)
+                layer_report.write(opts.json, result)  # a run cut short keeps what it timed
+        if opts.breakdown:
+            result["breakdown"][name] = run_breakdown(sh)
+        layer_report.write(opts.json, result)
+        del sh
+        gc.collect()  # the shape's arrays go before the next shape's are made
+    result["targets"] = layer_report.targets(result["rows"])
+    print("\n" + layer_report.table(result["rows"]))
+    for n in notes:
+        print("note:", n)
+    layer_report.write(opts.json, result)
+    print(f"wrote {opts.json} in {time.time() - t0:.0f} s")
+    return 0
+
+
+def run_breakdown(sh: Shape) -> dict:
+    out = {}
+    for method in ("cuda", "cuda+fuse"):
+        if (method, "fwd+bwd") not in sh.steps:
+            continue
+        comp, _ = sh.steps[(method, "fwd+bwd")]
+        args = sh.args(method, "fwd+bwd", "balanced")
+        try:
+            res = layer_breakdown.breakdown(comp, args, comp.as_text())
+            step = time_fn(lambda: comp(*args), reps=3)
+            res["step_ms"] = step * 1e3
+            print(
+                "\n" +
+                layer_breakdown.table(f"breakdown {sh.name} {method} fwd+bwd", res, res["step_ms"]),
+                flush=True)
+        except trace.NoGpuEvents as ex:
+            res = dict(skipped=f"no GPU kernels in the trace: {ex}")
+            print(f"breakdown {sh.name} {method}: skipped, {res['skipped']}", flush=True)
+        except Exception as ex:  # noqa: BLE001 - the breakdown is a diagnostic
+            traceback.print_exc()
+            res = dict(skipped=_failure(ex))
+            print(f"breakdown {sh.name} {method}: {res['skipped']}", flush=True)
+        out[method] = res
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

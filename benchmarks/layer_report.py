@@ -1,0 +1,181 @@
+"""The layer benchmark's options, derived columns, issue 23's targets, table and JSON
+(`python -m benchmarks.layer`; the module doc of benchmarks/layer.py describes them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from benchmarks import layer_cases as lc
+
+DEFAULT_JSON = "benchmarks/results/layer_bench.json"
+GSHARD_REF = "gshard cf2.5"  # the GShard row 'x GShard' divides by (equal capacity per copy)
+TARGET_METHODS = ("cuda", "cuda+fuse")
+SKEW_SLACK = 1.15
+
+
+def _list(choices, what):
+
+    def parse(text):
+        items = [s for s in text.split(",") if s]
+        bad = [s for s in items if s not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{what} {bad or text!r} invalid; valid: "
+                                             f"{', '.join(choices)} (comma-separated)")
+        return items
+
+    return parse
+
+
+def _ints(text):
+    try:
+        return [int(s) for s in text.split(",") if s]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: need comma-separated ints") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.layer",
+                                 description="The whole MoE layer on one device (issue 23).")
+    ap.add_argument("--shapes",
+                    type=_list(tuple(lc.SHAPES), "shape"),
+                    default=list(lc.SHAPES),
+                    help="comma-separated: mixtral, qwen3, deepseek")
+    ap.add_argument("--methods",
+                    type=_list(lc.METHODS, "method"),
+                    default=list(lc.METHODS),
+                    help="comma-separated: " + ", ".join(lc.METHODS))
+    ap.add_argument("--skew",
+                    action=argparse.BooleanOptionalAction,
+                    default=True,
+                    help="also time the skewed load (busiest expert 4x the mean)")
+    ap.add_argument("--breakdown",
+                    action="store_true",
+                    help="per-stage GPU time of the fwd+bwd step from a profiler trace")
+    ap.add_argument("--json", default=DEFAULT_JSON, help="where the JSON goes")
+    ap.add_argument("--quick",
+                    action="store_true",
+                    help="CPU sizes, 2 rounds, kernel_backend xla: the smoke test")
+    ap.add_argument("--reps", type=int, default=None, help="interleaved rounds (7; 2 --quick)")
+    ap.add_argument("--gshard-groups",
+                    type=_ints,
+                    default=None,
+                    help="GShard num_groups swept at Mixtral (8,32,128; 1,4 --quick)")
+    ap.add_argument("--time-budget",
+                    type=float,
+                    default=1e9,
+                    help="seconds: no new shape starts past it (the JSON keeps what ran)")
+    return ap
+
+
+def parse_args(argv=None):
+    opts = build_parser().parse_args(argv)
+    opts.reps = opts.reps or (2 if opts.quick else 7)
+    opts.gshard_groups = opts.gshard_groups or ([1, 4] if opts.quick else [8, 32, 128])
+    opts.target_s = 0.01 if opts.quick else 0.25
+    return opts
+
+
+def derive(rows: list[dict], shape: lc.Shape, pass_: str, copy_bw: float) -> None:
+    """Adds the roofline row and TFLOP/s, % of ideal, % of roofline, x GShard to `rows` (one
+    (shape, load, pass)). Roofline = ideal + expert weight bytes (1x fwd; 2 reads + 1 gradient
+    write fwd+bwd) / copy bandwidth (bytes read + written per second)."""
+    by = {r["method"]: r for r in rows if r.get("ms")}
+    ideal = by.get("ideal", {}).get("ms")
+    roof = None
+    if ideal:
+        traffic = lc.expert_weight_bytes(shape) * (1 if pass_ == "fwd" else 3)
+        roof = ideal + traffic / copy_bw * 1e3
+        rows.append(
+            dict(shape=rows[0]["shape"],
+                 load=rows[0]["load"],
+                 pass_=pass_,
+                 method="roofline",
+                 ms=roof,
+                 status="computed",
+                 weight_traffic_bytes=traffic))
+    gshard = by.get(GSHARD_REF, {}).get("ms")
+    flops = lc.expert_flops(shape, pass_)
+    for r in rows:
+        if not r.get("ms"):
+            continue
+        r["tflops"] = flops / r["ms"] / 1e9
+        r["pct_ideal"] = 100 * ideal / r["ms"] if ideal else None
+        r["pct_roofline"] = 100 * roof / r["ms"] if roof else None
+        r["x_gshard"] = gshard / r["ms"] if gshard else None
+
+
+def _target(r: dict, balanced_ms: float | None):
+    """(text, ok) of issue 23's target for one row, or None where none applies."""
+    if r["pass_"] != "fwd+bwd" or r["method"] not in TARGET_METHODS:
+        return None
+    if r["load"] == "skewed":
+        ok = bool(r.get("ms") and balanced_ms and r["ms"] <= SKEW_SLACK * balanced_ms)
+        return f"<= {SKEW_SLACK:.2f}x balanced", ok
+    pi, pr, xg = (r.get(k) or 0 for k in ("pct_ideal", "pct_roofline", "x_gshard"))
+    if r["shape"] == "qwen3":
+        return ">= 80% of ideal", pi >= 80
+    if r["shape"] == "deepseek":
+        return ">= 75% of ideal or >= 90% of roofline", pi >= 75 or pr >= 90
+    return ">= 95% of ideal and >= 1.25x GShard", pi >= 95 and xg >= 1.25
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """Marks each targeted row with target and verdict (PASS / FAIL); returns those rows' keys."""
+    balanced = {
+        (r["shape"], r["method"], r["pass_"]): r.get("ms")
+        for r in rows if r["load"] == "balanced"
+    }
+    out = []
+    for r in rows:
+        t = _target(r, balanced.get((r["shape"], r["method"], r["pass_"])))
+        if t is None:
+            continue
+        r["target"], ok = t
+        r["verdict"] = "PASS" if ok else "FAIL"
+        out.append({k: r.get(k) for k in ("shape", "load", "method", "target", "verdict")})
+    return out
+
+
+def _f(v, fmt):
+    if not isinstance(v, (int, float)):
+        return "-"
+    return format(v, ".2g") if fmt == ".0f" and abs(v) < 10 else format(v, fmt)
+
+
+def _method(r: dict) -> str:
+    if "num_groups" in r:
+        drop = f", drops {100 * r['dropped']:.2f}%" if r.get("dropped") is not None else ""
+        return f"{r['method']} (num_groups {r['num_groups']}{drop})"
+    return r["method"]
+
+
+def table(rows: list[dict]) -> str:
+    out = [
+        "| shape | load | pass | method | ms | TFLOP/s | % of ideal | % of roofline | x GShard "
+        "| peak GB | target | PASS/FAIL |", "|" + "---|" * 12
+    ]
+    for r in rows:
+        load = r["load"]
+        if r.get("skew_max_over_mean"):
+            load += f" ({r['skew_max_over_mean']:.2f}x)"
+        ms = _f(r.get("ms"), ".3f") if r.get("ms") else r.get("status", "-")
+        peak = _f(r["peak_bytes"] / 1e9, ".1f") if r.get("peak_bytes") else "-"
+        out.append(f"| {r['shape']} | {load} | {r['pass_']} | {_method(r)} | {ms} | "
+                   f"{_f(r.get('tflops'), '.0f')} | {_f(r.get('pct_ideal'), '.0f')} | "
+                   f"{_f(r.get('pct_roofline'), '.0f')} | {_f(r.get('x_gshard'), '.2f')} | "
+                   f"{peak} | {r.get('target', '-')} | {r.get('verdict', '-')} |")
+    return "\n".join(out)
+
+
+def print_rows(rows: list[dict]) -> None:
+    for r in rows:
+        ms = f"{r['ms']:.3f} ms" if r.get("ms") else r.get("status", "?")
+        print(f"  {r['shape']} {r['load']} {r['pass_']} {_method(r)}: {ms}", flush=True)
+
+
+def write(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1, default=str)

@@ -1,0 +1,144 @@
+"""The layer benchmark (`python -m benchmarks.layer`, issue 23) on the CPU: the --quick run end
+to end, its stage table, its targets and its options. Speed is asserted by the benchmark's
+output on a GPU, never here."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import layer_breakdown as lb
+from benchmarks import layer_cases as lc
+from benchmarks import layer_report
+from tests.testutil import long_options
+
+ROOT = Path(__file__).resolve().parents[1]
+# XLA:CPU compile time dominates the quick run; LLVM's optimisation level changes speed only.
+FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+@pytest.mark.slow
+def test_quick_run_end_to_end(tmp_path):
+    out = tmp_path / "layer.json"
+    env = dict(os.environ, XLA_FLAGS=FAST, PYTHONPATH=str(ROOT))
+    p = subprocess.run([
+        sys.executable, "-m", "benchmarks.layer", "--quick", "--shapes", "mixtral", "--methods",
+        "cuda,xla,layer,gshard,ideal", "--gshard-groups", "4", "--breakdown", "--reps", "1",
+        "--json",
+        str(out)
+    ],
+                       cwd=ROOT,
+                       env=env,
+                       capture_output=True,
+                       text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "| PASS/FAIL |" in p.stdout and ("| PASS |" in p.stdout or "| FAIL |" in p.stdout)
+    res = json.loads(out.read_text())
+    methods = {(r["load"], r["pass_"], r["method"]) for r in res["rows"] if r.get("ms")}
+    for load in ("balanced", "skewed"):
+        for pass_ in ("fwd", "fwd+bwd"):
+            for m in ("cuda", "xla", "layer", "ideal", "roofline"):
+                assert (load, pass_, m) in methods, (load, pass_, m, sorted(methods))
+            if load == "balanced":
+                assert (load, pass_, "gshard cf2.5") in methods
+    # the check against 'xla' ran and passed ('cuda' is 'xla' on the CPU)
+    assert res["checks"] and all(c["ok"] for c in res["checks"]), res["checks"]
+    # the skew reached the target (Mixtral-like k=2 of 8: 4x the mean is every token)
+    skew = res["skew"]["mixtral"]
+    assert skew["skewed"]["max_over_mean"] >= 3.9 and skew["balanced"]["max_over_mean"] < 2
+    gs = [r for r in res["rows"] if r["method"] == "gshard cf2.5"]
+    assert all(0 <= r["dropped"] < 0.5 and r["num_groups"] == 4 for r in gs), gs
+    targeted = [r for r in res["rows"] if r.get("verdict")]
+    assert {r["load"] for r in targeted} == {"balanced", "skewed"}
+    # no GPU: the breakdown says why and the run goes on
+    assert "no GPU" in res["breakdown"]["mixtral"]["cuda"]["skipped"]
+    assert "breakdown mixtral cuda: skipped" in p.stdout
+
+
+def test_stage_table_on_the_compiled_hlo():
+    """Every instruction of moe_block's fwd+bwd is given a stage by its op_name; the router
+    GEMM (forward and both backward GEMMs) and the expert GEMMs are found by scope, and
+    custom-call targets and bare kernel names map by the documented table."""
+    sh = lc.QUICK_SHAPES["qwen3"]
+    cfg = lc.config(sh, kernel_backend="xla")
+    p = lc.make_params(sh, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (sh.t, sh.m), jnp.bfloat16)
+    hlo = lc.block_fns(cfg)["fwd+bwd"].lower(p, x, x).compile().as_text()
+    index = lb.hlo_index(hlo)
+    stages = {n: lb.stage_of(i, n) for n, i in index.items()}
+    router = [index[n]["op_name"] for n, s in stages.items() if s == "router GEMM"]
+    assert any("transpose(jvp(moe_router))" in o for o in router), router
+    assert any(o.endswith("jvp(moe_router)/dot_general") for o in router), router
+    assert "expert GEMMs (XLA)" in stages.values()
+    assert "sort / capacity (XLA ops)" in stages.values()
+    info = lambda target="", op_name="", gemm=False: dict(target=target, op_name=op_name, gemm=gemm)
+    assert lb.stage_of(info("moe_grouped_gemm_wgrad"), "k") == "grouped GEMM wgrad"
+    assert lb.stage_of(info("moe_router_bwd"), "k") == "routing kernel"
+    assert lb.stage_of(info("moe_unpermute"), "k") == "unpermute / combine"
+    assert lb.stage_of(info(op_name="jit(f)/jvp()/add"), "k") == lb.OTHER
+    assert lb.stage_of(None, "void router_fwd_kernel<float>") == "routing kernel"
+    assert lb.stage_of(None, "cutlass::device_kernel<GemmUniversal>") == \
+        "grouped GEMM (op not known)"
+    # a kernel is tied to its instruction by hlo_op, by its own name, or by the XLA Ops line
+    name = next(n for n, s in stages.items() if s == "router GEMM")
+    ev = dict(name="sm90_xmma_gemm", ts=10.0, dur=2.0, args={"hlo_op": name})
+    assert lb._instruction(ev, index, [])[1] == "hlo_op"
+    ev = dict(name="sm90_xmma_gemm", ts=10.0, dur=2.0, args={})
+    ops = [dict(name="%" + name, ts=9.0, dur=5.0, args={})]
+    found, how = lb._instruction(ev, index, ops)
+    assert how == "XLA Ops line" and lb.stage_of(found, ev["name"]) == "router GEMM"
+
+
+def _row(shape, load, method, ms, **kw):
+    return dict(shape=shape, load=load, pass_="fwd+bwd", method=method, ms=ms, **kw)
+
+
+def test_targets_are_issue_23s():
+    rows = [
+        _row("qwen3", "balanced", "cuda", 10.0, pct_ideal=80.0),
+        _row("qwen3", "balanced", "cuda+fuse", 10.0, pct_ideal=79.9),
+        _row("deepseek", "balanced", "cuda", 10.0, pct_ideal=60.0, pct_roofline=90.0),
+        _row("deepseek", "balanced", "cuda+fuse", 10.0, pct_ideal=74.0, pct_roofline=89.0),
+        _row("mixtral", "balanced", "cuda", 10.0, pct_ideal=96.0, x_gshard=1.25),
+        _row("mixtral", "balanced", "cuda+fuse", 10.0, pct_ideal=96.0, x_gshard=None),
+        _row("qwen3", "skewed", "cuda", 11.5),
+        _row("qwen3", "skewed", "cuda+fuse", 11.6),
+        _row("qwen3", "balanced", "xla", 10.0, pct_ideal=99.0),
+    ]
+    layer_report.targets(rows)
+    assert [r.get("verdict") for r in rows
+            ] == ["PASS", "FAIL", "PASS", "FAIL", "PASS", "FAIL", "PASS", "FAIL", None]
+
+
+def test_options_are_checked_naming_the_valid_ones(capsys):
+    with pytest.raises(SystemExit):
+        layer_report.parse_args(["--shapes", "mixtral,llama"])
+    err = capsys.readouterr().err
+    assert "['llama']" in err and "mixtral, qwen3, deepseek" in err
+    opts = layer_report.parse_args(["--quick"])
+    assert opts.methods == list(lc.METHODS) and opts.skew and opts.reps == 2
+    assert opts.json == "benchmarks/results/layer_bench.json"
+
+
+def test_options_and_device_script_knobs_are_documented():
+    """Every option of the layer benchmark and every knob of its device script is in
+    docs/performance.md, and the page names no option the benchmark lacks."""
+    text = (ROOT / "docs/performance.md").read_text()
+    opts = long_options(layer_report.build_parser())
+    assert {"--shapes", "--methods", "--skew", "--breakdown", "--json", "--quick"} <= opts
+    missing = sorted(o for o in opts if o not in text)
+    assert not missing, f"options missing from docs/performance.md: {missing}"
+    unknown = set(re.findall(r"`(--[a-z-]+)", text)) - opts
+    assert not unknown, f"docs/performance.md names options the benchmark lacks: {unknown}"
+    script = (ROOT / "benchmarks/layer_device_run.sh").read_text()
+    knobs = set(re.findall(r"\$\{([A-Z_]+):-", script)) - {"OUT", "PYTHONPATH", "XLA_FLAGS"}
+    assert "BREAKDOWN_S" in knobs
+    for knob in knobs:
+        assert knob in text, f"device-script knob {knob} is not in docs/performance.md"
