@@ -61,7 +61,7 @@ def _error_line(capsys) -> str:
     return err[0]
 
 
-def test_first_start_records_the_resolved_config(tmp_path, no_trainer):
+def test_first_start_records_the_resolved_config(tmp_path, capsys, no_trainer):
     job = tmp_path / "job"
     assert _start("--exp=tiny", f"--job_log_dir={job}", "--fiddler=use_synthetic_data",
                   "--fdl.data.seq_len=32") == "started"
@@ -70,7 +70,17 @@ def test_first_start_records_the_resolved_config(tmp_path, no_trainer):
     experiments.use_synthetic_data(want)
     want.data.seq_len = 32
     assert recorded == want
-    json.loads((job / jobdir.CONFIG_FILE).read_text())  # plain JSON, readable by anyone
+    first = (job / jobdir.CONFIG_FILE).read_text()
+    json.loads(first)  # plain JSON, readable by anyone
+    # The same flags with more steps and other eval / checkpoint cadences: the same run, which
+    # resumes; the record stays the first start's.
+    capsys.readouterr()
+    assert _start("--exp=tiny", f"--job_log_dir={job}", "--fiddler=use_synthetic_data",
+                  "--fdl.data.seq_len=32", "--fdl.train.num_steps=400", "--fdl.train.eval_every=7",
+                  "--fdl.train.checkpoint_every=3") == "started"
+    assert no_trainer["prep"].config.train.num_steps == 400
+    assert capsys.readouterr().err == ""
+    assert (job / jobdir.CONFIG_FILE).read_text() == first
 
 
 def test_a_different_exp_or_override_is_refused_naming_dir_and_paths(tmp_path, capsys, no_trainer):
@@ -91,17 +101,6 @@ def test_a_different_exp_or_override_is_refused_naming_dir_and_paths(tmp_path, c
     assert "model.stacked_transformer_tpl.num_heads: 4 -> 8" in _error_line(capsys)
     assert (job / jobdir.CONFIG_FILE).read_text() == before
     assert "prep" not in no_trainer
-
-
-def test_the_same_config_and_loop_fields_resume(tmp_path, capsys, no_trainer):
-    job = tmp_path / "job"
-    assert _start("--exp=tiny", f"--job_log_dir={job}", "--fdl.data.seq_len=32") == "started"
-    # The same flags, more steps, other eval and checkpoint cadences: the same run.
-    assert _start("--exp=tiny", f"--job_log_dir={job}", "--fdl.data.seq_len=32",
-                  "--fdl.train.num_steps=400", "--fdl.train.eval_every=7",
-                  "--fdl.train.checkpoint_every=3") == "started"
-    assert no_trainer["prep"].config.train.num_steps == 400
-    assert capsys.readouterr().err == ""
 
 
 def test_eval_and_resume_without_exp_use_the_recorded_config(tmp_path, no_trainer):
