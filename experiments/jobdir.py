@@ -165,31 +165,52 @@ def _note(line: str) -> None:
     print(f"experiments.main: note: {line}", file=sys.stderr, flush=True)
 
 
-def open_job_dir(job_log_dir, cfg, recorded, *, train: bool, chief: bool,
-                 allow_change: bool) -> None:
+def _has_checkpoints(job_log_dir: Path) -> bool:
+    ckpts = job_log_dir / "checkpoints"
+    return ckpts.is_dir() and any(d.name.isdigit() for d in ckpts.iterdir())
+
+
+def _nothing() -> None:
+    return None
+
+
+def open_job_dir(job_log_dir, cfg, recorded, *, train: bool, chief: bool, allow_change: bool):
     """Everything a start does to its job directory before tracing: compares ``cfg`` with the
-    ``recorded`` config (``check``); when training, checks that the directory can be written and
-    (process 0) records ``cfg`` at the first start, or when ``allow_change`` let a different
-    config in. Raises JobDirError (one line)."""
+    ``recorded`` config (``check``); when training, checks that the directory can be written
+    and has process 0 record ``cfg`` at the first start, or when ``allow_change`` let a
+    different config in. Raises JobDirError (one line).
+
+    Returns what to call once the run has restored the directory's checkpoints (the trainer
+    returned): a directory that holds checkpoints records a new config only when they fit it,
+    so a refused restore leaves the record as it was. A fresh directory is recorded at once."""
     job_log_dir = Path(job_log_dir)
     diffs = check(job_log_dir, cfg, recorded, allow_change=allow_change)
     if train:
         check_writable(job_log_dir)
     if not chief:
-        return
+        return _nothing
     path = config_path(job_log_dir)
+    later = _has_checkpoints(job_log_dir)
+    when = " once its checkpoints restore" if later else ""
     if diffs:
-        kept = "; recording it (the old record is kept as config.replaced.<n>.json)" if train \
-            else ""
+        kept = (f"; recording it{when} (the old record is kept as config.replaced.<n>.json)"
+                if train else "")
         _note(f"--allow_config_change: this config differs from {path} at "
               f"{'; '.join(diffs)}{kept}")
     if not train or not (diffs or recorded is None):
-        return
-    if recorded is None and not path.exists() and (job_log_dir / "checkpoints").is_dir():
+        return _nothing
+    if recorded is None and not path.exists() and later:
         _note(f"{job_log_dir} holds checkpoints but no {CONFIG_FILE} (written before configs "
-              "were recorded): recording this run's config")
-    try:
-        record(job_log_dir, cfg)
-    except OSError as e:
-        raise JobDirError(f"--job_log_dir={str(job_log_dir)!r}: cannot write {path} "
-                          f"({type(e).__name__}: {e})") from e
+              f"were recorded): recording this run's config{when}")
+
+    def commit() -> None:
+        try:
+            record(job_log_dir, cfg)
+        except OSError as e:
+            raise JobDirError(f"--job_log_dir={str(job_log_dir)!r}: cannot write {path} "
+                              f"({type(e).__name__}: {e})") from e
+
+    if later:
+        return commit
+    commit()
+    return _nothing

@@ -297,12 +297,12 @@ def main(argv) -> int:
         raise UsageError(f"invalid config: {e}") from None
     chief = jax.process_index() == 0
     try:
-        jobdir.open_job_dir(job_log_dir,
-                            cfg,
-                            recorded,
-                            train=_MODE.value == "train",
-                            chief=chief,
-                            allow_change=_ALLOW_CONFIG_CHANGE.value)
+        record = jobdir.open_job_dir(job_log_dir,
+                                     cfg,
+                                     recorded,
+                                     train=_MODE.value == "train",
+                                     chief=chief,
+                                     allow_change=_ALLOW_CONFIG_CHANGE.value)
     except jobdir.JobDirError as e:
         raise UsageError(str(e)) from e
     if chief:
@@ -322,7 +322,8 @@ def main(argv) -> int:
         return 0
     try:
         result = trainer.run()
-    except setup.ConfigError as e:
+        record()  # the checkpoints it holds restored into this config (or there were none)
+    except (setup.ConfigError, jobdir.JobDirError) as e:
         raise UsageError(str(e)) from None
     if chief:
         first, last = result.get("first_eval"), result.get("last_eval")

@@ -11,7 +11,7 @@ from fiddle._src.absl_flags import legacy_flags as fdl_legacy
 from fiddle.experimental import serialization
 
 from configs import experiments
-from experiments import jobdir, loop
+from experiments import jobdir, loop, setup
 from experiments import main as main_lib
 
 
@@ -155,3 +155,45 @@ def test_differences_name_every_path_and_skip_the_loop_fields():
         "model.stacked_transformer_tpl.moe_layers: [0, 1] -> [1]",
         "mesh.shape: (-1,) -> (2, -1)",
     ]
+
+
+def test_a_changed_config_is_recorded_only_once_the_checkpoints_restore(
+        tmp_path, capsys, monkeypatch):
+    job = tmp_path / "job"
+    (job / "checkpoints" / "40").mkdir(parents=True)
+    jobdir.record(job, experiments.tiny())
+    old = (job / jobdir.CONFIG_FILE).read_text()
+    outcome = {}
+
+    class Trainer:
+
+        def __init__(self, prep, job_log_dir, **kw):
+            pass
+
+        def run(self):
+            if outcome["restores"]:
+                return dict(diverged=None,
+                            stopped_by=None,
+                            start_step=40,
+                            final_step=40,
+                            first_eval=None,
+                            last_eval=None,
+                            skipped_steps=0,
+                            metrics="m",
+                            tensorboard="t",
+                            checkpoints="c",
+                            plot=str(tmp_path / "none.png"))
+            raise setup.ConfigError("no checkpoint in c restores: ...")
+
+    monkeypatch.setattr(loop, "Trainer", Trainer)
+    args = ("--exp=tiny", f"--job_log_dir={job}", "--fdl.optimizer.b1=0.8", "--allow_config_change")
+    outcome["restores"] = False
+    assert _start(*args) == 2
+    assert (job / jobdir.CONFIG_FILE).read_text() == old
+    assert not (job / "config.replaced.1.json").exists()
+    assert "optimizer.b1: 0.9 -> 0.8; recording it once its checkpoints restore" in \
+        capsys.readouterr().err
+    outcome["restores"] = True
+    assert _start(*args) == 0
+    assert (job / "config.replaced.1.json").read_text() == old
+    assert serialization.load_json((job / jobdir.CONFIG_FILE).read_text()).optimizer.b1 == 0.8
