@@ -24,6 +24,8 @@ from pathlib import Path
 import fiddle as fdl
 from fiddle.experimental import serialization
 
+import moe_praxis  # noqa: F401  (Praxis's shims, before a record's references import praxis)
+
 CONFIG_FILE = "config.json"
 # Fields that may differ between starts of one run: they change when the run stops, evaluates
 # or saves, not what it computes at a step.
