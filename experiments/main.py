@@ -21,6 +21,7 @@ Multi-host: ``--num_processes --process_id --coordinator_address`` go to
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import re
@@ -250,7 +251,7 @@ def config_and_job_dir():
         return cfg, name, job_log_dir, _load_recorded(job_log_dir)
     job_log_dir = _job_log_dir(DEFAULT_EXP)
     recorded = _load_recorded(job_log_dir)
-    cfg, name = config_from_flags(recorded)
+    cfg, name = config_from_flags(copy.deepcopy(recorded))  # overrides must not edit the record
     return cfg, name, job_log_dir, recorded
 
 

@@ -103,7 +103,7 @@ def test_a_different_exp_or_override_is_refused_naming_dir_and_paths(tmp_path, c
     assert "prep" not in no_trainer
 
 
-def test_eval_and_resume_without_exp_use_the_recorded_config(tmp_path, no_trainer):
+def test_eval_and_resume_without_exp_use_the_recorded_config(tmp_path, capsys, no_trainer):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(32, 127)) * 200)
     job = tmp_path / "job"
@@ -115,6 +115,9 @@ def test_eval_and_resume_without_exp_use_the_recorded_config(tmp_path, no_traine
         assert data.source == "text" and data.path == str(corpus)
         assert no_trainer["prep"].dataset.train.size + no_trainer["prep"].dataset.heldout.size \
             == 95 * 200
+    # An override on top of the recorded config is compared with the record as well.
+    assert _start(f"--job_log_dir={job}", "--fdl.data.seq_len=16") == 2
+    assert "data.seq_len: 64 -> 16" in _error_line(capsys)
 
 
 def test_allow_config_change_records_the_new_config_and_keeps_the_old(tmp_path, capsys, no_trainer):
