@@ -6,12 +6,13 @@ serialization (``fiddle.experimental.serialization.dump_json``; ``--fdl_config_f
 back). A later start (resume, or ``--mode=eval``) compares its config with the record:
 
 - with no ``--exp``, ``--fdl_config`` or ``--fdl_config_file`` the record IS the base config
-  (``recorded_base``), so ``--mode=eval --job_log_dir=D`` evaluates what D trained on;
+  (``experiments.main.config_and_job_dir``), so ``--mode=eval --job_log_dir=D`` evaluates
+  what D trained on;
 - a config that differs from the record anywhere but the loop fields of ``LOOP_FIELDS`` (how
   long to train and how often to evaluate and save: they say when, not what) is refused with one
   line naming the job directory and every differing path, unless ``--allow_config_change``:
-  then training records the new config (the old record is kept as ``config.replaced.<n>.json``)
-  and eval just uses the given config.
+  then training records the new config once the directory's checkpoints restore into it (the
+  old record is kept as ``config.replaced.<n>.json``) and eval just uses the given config.
 """
 
 from __future__ import annotations
