@@ -21,6 +21,7 @@ Multi-host: ``--num_processes --process_id --coordinator_address`` go to
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import re
@@ -32,6 +33,8 @@ from absl import app, flags, logging
 import fiddle as fdl
 from fiddle import absl_flags as fdl_flags  # defines --fdl_config, --fdl_set, --fiddler, ...
 from fiddle._src.absl_flags import utils as fdl_utils
+
+from experiments import errors, jobdir
 
 MODES = ("train", "eval")
 DEFAULT_EXP = "tiny"
@@ -55,6 +58,12 @@ _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0's coordinator (needed when "
     "--num_processes > 1).")
 _NO_PROGRESS = flags.DEFINE_bool("no_progress", False, "Do not draw the tqdm progress bar.")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False, "Resume or evaluate a --job_log_dir whose recorded config "
+    "(config.json) differs from this run's; training then records the new config.")
+_VERBOSE_ERRORS = flags.DEFINE_bool(
+    "verbose_errors", False, "Print the traceback of a config or flag error (exit status 2) "
+    "before its one-line message.")
 
 
 class UsageError(ValueError):
@@ -120,10 +129,37 @@ def apply_overrides(cfg, assignments) -> None:
             fdl_utils.set_value(cfg, assignment)
         except (ValueError, SyntaxError) as e:
             raise UsageError(f"--fdl_set={assignment!r}: {e}") from None
+    from configs import stack
+
+    try:  # an override of a field the stack overwrites on its MoE template goes to the stack
+        stack.redirect_overrides(cfg, [a.split("=", 1)[0].strip() for a in assignments])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
-def config_from_flags():
-    """(experiment config, experiment name) from --exp or Fiddle's --fdl_config flags."""
+def apply_fiddlers(cfg, source_module) -> None:
+    """Applies each --fiddler (Fiddle's call syntax) to ``cfg``; a fiddler that does not
+    resolve or rejects its arguments is a UsageError naming it."""
+    for expression in flags.FLAGS["fiddler"].value:
+        try:
+            call = fdl_utils.CallExpression.parse(expression)
+            fiddler = fdl_utils.resolve_function_reference(
+                call.func_name, fdl_utils.ImportDottedNameDebugContext.FIDDLER, source_module, True,
+                "Could not load fiddler")
+            fiddler(cfg, *call.args, **call.kwargs)
+        except (ValueError, TypeError, AttributeError, ImportError, SyntaxError) as e:
+            names = [
+                n for n in dir(source_module)
+                if n.startswith("use_") and callable(getattr(source_module, n))
+            ]
+            raise UsageError(f"--fiddler={expression!r}: {type(e).__name__}: {e}; fiddlers in "
+                             f"{source_module.__name__}: {', '.join(names)}") from e
+
+
+def config_from_flags(recorded=None):
+    """(experiment config, experiment name) from --exp or Fiddle's --fdl_config flags; with
+    neither, from ``recorded`` (a job directory's recorded config) when given, else --exp's
+    default."""
     from configs import experiments as exp_module
     from configs import registry
 
@@ -131,7 +167,16 @@ def config_from_flags():
     fdl_base = fv["fdl_config"].value or fv["fdl_config_file"].value
     if _EXP.value and fdl_base:
         raise UsageError("--exp and --fdl_config/--fdl_config_file are mutually exclusive")
-    if fdl_base:
+    if fv["fdl_config_file"].value and not fv["fdl_config"].value:
+        path = fv["fdl_config_file"].value
+        try:
+            with _no_fdl_set(fv):
+                cfg = fdl_flags.create_buildable_from_flags(exp_module, allow_imports=True)
+        except (OSError, ValueError, TypeError, AttributeError, ImportError, KeyError) as e:
+            raise UsageError(f"--fdl_config_file={str(path)!r} does not load: "
+                             f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}") from e
+        name = getattr(cfg, "name", None) or "experiment"
+    elif fdl_base:
         try:
             with _no_fdl_set(fv):
                 cfg = fdl_flags.create_buildable_from_flags(exp_module, allow_imports=True)
@@ -145,34 +190,69 @@ def config_from_flags():
             raise UsageError(f"--fdl_config={fv['fdl_config'].value!r}: {e}.{hint} Functions "
                              f"in configs.experiments: {', '.join(names)}") from None
         name = getattr(cfg, "name", None) or "experiment"
+    elif recorded is not None and not _EXP.value:
+        cfg, name = recorded, recorded.name
     else:
         try:
             cls = registry.get_experiment(_EXP.value or DEFAULT_EXP)
         except LookupError as e:
             raise UsageError(str(e)) from None
         cfg = cls().experiment_config()
-        try:
-            fdl_flags.apply_fiddlers_to(cfg, source_module=exp_module, allow_imports=True)
-        except ValueError as e:
-            raise UsageError(f"--fiddler: {e}") from None
         name = registry.short_name(cls)
+    apply_fiddlers(cfg, exp_module)
     apply_overrides(cfg, fv["fdl_set"].value)
     return cfg, name
 
 
 class _no_fdl_set:
-    """create_buildable_from_flags applies --fdl_set itself with Fiddle's terse errors; we
-    apply them afterwards with path checking, so hide them from it."""
+    """create_buildable_from_flags applies --fiddler and --fdl_set itself with Fiddle's terse
+    errors; we apply them afterwards (naming the fiddler, checking the paths), so hide them
+    from it."""
 
     def __init__(self, fv):
         self.fv = fv
 
     def __enter__(self):
-        self.saved = list(self.fv["fdl_set"].value)
-        self.fv["fdl_set"].value = []
+        self.saved = {k: list(self.fv[k].value) for k in ("fdl_set", "fiddler")}
+        for k in self.saved:
+            self.fv[k].value = []
 
     def __exit__(self, *exc):
-        self.fv["fdl_set"].value = self.saved
+        for k, v in self.saved.items():
+            self.fv[k].value = v
+
+
+# ---------------------------------------------------------------------- the job directory
+
+
+def _job_log_dir(name: str) -> Path:
+    return Path(_JOB_LOG_DIR.value or Path("runs") / name).absolute()
+
+
+def _load_recorded(job_log_dir: Path):
+    try:
+        return jobdir.load_recorded(job_log_dir)
+    except jobdir.JobDirError as e:
+        if not _ALLOW_CONFIG_CHANGE.value:
+            raise UsageError(str(e)) from e
+        print(f"experiments.main: note: --allow_config_change: {e}", file=sys.stderr, flush=True)
+        return None
+
+
+def config_and_job_dir():
+    """(config, name, job_log_dir, the config recorded there or None). With no --exp,
+    --fdl_config or --fdl_config_file, the job directory's recorded config is the base config
+    (so eval and resume run what the directory holds)."""
+    fv = flags.FLAGS
+    explicit = _EXP.value or fv["fdl_config"].value or fv["fdl_config_file"].value
+    if explicit:
+        cfg, name = config_from_flags()
+        job_log_dir = _job_log_dir(name)
+        return cfg, name, job_log_dir, _load_recorded(job_log_dir)
+    job_log_dir = _job_log_dir(DEFAULT_EXP)
+    recorded = _load_recorded(job_log_dir)
+    cfg, name = config_from_flags(copy.deepcopy(recorded))  # overrides must not edit the record
+    return cfg, name, job_log_dir, recorded
 
 
 # ------------------------------------------------------------------------------ multi-host
@@ -206,7 +286,7 @@ def main(argv) -> int:
         raise UsageError(f"unexpected positional arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
         logging.set_verbosity(logging.WARNING)
-    cfg, name = config_from_flags()
+    cfg, name, job_log_dir, recorded = config_and_job_dir()
     from experiments import loop, setup
 
     init_distributed(_NUM_PROCESSES.value, _PROCESS_ID.value, _COORDINATOR.value)
@@ -216,8 +296,16 @@ def main(argv) -> int:
         prep = setup.prepare(cfg)
     except setup.ConfigError as e:
         raise UsageError(f"invalid config: {e}") from None
-    job_log_dir = Path(_JOB_LOG_DIR.value or Path("runs") / name).absolute()
     chief = jax.process_index() == 0
+    try:
+        record = jobdir.open_job_dir(job_log_dir,
+                                     cfg,
+                                     recorded,
+                                     train=_MODE.value == "train",
+                                     chief=chief,
+                                     allow_change=_ALLOW_CONFIG_CHANGE.value)
+    except jobdir.JobDirError as e:
+        raise UsageError(str(e)) from e
     if chief:
         mesh = dict(zip(prep.mesh.axis_names, prep.mesh.devices.shape))
         print(
@@ -235,7 +323,8 @@ def main(argv) -> int:
         return 0
     try:
         result = trainer.run()
-    except setup.ConfigError as e:
+        record()  # the checkpoints it holds restored into this config (or there were none)
+    except (setup.ConfigError, jobdir.JobDirError) as e:
         raise UsageError(str(e)) from None
     if chief:
         first, last = result.get("first_eval"), result.get("last_eval")
@@ -280,7 +369,7 @@ def _main(argv) -> int:
     try:
         return main(argv)
     except UsageError as e:
-        print(f"experiments.main: error: {e}", file=sys.stderr, flush=True)
+        errors.report(e, verbose=_VERBOSE_ERRORS.value)
         return 2
 
 

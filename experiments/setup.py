@@ -20,7 +20,7 @@ import numpy as np
 import moe_praxis  # (also: Praxis shims before praxis is imported)
 from praxis import pax_fiddle
 
-from configs import base, models, sharding
+from configs import base, models, sharding, stack
 from experiments import data as data_lib
 
 
@@ -184,6 +184,10 @@ def prepare(cfg: pax_fiddle.Config, *, devices=None) -> Prepared:
     if not isinstance(model_cfg, pax_fiddle.Config):
         raise ConfigError(f"--fdl.model must be a pax_fiddle.Config of a TransformerLm, got "
                           f"{type(model_cfg).__name__}")
+    try:  # what Praxis would assert or overwrite, and the MoE layers' fields, before tracing
+        stack.check(model_cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     exp_stub = base.ExperimentConfig(name=cfg.name, model=None, **parts)
     layout = _check_sharding(model_cfg, mesh_cfg, mesh_shape)
     _validate(exp_stub, model_cfg, mesh_shape)

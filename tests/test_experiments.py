@@ -411,7 +411,7 @@ def test_docs_list_every_flag_of_main():
     doc = _doc()
     ours = [
         "exp", "job_log_dir", "mode", "num_processes", "process_id", "coordinator_address",
-        "no_progress"
+        "no_progress", "allow_config_change", "verbose_errors"
     ]
     for name in ours:
         assert f"`--{name}" in doc, name

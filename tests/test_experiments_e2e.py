@@ -110,10 +110,18 @@ def test_train_writes_everything_and_loss_falls(tmp_path):
     # Running again does nothing: the run is complete.
     p = run_main([f"--job_log_dir={job}", "--fdl.train.num_steps=40", *SMALL])
     assert "nothing to do" in p.stdout
-    # A different model in the same job_log_dir: a clear error, not a stack trace.
+    # A different model in the same job_log_dir: a clear error, not a stack trace. The
+    # recorded config refuses it first; let in, its checkpoints do not restore into it.
     p = run_main(
         [f"--job_log_dir={job}", "--fdl.model.stacked_transformer_tpl.num_experts=4", *SMALL],
         check=False)
+    assert p.returncode == 2
+    assert "model.stacked_transformer_tpl.num_experts: 8 -> 4" in p.stderr
+    p = run_main([
+        f"--job_log_dir={job}", "--fdl.model.stacked_transformer_tpl.num_experts=4",
+        "--allow_config_change", *SMALL
+    ],
+                 check=False)
     assert p.returncode == 2
     assert "the checkpoint of step 40" in p.stderr and "does not fit" in p.stderr
 

@@ -1,0 +1,34 @@
+"""How the main job reports a config or flag error: one line on stderr (exit status 2), with
+the traceback first only when asked for (``--verbose_errors``)."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+PREFIX = "experiments.main: error: "
+
+
+def one_line(e: BaseException) -> str:
+    """The error's message with its line breaks and runs of spaces folded into single spaces
+    (a message from Fiddle, Praxis or the OS may span lines)."""
+    return " ".join(str(e).split())
+
+
+def _unsuppressed(e: BaseException) -> BaseException:
+    """``e`` with every exception it was raised from shown, even one raised ``from None``."""
+    seen, x = set(), e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        x.__suppress_context__ = False
+        x = x.__cause__ or x.__context__
+    return e
+
+
+def report(e: BaseException, *, verbose: bool = False, file=None) -> None:
+    """Prints ``e`` as ``experiments.main: error: <one line>`` on ``file`` (default stderr);
+    with ``verbose``, its traceback and the exceptions it came from first."""
+    file = sys.stderr if file is None else file
+    if verbose:
+        traceback.print_exception(_unsuppressed(e), file=file)
+    print(PREFIX + one_line(e), file=file, flush=True)

@@ -1,0 +1,219 @@
+"""What a job directory holds: the experiment config it was started with.
+
+The first start of a run in a ``job_log_dir`` records the resolved experiment config (after
+every ``--fiddler`` and ``--fdl`` override) in ``job_log_dir/config.json``, Fiddle's own
+serialization (``fiddle.experimental.serialization.dump_json``; ``--fdl_config_file`` reads it
+back). A later start (resume, or ``--mode=eval``) compares its config with the record:
+
+- with no ``--exp``, ``--fdl_config`` or ``--fdl_config_file`` the record IS the base config
+  (``experiments.main.config_and_job_dir``), so ``--mode=eval --job_log_dir=D`` evaluates
+  what D trained on;
+- a config that differs from the record anywhere but the loop fields of ``LOOP_FIELDS`` (how
+  long to train and how often to evaluate and save: they say when, not what) is refused with one
+  line naming the job directory and every differing path, unless ``--allow_config_change``:
+  then training records the new config once the directory's checkpoints restore into it (the
+  old record is kept as ``config.replaced.<n>.json``) and eval just uses the given config.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import fiddle as fdl
+from fiddle.experimental import serialization
+
+import moe_praxis  # noqa: F401  (Praxis's shims, before a record's references import praxis)
+
+CONFIG_FILE = "config.json"
+# Fields that may differ between starts of one run: they change when the run stops, evaluates
+# or saves, not what it computes at a step.
+LOOP_FIELDS = frozenset({
+    "train.num_steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+    "train.max_checkpoints", "train.summary_every", "train.sigterm_at_step", "train.on_nonfinite",
+    "train.max_skipped_steps"
+})
+_MISSING = object()
+_SHOWN = 6  # differing paths named in the one-line error; the rest are counted
+
+
+class JobDirError(ValueError):
+    """A job directory that does not hold this run (one line, exit status 2)."""
+
+
+def config_path(job_log_dir) -> Path:
+    return Path(job_log_dir) / CONFIG_FILE
+
+
+def load_recorded(job_log_dir):
+    """The config recorded in ``job_log_dir`` (None when there is no record). Raises
+    JobDirError naming the file when it cannot be read back."""
+    path = config_path(job_log_dir)
+    if not path.is_file():
+        return None
+    try:
+        return serialization.load_json(path.read_text())
+    except (OSError, ValueError, TypeError, AttributeError, ImportError, KeyError) as e:
+        raise JobDirError(f"{path} does not read back as a Fiddle config ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:200]}); restore it, use another "
+                          "--job_log_dir, or pass --allow_config_change to record this run's "
+                          "config in its place") from e
+
+
+def _short(value) -> str:
+    if isinstance(value, fdl.Buildable):
+        fn = fdl.get_callable(value)
+        text = f"{type(value).__name__}[{getattr(fn, '__qualname__', fn)}]"
+    else:
+        text = "(not set)" if value is _MISSING else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _same_leaf(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except (ValueError, TypeError):  # numpy arrays compare elementwise
+        return repr(a) == repr(b)
+
+
+def _diff(a, b, path: str, out: list) -> None:
+    if isinstance(a, fdl.Buildable) and isinstance(b, fdl.Buildable):
+        if type(a) is not type(b) or fdl.get_callable(a) != fdl.get_callable(b):
+            out.append((path, a, b))
+            return
+        aa = fdl.ordered_arguments(a, include_defaults=True)
+        bb = fdl.ordered_arguments(b, include_defaults=True)
+        for k in dict.fromkeys([*aa, *bb]):
+            _diff(aa.get(k, _MISSING), bb.get(k, _MISSING), f"{path}.{k}" if path else k, out)
+    elif isinstance(a, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _diff(x, y, f"{path}[{i}]", out)
+    elif isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        for k in a:
+            _diff(a[k], b[k], f"{path}[{k!r}]", out)
+    elif not _same_leaf(a, b):
+        out.append((path, a, b))
+
+
+def differences(recorded, cfg, *, ignore=LOOP_FIELDS) -> list[str]:
+    """``path: recorded -> given`` for every leaf where ``cfg`` differs from ``recorded``,
+    leaving out the paths in ``ignore``. ``cfg`` is compared as it reads back from its own
+    serialization, so only what the record can hold is compared."""
+    out = []
+    _diff(recorded, serialization.load_json(serialization.dump_json(cfg)), "", out)
+    return [f"{p}: {_short(a)} -> {_short(b)}" for p, a, b in out if p not in ignore]
+
+
+def check_writable(job_log_dir) -> None:
+    """Creates ``job_log_dir`` and writes a scratch file in it: a directory the run cannot
+    write is a JobDirError now, not an OSError after compiling."""
+    job_log_dir = Path(job_log_dir)
+    try:
+        job_log_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=job_log_dir):
+            pass
+    except OSError as e:
+        raise JobDirError(f"--job_log_dir={str(job_log_dir)!r} is not a directory this job can "
+                          f"write ({type(e).__name__}: {e.strerror or e}); give a writable "
+                          "--job_log_dir") from e
+
+
+def record(job_log_dir, cfg) -> Path | None:
+    """Writes ``cfg`` to ``job_log_dir/config.json`` (atomically; an existing record is kept
+    as ``config.replaced.<n>.json``). Returns the path, or None when ``cfg`` cannot be
+    serialized (reported in one line on stderr: the run goes on without a record)."""
+    path = config_path(job_log_dir)
+    try:
+        text = serialization.dump_json(cfg, indent=1)
+    except (TypeError, ValueError) as e:
+        print(
+            f"experiments.main: warning: the config cannot be recorded in {path} "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); resume and eval cannot "
+            "check it",
+            file=sys.stderr,
+            flush=True)
+        return None
+    if path.exists():
+        n = 1
+        while (path.parent / f"config.replaced.{n}.json").exists():
+            n += 1
+        path.rename(path.parent / f"config.replaced.{n}.json")
+    tmp = path.with_name(f".{CONFIG_FILE}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def check(job_log_dir, cfg, recorded, *, allow_change: bool) -> list[str]:
+    """Compares ``cfg`` with the ``recorded`` config of ``job_log_dir`` (None: no record).
+    Returns the differences (empty when they agree); raises JobDirError (one line: the job
+    directory, the recorded experiment and the differing paths) unless ``allow_change``."""
+    if recorded is None:
+        return []
+    diffs = differences(recorded, cfg)
+    if diffs and not allow_change:
+        more = f" and {len(diffs) - _SHOWN} more" if len(diffs) > _SHOWN else ""
+        raise JobDirError(
+            f"--job_log_dir={str(job_log_dir)!r} holds a run of experiment "
+            f"{getattr(recorded, 'name', '?')!r} whose config ({CONFIG_FILE}) differs from this "
+            f"one at {'; '.join(diffs[:_SHOWN])}{more}. Run it with the flags it was started "
+            "with (with no --exp, --fdl_config or --fdl_config_file its recorded config is "
+            "used), use another --job_log_dir, or pass --allow_config_change")
+    return diffs
+
+
+def _note(line: str) -> None:
+    print(f"experiments.main: note: {line}", file=sys.stderr, flush=True)
+
+
+def _has_checkpoints(job_log_dir: Path) -> bool:
+    ckpts = job_log_dir / "checkpoints"
+    return ckpts.is_dir() and any(d.name.isdigit() for d in ckpts.iterdir())
+
+
+def _nothing() -> None:
+    return None
+
+
+def open_job_dir(job_log_dir, cfg, recorded, *, train: bool, chief: bool, allow_change: bool):
+    """Everything a start does to its job directory before tracing: compares ``cfg`` with the
+    ``recorded`` config (``check``); when training, checks that the directory can be written
+    and has process 0 record ``cfg`` at the first start, or when ``allow_change`` let a
+    different config in. Raises JobDirError (one line).
+
+    Returns what to call once the run has restored the directory's checkpoints (the trainer
+    returned): a directory that holds checkpoints records a new config only when they fit it,
+    so a refused restore leaves the record as it was. A fresh directory is recorded at once."""
+    job_log_dir = Path(job_log_dir)
+    diffs = check(job_log_dir, cfg, recorded, allow_change=allow_change)
+    if train:
+        check_writable(job_log_dir)
+    if not chief:
+        return _nothing
+    path = config_path(job_log_dir)
+    later = _has_checkpoints(job_log_dir)
+    when = " once its checkpoints restore" if later else ""
+    if diffs:
+        kept = (f"; recording it{when} (the old record is kept as config.replaced.<n>.json)"
+                if train else "")
+        _note(f"--allow_config_change: this config differs from {path} at "
+              f"{'; '.join(diffs)}{kept}")
+    if not train or not (diffs or recorded is None):
+        return _nothing
+    if recorded is None and not path.exists() and later:
+        _note(f"{job_log_dir} holds checkpoints but no {CONFIG_FILE} (written before configs "
+              f"were recorded): recording this run's config{when}")
+
+    def commit() -> None:
+        try:
+            record(job_log_dir, cfg)
+        except OSError as e:
+            raise JobDirError(f"--job_log_dir={str(job_log_dir)!r}: cannot write {path} "
+                              f"({type(e).__name__}: {e})") from e
+
+    if later:
+        return commit
+    commit()
+    return _nothing
