@@ -193,6 +193,25 @@ def test_param_shapes_and_init():
         params_lib.check_params(bad, cfg)
 
 
+def test_shared_checkpoint_names_are_saved(capsys):
+    """save_only_these_names with the shared branch's documented names (docs/config.md) saves
+    residuals of exactly those names and shapes: the activation [T, Hs] and the output [T, M]
+    (the loss sum(y^2) needs y in its backward)."""
+    cfg = _cfg(num_shared_experts=1)
+    params, x, _, _ = _inputs(cfg, _seed())
+    policy = jax.checkpoint_policies.save_only_these_names("moe_shared_ffn1", "moe_shared_ffn2")
+    f = jax.checkpoint(lambda p, x: jnp.sum(mp.moe_block(p, x, cfg).y**2), policy=policy)
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(f, params, x)
+    lines = capsys.readouterr().out.splitlines()
+    named = {l.split(" from ")[0] for l in lines if "named '" in l}
+    t = x.size // D_MODEL
+    want = {
+        f"f32[{t},{D_FF}] named 'moe_shared_ffn1'", f"f32[{t},{D_MODEL}] named 'moe_shared_ffn2'"
+    }
+    assert named == want, lines
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(num_shared_experts=-1), r"num_shared_experts=-1 is invalid: must be an int >= 0"),
     (dict(num_shared_experts=1.0), r"num_shared_experts=1.0 is invalid"),
