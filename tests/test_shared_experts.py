@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_praxis as mp
@@ -333,3 +333,26 @@ def test_shared_experts_mesh_matrix_equals_single_device(mesh_name, matrix_case)
         assert set(gp) == set(rp) and any(k.startswith("shared_") for k in gp), m
         if "expert_bias" in gp:  # selection only: no gradient on either side
             assert float(jnp.max(jnp.abs(gp["expert_bias"]))) == 0.0, m
+
+
+@pytest.mark.slow
+def test_shared_experts_on_explicit_axes_with_weights_placed_by_the_layout(matrix_case):
+    """Explicit mesh axes (jax.make_mesh) and every parameter placed with its
+    EPLayout.weight_specs sharding (shared_wi_* P(fsdp, tp), shared_wo P(tp, fsdp)): the
+    same outputs and gradients as one device."""
+    seed, (all_params, x, paddings, cot), ref = matrix_case
+    shape, names, kw = MESHES["ep2xtp2xfsdp2"]
+    mesh = jax.make_mesh(shape,
+                         names,
+                         devices=jax.devices("cpu")[:math.prod(shape)],
+                         axis_types=(jax.sharding.AxisType.Explicit, ) * len(shape))
+    res = mp.MeshResources(**kw)
+    specs = mp.ep_bootstrap(mesh, res, 8).weight_specs
+    placed = [{
+        k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+        for k, v in p.items()
+    } for p in all_params]
+    assert placed[1]["shared_wo"].sharding.spec == P("tp", "fsdp")
+    got = _loss_and_grads(MATRIX_CONFIGS, mesh, res)(placed, x, paddings, cot)
+    for g, r, cfg in zip(got, ref, MATRIX_CONFIGS):
+        test_ep._compare_one(g, r, f"seed={seed} explicit ep2xtp2xfsdp2 cfg={cfg}")
