@@ -64,7 +64,21 @@ class MoEFeedForward(base_layer.BaseLayer):
         layer also has mesh_axis_names and ici_mesh_shape its weight sharding is checked
         against the layout (moe_praxis.praxis.sharding).
     gating_func: 'top2' (GShard top-2 with its per-group capacity, moe_praxis.praxis.gshard),
-    'dense_top2' (GShard top-2, dropless) or 'topk' (dropless softmax top-k).
+    'dense_top2' (GShard top-2, dropless) or 'topk' (top-k routed by the fields below).
+
+    Routing fields, honoured by gating_func='topk' only (each is the MoEConfig field of the
+    same name; 'top2' / 'dense_top2' route with their defaults, another value is an error at
+    setup):
+      score_func: 'softmax' or 'sigmoid' (DeepSeek-V3).
+      pre_softmax: softmax over all experts before top-k (True) or over the k selected.
+      norm_topk: renormalise the k weights to sum to 1.
+      num_expert_groups, group_topk: group-limited routing (DeepSeek-V3's n_group,
+        topk_group); not Praxis's token num_groups.
+      use_expert_bias: the selection-only expert bias (DeepSeek-V3's auxiliary-loss-free
+        balancing), a NON_TRAINABLE float32 variable `expert_bias` [E].
+      routed_scaling_factor: multiplies the routing weights.
+      capacity_factor: None = dropless; else MoEConfig's capacity per expert, dropping by
+        drop_policy ('position' or 'weight').
     """
 
     input_dims: int = 0
@@ -104,6 +118,16 @@ class MoEFeedForward(base_layer.BaseLayer):
     mesh_resources: Any = None
     ep_exchange: str = "auto"
     ep_buffer_factor: Optional[float] = None
+    # Routing (gating_func='topk' only; 'top2' / 'dense_top2' are GShard's softmax top-2).
+    score_func: str = "softmax"
+    pre_softmax: bool = True
+    norm_topk: bool = True
+    num_expert_groups: int = 1
+    group_topk: int = 1
+    use_expert_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    capacity_factor: Optional[float] = None
+    drop_policy: str = "position"
 
     class WeightSharding(base_layer.BaseLayer.WeightSharding):
         """Weight sharding (mesh axis per dim).
@@ -197,6 +221,16 @@ class MoEFeedForward(base_layer.BaseLayer):
                                   init=init(shapes[name][-2]),
                                   mesh_shape=self.mesh_shape,
                                   tensor_split_dims_mapping=splits[letters.get(name, "emh")]))
+        if "expert_bias" in shapes:
+            # Updated outside the gradient (DeepSeek-V3's rule, in __call__), so a
+            # NON_TRAINABLE variable: the optimizer never sees it, checkpoints keep it.
+            self.create_variable("expert_bias",
+                                 WeightHParams(shape=list(shapes["expert_bias"]),
+                                               init=WeightInit.Constant(0.0),
+                                               dtype=jnp.float32,
+                                               mesh_shape=self.mesh_shape,
+                                               tensor_split_dims_mapping=[None]),
+                                 trainable=False)
 
     # ------------------------------------------------------------------------- forward
 
@@ -228,7 +262,10 @@ class MoEFeedForward(base_layer.BaseLayer):
         With several GShard groups the losses and the router entropy are the groups' means,
         the counts their sums."""
         config = self.moe_config
-        params = {name: self.theta[name] for name in param_shapes(config)}
+        params = {
+            name: self.get_var(name) if name == "expert_bias" else self.theta[name]
+            for name in param_shapes(config)
+        }
         num_tokens = int(np.prod(x.shape[:-1]))
         mesh = compat.current_mesh() if self.mesh_resources is not None else None
         groups = 1
