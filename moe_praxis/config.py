@@ -76,6 +76,17 @@ class MoEConfig:
       ep_buffer_factor: None = worst-case receive buffers (dropless stays dropless under EP).
         A float f > 0 bounds them to f x the balanced load; copies past the bound are
         dropped, counted in `dropped_tokens`, never written out of bounds.
+      num_shared_experts: shared experts every token goes through besides its routed ones
+        (DeepSeek-V2/V3, Qwen2-MoE): one dense FFN of hidden width `shared_d_ff`, added to the
+        routed output of every non-padded token. 0 = none.
+      shared_d_ff: Hs, the shared branch's hidden width; None = num_shared_experts * d_ff. It
+        follows `gated` and `activation` (never `fuse_gate_up`); tp shards Hs, fsdp d_model.
+      shared_expert_gate: scale the shared output by `sigmoid(x @ shared_gate)` per token
+        (Qwen2-MoE's gate); needs num_shared_experts > 0.
+      expert_bias_update_rate: u of DeepSeek-V3's auxiliary-loss-free balancing, applied once
+        per optimizer step by `moe_praxis.update_expert_bias`: `b <- b + u * sign(mean_load -
+        load)` on the step's global tokens_per_expert. 0 = the bias is never updated; > 0
+        needs use_expert_bias.
     """
 
     d_model: int
@@ -103,6 +114,10 @@ class MoEConfig:
     param_init_scale: float = 1.0
     ep_exchange: str = "auto"
     ep_buffer_factor: Optional[float] = None
+    num_shared_experts: int = 0
+    shared_d_ff: Optional[int] = None
+    shared_expert_gate: bool = False
+    expert_bias_update_rate: float = 0.0
 
     def __post_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_expert_groups", "group_topk"):
@@ -179,6 +194,37 @@ class MoEConfig:
                                                       and self.ep_buffer_factor > 0):
             raise _err("ep_buffer_factor", self.ep_buffer_factor,
                        "must be a finite float > 0, or None (worst-case buffers)")
+        self._check_shared_and_bias()
+
+    def _check_shared_and_bias(self):
+        n = self.num_shared_experts
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise _err("num_shared_experts", n, "must be an int >= 0 (0 = no shared experts)")
+        hs = self.shared_d_ff
+        if hs is not None and (not isinstance(hs, int) or isinstance(hs, bool) or hs < 1):
+            raise _err("shared_d_ff", hs, "must be a positive int, or None (num_shared_experts "
+                       "* d_ff)")
+        if n == 0 and hs is not None:
+            raise _err(
+                "shared_d_ff", hs, "needs num_shared_experts > 0 (there is no shared "
+                "branch to size); set num_shared_experts or leave shared_d_ff None")
+        if self.shared_expert_gate and n == 0:
+            raise _err("shared_expert_gate", True, "needs num_shared_experts > 0 (there is no "
+                       "shared output to gate)")
+        u = self.expert_bias_update_rate
+        if not (isinstance(u, (int, float)) and math.isfinite(u) and u >= 0):
+            raise _err("expert_bias_update_rate", u, "must be a finite float >= 0 (0 = off)")
+        if u > 0 and not self.use_expert_bias:
+            raise _err("expert_bias_update_rate", u, "needs use_expert_bias=True (there is no "
+                       "expert_bias to update)")
+
+    @property
+    def shared_hidden(self) -> int:
+        """Hs, the shared branch's hidden width (0 without shared experts)."""
+        if self.num_shared_experts == 0:
+            return 0
+        return self.shared_d_ff if self.shared_d_ff is not None else (self.num_shared_experts *
+                                                                      self.d_ff)
 
     def capacity(self, num_tokens: int) -> int:
         """Per-expert capacity for `num_tokens` tokens; only with a capacity_factor."""

@@ -21,7 +21,10 @@ no axes every collective is the identity, so the body is the single-device block
   5. Experts: grouped GEMMs with the expert weights all-gathered over fsdp (their gradients
      are reduce-scattered by autodiff), tp partial sums.
   6. Combine into [Tl, M]: a plain unpermute when the routing weights went into the
-     activation (no tp), else the float32 weighted sum; psum over tp.
+     activation (no tp), else the float32 weighted sum.
+  7. Shared experts (config.num_shared_experts, moe_praxis.shared): a dense FFN of the local
+     tokens added in float32 to the routed output; under EP issued between the dispatch
+     exchange and the experts that consume it, so it can overlap the exchange. psum over tp.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from moe_praxis.experts import expert_ffn
 from moe_praxis.ops import resolve_backend, vma
 from moe_praxis.params import check_params, init_moe_params, param_shapes
 from moe_praxis.resources import EPLayout, check_mesh_in_scope, ep_bootstrap, psum
+from moe_praxis.shared import gather_shared_weights, shared_ffn
 
 __all__ = [
     "MoEOutput", "block_body", "check_params", "init_moe_params", "moe_block", "param_shapes",
@@ -172,6 +176,14 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
         d = sort.sort_copies(r.expert_ids, keep, config.num_experts, cap_dropped)
         w_sorted = sort.row_weights(r.weights, d)  # [R] float32
 
+    shared_weights = gather_shared_weights(params, layout)
+
+    def shared_branch():
+        if not shared_weights:
+            return None
+        with jax.named_scope("moe_shared_experts"):
+            return shared_ffn(x, valid, shared_weights, config, backend=backend)
+
     with jax.named_scope("moe_experts"):
         weights = _gather_weights(params, layout)
         if layout.ep_size == 1:
@@ -190,6 +202,7 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
                              row_weights=row_w)
             y = sort.combine_sorted(out, w_sorted, d.row_map, t_l, not fuse, backend=backend)
             overflow = jnp.zeros((), jnp.int32)
+            shared = shared_branch()
         else:
             experts = functools.partial(_regrouped_experts,
                                         weights=weights,
@@ -197,8 +210,22 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
                                         num_local=layout.experts_per_rank,
                                         backend=backend)
             send_mat = d.group_sizes.reshape(layout.ep_size, layout.experts_per_rank)
-            y, overflow = exchange.exchange(kind, x, d.row_map, w_sorted, send_mat, layout, config,
-                                            experts, backend)
+            # The shared branch needs only the local tokens: issued while the dispatched rows
+            # are in flight (after the exchange is issued, before the experts consume its
+            # rows), its GEMMs can hide the exchange's latency instead of waiting behind it.
+            y, overflow, shared = exchange.exchange(kind,
+                                                    x,
+                                                    d.row_map,
+                                                    w_sorted,
+                                                    send_mat,
+                                                    layout,
+                                                    config,
+                                                    experts,
+                                                    backend,
+                                                    overlap=shared_branch)
+        if shared is not None:  # float32 sum; both are partial sums over tp
+            y, shared = vma.vary_together(y.astype(jnp.float32), shared)
+            y = y + shared
         y = psum(y, layout.tp_axes).astype(x.dtype)
     dropped = d.dropped_tokens + psum(overflow.astype(jnp.int32), token_axes)
     return (y, stats.aux_loss, stats.z_loss, stats.tokens_per_expert, dropped, stats.router_entropy)
@@ -279,7 +306,8 @@ def moe_block(params: dict,
                           resources,
                           config.num_experts,
                           d_model=config.d_model,
-                          d_ff=config.d_ff)
+                          d_ff=config.d_ff,
+                          shared_d_ff=config.shared_hidden)
     if mesh is not None:
         check_mesh_in_scope(mesh)
     tok = layout.token_spec

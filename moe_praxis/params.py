@@ -8,6 +8,12 @@ Letters: M d_model, H d_ff, E experts.
   wi_gate_up  [E, M, 2H] gate and up columns interleaved (fuse_gate_up; ops.gate_up)
   wo          [E, H, M]  down projection
   expert_bias [E]        selection-only bias (use_expert_bias)
+  shared_wi_gate [M, Hs] the shared experts' gate projection (num_shared_experts, gated)
+  shared_wi_up   [M, Hs] the shared experts' up projection (num_shared_experts)
+  shared_wo      [Hs, M] the shared experts' down projection (num_shared_experts)
+  shared_gate    [M, 1]  the shared output's sigmoid gate (shared_expert_gate)
+
+Hs = config.shared_hidden (shared_d_ff, or num_shared_experts * d_ff).
 
 `param_shapes` is the contract between init, the Praxis layer, converters and the sharding
 (`EPLayout.weight_specs` names the same keys).
@@ -35,6 +41,14 @@ def param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
             shapes["wi_gate"] = (e, m, h)
     if config.use_expert_bias:
         shapes["expert_bias"] = (e, )
+    hs = config.shared_hidden
+    if hs:
+        shapes["shared_wi_up"] = (m, hs)
+        shapes["shared_wo"] = (hs, m)
+        if config.gated:
+            shapes["shared_wi_gate"] = (m, hs)
+        if config.shared_expert_gate:
+            shapes["shared_gate"] = (m, 1)
     return shapes
 
 
@@ -43,7 +57,9 @@ def init_moe_params(key, config: MoEConfig, dtype=jnp.float32) -> dict:
 
     Keys: router [M, E], wi_gate [E, M, H] (gated only), wi_up [E, M, H], wo [E, H, M],
     expert_bias [E] (use_expert_bias only); with fuse_gate_up, wi_gate_up [E, M, 2H] instead of
-    wi_gate and wi_up (each interleaved half drawn as they are: fan_in M).
+    wi_gate and wi_up (each interleaved half drawn as they are: fan_in M). With shared experts,
+    shared_wi_gate [M, Hs] (gated only), shared_wi_up [M, Hs], shared_wo [Hs, M] and with
+    shared_expert_gate shared_gate [M, 1], drawn the same way (fan_in: the second-to-last dim).
     """
     shapes = param_shapes(config)
     keys = dict(zip(sorted(shapes), jax.random.split(key, len(shapes))))
@@ -67,7 +83,9 @@ def check_params(params: dict, config: MoEConfig) -> None:
         raise ValueError(
             f"MoE params do not match the config: missing {missing}, unexpected {extra} "
             f"(gated={config.gated}, fuse_gate_up={config.fuse_gate_up}, "
-            f"use_expert_bias={config.use_expert_bias})")
+            f"use_expert_bias={config.use_expert_bias}, "
+            f"num_shared_experts={config.num_shared_experts}, "
+            f"shared_expert_gate={config.shared_expert_gate})")
     for name, shape in want.items():
         if tuple(params[name].shape) != shape:
             raise ValueError(f"MoE param {name!r} has shape {tuple(params[name].shape)}; "

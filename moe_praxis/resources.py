@@ -41,6 +41,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from moe_praxis.mesh_types import axis_types, check_mesh_in_scope, describe_mesh  # noqa: F401
+
 AxisNames = Union[None, str, tuple]
 ROLES = ("dp", "fsdp", "ep", "tp")
 FSDP_DIMS = ("expert", "model")
@@ -202,7 +204,8 @@ class EPLayout:
         """PartitionSpec of every parameter (see moe_praxis.moe.param_shapes)."""
         e = _entry(self.expert_dim_axes)
         tp = _entry(self.tp_axes)
-        m = _entry(self.fsdp_axes) if self.fsdp_dim == "model" else None
+        f = _entry(self.fsdp_axes)
+        m = f if self.fsdp_dim == "model" else None
         return {
             "router": P(None, None),
             "wi_gate": P(e, m, tp),
@@ -210,6 +213,12 @@ class EPLayout:
             "wi_gate_up": P(e, m, tp),  # interleaved pairs: a tp shard holds whole units
             "wo": P(e, tp, m),
             "expert_bias": P(None),
+            # The shared experts are one dense FFN: tp on Hs, fsdp on d_model (whatever
+            # fsdp_dim says: they have no expert dimension), replicated over dp and ep.
+            "shared_wi_gate": P(f, tp),
+            "shared_wi_up": P(f, tp),
+            "shared_wo": P(tp, f),
+            "shared_gate": P(None, None),  # [M, 1], replicated like the router
         }
 
     def explicit_spec(self, spec: P) -> P:
@@ -250,34 +259,6 @@ def restrict_spec(spec: P, axes) -> P:
     return P(*(_entry(tuple(a for a in names(e) if a in set(axes))) for e in spec))
 
 
-def axis_types(mesh) -> dict:
-    """{axis name: 'Auto' | 'Explicit' | 'Manual'} of a Mesh or AbstractMesh ({} for None)."""
-    if mesh is None:
-        return {}
-    return {a: getattr(t, "name", str(t)) for a, t in zip(mesh.axis_names, mesh.axis_types)}
-
-
-def describe_mesh(mesh) -> str:
-    """'data2 x expert4 (Explicit, Explicit)': a mesh's axes, sizes and axis types."""
-    shape = dict(mesh.shape)
-    axes = " x ".join(f"{a}{shape[a]}" for a in mesh.axis_names)
-    return f"{axes} (axis types {tuple(axis_types(mesh).values())})"
-
-
-def check_mesh_in_scope(mesh) -> None:
-    """Raises ValueError, naming both meshes' axis types, for a mesh other than the one in scope
-    (jax.set_mesh, or an enclosing shard_map), which shard_map refuses unless both are Auto."""
-    scope = jax.sharding.get_abstract_mesh()
-    if scope.empty or mesh.abstract_mesh == scope:
-        return
-    if set(axis_types(mesh).values()) | set(axis_types(scope).values()) == {"Auto"}:
-        return
-    raise ValueError(f"the mesh {describe_mesh(mesh)} differs from the mesh in scope "
-                     f"{describe_mesh(scope)} (set by jax.set_mesh, or Manual inside a "
-                     "shard_map): pass the mesh in scope, mesh=jax.sharding.get_abstract_mesh(), "
-                     "or call outside jax.set_mesh")
-
-
 def gathered_experts(mesh, order: tuple[str, ...], ep_axes: tuple[str, ...],
                      fsdp_axes: tuple[str, ...], num_experts: int, ep_rank: int) -> list[int]:
     """The experts an EP rank holds after gathering over fsdp, when the expert dimension is
@@ -301,11 +282,13 @@ def ep_bootstrap(mesh,
                  num_experts: int,
                  *,
                  d_model: int = None,
-                 d_ff: int = None) -> EPLayout:
+                 d_ff: int = None,
+                 shared_d_ff: int = None) -> EPLayout:
     """Validates `resources` against `mesh` and returns the EPLayout.
 
     mesh: a jax.sharding.Mesh (or AbstractMesh); resources: MeshResources; num_experts: E.
-    d_model / d_ff, when given, are checked for divisibility by fsdp (fsdp_dim='model') / tp.
+    d_model / d_ff, when given, are checked for divisibility by fsdp (fsdp_dim='model') / tp;
+    shared_d_ff (Hs of the shared experts, when any) by tp, and d_model then by fsdp too.
     mesh = resources = None: one device, the layout with no axes (every size 1), under which
     every collective of the block is the identity.
     Raises ValueError naming the axis or number at fault and the fix.
@@ -314,7 +297,7 @@ def ep_bootstrap(mesh,
     time and moe_block asks again per layer and trace; identical calls return the same
     EPLayout and validate once.
     """
-    key = (mesh, resources, num_experts, d_model, d_ff)
+    key = (mesh, resources, num_experts, d_model, d_ff, shared_d_ff or None)
     try:
         hash(key)
     except TypeError:  # e.g. a MeshResources holding a list: validate every time
@@ -323,11 +306,11 @@ def ep_bootstrap(mesh,
 
 
 @functools.lru_cache(maxsize=256)
-def _bootstrap_memo(mesh, resources, num_experts, d_model, d_ff) -> EPLayout:
-    return _bootstrap(mesh, resources, num_experts, d_model, d_ff)
+def _bootstrap_memo(mesh, resources, num_experts, d_model, d_ff, shared_d_ff) -> EPLayout:
+    return _bootstrap(mesh, resources, num_experts, d_model, d_ff, shared_d_ff)
 
 
-def _bootstrap(mesh, resources, num_experts, d_model, d_ff) -> EPLayout:
+def _bootstrap(mesh, resources, num_experts, d_model, d_ff, shared_d_ff) -> EPLayout:
     if mesh is None and resources is None:
         resources = MeshResources()
     if not isinstance(resources, MeshResources):
@@ -366,12 +349,15 @@ def _bootstrap(mesh, resources, num_experts, d_model, d_ff) -> EPLayout:
             f"num_experts={num_experts} is not divisible by ep x fsdp = {ep} x {sizes['fsdp']} "
             "(fsdp shards the expert dimension after ep); use MeshResources(fsdp_dim='model') "
             "to shard d_model over fsdp instead, or a smaller fsdp")
-    if d_model is not None and resources.fsdp_dim == "model" and d_model % sizes["fsdp"]:
+    on_model = resources.fsdp_dim == "model" or shared_d_ff
+    if d_model is not None and on_model and d_model % sizes["fsdp"]:
         raise ValueError(f"d_model={d_model} is not divisible by the fsdp size {sizes['fsdp']} "
-                         f"(mesh axes {axes['fsdp']}) with fsdp_dim='model'")
-    if d_ff is not None and d_ff % sizes["tp"]:
-        raise ValueError(f"d_ff={d_ff} is not divisible by the tp size {sizes['tp']} (mesh axes "
-                         f"{axes['tp']}); tp shards the expert hidden dimension")
+                         f"(mesh axes {axes['fsdp']}), which shards it with fsdp_dim='model' "
+                         "and in the shared experts' weights")
+    for name, h in (("d_ff", d_ff), ("shared_d_ff", shared_d_ff)):
+        if h and h % sizes["tp"]:
+            raise ValueError(f"{name}={h} is not divisible by the tp size {sizes['tp']} (mesh "
+                             f"axes {axes['tp']}); tp shards the hidden dimension")
     if resources.expert_dim_order is not None:
         _check_expert_dim_order(mesh, layout,
                                 _as_tuple("expert_dim_order", resources.expert_dim_order))

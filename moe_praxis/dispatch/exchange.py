@@ -15,6 +15,9 @@ the bound are not sent, count as overflow (dropped_tokens) and contribute zero.
 Received rows are regrouped by local expert (stable: source rank, then source order) for
 the experts, which the caller passes in as `experts(rows [N, M], keys [N], row_weights)`
 (keys: local expert of each row, El = an empty slot) returning [N, M] in the same slots.
+`overlap` (optional, no arguments) is independent work, such as the shared experts, that each
+exchange calls after issuing the dispatch exchange and before the experts consume its rows, so
+that its compute can hide the exchange's latency; its result is the third output.
 """
 
 from __future__ import annotations
@@ -118,12 +121,28 @@ def fuse_weights(layout) -> bool:
     return not layout.tp_axes
 
 
-def padded_exchange(x, row_tok, w_sorted, send_mat, layout, config: MoEConfig, experts, backend):
-    """One all_to_all of a [ep, C, M] buffer each way. Returns (y [Tl, M], overflow): y in
+def _overlapped(overlap):
+    """overlap() where given (called between the dispatch exchange and its consumer: in program
+    order the rows are in flight while it runs, which the latency-hiding scheduler keeps)."""
+    return overlap() if overlap is not None else None
+
+
+def padded_exchange(x,
+                    row_tok,
+                    w_sorted,
+                    send_mat,
+                    layout,
+                    config: MoEConfig,
+                    experts,
+                    backend,
+                    overlap=None):
+    """One all_to_all of a [ep, C, M] buffer each way. Returns (y [Tl, M], overflow, overlap()
+    or None): y in
     float32 where tp partial sums follow (the weights applied after the return trip), else in
     the rows' dtype (the weights travel with the rows into the activation: fuse_weights).
     row_tok: [R] token of each sorted row (Tl = none); w_sorted: [R] float32 routing weights;
-    send_mat: [ep, El] int32 rows for each destination rank's experts."""
+    send_mat: [ep, El] int32 rows for each destination rank's experts; overlap: see the module
+    docstring."""
     ep, el = layout.ep_size, layout.experts_per_rank
     axes = layout.ep_axes
     r_rows = row_tok.shape[0]
@@ -139,6 +158,7 @@ def padded_exchange(x, row_tok, w_sorted, send_mat, layout, config: MoEConfig, e
     send_buf = ops.permute(x, slot_tok, backend=backend).reshape(ep, cap, -1)
     recv_mat = jax.lax.all_to_all(send_mat, axes, 0, 0, tiled=True)  # [src, El]
     recv_buf = jax.lax.all_to_all(send_buf, axes, 0, 0, tiled=True)  # [src, C, M]
+    side = _overlapped(overlap)
     recv_tot = jnp.minimum(jnp.sum(recv_mat, axis=1), cap)
     src = jnp.repeat(jnp.arange(ep, dtype=jnp.int32), cap)
     pos = jnp.tile(slot, ep)
@@ -150,7 +170,7 @@ def padded_exchange(x, row_tok, w_sorted, send_mat, layout, config: MoEConfig, e
     out = experts(recv_buf.reshape(ep * cap, -1), keys, recv_w)
     back = jax.lax.all_to_all(out.reshape(ep, cap, -1), axes, 0, 0, tiled=True)  # [dst, C, M]
     y = combine_sorted(back.reshape(ep * cap, -1), slot_w, slot_tok, t_l, not fuse, backend=backend)
-    return y, jnp.sum(send_tot - sent)
+    return y, jnp.sum(send_tot - sent), side
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -180,8 +200,17 @@ def _ragged_move_bwd(out_rows, axes, vary, res, g):
 _ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
 
 
-def ragged_exchange(x, row_tok, w_sorted, send_mat, layout, config: MoEConfig, experts, backend):
-    """One ragged_all_to_all each way into a [B, M] buffer. Returns (y [Tl, M] f32, overflow):
+def ragged_exchange(x,
+                    row_tok,
+                    w_sorted,
+                    send_mat,
+                    layout,
+                    config: MoEConfig,
+                    experts,
+                    backend,
+                    overlap=None):
+    """One ragged_all_to_all each way into a [B, M] buffer. Returns (y [Tl, M] f32, overflow,
+    overlap() or None):
     the routing weights are applied after the return trip (see fuse_weights). Arguments as
     padded_exchange's."""
     ep, el = layout.ep_size, layout.experts_per_rank
@@ -207,14 +236,16 @@ def ragged_exchange(x, row_tok, w_sorted, send_mat, layout, config: MoEConfig, e
     back_again = (nz(out_off[:, me], my_recv), my_recv, nz(in_off[:, me], my_recv), my_send)
     vary = tuple(sorted(vma.varying_axes(rows) | set(axes)))
     recv = _ragged_move(rows, (there, back_again), bound, axes, vary)  # [B, M]
+    side = _overlapped(overlap)
     src, pos, in_range = _block_position(jnp.arange(bound, dtype=jnp.int32), my_recv)
     keys = _regroup_keys(src, pos, in_range, recv_mat, el)
     out = vma.vary(experts(recv, keys, None), vary)
     back = _ragged_move(out, (back_again, there), r_rows, axes, vary)  # [R, M], 0 if dropped
     y = combine_sorted(back, w_sorted, row_tok, t_l, True, backend=backend)
-    return y, jnp.sum(send_tot - my_send)
+    return y, jnp.sum(send_tot - my_send), side
 
 
-def exchange(kind: str, *args):
-    """'padded' or 'ragged' (exchange_kind) -> that exchange's (y [Tl, M], overflow [])."""
-    return (ragged_exchange if kind == "ragged" else padded_exchange)(*args)
+def exchange(kind: str, *args, overlap=None):
+    """'padded' or 'ragged' (exchange_kind) -> that exchange's (y [Tl, M], overflow [],
+    overlap() or None)."""
+    return (ragged_exchange if kind == "ragged" else padded_exchange)(*args, overlap=overlap)
