@@ -6,6 +6,8 @@ input. Tolerance: float32 layer against float32 moe_block, 1e-6 relative (the sa
 same order; only XLA's fusion may differ).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 import moe_praxis  # noqa: F401  (applies the Praxis compat shims)
 from moe_praxis import moe_block
 from moe_praxis.praxis import fields
+from moe_praxis.praxis.gshard import capacity_and_groups
 from praxis import base_layer
 from tests.test_praxis_layer import E, _ctx, _init_layer, _inputs, _jit, _moe_tpl, _rel
 
@@ -44,6 +47,16 @@ def _layer_and_block(tpl, variables, x, pad, do_eval=False):
     y, xn, upd = _jit(f, variables, x, pad)(variables, x, pad)
     with _ctx():
         config = layer.apply(variables, method=lambda m: m.moe_config)
+    if tpl.gating_func == "top2":  # the capacity the layer swaps in per call (one group)
+        cf, _ = capacity_and_groups(int(np.prod(pad.shape)),
+                                    num_experts=config.num_experts,
+                                    top_k=2,
+                                    num_groups=1,
+                                    min_group_size=None,
+                                    expert_capacity_dim=tpl.expert_capacity_dim,
+                                    capacity_factor=tpl.unadjusted_expert_capacity_factor,
+                                    where="test")
+        config = dataclasses.replace(config, capacity_factor=cf)
     params = dict(variables["params"])
     params.pop("layer_norm")
     if NT in variables:
@@ -63,6 +76,10 @@ OPTIONS = [
     dict(use_expert_bias=True, norm_topk=False),
     dict(capacity_factor=0.5),
     dict(capacity_factor=0.75, drop_policy="weight", router_z_loss_weight=0.1),
+    dict(num_shared_experts=1),
+    dict(num_shared_experts=2, shared_hidden_dims=8, shared_expert_gate=True, score_func="sigmoid"),
+    dict(gating_func="dense_top2", num_shared_experts=1, shared_expert_gate=True),
+    dict(gating_func="top2", num_shared_experts=1, unadjusted_expert_capacity_factor=1.0),
 ]
 
 
@@ -70,15 +87,18 @@ OPTIONS = [
 def test_layer_option_equals_moe_block(kw):
     """MoEFeedForward(gating_func='topk', option) = x + moe_block(layer_norm(x)) with the
     layer's MoEConfig, and each option reached that MoEConfig under the same name."""
-    tpl = _moe_tpl(gating_func="topk", use_gated_activation=True, **kw)
+    kw = dict(kw)
+    gating_func = kw.pop("gating_func", "topk")
+    tpl = _moe_tpl(gating_func=gating_func, use_gated_activation=True, **kw)
     x, pad = _inputs(31, pad_from=5)
     variables = _variables(tpl, x, pad, seed=32)
     y, config, out, _ = _layer_and_block(tpl, variables, x, pad)
+    to_config = {v: k for k, v in fields.CONFIG_FIELDS.items()}
     for field, value in kw.items():
-        config_field = {v: k for k, v in fields.CONFIG_FIELDS.items()}[field]
-        assert getattr(config, config_field) == value, field
+        if field in to_config:
+            assert getattr(config, to_config[field]) == value, field
     assert _rel(y, x + out.y) < 1e-6
-    if "capacity_factor" in kw:
+    if "capacity_factor" in kw or gating_func == "top2":
         assert int(out.dropped_tokens) > 0  # the capacity binds
 
 
@@ -115,3 +135,43 @@ def test_expert_bias_is_a_float32_non_trainable_variable():
     assert "expert_bias" not in v["params"]
     assert v[NT]["expert_bias"].dtype == jnp.float32
     np.testing.assert_array_equal(v[NT]["expert_bias"], np.zeros(E))
+
+
+def test_shared_expert_variables_and_their_sharding_letters():
+    """shared_wi_gate / shared_wi_up [M, Hs] (letter mh), shared_wo [Hs, M] (hm), shared_gate
+    [M, 1] replicated; with mesh_resources and the layer's mesh, unset mh / hm take the
+    layout's specs and a set one that differs is an error naming the field and the need."""
+    from tests.test_praxis_layer import _ep_tpl, _weight_specs
+    from moe_praxis import MeshResources, ep_bootstrap
+
+    kw = dict(num_shared_experts=2, shared_expert_gate=True, use_gated_activation=True)
+    x, pad = _inputs(0)
+    v = _init_layer(_moe_tpl(**kw), x, pad)["params"]
+    hs = 2 * 24
+    assert {
+        k: v[k].shape
+        for k in v if k.startswith("shared")
+    } == {
+        "shared_wi_gate": (16, hs),
+        "shared_wi_up": (16, hs),
+        "shared_wo": (hs, 16),
+        "shared_gate": (16, 1)
+    }
+    mesh = jax.sharding.AbstractMesh((2, 2, 2), ("data", "fsdp", "expert"))
+    want = ep_bootstrap(mesh, MeshResources(dp="data", fsdp="fsdp", ep="expert"), 8,
+                        shared_d_ff=hs).weight_specs
+    specs = _weight_specs(_ep_tpl(**kw))
+    for name in ("shared_wi_gate", "shared_wi_up", "shared_wo", "shared_gate"):
+        assert specs[name] == want[name], name
+    assert specs["shared_wi_up"] == jax.sharding.PartitionSpec("fsdp", None)
+    tpl = _ep_tpl(**kw)
+    tpl.weight_split_dims_mapping.hm = [None, "expert"]
+    with pytest.raises(ValueError,
+                       match=r"MoEFeedForward 'moe': weight_split_dims_mapping.hm=\[None, "
+                       r"'expert'\] does not match .* needs \[None, 'fsdp'\] "
+                       r"\(EPLayout.weight_specs\['shared_wo'\]\)"):
+        _init_layer(tpl, x, pad)
+    tpl = _moe_tpl(**kw)
+    tpl.weight_split_dims_mapping.mh = ["data"]
+    with pytest.raises(ValueError, match=r"weight_split_dims_mapping.mh.*2 entries"):
+        _init_layer(tpl, x, pad)

@@ -49,6 +49,9 @@ CONFIG_FIELDS = {
     "routed_scaling_factor": "routed_scaling_factor",
     "capacity_factor": "capacity_factor",
     "drop_policy": "drop_policy",
+    "num_shared_experts": "num_shared_experts",
+    "shared_d_ff": "shared_hidden_dims",
+    "shared_expert_gate": "shared_expert_gate",
 }
 # The routing fields only gating_func='topk' honours, with the value 'top2' / 'dense_top2' route
 # with (GShard's softmax top-2; 'top2' takes its capacity from the GShard fields instead).
@@ -63,7 +66,7 @@ TOPK_ONLY = {
     "capacity_factor": None,
     "drop_policy": "position",
 }
-WEIGHT_RANKS = {"me": 2, "emh": 3, "ehm": 3}
+WEIGHT_RANKS = {"me": 2, "emh": 3, "ehm": 3, "mh": 2, "hm": 2}
 ACTIVATION_RANKS = dict(gsm=3, gs=2, gsec=4, gecs=4, gec=3, egcm=4, egch=4, gecm=4)
 
 
@@ -170,6 +173,9 @@ def build_config(layer) -> MoEConfig:
             z_loss_coeff=layer.router_z_loss_weight,
             capacity_factor=layer.capacity_factor,
             drop_policy=layer.drop_policy,
+            num_shared_experts=_int(layer.num_shared_experts),
+            shared_d_ff=_int(layer.shared_hidden_dims),
+            shared_expert_gate=bool(layer.shared_expert_gate),
             activation=ACTIVATIONS[layer.activation_tpl.cls],
             gated=bool(layer.use_gated_activation),
             fuse_gate_up=bool(layer.fuse_gate_up),

@@ -79,6 +79,10 @@ class MoEFeedForward(base_layer.BaseLayer):
       routed_scaling_factor: multiplies the routing weights.
       capacity_factor: None = dropless; else MoEConfig's capacity per expert, dropping by
         drop_policy ('position' or 'weight').
+    Shared experts, with any gating_func (MoEConfig's num_shared_experts, shared_d_ff,
+    shared_expert_gate): num_shared_experts; shared_hidden_dims, their hidden width Hs (None =
+    num_shared_experts * hidden_dims); shared_expert_gate, Qwen2-MoE's sigmoid gate on their
+    output. Activation and gating as the routed experts'.
     """
 
     input_dims: int = 0
@@ -128,6 +132,11 @@ class MoEFeedForward(base_layer.BaseLayer):
     routed_scaling_factor: float = 1.0
     capacity_factor: Optional[float] = None
     drop_policy: str = "position"
+    # Shared experts (any gating_func): one dense FFN every token goes through, added to the
+    # routed output.
+    num_shared_experts: int = 0
+    shared_hidden_dims: Optional[int] = None
+    shared_expert_gate: bool = False
 
     class WeightSharding(base_layer.BaseLayer.WeightSharding):
         """Weight sharding (mesh axis per dim).
@@ -136,11 +145,16 @@ class MoEFeedForward(base_layer.BaseLayer):
           me: router [M, E].
           emh: wi_up and wi_gate [E, M, H].
           ehm: wo [E, H, M].
+          mh: the shared experts' shared_wi_up and shared_wi_gate [M, Hs].
+          hm: the shared experts' shared_wo [Hs, M].
+        (shared_gate [M, 1] and expert_bias [E] are replicated.)
         """
 
         me: SplitDimsMapping = None
         emh: SplitDimsMapping = None
         ehm: SplitDimsMapping = None
+        mh: SplitDimsMapping = None
+        hm: SplitDimsMapping = None
 
     class ActivationSharding(base_layer.BaseLayer.ActivationSharding):
         """Activation sharding (mesh axis per dim).
@@ -182,7 +196,8 @@ class MoEFeedForward(base_layer.BaseLayer):
              for letter in fields.WEIGHT_RANKS},
             num_experts=config.num_experts,
             d_model=config.d_model,
-            d_ff=config.d_ff)
+            d_ff=config.d_ff,
+            shared_d_ff=config.shared_hidden or None)
 
         if self.norm_policy == "primer_hybrid":
             ln_p = self.ln_tpl.clone()
@@ -212,15 +227,26 @@ class MoEFeedForward(base_layer.BaseLayer):
         # The variables are moe_block's parameters (moe.param_shapes), created in this order;
         # emh's last entry also shards wi_gate_up's interleaved 2H (whole units per shard).
         shapes = param_shapes(config)
-        letters = {"router": "me", "wo": "ehm"}  # the wi_* weights: emh
-        for name in ("router", "wi_gate", "wi_up", "wi_gate_up", "wo"):
+        splits["replicated"] = [None, None]
+        letters = {
+            "router": "me",
+            "wi_gate": "emh",
+            "wi_up": "emh",
+            "wi_gate_up": "emh",
+            "wo": "ehm",
+            "shared_wi_gate": "mh",
+            "shared_wi_up": "mh",
+            "shared_wo": "hm",
+            "shared_gate": "replicated",
+        }
+        for name, letter in letters.items():
             if name in shapes:  # fan-in: the contracted dimension, shape[-2]
                 self.create_variable(
                     name,
                     WeightHParams(shape=list(shapes[name]),
                                   init=init(shapes[name][-2]),
                                   mesh_shape=self.mesh_shape,
-                                  tensor_split_dims_mapping=splits[letters.get(name, "emh")]))
+                                  tensor_split_dims_mapping=splits[letter]))
         if "expert_bias" in shapes:
             # Updated outside the gradient (DeepSeek-V3's rule, in __call__), so a
             # NON_TRAINABLE variable: the optimizer never sees it, checkpoints keep it.
