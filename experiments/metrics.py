@@ -51,6 +51,21 @@ def expert_load(summaries, num_layers: int, layers_per_block: int = 1):
     return jnp.asarray(rows, jnp.float32)
 
 
+def max_mean_load(load):
+    """[num_layers] max over experts / mean over experts of each layer's load (``expert_load``'s
+    rows): 1 = balanced, E = every copy on one expert; NaN for a dense layer. DeepSeek-V3's
+    expert bias drives it towards 1."""
+    return jnp.max(load, axis=1) / jnp.mean(load, axis=1)
+
+
+def layer_scalars(name: str, per_layer) -> dict:
+    """{f'{name}_layer_{l}': value} for the layers whose value is finite (the MoE layers)."""
+    return {
+        f"{name}_layer_{l}": float(v)
+        for l, v in enumerate(np.asarray(per_layer)) if np.isfinite(v)
+    }
+
+
 class MetricsWriter:
     """metrics.jsonl + TensorBoard events, written by process 0 only."""
 

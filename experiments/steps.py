@@ -5,7 +5,9 @@
   every token axis (dp, fsdp, ep).
 - A train step: loss = TransformerLm's ``total_loss`` = mean next-byte cross-entropy + every aux
   loss the layers registered (``mutable=[aux_loss, summaries, non_trainable]``), global-norm
-  clipping, AdamW. With ``train.on_nonfinite='skip'`` a step whose loss or gradient norm is not
+  clipping, AdamW. The NON_TRAINABLE collection the forward pass updated (``update_var``: the
+  MoE layers' expert bias, DeepSeek-V3's rule on the step's global token counts) replaces the
+  state's, once per optimizer step and outside the gradient; eval steps update nothing. With ``train.on_nonfinite='skip'`` a step whose loss or gradient norm is not
   finite returns the state it was given (step + 1) and ``skipped=1`` in its metrics.
 """
 
@@ -22,7 +24,7 @@ import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
 from praxis import base_layer, py_utils
 
 from configs import base, models
-from experiments.metrics import expert_load
+from experiments.metrics import expert_load, max_mean_load
 from experiments.setup import Prepared
 
 P = jax.sharding.PartitionSpec
@@ -180,6 +182,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
         load = expert_load(updated.get(base_layer.SUMMARIES, {}), nl, lpb)
         if load is not None:
             metrics["expert_load"] = load
+            metrics["max_mean_load"] = max_mean_load(load)
         new_state = {
             "step": step + 1,
             "params": params,

@@ -175,3 +175,46 @@ def test_shared_expert_variables_and_their_sharding_letters():
     tpl.weight_split_dims_mapping.mh = ["data"]
     with pytest.raises(ValueError, match=r"weight_split_dims_mapping.mh.*2 entries"):
         _init_layer(tpl, x, pad)
+
+
+def _rule(bias, counts, rate):
+    """float64 numpy of DeepSeek-V3's rule: b + u * sign(mean(load) - load), sign(0) = 0."""
+    c = np.asarray(counts, np.float64)
+    return np.asarray(bias, np.float64) + rate * np.sign(c.mean() - c)
+
+
+def test_bias_update_in_the_layer_is_update_expert_bias_on_the_calls_counts():
+    """A training call with NON_TRAINABLE mutable writes update_expert_bias(bias, counts, u)
+    of that call's global tokens_per_expert (float32); an eval call, a call without
+    NON_TRAINABLE mutable and a layer with rate 0 leave it as it was."""
+    rate = 0.125
+    tpl = _moe_tpl(gating_func="topk",
+                   score_func="sigmoid",
+                   use_expert_bias=True,
+                   expert_bias_update_rate=rate,
+                   num_shared_experts=1)
+    x, pad = _inputs(41, pad_from=3)
+    variables = _variables(tpl, x, pad, seed=42)
+    bias = variables[NT]["expert_bias"]
+    y, _, out, upd = _layer_and_block(tpl, variables, x, pad)
+    assert _rel(y, x + out.y) < 1e-6  # the update changes nothing of this call's output
+    new = upd[NT]["expert_bias"]
+    assert new.dtype == jnp.float32
+    counts = out.tokens_per_expert
+    np.testing.assert_array_equal(new, moe_praxis.update_expert_bias(bias, counts, rate))
+    np.testing.assert_allclose(new, _rule(bias, counts, rate), rtol=0, atol=1e-7)
+    assert float(jnp.max(jnp.abs(new - bias))) == rate  # the counts are not all equal
+    _, _, _, upd = _layer_and_block(tpl, variables, x, pad, do_eval=True)
+    np.testing.assert_array_equal(upd[NT]["expert_bias"], bias)
+    still = tpl.clone()
+    still.expert_bias_update_rate = 0.0
+    _, _, _, upd = _layer_and_block(still, variables, x, pad)
+    np.testing.assert_array_equal(upd[NT]["expert_bias"], bias)
+    with pytest.raises(ValueError,
+                       match=r"expert_bias_update_rate=0.1 is not supported: "
+                       r"gating_func='dense_top2'"):
+        _init_layer(_moe_tpl(gating_func="dense_top2", expert_bias_update_rate=0.1), x, pad)
+    with pytest.raises(ValueError,
+                       match=r"MoEConfig.expert_bias_update_rate=0.1 .*use_expert_"
+                       r"bias.*\(the layer's expert_bias_update_rate=0.1\)"):
+        _init_layer(_moe_tpl(gating_func="topk", expert_bias_update_rate=0.1), x, pad)

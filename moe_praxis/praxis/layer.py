@@ -76,6 +76,9 @@ class MoEFeedForward(base_layer.BaseLayer):
         topk_group); not Praxis's token num_groups.
       use_expert_bias: the selection-only expert bias (DeepSeek-V3's auxiliary-loss-free
         balancing), a NON_TRAINABLE float32 variable `expert_bias` [E].
+      expert_bias_update_rate: u > 0 updates expert_bias in every training call (not in
+        eval) by moe_praxis.update_expert_bias on that call's global tokens_per_expert,
+        through Praxis's update_var; the trainer keeps the updated NON_TRAINABLE collection.
       routed_scaling_factor: multiplies the routing weights.
       capacity_factor: None = dropless; else MoEConfig's capacity per expert, dropping by
         drop_policy ('position' or 'weight').
@@ -129,6 +132,7 @@ class MoEFeedForward(base_layer.BaseLayer):
     num_expert_groups: int = 1
     group_topk: int = 1
     use_expert_bias: bool = False
+    expert_bias_update_rate: float = 0.0
     routed_scaling_factor: float = 1.0
     capacity_factor: Optional[float] = None
     drop_policy: str = "position"
@@ -347,6 +351,19 @@ class MoEFeedForward(base_layer.BaseLayer):
         for i in range(config.num_experts):
             self.add_summary(f"moe_expert_load_{i}", load[i])
 
+    def _update_expert_bias(self, out: MoEOutput) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing, in training calls only:
+        expert_bias <- update_expert_bias(expert_bias, tokens_per_expert, rate), float32, on
+        the call's global counts (already reduced over every token axis), outside the
+        gradient. Praxis's update_var writes it only where NON_TRAINABLE is mutable (the
+        trainer's train step), so eval, decoding and init leave it as it is."""
+        rate = self.moe_config.expert_bias_update_rate
+        if rate == 0 or self.do_eval:
+            return
+        counts = jax.lax.stop_gradient(out.tokens_per_expert)
+        bias = self.get_var("expert_bias")
+        self.update_var("expert_bias", update_expert_bias(bias, counts, rate))
+
     def __call__(self,
                  inputs: JTensor,
                  paddings: Optional[JTensor] = None,
@@ -398,6 +415,7 @@ class MoEFeedForward(base_layer.BaseLayer):
                 y = residual + y * self.residual_weight
         if self.norm_policy == "post_skip":
             y = self.layer_norm(y)
+        self._update_expert_bias(out)
         self.add_aux_loss("aux_moe_load_balance_loss", out.aux_loss.astype(jnp.float32))
         if self.router_z_loss_weight > 0:
             self.add_aux_loss("aux_moe_z_loss", out.z_loss.astype(jnp.float32))
