@@ -36,6 +36,7 @@ from praxis.layers import normalizations
 from praxis.layers import stochastics
 
 from moe_praxis import resources
+from moe_praxis.balancing import update_expert_bias
 from moe_praxis.moe import MoEOutput, moe_block, param_shapes
 from moe_praxis.praxis import compat
 from moe_praxis.praxis import fields
