@@ -52,7 +52,7 @@ class LanguageModel:
     REMAT = False
     FUSE_GATE_UP = False  # MoEFeedForward.fuse_gate_up (one wi_gate_up weight, fused GEMM)
     AUX_LOSS_TYPE = "switch"
-    # DeepSeek-V3's first_k_dense_replace: layers [0, k) dense (needs REPEAT = False).
+    # DeepSeek-V3's first_k_dense_replace: layers [0, k) dense, a dense FFN of HIDDEN_DIMS.
     FIRST_K_DENSE = 0
     # Routing and shared experts of the MoE layers (MoEFeedForward fields, gating_func='topk').
     SCORE_FUNC = "softmax"
@@ -262,7 +262,7 @@ class DeepSeekV3(LanguageModel):
     # fine-grained experts (H=2048): the fused gate/up GEMM pays where H is small, with the
     # backward (docs/grouped_gemm.md, "Fused gate/up")
     FUSE_GATE_UP = True
-    REPEAT = False  # a repeated (scanned) stack makes every layer MoE; 3 are dense here
+    REPEAT = True  # 3 dense layers, then 58 scanned MoE layers (DenseFirstRepeated)
     REMAT = True
     FPROP_DTYPE = "bfloat16"
     SEQ_LEN = 4096

@@ -14,6 +14,8 @@ from praxis import pax_fiddle
 from praxis.layers import activations, embedding_softmax, normalizations, transformer_models
 from praxis.layers import transformers
 
+from moe_praxis.praxis.stack import DenseFirstRepeated
+
 
 def moe_layer_class():
     """The MoE feed-forward layer class used by every preset."""
@@ -80,8 +82,9 @@ def transformer_lm(
     first_k_dense: DeepSeek-V3's ``first_k_dense_replace``: layers [0, first_k_dense) are dense
       (a gated FFN of ``hidden_dims``), the rest MoE; written as Praxis's ``moe_layers``.
     With ``repeat=True`` the stack is a ``StackedTransformerRepeated`` of ``num_layers``
-      identical one-layer blocks (scanned: one trace for any depth), so every layer is MoE:
-      ``moe_layers`` must be None and ``first_k_dense`` 0.
+      identical one-layer MoE blocks (scanned: one trace for any depth), ``moe_layers`` must be
+      None; with ``first_k_dense`` too it is ``moe_praxis.praxis.stack.DenseFirstRepeated``:
+      that many dense layers, then ``num_layers - first_k_dense`` scanned MoE blocks.
     moe_fields: MoEFeedForward fields for the MoE layers (``moe_layer_tpl``'s layer_fields).
     Returns pax_fiddle.Config[TransformerLm]; inputs [B, S] int32 -> logits [B, S, V].
     """
@@ -139,16 +142,20 @@ def transformer_lm(
     block.moe_layer_tpl = moe
 
     if repeat:
-        if moe_layers is not None or first_k_dense:
-            what = (f"moe_layers={moe_layers!r}"
-                    if moe_layers is not None else f"first_k_dense={first_k_dense}")
-            raise ValueError(f"{what} needs repeat=False: a repeated stack makes every layer "
-                             "MoE")
+        if moe_layers is not None:
+            raise ValueError(f"moe_layers={moe_layers!r} needs repeat=False: a repeated stack "
+                             "makes every layer MoE (first_k_dense makes the first ones dense)")
         block.num_layers = 1
         block.moe_layers = [0]
-        stack = pax_fiddle.Config(transformers.StackedTransformerRepeated,
-                                  block=block,
-                                  x_times=num_layers)
+        if first_k_dense:
+            stack = pax_fiddle.Config(DenseFirstRepeated,
+                                      block=block,
+                                      x_times=num_layers - first_k_dense,
+                                      first_k_dense=first_k_dense)
+        else:
+            stack = pax_fiddle.Config(transformers.StackedTransformerRepeated,
+                                      block=block,
+                                      x_times=num_layers)
     else:
         block.num_layers = num_layers
         block.moe_layers = (list(range(first_k_dense, num_layers))
@@ -164,8 +171,14 @@ def stack_block(lm: pax_fiddle.Config) -> pax_fiddle.Config:
     return st.block if hasattr(st, "block") and hasattr(st, "x_times") else st
 
 
+def first_repeated_layer(lm: pax_fiddle.Config) -> int:
+    """The index of the first layer of the repeats (the dense layers before a
+    DenseFirstRepeated's repeats; 0 for any other stack)."""
+    return getattr(lm.stacked_transformer_tpl, "first_k_dense", 0)
+
+
 def num_layers(lm: pax_fiddle.Config) -> int:
     st = lm.stacked_transformer_tpl
     if hasattr(st, "x_times"):
-        return st.x_times * st.block.num_layers
+        return first_repeated_layer(lm) + st.x_times * st.block.num_layers
     return st.num_layers

@@ -74,6 +74,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
     exp, model, mesh = prep.config, prep.model, prep.mesh
     nl = models.num_layers(prep.model_config)
     lpb = models.stack_block(prep.model_config).num_layers
+    first_repeated = models.first_repeated_layer(prep.model_config)
     tx, schedule = make_optimizer(exp.optimizer, exp.train.num_steps)
     skip_nonfinite = exp.train.on_nonfinite == "skip"
     b, s = exp.data.batch_size, exp.data.seq_len
@@ -179,7 +180,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
                 lambda new, old: jnp.where(finite, new, old), (params, opt_state, nt),
                 (state["params"], state["opt_state"], state["non_trainable"]))
             metrics["skipped"] = jnp.where(finite, 0.0, 1.0)
-        load = expert_load(updated.get(base_layer.SUMMARIES, {}), nl, lpb)
+        load = expert_load(updated.get(base_layer.SUMMARIES, {}), nl, lpb, first_repeated)
         if load is not None:
             metrics["expert_load"] = load
             metrics["max_mean_load"] = max_mean_load(load)
