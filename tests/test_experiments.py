@@ -373,6 +373,7 @@ def test_first_k_dense_layers(repeat):
     class Dense1(experiments.Tiny):
         NUM_LAYERS, FIRST_K_DENSE, REPEAT = 3, 1, repeat
         BATCH_SIZE, SEQ_LEN = 8, 16
+        USE_EXPERT_BIAS, EXPERT_BIAS_UPDATE_RATE = True, 0.5
 
     cfg = Dense1().experiment_config()
     st = cfg.model.stacked_transformer_tpl
@@ -392,10 +393,20 @@ def test_first_k_dense_layers(repeat):
     assert dense["ff_layer"]["ffn_layer1"]["linear"]["w"].shape == (128, 128)
     with jax.set_mesh(prep.mesh):
         state = fns.init(jax.random.key(0))
-        _, m = fns.train(state, steps.put_batch(prep.dataset.train_batch(0), fns.batch_sharding))
+        new, m = fns.train(state, steps.put_batch(prep.dataset.train_batch(0), fns.batch_sharding))
     load = np.asarray(m["expert_load"])
     assert load.shape == (3, 8) and np.all(np.isnan(load[0]))
     np.testing.assert_allclose(load[1:].sum(1), 1.0, rtol=1e-5)
+    # every MoE layer's expert bias took one step of the rule on its own load (+-0.5 or 0)
+    nt = new["non_trainable"]["non_trainable"]["transformer"]
+    bias = np.asarray((nt["repeat"]["sub"]["x_layers_0"] if repeat else {
+        "ff_layer": {
+            "expert_bias": np.stack(
+                [nt[f"x_layers_{l}"]["ff_layer"]["expert_bias"] for l in (1, 2)])
+        }
+    })["ff_layer"]["expert_bias"])
+    assert bias.shape == (2, 8)
+    np.testing.assert_array_equal(bias, 0.5 * np.sign(load[1:].mean(1, keepdims=True) - load[1:]))
     with pytest.raises(ValueError,
                        match=r"first_k_dense=4 is invalid: an int in \[0, num_layers=3\]"):
         models.transformer_lm(model_dims=8,
