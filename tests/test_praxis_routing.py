@@ -218,3 +218,51 @@ def test_bias_update_in_the_layer_is_update_expert_bias_on_the_calls_counts():
                        match=r"MoEConfig.expert_bias_update_rate=0.1 .*use_expert_"
                        r"bias.*\(the layer's expert_bias_update_rate=0.1\)"):
         _init_layer(_moe_tpl(gating_func="topk", expert_bias_update_rate=0.1), x, pad)
+
+
+def test_expert_parallel_layer_with_every_option_matches_single_device():
+    """DP2 x EP2 (mesh_resources under jax.set_mesh, 4 CPU devices): sigmoid group-limited
+    routing, the expert bias and its update, routed scaling and a gated shared expert give
+    one device's output, summaries and updated bias (the update reads the global counts)."""
+    from moe_praxis import MeshResources
+
+    kw = dict(gating_func="topk",
+              score_func="sigmoid",
+              num_expert_groups=2,
+              group_topk=1,
+              use_expert_bias=True,
+              expert_bias_update_rate=0.01,
+              routed_scaling_factor=2.5,
+              num_shared_experts=1,
+              shared_expert_gate=True,
+              use_gated_activation=True)
+    tpl = _moe_tpl(**kw)
+    x, pad = _inputs(51, pad_from=5)
+    variables = _variables(tpl, x, pad, seed=52)
+    layer = base_layer.instantiate(tpl)
+    ep = base_layer.instantiate(_moe_tpl(**kw, mesh_resources=MeshResources(dp="data",
+                                                                            ep="expert")))
+
+    def f(lyr):
+
+        def g(v, x, pad):
+            with _ctx():
+                return lyr.apply(v, x, pad, mutable=[NT, base_layer.SUMMARIES])
+
+        return g
+
+    ref_y, ref = _jit(f(layer), variables, x, pad)(variables, x, pad)
+    mesh = jax.make_mesh((2, 2), ("data", "expert"),
+                         devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto, ) * 2)
+    with jax.set_mesh(mesh):
+        got_y, got = _jit(f(ep), variables, x, pad)(variables, x, pad)
+    assert _rel(got_y, ref_y) < 1e-5
+    np.testing.assert_array_equal(got[NT]["expert_bias"], ref[NT]["expert_bias"])
+    assert np.any(np.asarray(ref[NT]["expert_bias"]) != np.asarray(variables[NT]["expert_bias"]))
+    for name, value in ref[base_layer.SUMMARIES].items():
+        np.testing.assert_allclose(got[base_layer.SUMMARIES][name],
+                                   value,
+                                   rtol=1e-5,
+                                   atol=1e-7,
+                                   err_msg=name)
