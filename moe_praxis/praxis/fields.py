@@ -68,6 +68,20 @@ TOPK_ONLY = {
     "capacity_factor": None,
     "drop_policy": "position",
 }
+# moe_block's parameters (moe.param_shapes) -> the weight-sharding letter that shards each, in
+# the layer's creation order; None = replicated. emh's last entry also shards wi_gate_up's
+# interleaved 2H (whole units per shard). expert_bias is a NON_TRAINABLE variable, not here.
+VARIABLE_LETTERS = {
+    "router": "me",
+    "wi_gate": "emh",
+    "wi_up": "emh",
+    "wi_gate_up": "emh",
+    "wo": "ehm",
+    "shared_wi_gate": "mh",
+    "shared_wi_up": "mh",
+    "shared_wo": "hm",
+    "shared_gate": None,
+}
 WEIGHT_RANKS = {"me": 2, "emh": 3, "ehm": 3, "mh": 2, "hm": 2}
 ACTIVATION_RANKS = dict(gsm=3, gs=2, gsec=4, gecs=4, gec=3, egcm=4, egch=4, gecm=4)
 
@@ -145,7 +159,7 @@ def validate(layer) -> None:
     for group, ranks in (("weight", WEIGHT_RANKS), ("activation", ACTIVATION_RANKS)):
         mapping = getattr(layer, f"{group}_split_dims_mapping")
         for field, rank in ranks.items():
-            v = getattr(mapping, field)
+            v = getattr(mapping, field, None)  # a GShard template switched in place lacks ours
             if v is not None and len(v) != rank:
                 raise _setup_error(name, f"{group}_split_dims_mapping.{field}", v,
                                    f"must have {rank} entries")

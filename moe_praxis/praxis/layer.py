@@ -40,7 +40,7 @@ from moe_praxis.balancing import update_expert_bias
 from moe_praxis.moe import MoEOutput, moe_block, param_shapes
 from moe_praxis.praxis import compat
 from moe_praxis.praxis import fields
-from moe_praxis.praxis.gshard import capacity_and_groups
+from moe_praxis.praxis.gshard import capacity_and_groups, grouped_moe_block
 from moe_praxis.praxis.sharding import checked_weight_splits
 
 JTensor = base_layer.JTensor
@@ -67,9 +67,8 @@ class MoEFeedForward(base_layer.BaseLayer):
     gating_func: 'top2' (GShard top-2 with its per-group capacity, moe_praxis.praxis.gshard),
     'dense_top2' (GShard top-2, dropless) or 'topk' (top-k routed by the fields below).
 
-    Routing fields, honoured by gating_func='topk' only (each is the MoEConfig field of the
-    same name; 'top2' / 'dense_top2' route with their defaults, another value is an error at
-    setup):
+    Routing fields, each the MoEConfig field of its name, honoured by gating_func='topk' only
+    ('top2' / 'dense_top2' route with the defaults; another value is an error at setup):
       score_func: 'softmax' or 'sigmoid' (DeepSeek-V3).
       pre_softmax: softmax over all experts before top-k (True) or over the k selected.
       norm_topk: renormalise the k weights to sum to 1.
@@ -77,16 +76,14 @@ class MoEFeedForward(base_layer.BaseLayer):
         topk_group); not Praxis's token num_groups.
       use_expert_bias: the selection-only expert bias (DeepSeek-V3's auxiliary-loss-free
         balancing), a NON_TRAINABLE float32 variable `expert_bias` [E].
-      expert_bias_update_rate: u > 0 updates expert_bias in every training call (not in
-        eval) by moe_praxis.update_expert_bias on that call's global tokens_per_expert,
-        through Praxis's update_var; the trainer keeps the updated NON_TRAINABLE collection.
+      expert_bias_update_rate: u > 0 updates expert_bias in every training call (see
+        _update_expert_bias).
       routed_scaling_factor: multiplies the routing weights.
       capacity_factor: None = dropless; else MoEConfig's capacity per expert, dropping by
         drop_policy ('position' or 'weight').
-    Shared experts, with any gating_func (MoEConfig's num_shared_experts, shared_d_ff,
-    shared_expert_gate): num_shared_experts; shared_hidden_dims, their hidden width Hs (None =
-    num_shared_experts * hidden_dims); shared_expert_gate, Qwen2-MoE's sigmoid gate on their
-    output. Activation and gating as the routed experts'.
+    Shared experts, with any gating_func: num_shared_experts, shared_hidden_dims (Hs; None =
+    num_shared_experts * hidden_dims) and shared_expert_gate (Qwen2-MoE's sigmoid output gate),
+    MoEConfig's num_shared_experts, shared_d_ff and shared_expert_gate.
     """
 
     input_dims: int = 0
@@ -137,8 +134,7 @@ class MoEFeedForward(base_layer.BaseLayer):
     routed_scaling_factor: float = 1.0
     capacity_factor: Optional[float] = None
     drop_policy: str = "position"
-    # Shared experts (any gating_func): one dense FFN every token goes through, added to the
-    # routed output.
+    # Shared experts (any gating_func): a dense FFN added to the routed output.
     num_shared_experts: int = 0
     shared_hidden_dims: Optional[int] = None
     shared_expert_gate: bool = False
@@ -197,7 +193,7 @@ class MoEFeedForward(base_layer.BaseLayer):
             self.mesh_resources,
             self.mesh_axis_names,
             self.mesh_shape if self.ici_mesh_shape is not None else None,
-            {letter: getattr(wp, letter)
+            {letter: getattr(wp, letter, None)
              for letter in fields.WEIGHT_RANKS},
             num_experts=config.num_experts,
             d_model=config.d_model,
@@ -229,32 +225,19 @@ class MoEFeedForward(base_layer.BaseLayer):
                 return WeightInit.Uniform(math.sqrt(3.0 / fan_in))
             return WeightInit.Gaussian(1.0 / math.sqrt(fan_in))
 
-        # The variables are moe_block's parameters (moe.param_shapes), created in this order;
-        # emh's last entry also shards wi_gate_up's interleaved 2H (whole units per shard).
+        # The variables are moe_block's parameters (moe.param_shapes).
         shapes = param_shapes(config)
-        splits["replicated"] = [None, None]
-        letters = {
-            "router": "me",
-            "wi_gate": "emh",
-            "wi_up": "emh",
-            "wi_gate_up": "emh",
-            "wo": "ehm",
-            "shared_wi_gate": "mh",
-            "shared_wi_up": "mh",
-            "shared_wo": "hm",
-            "shared_gate": "replicated",
-        }
-        for name, letter in letters.items():
+        for name, letter in fields.VARIABLE_LETTERS.items():
             if name in shapes:  # fan-in: the contracted dimension, shape[-2]
                 self.create_variable(
                     name,
                     WeightHParams(shape=list(shapes[name]),
                                   init=init(shapes[name][-2]),
                                   mesh_shape=self.mesh_shape,
-                                  tensor_split_dims_mapping=splits[letter]))
+                                  tensor_split_dims_mapping=splits[letter] if letter else [None] *
+                                  len(shapes[name])))
         if "expert_bias" in shapes:
-            # Updated outside the gradient (DeepSeek-V3's rule, in __call__), so a
-            # NON_TRAINABLE variable: the optimizer never sees it, checkpoints keep it.
+            # Updated outside the gradient (_update_expert_bias): NON_TRAINABLE, never optimized.
             self.create_variable("expert_bias",
                                  WeightHParams(shape=list(shapes["expert_bias"]),
                                                init=WeightInit.Constant(0.0),
@@ -324,18 +307,7 @@ class MoEFeedForward(base_layer.BaseLayer):
         if self.aux_loss_type == "sequence":
             raise ValueError(f"MoEFeedForward {self.name!r}: aux_loss_type='sequence' needs "
                              f"whole sequences; GShard token groups ({groups}) split them")
-        # GShard 'top2' with several groups: each group routes (and fills its capacity) alone.
-        xg = x.reshape(groups, num_tokens // groups, x.shape[-1])
-        pg = (jnp.zeros(xg.shape[:2], x.dtype)
-              if paddings is None else paddings.reshape(xg.shape[:2]))
-        out = jax.lax.map(lambda a: moe_block(params, a[0], config, paddings=a[1]), (xg, pg))
-        return dataclasses.replace(out,
-                                   y=out.y.reshape(x.shape),
-                                   aux_loss=jnp.mean(out.aux_loss),
-                                   z_loss=jnp.mean(out.z_loss),
-                                   tokens_per_expert=jnp.sum(out.tokens_per_expert, axis=0),
-                                   dropped_tokens=jnp.sum(out.dropped_tokens),
-                                   router_entropy=jnp.mean(out.router_entropy))
+        return grouped_moe_block(params, x, config, groups, paddings)
 
     def _add_summaries(self, out: MoEOutput, paddings, num_tokens: int) -> None:
         """Scalar summaries (docs/praxis.md), from the block's own statistics."""
@@ -354,16 +326,15 @@ class MoEFeedForward(base_layer.BaseLayer):
 
     def _update_expert_bias(self, out: MoEOutput) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing, in training calls only:
-        expert_bias <- update_expert_bias(expert_bias, tokens_per_expert, rate), float32, on
-        the call's global counts (already reduced over every token axis), outside the
-        gradient. Praxis's update_var writes it only where NON_TRAINABLE is mutable (the
-        trainer's train step), so eval, decoding and init leave it as it is."""
+        expert_bias <- moe_praxis.update_expert_bias(expert_bias, tokens_per_expert, u), float32,
+        on the call's global counts (reduced over every token axis), outside the gradient.
+        Praxis's update_var writes only where NON_TRAINABLE is mutable (the trainer keeps the
+        updated collection), and eval skips it: eval, decoding and init leave the bias."""
         rate = self.moe_config.expert_bias_update_rate
-        if rate == 0 or self.do_eval:
-            return
-        counts = jax.lax.stop_gradient(out.tokens_per_expert)
-        bias = self.get_var("expert_bias")
-        self.update_var("expert_bias", update_expert_bias(bias, counts, rate))
+        if rate > 0 and not self.do_eval:
+            counts = jax.lax.stop_gradient(out.tokens_per_expert)
+            self.update_var("expert_bias",
+                            update_expert_bias(self.get_var("expert_bias"), counts, rate))
 
     def __call__(self,
                  inputs: JTensor,
