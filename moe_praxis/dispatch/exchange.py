@@ -15,9 +15,10 @@ the bound are not sent, count as overflow (dropped_tokens) and contribute zero.
 Received rows are regrouped by local expert (stable: source rank, then source order) for
 the experts, which the caller passes in as `experts(rows [N, M], keys [N], row_weights)`
 (keys: local expert of each row, El = an empty slot) returning [N, M] in the same slots.
-`overlap` (optional, no arguments) is independent work, such as the shared experts, that each
-exchange calls after issuing the dispatch exchange and before the experts consume its rows, so
-that its compute can hide the exchange's latency; its result is the third output.
+`overlap` (None, or a callable of no arguments) is independent work, such as the shared
+experts, that each exchange calls after issuing the dispatch exchange and before the experts
+consume its rows, so that its compute can hide the exchange's latency; its result is the
+third output.
 """
 
 from __future__ import annotations
@@ -127,15 +128,8 @@ def _overlapped(overlap):
     return overlap() if overlap is not None else None
 
 
-def padded_exchange(x,
-                    row_tok,
-                    w_sorted,
-                    send_mat,
-                    layout,
-                    config: MoEConfig,
-                    experts,
-                    backend,
-                    overlap=None):
+def padded_exchange(x, row_tok, w_sorted, send_mat, layout, config: MoEConfig, experts, backend, *,
+                    overlap):
     """One all_to_all of a [ep, C, M] buffer each way. Returns (y [Tl, M], overflow, overlap()
     or None): y in
     float32 where tp partial sums follow (the weights applied after the return trip), else in
@@ -200,15 +194,8 @@ def _ragged_move_bwd(out_rows, axes, vary, res, g):
 _ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
 
 
-def ragged_exchange(x,
-                    row_tok,
-                    w_sorted,
-                    send_mat,
-                    layout,
-                    config: MoEConfig,
-                    experts,
-                    backend,
-                    overlap=None):
+def ragged_exchange(x, row_tok, w_sorted, send_mat, layout, config: MoEConfig, experts, backend, *,
+                    overlap):
     """One ragged_all_to_all each way into a [B, M] buffer. Returns (y [Tl, M] f32, overflow,
     overlap() or None):
     the routing weights are applied after the return trip (see fuse_weights). Arguments as
