@@ -88,6 +88,8 @@ def test_train_writes_everything_and_loss_falls(tmp_path):
     assert [r["step"] for r in tr] == list(range(1, 41))
     assert all(r["tokens_per_sec"] > 0 and r["grad_norm"] > 0 for r in tr)
     assert all(0 < r["aux_loss"] < 1 for r in tr)  # the MoE aux loss reached total_loss
+    # each MoE layer's balance, max / mean of its expert load, between 1 and E = 8
+    assert all(1 <= r[f"max_mean_load_layer_{l}"] <= 8 for r in tr for l in (0, 1))
     np.testing.assert_allclose([r["loss"] - r["xent"] for r in tr], [r["aux_loss"] for r in tr],
                                rtol=1e-4,
                                atol=1e-6)
@@ -99,7 +101,8 @@ def test_train_writes_everything_and_loss_falls(tmp_path):
     tags = _tensorboard_tags(job / "tensorboard")
     assert {("train/loss", "simple_value"), ("train/tokens_per_sec", "simple_value"),
             ("train/aux_loss", "simple_value"), ("eval/heldout_loss", "simple_value"),
-            ("eval/heldout_perplexity", "simple_value"), ("expert_load/load", "image")} <= tags
+            ("eval/heldout_perplexity", "simple_value"), ("expert_load/load", "image"),
+            ("train/max_mean_load_layer_1", "simple_value")} <= tags
     assert sorted(int(d.name) for d in (job / "checkpoints").iterdir()
                   if d.name.isdigit()) == [20, 40]
     # --mode=eval restores the latest checkpoint and gets the last eval's numbers back.
