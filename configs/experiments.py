@@ -206,8 +206,23 @@ class SmallGpu(LanguageModel):
     MESH_SHAPE = (1, )
 
 
+class _Cluster(LanguageModel):
+    """What the multi-GPU presets share (not registered): a scanned, rematerialised stack in
+    bfloat16, 4096-byte sequences, 100k steps, a data x fsdp x expert mesh."""
+    REPEAT = True
+    REMAT = True
+    FPROP_DTYPE = "bfloat16"
+    SEQ_LEN = 4096
+    WARMUP_STEPS = 2000
+    NUM_STEPS = 100000
+    EVAL_EVERY = 1000
+    CHECKPOINT_EVERY = 1000
+    MESH_AXIS_NAMES = ("data", "fsdp", "expert")
+    DP, FSDP, EP = "data", "fsdp", "expert"
+
+
 @register
-class Mixtral8x7B(LanguageModel):
+class Mixtral8x7B(_Cluster):
     """Mixtral-8x7B layer shapes on 64 GPUs (dp2 x fsdp4 x ep8)."""
     VOCAB_SIZE = 32000
     NUM_LAYERS = 32
@@ -216,24 +231,14 @@ class Mixtral8x7B(LanguageModel):
     NUM_HEADS = 32
     NUM_EXPERTS = 8
     TOP_K = 2
-    REPEAT = True
-    REMAT = True
-    FPROP_DTYPE = "bfloat16"
-    SEQ_LEN = 4096
     BATCH_SIZE = 64
     LEARNING_RATE = 3e-4
-    WARMUP_STEPS = 2000
-    NUM_STEPS = 100000
-    EVAL_EVERY = 1000
-    CHECKPOINT_EVERY = 1000
     MESH_SHAPE = (2, 4, 8)
-    MESH_AXIS_NAMES = ("data", "fsdp", "expert")
-    DP, FSDP, EP = "data", "fsdp", "expert"
     FSDP_DIM = "model"  # 8 experts cannot be split over ep8 x fsdp4: fsdp shards d_model
 
 
 @register
-class DeepSeekV3(LanguageModel):
+class DeepSeekV3(_Cluster):
     """DeepSeek-V3 on 256 GPUs (fsdp8 x ep32): its MoE layer shapes and routing (sigmoid scores,
     8 expert groups of which 4 per token, the auxiliary-loss-free expert bias updated at
     0.001 a step, routed scaling 2.5, the k weights renormalised), 1 shared expert, the first 3
@@ -262,23 +267,14 @@ class DeepSeekV3(LanguageModel):
     # fine-grained experts (H=2048): the fused gate/up GEMM pays where H is small, with the
     # backward (docs/grouped_gemm.md, "Fused gate/up")
     FUSE_GATE_UP = True
-    REPEAT = True  # 3 dense layers, then 58 scanned MoE layers (DenseFirstRepeated)
-    REMAT = True
-    FPROP_DTYPE = "bfloat16"
-    SEQ_LEN = 4096
+    # REPEAT: 3 dense layers, then 58 scanned MoE layers (DenseFirstRepeated)
     BATCH_SIZE = 256
     LEARNING_RATE = 2.2e-4
-    WARMUP_STEPS = 2000
-    NUM_STEPS = 100000
-    EVAL_EVERY = 1000
-    CHECKPOINT_EVERY = 1000
     MESH_SHAPE = (1, 8, 32)
-    MESH_AXIS_NAMES = ("data", "fsdp", "expert")
-    DP, FSDP, EP = "data", "fsdp", "expert"
 
 
 @register
-class Qwen3Moe(LanguageModel):
+class Qwen3Moe(_Cluster):
     """Qwen3-30B-A3B's MoE shapes and routing (128 fine-grained experts of H=768, top-8,
     softmax with the 8 weights renormalised, no shared expert, every layer MoE) on 32 GPUs
     (fsdp4 x ep8). Plain multi-head attention stands in for its grouped-query attention with
@@ -296,19 +292,9 @@ class Qwen3Moe(LanguageModel):
     NORM_TOPK = True
     AUX_LOSS_COEFF = 1e-3
     FUSE_GATE_UP = True
-    REPEAT = True
-    REMAT = True
-    FPROP_DTYPE = "bfloat16"
-    SEQ_LEN = 4096
     BATCH_SIZE = 128
     LEARNING_RATE = 3e-4
-    WARMUP_STEPS = 2000
-    NUM_STEPS = 100000
-    EVAL_EVERY = 1000
-    CHECKPOINT_EVERY = 1000
     MESH_SHAPE = (1, 4, 8)
-    MESH_AXIS_NAMES = ("data", "fsdp", "expert")
-    DP, FSDP, EP = "data", "fsdp", "expert"
 
 
 GPU_PRESETS = (SmallGpu, Mixtral8x7B, DeepSeekV3, Qwen3Moe)
