@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_praxis as mp
@@ -193,6 +193,25 @@ def test_param_shapes_and_init():
         params_lib.check_params(bad, cfg)
 
 
+def test_shared_checkpoint_names_are_saved(capsys):
+    """save_only_these_names with the shared branch's documented names (docs/config.md) saves
+    residuals of exactly those names and shapes: the activation [T, Hs] and the output [T, M]
+    (the loss sum(y^2) needs y in its backward)."""
+    cfg = _cfg(num_shared_experts=1)
+    params, x, _, _ = _inputs(cfg, _seed())
+    policy = jax.checkpoint_policies.save_only_these_names("moe_shared_ffn1", "moe_shared_ffn2")
+    f = jax.checkpoint(lambda p, x: jnp.sum(mp.moe_block(p, x, cfg).y**2), policy=policy)
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(f, params, x)
+    lines = capsys.readouterr().out.splitlines()
+    named = {l.split(" from ")[0] for l in lines if "named '" in l}
+    t = x.size // D_MODEL
+    want = {
+        f"f32[{t},{D_FF}] named 'moe_shared_ffn1'", f"f32[{t},{D_MODEL}] named 'moe_shared_ffn2'"
+    }
+    assert named == want, lines
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(num_shared_experts=-1), r"num_shared_experts=-1 is invalid: must be an int >= 0"),
     (dict(num_shared_experts=1.0), r"num_shared_experts=1.0 is invalid"),
@@ -314,3 +333,26 @@ def test_shared_experts_mesh_matrix_equals_single_device(mesh_name, matrix_case)
         assert set(gp) == set(rp) and any(k.startswith("shared_") for k in gp), m
         if "expert_bias" in gp:  # selection only: no gradient on either side
             assert float(jnp.max(jnp.abs(gp["expert_bias"]))) == 0.0, m
+
+
+@pytest.mark.slow
+def test_shared_experts_on_explicit_axes_with_weights_placed_by_the_layout(matrix_case):
+    """Explicit mesh axes (jax.make_mesh) and every parameter placed with its
+    EPLayout.weight_specs sharding (shared_wi_* P(fsdp, tp), shared_wo P(tp, fsdp)): the
+    same outputs and gradients as one device."""
+    seed, (all_params, x, paddings, cot), ref = matrix_case
+    shape, names, kw = MESHES["ep2xtp2xfsdp2"]
+    mesh = jax.make_mesh(shape,
+                         names,
+                         devices=jax.devices("cpu")[:math.prod(shape)],
+                         axis_types=(jax.sharding.AxisType.Explicit, ) * len(shape))
+    res = mp.MeshResources(**kw)
+    specs = mp.ep_bootstrap(mesh, res, 8).weight_specs
+    placed = [{
+        k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+        for k, v in p.items()
+    } for p in all_params]
+    assert placed[1]["shared_wo"].sharding.spec == P("tp", "fsdp")
+    got = _loss_and_grads(MATRIX_CONFIGS, mesh, res)(placed, x, paddings, cot)
+    for g, r, cfg in zip(got, ref, MATRIX_CONFIGS):
+        test_ep._compare_one(g, r, f"seed={seed} explicit ep2xtp2xfsdp2 cfg={cfg}")
