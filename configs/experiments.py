@@ -12,9 +12,13 @@ Presets:
   SmallGpu      ~0.4B params (8 experts, 8 layers); one GPU.
   Mixtral8x7B   Mixtral-8x7B layer shapes (M=4096, H=14336, E=8, k=2, 32 layers, 32 heads,
                 vocab 32000); 64 GPUs as dp2 x fsdp4 x ep8 (fsdp on d_model).
-  DeepSeekV3    DeepSeek-V3 MoE layer shapes (M=7168, expert H=2048, E=256, k=8, 61 layers,
-                128 heads of 128, vocab 129280; sigmoid-free softmax routing and plain
-                multi-head attention stand in for its MLA); 256 GPUs as fsdp8 x ep32.
+  DeepSeekV3    DeepSeek-V3 (M=7168, expert H=2048, E=256, k=8, 61 layers of which the first
+                3 dense, 128 heads of 128, vocab 129280; sigmoid group-limited routing with
+                the trained expert bias, 1 shared expert; plain multi-head attention stands
+                in for its MLA); 256 GPUs as fsdp8 x ep32.
+  Qwen3Moe      Qwen3-30B-A3B's MoE (M=2048, E=128 of H=768, k=8, softmax with norm_topk,
+                no shared expert, 48 layers; plain multi-head attention stands in for its
+                GQA); 32 GPUs as fsdp4 x ep8.
 """
 
 from __future__ import annotations
@@ -47,6 +51,19 @@ class LanguageModel:
     FPROP_DTYPE = "float32"
     REMAT = False
     FUSE_GATE_UP = False  # MoEFeedForward.fuse_gate_up (one wi_gate_up weight, fused GEMM)
+    AUX_LOSS_TYPE = "switch"
+    # DeepSeek-V3's first_k_dense_replace: layers [0, k) dense, a dense FFN of HIDDEN_DIMS.
+    FIRST_K_DENSE = 0
+    # Routing and shared experts of the MoE layers (MoEFeedForward fields, gating_func='topk').
+    SCORE_FUNC = "softmax"
+    NORM_TOPK = True
+    NUM_EXPERT_GROUPS = 1
+    GROUP_TOPK = 1
+    USE_EXPERT_BIAS = False
+    EXPERT_BIAS_UPDATE_RATE = 0.0
+    ROUTED_SCALING_FACTOR = 1.0
+    NUM_SHARED_EXPERTS = 0
+    SHARED_HIDDEN_DIMS: Optional[int] = None
     # Data.
     DATA_SOURCE = "pydoc"
     DATA_PATH: Optional[str] = None
@@ -91,7 +108,22 @@ class LanguageModel:
                                      repeat=self.REPEAT,
                                      fprop_dtype=self.FPROP_DTYPE,
                                      remat=self.REMAT,
-                                     fuse_gate_up=self.FUSE_GATE_UP)
+                                     fuse_gate_up=self.FUSE_GATE_UP,
+                                     first_k_dense=self.FIRST_K_DENSE,
+                                     aux_loss_type=self.AUX_LOSS_TYPE,
+                                     moe_fields=self.moe_fields())
+
+    def moe_fields(self) -> dict:
+        """The MoE layers' routing and shared-expert fields, from the knobs."""
+        return dict(score_func=self.SCORE_FUNC,
+                    norm_topk=self.NORM_TOPK,
+                    num_expert_groups=self.NUM_EXPERT_GROUPS,
+                    group_topk=self.GROUP_TOPK,
+                    use_expert_bias=self.USE_EXPERT_BIAS,
+                    expert_bias_update_rate=self.EXPERT_BIAS_UPDATE_RATE,
+                    routed_scaling_factor=self.ROUTED_SCALING_FACTOR,
+                    num_shared_experts=self.NUM_SHARED_EXPERTS,
+                    shared_hidden_dims=self.SHARED_HIDDEN_DIMS)
 
     def data(self) -> fdl.Config:
         return fdl.Config(base.DataConfig,
@@ -174,8 +206,23 @@ class SmallGpu(LanguageModel):
     MESH_SHAPE = (1, )
 
 
+class _Cluster(LanguageModel):
+    """What the multi-GPU presets share (not registered): a scanned, rematerialised stack in
+    bfloat16, 4096-byte sequences, 100k steps, a data x fsdp x expert mesh."""
+    REPEAT = True
+    REMAT = True
+    FPROP_DTYPE = "bfloat16"
+    SEQ_LEN = 4096
+    WARMUP_STEPS = 2000
+    NUM_STEPS = 100000
+    EVAL_EVERY = 1000
+    CHECKPOINT_EVERY = 1000
+    MESH_AXIS_NAMES = ("data", "fsdp", "expert")
+    DP, FSDP, EP = "data", "fsdp", "expert"
+
+
 @register
-class Mixtral8x7B(LanguageModel):
+class Mixtral8x7B(_Cluster):
     """Mixtral-8x7B layer shapes on 64 GPUs (dp2 x fsdp4 x ep8)."""
     VOCAB_SIZE = 32000
     NUM_LAYERS = 32
@@ -184,54 +231,73 @@ class Mixtral8x7B(LanguageModel):
     NUM_HEADS = 32
     NUM_EXPERTS = 8
     TOP_K = 2
-    REPEAT = True
-    REMAT = True
-    FPROP_DTYPE = "bfloat16"
-    SEQ_LEN = 4096
     BATCH_SIZE = 64
     LEARNING_RATE = 3e-4
-    WARMUP_STEPS = 2000
-    NUM_STEPS = 100000
-    EVAL_EVERY = 1000
-    CHECKPOINT_EVERY = 1000
     MESH_SHAPE = (2, 4, 8)
-    MESH_AXIS_NAMES = ("data", "fsdp", "expert")
-    DP, FSDP, EP = "data", "fsdp", "expert"
     FSDP_DIM = "model"  # 8 experts cannot be split over ep8 x fsdp4: fsdp shards d_model
 
 
 @register
-class DeepSeekV3(LanguageModel):
-    """DeepSeek-V3 MoE layer shapes on 256 GPUs (fsdp8 x ep32)."""
+class DeepSeekV3(_Cluster):
+    """DeepSeek-V3 on 256 GPUs (fsdp8 x ep32): its MoE layer shapes and routing (sigmoid scores,
+    8 expert groups of which 4 per token, the auxiliary-loss-free expert bias updated at
+    0.001 a step, routed scaling 2.5, the k weights renormalised), 1 shared expert, the first 3
+    layers dense. Plain multi-head attention stands in for its MLA."""
     VOCAB_SIZE = 129280
     NUM_LAYERS = 61
     MODEL_DIMS = 7168
-    HIDDEN_DIMS = 18432
+    HIDDEN_DIMS = 18432  # the dense layers' FFN
     MOE_HIDDEN_DIMS = 2048
     NUM_HEADS = 128
     DIM_PER_HEAD = 128
     NUM_EXPERTS = 256
     TOP_K = 8
+    FIRST_K_DENSE = 3
+    SCORE_FUNC = "sigmoid"
+    NORM_TOPK = True
+    NUM_EXPERT_GROUPS = 8
+    GROUP_TOPK = 4
+    USE_EXPERT_BIAS = True
+    EXPERT_BIAS_UPDATE_RATE = 1e-3
+    ROUTED_SCALING_FACTOR = 2.5
+    NUM_SHARED_EXPERTS = 1  # of width MOE_HIDDEN_DIMS
+    # its complementary sequence-wise balance loss, alpha = 0.0001
+    AUX_LOSS_TYPE = "sequence"
     AUX_LOSS_COEFF = 1e-4
     # fine-grained experts (H=2048): the fused gate/up GEMM pays where H is small, with the
     # backward (docs/grouped_gemm.md, "Fused gate/up")
     FUSE_GATE_UP = True
-    REPEAT = True
-    REMAT = True
-    FPROP_DTYPE = "bfloat16"
-    SEQ_LEN = 4096
+    # REPEAT: 3 dense layers, then 58 scanned MoE layers (DenseFirstRepeated)
     BATCH_SIZE = 256
     LEARNING_RATE = 2.2e-4
-    WARMUP_STEPS = 2000
-    NUM_STEPS = 100000
-    EVAL_EVERY = 1000
-    CHECKPOINT_EVERY = 1000
     MESH_SHAPE = (1, 8, 32)
-    MESH_AXIS_NAMES = ("data", "fsdp", "expert")
-    DP, FSDP, EP = "data", "fsdp", "expert"
 
 
-GPU_PRESETS = (SmallGpu, Mixtral8x7B, DeepSeekV3)
+@register
+class Qwen3Moe(_Cluster):
+    """Qwen3-30B-A3B's MoE shapes and routing (128 fine-grained experts of H=768, top-8,
+    softmax with the 8 weights renormalised, no shared expert, every layer MoE) on 32 GPUs
+    (fsdp4 x ep8). Plain multi-head attention stands in for its grouped-query attention with
+    q/k norms."""
+    VOCAB_SIZE = 151936
+    NUM_LAYERS = 48
+    MODEL_DIMS = 2048
+    HIDDEN_DIMS = 6144
+    MOE_HIDDEN_DIMS = 768
+    NUM_HEADS = 32
+    DIM_PER_HEAD = 128
+    NUM_EXPERTS = 128
+    TOP_K = 8
+    SCORE_FUNC = "softmax"
+    NORM_TOPK = True
+    AUX_LOSS_COEFF = 1e-3
+    FUSE_GATE_UP = True
+    BATCH_SIZE = 128
+    LEARNING_RATE = 3e-4
+    MESH_SHAPE = (1, 4, 8)
+
+
+GPU_PRESETS = (SmallGpu, Mixtral8x7B, DeepSeekV3, Qwen3Moe)
 
 # ------------------------------------------------------------ --fdl_config=NAME entry points
 
@@ -259,6 +325,11 @@ def mixtral_8x7b() -> pax_fiddle.Config:
 def deepseek_v3() -> pax_fiddle.Config:
     """The DeepSeekV3 experiment."""
     return DeepSeekV3().experiment_config()
+
+
+def qwen3_moe() -> pax_fiddle.Config:
+    """The Qwen3Moe experiment."""
+    return Qwen3Moe().experiment_config()
 
 
 def use_synthetic_data(cfg: pax_fiddle.Config) -> None:

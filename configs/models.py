@@ -14,6 +14,8 @@ from praxis import pax_fiddle
 from praxis.layers import activations, embedding_softmax, normalizations, transformer_models
 from praxis.layers import transformers
 
+from moe_praxis.praxis.stack import DenseFirstRepeated
+
 
 def moe_layer_class():
     """The MoE feed-forward layer class used by every preset."""
@@ -25,10 +27,17 @@ def moe_layer_tpl(*,
                   moe_hidden_dims: int,
                   aux_loss_coeff: float,
                   gated: bool = True,
-                  fuse_gate_up: bool = False) -> pax_fiddle.Config:
+                  fuse_gate_up: bool = False,
+                  aux_loss_type: str = "switch",
+                  **layer_fields) -> pax_fiddle.Config:
     """The template StackedTransformer copies into each MoE layer (it sets num_experts,
-    num_groups, min_group_size and gating_func itself): dropless softmax top-k routing
-    ('topk'), SwiGLU experts, the Switch load-balancing loss."""
+    num_groups, min_group_size and gating_func itself): top-k routing ('topk', dropless softmax
+    unless layer_fields say otherwise), SwiGLU experts, the Switch load-balancing loss.
+
+    layer_fields: further MoEFeedForward fields (the routing options and shared experts:
+    score_func, num_expert_groups, group_topk, use_expert_bias, expert_bias_update_rate,
+    routed_scaling_factor, norm_topk, num_shared_experts, shared_hidden_dims, ...), validated
+    by the layer's MoEConfig when it is set up."""
     tpl = pax_fiddle.Config(moe_layer_class(), name="moe")
     tpl.hidden_dims = moe_hidden_dims
     tpl.use_gated_activation = gated
@@ -36,7 +45,12 @@ def moe_layer_tpl(*,
     tpl.activation_tpl = pax_fiddle.Config(activations.SiLU)
     tpl.moe_load_balance_loss_weight = aux_loss_coeff
     tpl.num_experts_per_token = top_k
-    tpl.aux_loss_type = "switch"
+    tpl.aux_loss_type = aux_loss_type
+    for name, value in layer_fields.items():
+        if not hasattr(tpl, name):
+            raise ValueError(f"moe_layer_tpl: {name}={value!r}: MoEFeedForward has no field "
+                             f"{name!r}")
+        setattr(tpl, name, value)
     return tpl
 
 
@@ -58,12 +72,20 @@ def transformer_lm(
     remat: bool = False,
     norm: str = "rms",
     fuse_gate_up: bool = False,
+    first_k_dense: int = 0,
+    aux_loss_type: str = "switch",
+    moe_fields: Optional[dict] = None,
 ) -> pax_fiddle.Config:
     """A decoder-only LM: tied byte embedding/softmax, rotary attention, pre-norm blocks.
 
-    moe_layers: indices of the MoE layers (None = every layer). With ``repeat=True`` the stack
-      is a ``StackedTransformerRepeated`` of ``num_layers`` identical one-layer blocks (scanned:
-      one trace for any depth), so every layer is MoE and ``moe_layers`` must be None.
+    moe_layers: indices of the MoE layers (None = every layer but the first ``first_k_dense``).
+    first_k_dense: DeepSeek-V3's ``first_k_dense_replace``: layers [0, first_k_dense) are dense
+      (a gated FFN of ``hidden_dims``), the rest MoE; written as Praxis's ``moe_layers``.
+    With ``repeat=True`` the stack is a ``StackedTransformerRepeated`` of ``num_layers``
+      identical one-layer MoE blocks (scanned: one trace for any depth), ``moe_layers`` must be
+      None; with ``first_k_dense`` too it is ``moe_praxis.praxis.stack.DenseFirstRepeated``:
+      that many dense layers, then ``num_layers - first_k_dense`` scanned MoE blocks.
+    moe_fields: MoEFeedForward fields for the MoE layers (``moe_layer_tpl``'s layer_fields).
     Returns pax_fiddle.Config[TransformerLm]; inputs [B, S] int32 -> logits [B, S, V].
     """
     import jax.numpy as jnp
@@ -71,6 +93,12 @@ def transformer_lm(
     if fprop_dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"fprop_dtype={fprop_dtype!r} is invalid; valid: 'float32', "
                          "'bfloat16', 'float16'")
+    if not isinstance(first_k_dense, int) or not 0 <= first_k_dense <= num_layers:
+        raise ValueError(f"first_k_dense={first_k_dense!r} is invalid: an int in [0, "
+                         f"num_layers={num_layers}]")
+    if first_k_dense and moe_layers is not None:
+        raise ValueError(f"first_k_dense={first_k_dense} and moe_layers={moe_layers!r} both "
+                         "say which layers are MoE; set one of them")
     dtype = getattr(jnp, fprop_dtype)  # the scalar type, as Praxis writes it (serializable)
     lm = pax_fiddle.Config(transformer_models.TransformerLm,
                            name="lm",
@@ -106,7 +134,9 @@ def transformer_lm(
     moe = moe_layer_tpl(top_k=top_k,
                         moe_hidden_dims=moe_hidden_dims or hidden_dims,
                         aux_loss_coeff=aux_loss_coeff,
-                        fuse_gate_up=fuse_gate_up)
+                        fuse_gate_up=fuse_gate_up,
+                        aux_loss_type=aux_loss_type,
+                        **(moe_fields or {}))
     if norm == "rms":
         moe.ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
     block.moe_layer_tpl = moe
@@ -114,15 +144,22 @@ def transformer_lm(
     if repeat:
         if moe_layers is not None:
             raise ValueError(f"moe_layers={moe_layers!r} needs repeat=False: a repeated stack "
-                             "makes every layer MoE")
+                             "makes every layer MoE (first_k_dense makes the first ones dense)")
         block.num_layers = 1
         block.moe_layers = [0]
-        stack = pax_fiddle.Config(transformers.StackedTransformerRepeated,
-                                  block=block,
-                                  x_times=num_layers)
+        if first_k_dense:
+            stack = pax_fiddle.Config(DenseFirstRepeated,
+                                      block=block,
+                                      x_times=num_layers - first_k_dense,
+                                      first_k_dense=first_k_dense)
+        else:
+            stack = pax_fiddle.Config(transformers.StackedTransformerRepeated,
+                                      block=block,
+                                      x_times=num_layers)
     else:
         block.num_layers = num_layers
-        block.moe_layers = list(range(num_layers)) if moe_layers is None else list(moe_layers)
+        block.moe_layers = (list(range(first_k_dense, num_layers))
+                            if moe_layers is None else list(moe_layers))
         stack = block
     lm.stacked_transformer_tpl = stack
     return lm
@@ -134,8 +171,14 @@ def stack_block(lm: pax_fiddle.Config) -> pax_fiddle.Config:
     return st.block if hasattr(st, "block") and hasattr(st, "x_times") else st
 
 
+def first_repeated_layer(lm: pax_fiddle.Config) -> int:
+    """The index of the first layer of the repeats (the dense layers before a
+    DenseFirstRepeated's repeats; 0 for any other stack)."""
+    return getattr(lm.stacked_transformer_tpl, "first_k_dense", 0)
+
+
 def num_layers(lm: pax_fiddle.Config) -> int:
     st = lm.stacked_transformer_tpl
     if hasattr(st, "x_times"):
-        return st.x_times * st.block.num_layers
+        return first_repeated_layer(lm) + st.x_times * st.block.num_layers
     return st.num_layers

@@ -3,7 +3,8 @@
 ``annotate(cfg)`` writes Praxis's canonical sharding into ``cfg.model`` (dense weights over fsdp
 and tp, activations' batch over the token axes: ``TransformerLm.set_sharding_params_v1``) and
 gives the MoE layers the mesh's ``MeshResources`` and the expert-weight split mappings
-``me`` / ``emh`` / ``ehm`` of ``EPLayout.weight_specs``. It runs when the experiment config is
+``me`` / ``emh`` / ``ehm`` (and the shared experts' ``mh`` / ``hm``) of
+``EPLayout.weight_specs``. It runs when the experiment config is
 built (``LanguageModel.experiment_config``) and again in the fiddlers that change the mesh
 (``configs.experiments.use_mesh`` and friends), so it is part of the config: a later
 ``--fdl.model....weight_split_dims_mapping.emh=...`` override replaces what it wrote, and the
@@ -72,3 +73,6 @@ def annotate(cfg: pax_fiddle.Config) -> None:
     moe.weight_split_dims_mapping.me = list(specs["router"])
     moe.weight_split_dims_mapping.emh = list(specs["wi_up"])
     moe.weight_split_dims_mapping.ehm = list(specs["wo"])
+    if moe.num_shared_experts:  # the shared experts: a dense FFN's sharding
+        moe.weight_split_dims_mapping.mh = list(specs["shared_wi_up"])
+        moe.weight_split_dims_mapping.hm = list(specs["shared_wo"])

@@ -4,7 +4,8 @@
   that restores: ``experiments.checkpoints``) the state with explicit shardings
   (``experiments.steps``);
 - runs the jitted train steps, every ``eval_every`` steps the held-out loss and perplexity;
-- writes ``metrics.jsonl`` and TensorBoard events, checkpoints every ``checkpoint_every``
+- writes ``metrics.jsonl`` and TensorBoard events (per MoE layer l, ``max_mean_load_layer_l``:
+  max / mean of its expert load), checkpoints every ``checkpoint_every``
   steps, at the end and on SIGTERM/SIGINT, and draws ``summary.png`` (loss curves and the
   expert-load heatmap, layers x experts) when it finishes (``experiments.metrics``);
 - stops without saving at a step whose loss or gradient norm is not finite
@@ -26,7 +27,7 @@ import numpy as np
 
 from experiments import data as data_lib
 from experiments.checkpoints import Checkpoints, NonFiniteState
-from experiments.metrics import MetricsWriter, plot_summary
+from experiments.metrics import MetricsWriter, layer_scalars, plot_summary
 from experiments.setup import Prepared
 from experiments.steps import make_step_fns, put_batch
 
@@ -173,7 +174,10 @@ class Trainer:
                     tps = tokens / max(now - t_prev, 1e-9)
                     t_prev = now
                     load = metrics.pop("expert_load", None)
+                    balance = metrics.pop("max_mean_load", None)
                     last = {k: float(v) for k, v in metrics.items()}
+                    if balance is not None:
+                        last.update(layer_scalars("max_mean_load", balance))
                     last["tokens_per_sec"] = tps
                     writer.write("train", step, last)
                     bad = [k for k in ("loss", "grad_norm") if not math.isfinite(last[k])]

@@ -23,13 +23,14 @@ def _flat_summaries(tree, prefix=()):
         yield prefix, tree
 
 
-def expert_load(summaries, num_layers: int, layers_per_block: int = 1):
+def expert_load(summaries, num_layers: int, layers_per_block: int = 1, first_repeated: int = 0):
     """[num_layers, E] fraction of routed token copies per expert, from the layers'
     ``moe_expert_load_{e}`` summaries (rows of dense layers are NaN); None if there are none.
 
     StackedTransformer: layer l's summaries sit under ``x_layers_{l}``. The repeated stack
-    stacks its block's summaries along a leading repeat dimension: layer = repeat index *
-    layers_per_block + the index inside the block."""
+    stacks its block's summaries along a leading repeat dimension: layer = first_repeated +
+    repeat index * layers_per_block + the index inside the block (first_repeated: the dense
+    layers of a DenseFirstRepeated before its repeats, which hold no MoE layer)."""
     found = {}
     for path, v in _flat_summaries(summaries):
         m = _LOAD_RE.search(path[-1])
@@ -42,13 +43,28 @@ def expert_load(summaries, num_layers: int, layers_per_block: int = 1):
             found[(inner, e)] = vals[0]
         else:
             for r in range(vals.shape[0]):
-                found[(r * layers_per_block + inner, e)] = vals[r]
+                found[(first_repeated + r * layers_per_block + inner, e)] = vals[r]
     if not found:
         return None
     num_e = max(e for _, e in found) + 1
     rows = [[found.get((li, e), jnp.float32(jnp.nan)) for e in range(num_e)]
             for li in range(num_layers)]
     return jnp.asarray(rows, jnp.float32)
+
+
+def max_mean_load(load):
+    """[num_layers] max over experts / mean over experts of each layer's load (``expert_load``'s
+    rows): 1 = balanced, E = every copy on one expert; NaN for a dense layer. DeepSeek-V3's
+    expert bias drives it towards 1."""
+    return jnp.max(load, axis=1) / jnp.mean(load, axis=1)
+
+
+def layer_scalars(name: str, per_layer) -> dict:
+    """{f'{name}_layer_{l}': value} for the layers whose value is finite (the MoE layers)."""
+    return {
+        f"{name}_layer_{l}": float(v)
+        for l, v in enumerate(np.asarray(per_layer)) if np.isfinite(v)
+    }
 
 
 class MetricsWriter:

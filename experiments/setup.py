@@ -119,12 +119,17 @@ def _check_sharding(model_cfg: pax_fiddle.Config, mesh_cfg: base.MeshConfig, mes
         raise ConfigError(f"--fdl.mesh: the MoE layers' mesh_resources {moe_resources} are not "
                           f"the mesh's {mesh_cfg.resources}: {fix}")
     mesh = jax.sharding.AbstractMesh(tuple(mesh_shape), tuple(mesh_cfg.axis_names))
+    moe = block.moe_layer_tpl
+    d_ff = moe.hidden_dims or block.hidden_dims
+    shared_d_ff = (moe.shared_hidden_dims or moe.num_shared_experts * d_ff
+                   if moe.num_shared_experts else None)
     try:  # resources.py is the one place that interprets the roles
         return moe_praxis.ep_bootstrap(mesh,
                                        mesh_cfg.resources,
                                        block.num_experts,
                                        d_model=model_cfg.model_dims,
-                                       d_ff=block.moe_layer_tpl.hidden_dims or block.hidden_dims)
+                                       d_ff=d_ff,
+                                       shared_d_ff=shared_d_ff)
     except ValueError as e:
         raise ConfigError(f"--fdl.mesh: {e}") from e
 

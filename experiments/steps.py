@@ -5,7 +5,9 @@
   every token axis (dp, fsdp, ep).
 - A train step: loss = TransformerLm's ``total_loss`` = mean next-byte cross-entropy + every aux
   loss the layers registered (``mutable=[aux_loss, summaries, non_trainable]``), global-norm
-  clipping, AdamW. With ``train.on_nonfinite='skip'`` a step whose loss or gradient norm is not
+  clipping, AdamW. The NON_TRAINABLE collection the forward pass updated (``update_var``: the
+  MoE layers' expert bias, DeepSeek-V3's rule on the step's global token counts) replaces the
+  state's, once per optimizer step and outside the gradient; eval steps update nothing. With ``train.on_nonfinite='skip'`` a step whose loss or gradient norm is not
   finite returns the state it was given (step + 1) and ``skipped=1`` in its metrics.
 """
 
@@ -22,7 +24,7 @@ import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
 from praxis import base_layer, py_utils
 
 from configs import base, models
-from experiments.metrics import expert_load
+from experiments.metrics import expert_load, max_mean_load
 from experiments.setup import Prepared
 
 P = jax.sharding.PartitionSpec
@@ -72,6 +74,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
     exp, model, mesh = prep.config, prep.model, prep.mesh
     nl = models.num_layers(prep.model_config)
     lpb = models.stack_block(prep.model_config).num_layers
+    first_repeated = models.first_repeated_layer(prep.model_config)
     tx, schedule = make_optimizer(exp.optimizer, exp.train.num_steps)
     skip_nonfinite = exp.train.on_nonfinite == "skip"
     b, s = exp.data.batch_size, exp.data.seq_len
@@ -177,9 +180,10 @@ def make_step_fns(prep: Prepared) -> StepFns:
                 lambda new, old: jnp.where(finite, new, old), (params, opt_state, nt),
                 (state["params"], state["opt_state"], state["non_trainable"]))
             metrics["skipped"] = jnp.where(finite, 0.0, 1.0)
-        load = expert_load(updated.get(base_layer.SUMMARIES, {}), nl, lpb)
+        load = expert_load(updated.get(base_layer.SUMMARIES, {}), nl, lpb, first_repeated)
         if load is not None:
             metrics["expert_load"] = load
+            metrics["max_mean_load"] = max_mean_load(load)
         new_state = {
             "step": step + 1,
             "params": params,

@@ -351,6 +351,70 @@ def test_expert_load_from_summaries_stacked_and_repeated():
     }
     np.testing.assert_allclose(np.asarray(metrics.expert_load(repeated, 3)), loads, rtol=1e-6)
     assert metrics.expert_load({"a": {"b_scalar": 1.0}}, 2) is None
+    # DenseFirstRepeated: 1 dense layer before the repeats
+    got = np.asarray(metrics.expert_load(repeated, 4, 1, 1))
+    np.testing.assert_allclose(got[1:], loads, rtol=1e-6)
+    assert np.all(np.isnan(got[0]))
+    mm = np.asarray(metrics.max_mean_load(metrics.expert_load(stacked, 3)))
+    np.testing.assert_allclose(mm[[0, 2]], loads[[0, 2]].max(1) / loads[[0, 2]].mean(1), rtol=1e-6)
+    assert np.isnan(mm[1])
+
+
+@pytest.mark.parametrize("repeat", [False, True], ids=["stacked", "repeated"])
+def test_first_k_dense_layers(repeat):
+    """FIRST_K_DENSE=1 on a 3-layer Tiny: layer 0 has a dense FFN (no router), layers 1 and 2
+    are MoE, unrolled (moe_layers=[1, 2]) or as 1 dense layer + 2 scanned MoE repeats
+    (DenseFirstRepeated); a train step's expert load has a NaN row for the dense layer."""
+    import jax
+
+    from configs import models
+    from moe_praxis.praxis.stack import DenseFirstRepeated
+
+    class Dense1(experiments.Tiny):
+        NUM_LAYERS, FIRST_K_DENSE, REPEAT = 3, 1, repeat
+        BATCH_SIZE, SEQ_LEN = 8, 16
+        USE_EXPERT_BIAS, EXPERT_BIAS_UPDATE_RATE = True, 0.5
+
+    cfg = Dense1().experiment_config()
+    st = cfg.model.stacked_transformer_tpl
+    assert models.num_layers(cfg.model) == 3
+    assert (st.__fn_or_cls__ is DenseFirstRepeated) == repeat
+    prep = setup.prepare(cfg)
+    fns = steps.make_step_fns(prep)
+    params = fns.abstract_state["params"]["transformer"]
+    if repeat:
+        dense, moe = params["dense"]["x_layers_0"], params["repeat"]["sub"]["x_layers_0"]
+        assert moe["ff_layer"]["router"].shape == (2, 128, 8)
+        assert "dense" not in params["repeat"]["sub"]
+    else:
+        dense, moe = params["x_layers_0"], params["x_layers_1"]
+        assert "router" in params["x_layers_2"]["ff_layer"]
+    assert "router" not in dense["ff_layer"] and "router" in moe["ff_layer"]
+    assert dense["ff_layer"]["ffn_layer1"]["linear"]["w"].shape == (128, 128)
+    with jax.set_mesh(prep.mesh):
+        state = fns.init(jax.random.key(0))
+        new, m = fns.train(state, steps.put_batch(prep.dataset.train_batch(0), fns.batch_sharding))
+    load = np.asarray(m["expert_load"])
+    assert load.shape == (3, 8) and np.all(np.isnan(load[0]))
+    np.testing.assert_allclose(load[1:].sum(1), 1.0, rtol=1e-5)
+    # every MoE layer's expert bias took one step of the rule on its own load (+-0.5 or 0)
+    nt = new["non_trainable"]["non_trainable"]["transformer"]
+    bias = np.asarray((nt["repeat"]["sub"]["x_layers_0"] if repeat else {
+        "ff_layer": {
+            "expert_bias": np.stack(
+                [nt[f"x_layers_{l}"]["ff_layer"]["expert_bias"] for l in (1, 2)])
+        }
+    })["ff_layer"]["expert_bias"])
+    assert bias.shape == (2, 8)
+    np.testing.assert_array_equal(bias, 0.5 * np.sign(load[1:].mean(1, keepdims=True) - load[1:]))
+    with pytest.raises(ValueError,
+                       match=r"first_k_dense=4 is invalid: an int in \[0, num_layers=3\]"):
+        models.transformer_lm(model_dims=8,
+                              hidden_dims=8,
+                              num_layers=3,
+                              num_heads=2,
+                              num_experts=2,
+                              first_k_dense=4)
 
 
 def test_read_metrics_keeps_the_last_record_per_step_and_plot(tmp_path):

@@ -88,6 +88,8 @@ def test_train_writes_everything_and_loss_falls(tmp_path):
     assert [r["step"] for r in tr] == list(range(1, 41))
     assert all(r["tokens_per_sec"] > 0 and r["grad_norm"] > 0 for r in tr)
     assert all(0 < r["aux_loss"] < 1 for r in tr)  # the MoE aux loss reached total_loss
+    # each MoE layer's balance, max / mean of its expert load, between 1 and E = 8
+    assert all(1 <= r[f"max_mean_load_layer_{l}"] <= 8 for r in tr for l in (0, 1))
     np.testing.assert_allclose([r["loss"] - r["xent"] for r in tr], [r["aux_loss"] for r in tr],
                                rtol=1e-4,
                                atol=1e-6)
@@ -99,7 +101,8 @@ def test_train_writes_everything_and_loss_falls(tmp_path):
     tags = _tensorboard_tags(job / "tensorboard")
     assert {("train/loss", "simple_value"), ("train/tokens_per_sec", "simple_value"),
             ("train/aux_loss", "simple_value"), ("eval/heldout_loss", "simple_value"),
-            ("eval/heldout_perplexity", "simple_value"), ("expert_load/load", "image")} <= tags
+            ("eval/heldout_perplexity", "simple_value"), ("expert_load/load", "image"),
+            ("train/max_mean_load_layer_1", "simple_value")} <= tags
     assert sorted(int(d.name) for d in (job / "checkpoints").iterdir()
                   if d.name.isdigit()) == [20, 40]
     # --mode=eval restores the latest checkpoint and gets the last eval's numbers back.
@@ -205,35 +208,45 @@ print(json.dumps(out))
 def test_gpu_presets_trace_on_fake_devices():
     """eval_shape of init and one train step of every GPU-scale preset on its own mesh of fake
     CPU devices (no allocation, no compilation), expert-parallel MoE path included."""
-    p = subprocess.run([sys.executable, "-c", VALIDATE, "small_gpu", "mixtral_8x7b", "deepseek_v3"],
-                       cwd=ROOT,
-                       env=_env(256),
-                       capture_output=True,
-                       text=True,
-                       timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", VALIDATE, "small_gpu", "mixtral_8x7b", "deepseek_v3", "qwen3_moe"],
+        cwd=ROOT,
+        env=_env(256),
+        capture_output=True,
+        text=True,
+        timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     rep = json.loads(p.stdout.strip().splitlines()[-1])
     h200 = 141e9
-    sg, mx, ds = rep["small_gpu"], rep["mixtral_8x7b"], rep["deepseek_v3"]
+    sg, mx, ds, qw = rep["small_gpu"], rep["mixtral_8x7b"], rep["deepseek_v3"], rep["qwen3_moe"]
     assert sg["mesh"] == {"data": 1}
     assert mx["mesh"] == {"data": 2, "fsdp": 4, "expert": 8}
     assert ds["mesh"] == {"data": 1, "fsdp": 8, "expert": 32}
+    assert qw["mesh"] == {"data": 1, "fsdp": 4, "expert": 8}
 
     # Parameter counts from the layer shapes, written out independently:
-    def lm_params(v, m, layers, heads, dh, e, h_moe):
+    def lm_params(v, m, layers, heads, dh, e, h_moe, dense=0, h=0, shared=0):
         attn = 4 * m * heads * dh + 3 * heads * dh + m  # q,k,v,o weights + q,k,v and o biases
-        moe = m * e + 3 * e * m * h_moe  # router + gate/up/down
+        # router + gate/up/down + the shared experts' gate/up/down (the expert bias is
+        # non-trainable: not a parameter)
+        moe = m * e + 3 * e * m * h_moe + 3 * m * shared
+        ffn = 3 * m * h + 2 * h + m  # a dense layer's gated FFN with its biases
         norms = 2 * m
-        return v * m + v + layers * (attn + moe + norms) + m  # tied emb, logit bias, final norm
+        return (v * m + v + dense * (attn + ffn + norms) + (layers - dense) * (attn + moe + norms) +
+                m)  # tied emb, logit bias, final norm
 
     assert mx["num_params"] == lm_params(32000, 4096, 32, 32, 128, 8, 14336)
-    assert ds["num_params"] == lm_params(129280, 7168, 61, 128, 128, 256, 2048)
+    # DeepSeek-V3: 3 dense layers (H=18432), 1 shared expert of 2048
+    assert ds["num_params"] == lm_params(129280, 7168, 61, 128, 128, 256, 2048, 3, 18432, 2048)
+    assert ds["num_params"] == 687_345_360_128  # docs/experiments.md
+    assert qw["num_params"] == lm_params(151936, 2048, 48, 32, 128, 128, 768)
     assert sg["num_params"] == lm_params(256, 1024, 8, 16, 64, 8, 2048)
-    for r in (mx, ds):
+    for r in (mx, ds, qw):
         assert r["loss"] == [[], "float32"]
         # parameters + Adam moments (fp32) sharded by the preset's mesh fit on one H200
         assert r["state_bytes_per_device"] < 0.6 * h200, r
     assert mx["expert_load_shape"] == [32, 8] and ds["expert_load_shape"] == [61, 256]
+    assert qw["expert_load_shape"] == [48, 128]
 
 
 def test_expert_parallel_meshes_train_like_data_parallel():

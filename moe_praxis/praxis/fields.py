@@ -41,8 +41,49 @@ CONFIG_FIELDS = {
     "router_precision": "router_precision",
     "ep_exchange": "ep_exchange",
     "ep_buffer_factor": "ep_buffer_factor",
+    "score_func": "score_func",
+    "pre_softmax": "pre_softmax",
+    "norm_topk": "norm_topk",
+    "num_expert_groups": "num_expert_groups",
+    "group_topk": "group_topk",
+    "use_expert_bias": "use_expert_bias",
+    "expert_bias_update_rate": "expert_bias_update_rate",
+    "routed_scaling_factor": "routed_scaling_factor",
+    "capacity_factor": "capacity_factor",
+    "drop_policy": "drop_policy",
+    "num_shared_experts": "num_shared_experts",
+    "shared_d_ff": "shared_hidden_dims",
+    "shared_expert_gate": "shared_expert_gate",
 }
-WEIGHT_RANKS = {"me": 2, "emh": 3, "ehm": 3}
+# The routing fields only gating_func='topk' honours, with the value 'top2' / 'dense_top2' route
+# with (GShard's softmax top-2; 'top2' takes its capacity from the GShard fields instead).
+TOPK_ONLY = {
+    "score_func": "softmax",
+    "pre_softmax": True,
+    "norm_topk": True,
+    "num_expert_groups": 1,
+    "group_topk": 1,
+    "use_expert_bias": False,
+    "expert_bias_update_rate": 0.0,
+    "routed_scaling_factor": 1.0,
+    "capacity_factor": None,
+    "drop_policy": "position",
+}
+# moe_block's parameters (moe.param_shapes) -> the weight-sharding letter that shards each, in
+# the layer's creation order; None = replicated. emh's last entry also shards wi_gate_up's
+# interleaved 2H (whole units per shard). expert_bias is a NON_TRAINABLE variable, not here.
+VARIABLE_LETTERS = {
+    "router": "me",
+    "wi_gate": "emh",
+    "wi_up": "emh",
+    "wi_gate_up": "emh",
+    "wo": "ehm",
+    "shared_wi_gate": "mh",
+    "shared_wi_up": "mh",
+    "shared_wo": "hm",
+    "shared_gate": None,
+}
+WEIGHT_RANKS = {"me": 2, "emh": 3, "ehm": 3, "mh": 2, "hm": 2}
 ACTIVATION_RANKS = dict(gsm=3, gs=2, gsec=4, gecs=4, gec=3, egcm=4, egch=4, gecm=4)
 
 
@@ -66,6 +107,12 @@ def validate(layer) -> None:
         raise err(
             "num_experts_per_token", f"gating_func={layer.gating_func!r} routes to 2 "
             "experts; use gating_func='topk' for another k")
+    if layer.gating_func != "topk":
+        for field, gshard in TOPK_ONLY.items():
+            if getattr(layer, field) != gshard:
+                raise err(
+                    field, f"gating_func={layer.gating_func!r} is GShard's softmax top-2 and "
+                    f"routes with {field}={gshard!r}; use gating_func='topk' for this option")
     if layer.norm_policy not in NORM_POLICIES:
         raise err("norm_policy", f"valid: {NORM_POLICIES}")
     if layer.relu_dropout_prob != 0.0:
@@ -113,14 +160,15 @@ def validate(layer) -> None:
     for group, ranks in (("weight", WEIGHT_RANKS), ("activation", ACTIVATION_RANKS)):
         mapping = getattr(layer, f"{group}_split_dims_mapping")
         for field, rank in ranks.items():
-            v = getattr(mapping, field)
+            v = getattr(mapping, field, None)  # a GShard template switched in place lacks ours
             if v is not None and len(v) != rank:
                 raise _setup_error(name, f"{group}_split_dims_mapping.{field}", v,
                                    f"must have {rank} entries")
 
 
 def build_config(layer) -> MoEConfig:
-    """The one MoEConfig of this layer, dropless ('top2' swaps in its capacity per call).
+    """The one MoEConfig of this layer: 'topk' with its capacity_factor (None = dropless),
+    'top2' / 'dense_top2' dropless ('top2' swaps in GShard's capacity per call).
 
     MoEConfig's ValueError is re-raised with the layer's name and the layer field."""
     try:
@@ -129,15 +177,23 @@ def build_config(layer) -> MoEConfig:
             d_ff=_int(layer.hidden_dims),
             num_experts=_int(layer.num_experts),
             top_k=_int(layer.num_experts_per_token),
-            score_func="softmax",
-            pre_softmax=True,
-            norm_topk=True,
+            score_func=layer.score_func,
+            pre_softmax=bool(layer.pre_softmax),
+            norm_topk=bool(layer.norm_topk),
+            num_expert_groups=_int(layer.num_expert_groups),
+            group_topk=_int(layer.group_topk),
+            use_expert_bias=bool(layer.use_expert_bias),
+            expert_bias_update_rate=layer.expert_bias_update_rate,
+            routed_scaling_factor=layer.routed_scaling_factor,
             router_logit_cap=layer.gating_logit_cap,
             aux_loss_type=layer.aux_loss_type,
             aux_loss_coeff=layer.moe_load_balance_loss_weight,
             z_loss_coeff=layer.router_z_loss_weight,
-            capacity_factor=None,
-            drop_policy="position",
+            capacity_factor=layer.capacity_factor,
+            drop_policy=layer.drop_policy,
+            num_shared_experts=_int(layer.num_shared_experts),
+            shared_d_ff=_int(layer.shared_hidden_dims),
+            shared_expert_gate=bool(layer.shared_expert_gate),
             activation=ACTIVATIONS[layer.activation_tpl.cls],
             gated=bool(layer.use_gated_activation),
             fuse_gate_up=bool(layer.fuse_gate_up),

@@ -1,5 +1,6 @@
-"""GShard (Praxis's TransformerFeedForwardMoe): its parameter names, its capacity rule, and the
-checkpoint converter to MoEFeedForward's parameters. Pure Python and JAX: no praxis import.
+"""GShard (Praxis's TransformerFeedForwardMoe): its parameter names, its capacity rule, its
+token groups run through moe_block, and the checkpoint converter to MoEFeedForward's
+parameters. Pure Python and JAX: no praxis import.
 
 Letters: M model dim, H hidden dim, E experts, k experts per token; S tokens per GShard group,
 C expert capacity per group.
@@ -10,6 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Optional
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from moe_praxis.config import MoEConfig
+from moe_praxis.moe import MoEOutput, moe_block
 from moe_praxis.ops import interleave_gate_up
 
 # The parameter names of Praxis's TransformerFeedForwardMoe -> ours (moe_block's).
@@ -106,3 +114,21 @@ def convert_gshard_params(params, *, fuse_gate_up: bool = False, _path: str = "p
             for k, v in params.items()
         }
     return params
+
+
+def grouped_moe_block(params: dict, x, config: MoEConfig, groups: int, paddings=None) -> MoEOutput:
+    """GShard 'top2' with several token groups: x [..., M] (T tokens) split into `groups` groups
+    of T / groups consecutive tokens, each routed by moe_block alone (filling its own
+    capacity, config.capacity(S)). Returns one MoEOutput: y in x's shape, the losses and the
+    router entropy the groups' means, the counts their sums."""
+    num_tokens = x.size // x.shape[-1]
+    xg = x.reshape(groups, num_tokens // groups, x.shape[-1])
+    pg = (jnp.zeros(xg.shape[:2], x.dtype) if paddings is None else paddings.reshape(xg.shape[:2]))
+    out = jax.lax.map(lambda a: moe_block(params, a[0], config, paddings=a[1]), (xg, pg))
+    return dataclasses.replace(out,
+                               y=out.y.reshape(x.shape),
+                               aux_loss=jnp.mean(out.aux_loss),
+                               z_loss=jnp.mean(out.z_loss),
+                               tokens_per_expert=jnp.sum(out.tokens_per_expert, axis=0),
+                               dropped_tokens=jnp.sum(out.dropped_tokens),
+                               router_entropy=jnp.mean(out.router_entropy))

@@ -36,10 +36,11 @@ from praxis.layers import normalizations
 from praxis.layers import stochastics
 
 from moe_praxis import resources
+from moe_praxis.balancing import update_expert_bias
 from moe_praxis.moe import MoEOutput, moe_block, param_shapes
 from moe_praxis.praxis import compat
 from moe_praxis.praxis import fields
-from moe_praxis.praxis.gshard import capacity_and_groups
+from moe_praxis.praxis.gshard import capacity_and_groups, grouped_moe_block
 from moe_praxis.praxis.sharding import checked_weight_splits
 
 JTensor = base_layer.JTensor
@@ -65,7 +66,25 @@ class MoEFeedForward(base_layer.BaseLayer):
         layer also has mesh_axis_names and ici_mesh_shape its weight sharding is checked
         against the layout (moe_praxis.praxis.sharding).
     gating_func: 'top2' (GShard top-2 with its per-group capacity, moe_praxis.praxis.gshard),
-    'dense_top2' (GShard top-2, dropless) or 'topk' (dropless softmax top-k).
+    'dense_top2' (GShard top-2, dropless) or 'topk' (top-k routed by the fields below).
+
+    Routing fields, each the MoEConfig field of its name, honoured by gating_func='topk' only
+    ('top2' / 'dense_top2' route with the defaults; another value is an error at setup):
+      score_func: 'softmax' or 'sigmoid' (DeepSeek-V3).
+      pre_softmax: softmax over all experts before top-k (True) or over the k selected.
+      norm_topk: renormalise the k weights to sum to 1.
+      num_expert_groups, group_topk: group-limited routing (DeepSeek-V3's n_group,
+        topk_group); not Praxis's token num_groups.
+      use_expert_bias: the selection-only expert bias (DeepSeek-V3's auxiliary-loss-free
+        balancing), a NON_TRAINABLE float32 variable `expert_bias` [E].
+      expert_bias_update_rate: u > 0 updates expert_bias in every training call (see
+        _update_expert_bias).
+      routed_scaling_factor: multiplies the routing weights.
+      capacity_factor: None = dropless; else MoEConfig's capacity per expert, dropping by
+        drop_policy ('position' or 'weight').
+    Shared experts, with any gating_func: num_shared_experts, shared_hidden_dims (Hs; None =
+    num_shared_experts * hidden_dims) and shared_expert_gate (Qwen2-MoE's sigmoid output gate),
+    MoEConfig's num_shared_experts, shared_d_ff and shared_expert_gate.
     """
 
     input_dims: int = 0
@@ -106,6 +125,21 @@ class MoEFeedForward(base_layer.BaseLayer):
     mesh_resources: Any = None
     ep_exchange: str = "auto"
     ep_buffer_factor: Optional[float] = None
+    # Routing (gating_func='topk' only; 'top2' / 'dense_top2' are GShard's softmax top-2).
+    score_func: str = "softmax"
+    pre_softmax: bool = True
+    norm_topk: bool = True
+    num_expert_groups: int = 1
+    group_topk: int = 1
+    use_expert_bias: bool = False
+    expert_bias_update_rate: float = 0.0
+    routed_scaling_factor: float = 1.0
+    capacity_factor: Optional[float] = None
+    drop_policy: str = "position"
+    # Shared experts (any gating_func): a dense FFN added to the routed output.
+    num_shared_experts: int = 0
+    shared_hidden_dims: Optional[int] = None
+    shared_expert_gate: bool = False
 
     class WeightSharding(base_layer.BaseLayer.WeightSharding):
         """Weight sharding (mesh axis per dim).
@@ -114,11 +148,16 @@ class MoEFeedForward(base_layer.BaseLayer):
           me: router [M, E].
           emh: wi_up and wi_gate [E, M, H].
           ehm: wo [E, H, M].
+          mh: the shared experts' shared_wi_up and shared_wi_gate [M, Hs].
+          hm: the shared experts' shared_wo [Hs, M].
+        (shared_gate [M, 1] and expert_bias [E] are replicated.)
         """
 
         me: SplitDimsMapping = None
         emh: SplitDimsMapping = None
         ehm: SplitDimsMapping = None
+        mh: SplitDimsMapping = None
+        hm: SplitDimsMapping = None
 
     class ActivationSharding(base_layer.BaseLayer.ActivationSharding):
         """Activation sharding (mesh axis per dim).
@@ -156,11 +195,12 @@ class MoEFeedForward(base_layer.BaseLayer):
             self.mesh_resources,
             self.mesh_axis_names,
             self.mesh_shape if self.ici_mesh_shape is not None else None,
-            {letter: getattr(wp, letter)
+            {letter: getattr(wp, letter, None)
              for letter in fields.WEIGHT_RANKS},
             num_experts=config.num_experts,
             d_model=config.d_model,
-            d_ff=config.d_ff)
+            d_ff=config.d_ff,
+            shared_d_ff=config.shared_hidden or None)
 
         if self.norm_policy == "primer_hybrid":
             ln_p = self.ln_tpl.clone()
@@ -187,18 +227,26 @@ class MoEFeedForward(base_layer.BaseLayer):
                 return WeightInit.Uniform(math.sqrt(3.0 / fan_in))
             return WeightInit.Gaussian(1.0 / math.sqrt(fan_in))
 
-        # The variables are moe_block's parameters (moe.param_shapes), created in this order;
-        # emh's last entry also shards wi_gate_up's interleaved 2H (whole units per shard).
+        # The variables are moe_block's parameters (moe.param_shapes).
         shapes = param_shapes(config)
-        letters = {"router": "me", "wo": "ehm"}  # the wi_* weights: emh
-        for name in ("router", "wi_gate", "wi_up", "wi_gate_up", "wo"):
+        for name, letter in fields.VARIABLE_LETTERS.items():
             if name in shapes:  # fan-in: the contracted dimension, shape[-2]
                 self.create_variable(
                     name,
                     WeightHParams(shape=list(shapes[name]),
                                   init=init(shapes[name][-2]),
                                   mesh_shape=self.mesh_shape,
-                                  tensor_split_dims_mapping=splits[letters.get(name, "emh")]))
+                                  tensor_split_dims_mapping=splits[letter] if letter else [None] *
+                                  len(shapes[name])))
+        if "expert_bias" in shapes:
+            # Updated outside the gradient (_update_expert_bias): NON_TRAINABLE, never optimized.
+            self.create_variable("expert_bias",
+                                 WeightHParams(shape=list(shapes["expert_bias"]),
+                                               init=WeightInit.Constant(0.0),
+                                               dtype=jnp.float32,
+                                               mesh_shape=self.mesh_shape,
+                                               tensor_split_dims_mapping=[None]),
+                                 trainable=False)
 
     # ------------------------------------------------------------------------- forward
 
@@ -230,7 +278,10 @@ class MoEFeedForward(base_layer.BaseLayer):
         With several GShard groups the losses and the router entropy are the groups' means,
         the counts their sums."""
         config = self.moe_config
-        params = {name: self.theta[name] for name in param_shapes(config)}
+        params = {
+            name: self.get_var(name) if name == "expert_bias" else self.theta[name]
+            for name in param_shapes(config)
+        }
         num_tokens = int(np.prod(x.shape[:-1]))
         mesh = compat.current_mesh() if self.mesh_resources is not None else None
         groups = 1
@@ -258,18 +309,7 @@ class MoEFeedForward(base_layer.BaseLayer):
         if self.aux_loss_type == "sequence":
             raise ValueError(f"MoEFeedForward {self.name!r}: aux_loss_type='sequence' needs "
                              f"whole sequences; GShard token groups ({groups}) split them")
-        # GShard 'top2' with several groups: each group routes (and fills its capacity) alone.
-        xg = x.reshape(groups, num_tokens // groups, x.shape[-1])
-        pg = (jnp.zeros(xg.shape[:2], x.dtype)
-              if paddings is None else paddings.reshape(xg.shape[:2]))
-        out = jax.lax.map(lambda a: moe_block(params, a[0], config, paddings=a[1]), (xg, pg))
-        return dataclasses.replace(out,
-                                   y=out.y.reshape(x.shape),
-                                   aux_loss=jnp.mean(out.aux_loss),
-                                   z_loss=jnp.mean(out.z_loss),
-                                   tokens_per_expert=jnp.sum(out.tokens_per_expert, axis=0),
-                                   dropped_tokens=jnp.sum(out.dropped_tokens),
-                                   router_entropy=jnp.mean(out.router_entropy))
+        return grouped_moe_block(params, x, config, groups, paddings)
 
     def _add_summaries(self, out: MoEOutput, paddings, num_tokens: int) -> None:
         """Scalar summaries (docs/praxis.md), from the block's own statistics."""
@@ -285,6 +325,18 @@ class MoEFeedForward(base_layer.BaseLayer):
         load = out.tokens_per_expert.astype(jnp.float32) / copies
         for i in range(config.num_experts):
             self.add_summary(f"moe_expert_load_{i}", load[i])
+
+    def _update_expert_bias(self, out: MoEOutput) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing, in training calls only:
+        expert_bias <- moe_praxis.update_expert_bias(expert_bias, tokens_per_expert, u), float32,
+        on the call's global counts (reduced over every token axis), outside the gradient.
+        Praxis's update_var writes only where NON_TRAINABLE is mutable (the trainer keeps the
+        updated collection), and eval skips it: eval, decoding and init leave the bias."""
+        rate = self.moe_config.expert_bias_update_rate
+        if rate > 0 and not self.do_eval:
+            counts = jax.lax.stop_gradient(out.tokens_per_expert)
+            self.update_var("expert_bias",
+                            update_expert_bias(self.get_var("expert_bias"), counts, rate))
 
     def __call__(self,
                  inputs: JTensor,
@@ -337,6 +389,7 @@ class MoEFeedForward(base_layer.BaseLayer):
                 y = residual + y * self.residual_weight
         if self.norm_policy == "post_skip":
             y = self.layer_norm(y)
+        self._update_expert_bias(out)
         self.add_aux_loss("aux_moe_load_balance_loss", out.aux_loss.astype(jnp.float32))
         if self.router_z_loss_weight > 0:
             self.add_aux_loss("aux_moe_z_loss", out.z_loss.astype(jnp.float32))
