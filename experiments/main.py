@@ -7,6 +7,8 @@ PaxML's flag surface:
   python -m experiments.main --exp=configs.experiments.SmallGpu --fdl_set=data.seq_len=512
   python -m experiments.main --fdl_config=tiny_synthetic --fiddler=use_synthetic_data
   python -m experiments.main --mode=eval --job_log_dir=runs/tiny
+  python -m experiments.main --list_experiments               # the registered experiments
+  python -m experiments.main --exp=small_gpu --fdl_help       # its flags and config fields
 
 --exp names a registered experiment (``module.Class``, a dotted suffix, or snake_case);
 Fiddle's own flags (``--fdl_config`` a function of ``configs.experiments`` or a dotted
@@ -14,6 +16,10 @@ Fiddle's own flags (``--fdl_config`` a function of ``configs.experiments`` or a 
 alias ``--fdl.path=value``) are defined by ``fiddle.absl_flags`` and applied with its API.
 Everything is validated before anything is compiled: a bad name, override path or value stops
 with a message that names it and the close matches.
+
+SIGTERM / SIGINT are handled from the first line of ``main`` (``experiments.signals``): during
+start-up the first one ends the job at once, during training it stops after the step in flight
+and saves, and a second one ends the job at once.
 
 Multi-host: ``--num_processes --process_id --coordinator_address`` go to
 ``jax.distributed.initialize`` (CPU processes use gloo collectives).
@@ -24,6 +30,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -32,6 +39,8 @@ from absl import app, flags, logging
 import fiddle as fdl
 from fiddle import absl_flags as fdl_flags  # defines --fdl_config, --fdl_set, --fiddler, ...
 from fiddle._src.absl_flags import utils as fdl_utils
+
+from experiments import info, signals
 
 MODES = ("train", "eval")
 DEFAULT_EXP = "tiny"
@@ -55,6 +64,9 @@ _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0's coordinator (needed when "
     "--num_processes > 1).")
 _NO_PROGRESS = flags.DEFINE_bool("no_progress", False, "Do not draw the tqdm progress bar.")
+_LIST_EXPERIMENTS = flags.DEFINE_bool(
+    "list_experiments", False, "Print the registered experiments (the names --exp takes) and "
+    "exit.")
 
 
 class UsageError(ValueError):
@@ -201,11 +213,18 @@ def init_distributed(num_processes: int, process_id: int, coordinator_address) -
 # ------------------------------------------------------------------------------------ main
 
 
-def main(argv) -> int:
+def main(argv, stop_signals=None) -> int:
+    """The job. stop_signals: the installed ``experiments.signals.StopSignals`` (``_main``
+    installs them before anything else)."""
     if len(argv) > 1:
         raise UsageError(f"unexpected positional arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
         logging.set_verbosity(logging.WARNING)
+    if _LIST_EXPERIMENTS.value:
+        print(info.experiments_table(), flush=True)
+        return 0
+    if flags.FLAGS["fdl_help"].value:
+        return _print_help()
     cfg, name = config_from_flags()
     from experiments import loop, setup
 
@@ -224,7 +243,7 @@ def main(argv) -> int:
             f"experiment {name}: {jax.device_count()} {jax.devices()[0].platform} devices in "
             f"{jax.process_count()} process(es), mesh {mesh}; job_log_dir {job_log_dir}",
             flush=True)
-    trainer = loop.Trainer(prep, job_log_dir, progress=not _NO_PROGRESS.value)
+    trainer = loop.Trainer(prep, job_log_dir, progress=not _NO_PROGRESS.value, signals=stop_signals)
     if _MODE.value == "eval":
         try:
             result = trainer.evaluate_latest()
@@ -270,18 +289,33 @@ def main(argv) -> int:
             print(f"experiments.main: error: {result['diverged']}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
     if result["stopped_by"]:
-        import signal
+        return signals.exit_status(signal.Signals[result["stopped_by"]])
+    return 0
 
-        return 128 + int(signal.Signals[result["stopped_by"]])
+
+def _print_help() -> int:
+    """--fdl_help: the experiment's flags and config fields (after --fiddler and --fdl
+    overrides), instead of running it."""
+    from configs import registry
+
+    # Fiddle's create_buildable_from_flags would print its own help and then build and run.
+    flags.FLAGS["fdl_help"].value = False
+    cfg, name = config_from_flags()
+    fv = flags.FLAGS
+    cls = None
+    if not (fv["fdl_config"].value or fv["fdl_config_file"].value):
+        cls = registry.get_experiment(_EXP.value or DEFAULT_EXP)
+    print(info.help_text(cfg, name, cls), flush=True)
     return 0
 
 
 def _main(argv) -> int:
-    try:
-        return main(argv)
-    except UsageError as e:
-        print(f"experiments.main: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    with signals.StopSignals() as stop_signals:
+        try:
+            return main(argv, stop_signals)
+        except UsageError as e:
+            print(f"experiments.main: error: {e}", file=sys.stderr, flush=True)
+            return 2
 
 
 def run():
