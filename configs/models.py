@@ -7,10 +7,11 @@ H hidden_dims, E num_experts, k top_k, V vocab_size.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import moe_praxis  # noqa: F401  (applies the Praxis-on-current-JAX shims first)
-from praxis import pax_fiddle
+from praxis import base_layer, pax_fiddle
 from praxis.layers import activations, embedding_softmax, normalizations, transformer_models
 from praxis.layers import transformers
 
@@ -78,10 +79,28 @@ def transformer_lm(
                            vocab_size=vocab_size,
                            fprop_dtype=dtype)
     lm.position_emb_tpl = None
-    lm.softmax_tpl = pax_fiddle.Config(embedding_softmax.SharedEmbeddingSoftmax,
+
+    # Separate input embedding and output layer, as Mixtral, DeepSeek-V3 and MaxText's default
+    # have them. Tied to the input embedding, the output layer would give each position's own
+    # input token a logit of about sqrt(M) at init (the residual stream holds that token's
+    # embedding), far above a uniform guess. Both are fan-in Gaussians (Praxis's LM configs,
+    # MaxText): unit-RMS token vectors (1/sqrt(M), scaled by sqrt(M) on lookup) and logits of
+    # unit variance from the final norm's unit-RMS output, so the initial loss is about
+    # ln(V) + 1/2.
+    def fan_in():
+        return pax_fiddle.Config(base_layer.WeightInit,
+                                 method="gaussian",
+                                 scale=1.0 / math.sqrt(model_dims))
+
+    lm.separate_embedding_tpl = pax_fiddle.Config(embedding_softmax.Embedding,
+                                                  input_dims=model_dims,
+                                                  num_classes=vocab_size,
+                                                  scale_sqrt_depth=True,
+                                                  params_init=fan_in())
+    lm.softmax_tpl = pax_fiddle.Config(embedding_softmax.FullSoftmax,
                                        input_dims=model_dims,
                                        num_classes=vocab_size,
-                                       scale_sqrt_depth=True)
+                                       params_init=fan_in())
     if norm == "rms":
         lm.final_ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
 

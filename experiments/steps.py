@@ -5,8 +5,10 @@
   every token axis (dp, fsdp, ep).
 - A train step: loss = TransformerLm's ``total_loss`` = mean next-byte cross-entropy + every aux
   loss the layers registered (``mutable=[aux_loss, summaries, non_trainable]``), global-norm
-  clipping, AdamW. With ``train.on_nonfinite='skip'`` a step whose loss or gradient norm is not
-  finite returns the state it was given (step + 1) and ``skipped=1`` in its metrics.
+  clipping, AdamW. Its metrics add the MoE layers' router entropy, dropped-token fraction and
+  z-loss (means over the layers) and the expert load. With ``train.on_nonfinite='skip'`` a step
+  whose loss or gradient norm is not finite returns the state it was given (step + 1) and
+  ``skipped=1`` in its metrics.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
 from praxis import base_layer, py_utils
 
 from configs import base, models
-from experiments.metrics import expert_load
+from experiments.metrics import expert_load, moe_scalars
 from experiments.setup import Prepared
 
 P = jax.sharding.PartitionSpec
@@ -177,7 +179,9 @@ def make_step_fns(prep: Prepared) -> StepFns:
                 lambda new, old: jnp.where(finite, new, old), (params, opt_state, nt),
                 (state["params"], state["opt_state"], state["non_trainable"]))
             metrics["skipped"] = jnp.where(finite, 0.0, 1.0)
-        load = expert_load(updated.get(base_layer.SUMMARIES, {}), nl, lpb)
+        summaries = updated.get(base_layer.SUMMARIES, {})
+        metrics.update(moe_scalars(summaries))
+        load = expert_load(summaries, nl, lpb)
         if load is not None:
             metrics["expert_load"] = load
         new_state = {
