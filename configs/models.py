@@ -80,27 +80,26 @@ def transformer_lm(
                            fprop_dtype=dtype)
     lm.position_emb_tpl = None
 
-    # Separate input embedding and output layer, as Mixtral, DeepSeek-V3 and MaxText's default
-    # have them. Tied to the input embedding, the output layer would give each position's own
-    # input token a logit of about sqrt(M) at init (the residual stream holds that token's
-    # embedding), far above a uniform guess. Both are fan-in Gaussians (Praxis's LM configs,
-    # MaxText): unit-RMS token vectors (1/sqrt(M), scaled by sqrt(M) on lookup) and logits of
-    # unit variance from the final norm's unit-RMS output, so the initial loss is about
-    # ln(V) + 1/2.
-    def fan_in():
-        return pax_fiddle.Config(base_layer.WeightInit,
-                                 method="gaussian",
-                                 scale=1.0 / math.sqrt(model_dims))
+    # A separate input embedding and output layer, as Mixtral, DeepSeek-V3 and MaxText's default
+    # have them: tied to the embedding, the output layer gives each position's own input token
+    # (which the residual stream holds) a logit about sqrt(M) standard deviations above the
+    # rest at init. The embedding is a fan-in Gaussian scaled by sqrt(M) on lookup (unit-RMS
+    # token vectors, as Praxis's LM configs); the output layer has std 1/M, muP's readout
+    # init, so the logits of the final norm's unit-RMS output have variance 1/M and the initial
+    # loss is ln(V) + 1/(2M). A fan-in output layer (std 1/sqrt(M)) would start at
+    # ln(V) + 1/2, plus an offset of its draw on real data where a few bytes are most labels.
+    def gaussian(std: float):
+        return pax_fiddle.Config(base_layer.WeightInit, method="gaussian", scale=std)
 
     lm.separate_embedding_tpl = pax_fiddle.Config(embedding_softmax.Embedding,
                                                   input_dims=model_dims,
                                                   num_classes=vocab_size,
                                                   scale_sqrt_depth=True,
-                                                  params_init=fan_in())
+                                                  params_init=gaussian(1.0 / math.sqrt(model_dims)))
     lm.softmax_tpl = pax_fiddle.Config(embedding_softmax.FullSoftmax,
                                        input_dims=model_dims,
                                        num_classes=vocab_size,
-                                       params_init=fan_in())
+                                       params_init=gaussian(1.0 / model_dims))
     if norm == "rms":
         lm.final_ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
 
