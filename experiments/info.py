@@ -53,3 +53,23 @@ def help_text(cfg: fdl.Buildable, name: str, cls=None) -> str:
         fdl_printing.as_str_flattened(cfg, include_types=False)
     ]
     return "\n".join(out)
+
+
+def answered(config_from_flags, default_exp: str) -> bool:
+    """Prints what --list_experiments or --fdl_help asks for (``config_from_flags``: the main's
+    (config, name) from the flags, overrides applied); True when one of them did, and the job
+    then ends without running."""
+    fv = flags.FLAGS
+    if fv["list_experiments"].value:
+        print(experiments_table(), flush=True)
+        return True
+    if not fv["fdl_help"].value:
+        return False
+    # Fiddle's create_buildable_from_flags would print its own help and then build and run.
+    fv["fdl_help"].value = False
+    cfg, name = config_from_flags()
+    cls = None
+    if not (fv["fdl_config"].value or fv["fdl_config_file"].value):
+        cls = registry.get_experiment(fv["exp"].value or default_exp)
+    print(help_text(cfg, name, cls), flush=True)
+    return True

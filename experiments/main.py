@@ -17,9 +17,8 @@ alias ``--fdl.path=value``) are defined by ``fiddle.absl_flags`` and applied wit
 Everything is validated before anything is compiled: a bad name, override path or value stops
 with a message that names it and the close matches.
 
-SIGTERM / SIGINT are handled from the first line of ``main`` (``experiments.signals``): during
-start-up the first one ends the job at once, during training it stops after the step in flight
-and saves, and a second one ends the job at once.
+SIGTERM / SIGINT (``experiments.signals``, from the first line of ``main``): during start-up the
+job ends at once; during training it saves after the step in flight, or ends at a second one.
 
 Multi-host: ``--num_processes --process_id --coordinator_address`` go to
 ``jax.distributed.initialize`` (CPU processes use gloo collectives).
@@ -214,17 +213,13 @@ def init_distributed(num_processes: int, process_id: int, coordinator_address) -
 
 
 def main(argv, stop_signals=None) -> int:
-    """The job. stop_signals: the installed ``experiments.signals.StopSignals`` (``_main``
-    installs them before anything else)."""
+    """The job; ``stop_signals``: the installed ``experiments.signals.StopSignals``."""
     if len(argv) > 1:
         raise UsageError(f"unexpected positional arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
         logging.set_verbosity(logging.WARNING)
-    if _LIST_EXPERIMENTS.value:
-        print(info.experiments_table(), flush=True)
+    if info.answered(config_from_flags, DEFAULT_EXP):  # --list_experiments, --fdl_help
         return 0
-    if flags.FLAGS["fdl_help"].value:
-        return _print_help()
     cfg, name = config_from_flags()
     from experiments import loop, setup
 
@@ -290,22 +285,6 @@ def main(argv, stop_signals=None) -> int:
         return EXIT_NONFINITE
     if result["stopped_by"]:
         return signals.exit_status(signal.Signals[result["stopped_by"]])
-    return 0
-
-
-def _print_help() -> int:
-    """--fdl_help: the experiment's flags and config fields (after --fiddler and --fdl
-    overrides), instead of running it."""
-    from configs import registry
-
-    # Fiddle's create_buildable_from_flags would print its own help and then build and run.
-    flags.FLAGS["fdl_help"].value = False
-    cfg, name = config_from_flags()
-    fv = flags.FLAGS
-    cls = None
-    if not (fv["fdl_config"].value or fv["fdl_config_file"].value):
-        cls = registry.get_experiment(_EXP.value or DEFAULT_EXP)
-    print(info.help_text(cfg, name, cls), flush=True)
     return 0
 
 
