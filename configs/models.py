@@ -7,7 +7,6 @@ H hidden_dims, E num_experts, k top_k, V vocab_size.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import moe_praxis  # noqa: F401  (applies the Praxis-on-current-JAX shims first)
@@ -80,26 +79,20 @@ def transformer_lm(
                            fprop_dtype=dtype)
     lm.position_emb_tpl = None
 
-    # A separate input embedding and output layer, as Mixtral, DeepSeek-V3 and MaxText's default
-    # have them: tied to the embedding, the output layer gives each position's own input token
-    # (which the residual stream holds) a logit about sqrt(M) standard deviations above the
-    # rest at init. The embedding is a fan-in Gaussian scaled by sqrt(M) on lookup (unit-RMS
-    # token vectors, as Praxis's LM configs); the output layer has std 1/M, muP's readout
-    # init, so the logits of the final norm's unit-RMS output have variance 1/M and the initial
-    # loss is ln(V) + 1/(2M). A fan-in output layer (std 1/sqrt(M)) would start at
-    # ln(V) + 1/2, plus an offset of its draw on real data where a few bytes are most labels.
-    def gaussian(std: float):
-        return pax_fiddle.Config(base_layer.WeightInit, method="gaussian", scale=std)
-
-    lm.separate_embedding_tpl = pax_fiddle.Config(embedding_softmax.Embedding,
-                                                  input_dims=model_dims,
-                                                  num_classes=vocab_size,
-                                                  scale_sqrt_depth=True,
-                                                  params_init=gaussian(1.0 / math.sqrt(model_dims)))
-    lm.softmax_tpl = pax_fiddle.Config(embedding_softmax.FullSoftmax,
+    # Tied byte embedding and output layer W [M, V], std 1/M, looked up scaled by sqrt(M).
+    # The logits of the final norm's unit-RMS output then have std 1/sqrt(M), and the input
+    # token's own logit (the residual stream holds its embedding) is at most about M * std = 1,
+    # so the initial loss is about ln(V). Praxis's LM configs' std 1/sqrt(M) (or the layer's
+    # default Xavier) puts that own-token logit near sqrt(M), far above ln(V) for a wide model.
+    # The token vectors start small (RMS 1/sqrt(M), as GPT-2's std-0.02 tied embedding); the
+    # pre-norm blocks see them normalised.
+    lm.softmax_tpl = pax_fiddle.Config(embedding_softmax.SharedEmbeddingSoftmax,
                                        input_dims=model_dims,
                                        num_classes=vocab_size,
-                                       params_init=gaussian(1.0 / model_dims))
+                                       scale_sqrt_depth=True,
+                                       params_init=pax_fiddle.Config(base_layer.WeightInit,
+                                                                     method="gaussian",
+                                                                     scale=1.0 / model_dims))
     if norm == "rms":
         lm.final_ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
 

@@ -216,8 +216,7 @@ def test_gpu_presets_trace_on_fake_devices():
         attn = 4 * m * heads * dh + 3 * heads * dh + m  # q,k,v,o weights + q,k,v and o biases
         moe = m * e + 3 * e * m * h_moe  # router + gate/up/down
         norms = 2 * m
-        # embedding, output layer and its bias, final norm
-        return 2 * v * m + v + layers * (attn + moe + norms) + m
+        return v * m + v + layers * (attn + moe + norms) + m  # tied emb, logit bias, final norm
 
     assert mx["num_params"] == lm_params(32000, 4096, 32, 32, 128, 8, 14336)
     assert ds["num_params"] == lm_params(129280, 7168, 61, 128, 128, 256, 2048)
