@@ -253,10 +253,10 @@ def _tensorboard_values(tb_dir):
 @pytest.mark.slow
 def test_tiny_run_step_time_router_statistics_image_and_initial_loss(tmp_path, monkeypatch):
     """Tiny as `make run` has it, 3 steps with an eval and a checkpoint after each, each made
-    2 s slower: tokens/s is the step's own; the router statistics reach metrics.jsonl and
+    3 s slower: tokens/s is the step's own; the router statistics reach metrics.jsonl and
     TensorBoard; the expert-load image is at least 256 pixels high; the step-0 held-out loss is
     within 10% of ln 256."""
-    delay = 2.0
+    delay = 3.0
     evaluate, save = loop.Trainer._evaluate, loop.Trainer._save
 
     def slow_evaluate(self, *a):
@@ -286,8 +286,9 @@ def test_tiny_run_step_time_router_statistics_image_and_initial_loss(tmp_path, m
     assert [r["step"] for r in recs] == [1, 2, 3]
     tokens = cfg.data.batch_size * cfg.data.seq_len
     for r in recs:
-        # steps 2 and 3 follow an eval and a checkpoint (2 s each) that must not count
-        assert tokens / r["tokens_per_sec"] < delay / 2, r
+        # steps 2 and 3 follow an eval and a checkpoint (3 s each) that must not count (a step
+        # of Tiny takes a fraction of a second, on a loaded machine too)
+        assert tokens / r["tokens_per_sec"] < delay, r
         assert 0.0 < r["router_entropy"] <= math.log(8) + 1e-5, r  # 8 experts
         assert r["dropped_token_fraction"] == 0.0, r  # 'topk' is dropless
         assert r["z_loss"] > 0.0, r  # the coefficient applied
