@@ -16,6 +16,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,dev,cuda]'
 	$(PY) -m pip install -q --no-deps $(NO_DEPS)
+	$(PY) -m moe_praxis.praxis.import_hook  # praxis importable before moe_praxis
 	touch $(STAMP)
 
 run: install

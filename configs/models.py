@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import moe_praxis  # noqa: F401  (applies the Praxis-on-current-JAX shims first)
-from praxis import pax_fiddle
+from praxis import base_layer, pax_fiddle
 from praxis.layers import activations, embedding_softmax, normalizations, transformer_models
 from praxis.layers import transformers
 
@@ -106,10 +106,21 @@ def transformer_lm(
                            vocab_size=vocab_size,
                            fprop_dtype=dtype)
     lm.position_emb_tpl = None
+
+    # Tied byte embedding and output layer W [M, V], std 1/M, looked up scaled by sqrt(M).
+    # The logits of the final norm's unit-RMS output then have std 1/sqrt(M), and the input
+    # token's own logit (the residual stream holds its embedding) is at most about M * std = 1,
+    # so the initial loss is about ln(V). Praxis's LM configs' std 1/sqrt(M) (or the layer's
+    # default Xavier) puts that own-token logit near sqrt(M), far above ln(V) for a wide model.
+    # The token vectors start small (RMS 1/sqrt(M), as GPT-2's std-0.02 tied embedding); the
+    # pre-norm blocks see them normalised.
     lm.softmax_tpl = pax_fiddle.Config(embedding_softmax.SharedEmbeddingSoftmax,
                                        input_dims=model_dims,
                                        num_classes=vocab_size,
-                                       scale_sqrt_depth=True)
+                                       scale_sqrt_depth=True,
+                                       params_init=pax_fiddle.Config(base_layer.WeightInit,
+                                                                     method="gaussian",
+                                                                     scale=1.0 / model_dims))
     if norm == "rms":
         lm.final_ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
 

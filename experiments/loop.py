@@ -5,8 +5,9 @@
   (``experiments.steps``);
 - runs the jitted train steps, every ``eval_every`` steps the held-out loss and perplexity;
 - writes ``metrics.jsonl`` and TensorBoard events (per MoE layer l, ``max_mean_load_layer_l``:
-  max / mean of its expert load), checkpoints every ``checkpoint_every``
-  steps, at the end and on SIGTERM/SIGINT, and draws ``summary.png`` (loss curves and the
+  max / mean of its expert load), checkpoints every ``checkpoint_every`` steps, at the end and
+  on SIGTERM/SIGINT once training has begun (``experiments.signals``: before that, or at a
+  second signal, the process ends at once), and draws ``summary.png`` (loss curves and the
   expert-load heatmap, layers x experts) when it finishes (``experiments.metrics``);
 - stops without saving at a step whose loss or gradient norm is not finite
   (``train.on_nonfinite='stop'``), or counts it as skipped and stops after more than
@@ -29,13 +30,22 @@ from experiments import data as data_lib
 from experiments.checkpoints import Checkpoints, NonFiniteState
 from experiments.metrics import MetricsWriter, layer_scalars, plot_summary
 from experiments.setup import Prepared
+from experiments.signals import StopSignals
 from experiments.steps import make_step_fns, put_batch
 
 
 class Trainer:
-    """Runs one prepared experiment in ``job_log_dir`` (resuming from its checkpoints)."""
+    """Runs one prepared experiment in ``job_log_dir`` (resuming from its checkpoints).
 
-    def __init__(self, prep: Prepared, job_log_dir, *, progress: bool = True):
+    signals: the job's installed ``StopSignals`` (``experiments.main`` installs them first
+      thing); None = ``run`` installs its own for its duration."""
+
+    def __init__(self,
+                 prep: Prepared,
+                 job_log_dir,
+                 *,
+                 progress: bool = True,
+                 signals: StopSignals | None = None):
         self.prep = prep
         self.exp = prep.config
         self.job_log_dir = Path(job_log_dir).absolute()
@@ -43,15 +53,11 @@ class Trainer:
         self.progress = progress and self.is_chief
         self.fns = make_step_fns(prep)
         self.dataset = prep.dataset or data_lib.load_dataset(self.exp.data)
-        self._stop_signal = None
+        self.signals = signals
         self.ckpt_dir = self.job_log_dir / "checkpoints"
         self.checkpoints = Checkpoints(self.ckpt_dir, self.exp.train.max_checkpoints,
                                        self.fns.abstract_state)
         self.png_path = self.job_log_dir / "summary.png"
-
-    # -- signals
-    def _on_signal(self, signum, frame):
-        self._stop_signal = signum
 
     def _say(self, line: str, err: bool = False):
         if self.is_chief:
@@ -114,7 +120,7 @@ class Trainer:
         exp, tr = self.exp, self.exp.train
         writer = MetricsWriter(self.job_log_dir, self.is_chief)
         mngr = self.checkpoints.manager()
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        signals = self.signals or StopSignals().install()
         result = {
             "job_log_dir": str(self.job_log_dir),
             "metrics": str(writer.path),
@@ -164,15 +170,16 @@ class Trainer:
                 step = start
                 last = {}
                 in_a_row = 0  # steps skipped in a row (train.on_nonfinite='skip')
-                t_prev = time.perf_counter()
-                while step < tr.num_steps and self._stop_signal is None:
+                signals.training()  # from here a signal stops after the step and saves
+                while step < tr.num_steps and signals.stop_requested is None:
+                    # tokens/s of the step alone: from its batch to its metrics on the host,
+                    # not the eval, checkpoint or logging that follow some steps
+                    t_step = time.perf_counter()
                     batch = put_batch(self.dataset.train_batch(step), self.fns.batch_sharding)
                     state, metrics = train_step(state, batch)
                     metrics = jax.device_get(metrics)
                     step += 1
-                    now = time.perf_counter()
-                    tps = tokens / max(now - t_prev, 1e-9)
-                    t_prev = now
+                    tps = tokens / max(time.perf_counter() - t_step, 1e-9)
                     load = metrics.pop("expert_load", None)
                     balance = metrics.pop("max_mean_load", None)
                     last = {k: float(v) for k, v in metrics.items()}
@@ -217,11 +224,10 @@ class Trainer:
                 mngr.wait_until_finished()
                 result["final_step"] = step
                 result["last_train"] = last
-                if self._stop_signal is not None:
-                    result["stopped_by"] = signal.Signals(self._stop_signal).name
+                result["stopped_by"] = signals.stop_requested
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+            if self.signals is None:
+                signals.uninstall()
             mngr.close()
             writer.close()
         if self.is_chief and result["stopped_by"] is None and result["diverged"] is None and \

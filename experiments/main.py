@@ -7,6 +7,8 @@ PaxML's flag surface:
   python -m experiments.main --exp=configs.experiments.SmallGpu --fdl_set=data.seq_len=512
   python -m experiments.main --fdl_config=tiny_synthetic --fiddler=use_synthetic_data
   python -m experiments.main --mode=eval --job_log_dir=runs/tiny
+  python -m experiments.main --list_experiments               # the registered experiments
+  python -m experiments.main --exp=small_gpu --fdl_help       # its flags and config fields
 
 --exp names a registered experiment (``module.Class``, a dotted suffix, or snake_case);
 Fiddle's own flags (``--fdl_config`` a function of ``configs.experiments`` or a dotted
@@ -14,6 +16,9 @@ Fiddle's own flags (``--fdl_config`` a function of ``configs.experiments`` or a 
 alias ``--fdl.path=value``) are defined by ``fiddle.absl_flags`` and applied with its API.
 Everything is validated before anything is compiled: a bad name, override path or value stops
 with a message that names it and the close matches.
+
+SIGTERM / SIGINT (``experiments.signals``, from the first line of ``main``): during start-up the
+job ends at once; during training it saves after the step in flight, or ends at a second one.
 
 Multi-host: ``--num_processes --process_id --coordinator_address`` go to
 ``jax.distributed.initialize`` (CPU processes use gloo collectives).
@@ -25,6 +30,7 @@ import copy
 import difflib
 import json
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -34,7 +40,7 @@ import fiddle as fdl
 from fiddle import absl_flags as fdl_flags  # defines --fdl_config, --fdl_set, --fiddler, ...
 from fiddle._src.absl_flags import utils as fdl_utils
 
-from experiments import errors, jobdir
+from experiments import errors, info, jobdir, signals
 
 MODES = ("train", "eval")
 DEFAULT_EXP = "tiny"
@@ -64,6 +70,9 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
 _VERBOSE_ERRORS = flags.DEFINE_bool(
     "verbose_errors", False, "Print the traceback of a config or flag error (exit status 2) "
     "before its one-line message.")
+_LIST_EXPERIMENTS = flags.DEFINE_bool(
+    "list_experiments", False, "Print the registered experiments (the names --exp takes) and "
+    "exit.")
 
 
 class UsageError(ValueError):
@@ -281,11 +290,14 @@ def init_distributed(num_processes: int, process_id: int, coordinator_address) -
 # ------------------------------------------------------------------------------------ main
 
 
-def main(argv) -> int:
+def main(argv, stop_signals=None) -> int:
+    """The job; ``stop_signals``: the installed ``experiments.signals.StopSignals``."""
     if len(argv) > 1:
         raise UsageError(f"unexpected positional arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
         logging.set_verbosity(logging.WARNING)
+    if info.answered(config_from_flags, DEFAULT_EXP):  # --list_experiments, --fdl_help
+        return 0
     cfg, name, job_log_dir, recorded = config_and_job_dir()
     from experiments import loop, setup
 
@@ -312,7 +324,7 @@ def main(argv) -> int:
             f"experiment {name}: {jax.device_count()} {jax.devices()[0].platform} devices in "
             f"{jax.process_count()} process(es), mesh {mesh}; job_log_dir {job_log_dir}",
             flush=True)
-    trainer = loop.Trainer(prep, job_log_dir, progress=not _NO_PROGRESS.value)
+    trainer = loop.Trainer(prep, job_log_dir, progress=not _NO_PROGRESS.value, signals=stop_signals)
     if _MODE.value == "eval":
         try:
             result = trainer.evaluate_latest()
@@ -359,18 +371,17 @@ def main(argv) -> int:
             print(f"experiments.main: error: {result['diverged']}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
     if result["stopped_by"]:
-        import signal
-
-        return 128 + int(signal.Signals[result["stopped_by"]])
+        return signals.exit_status(signal.Signals[result["stopped_by"]])
     return 0
 
 
 def _main(argv) -> int:
-    try:
-        return main(argv)
-    except UsageError as e:
-        errors.report(e, verbose=_VERBOSE_ERRORS.value)
-        return 2
+    with signals.StopSignals() as stop_signals:
+        try:
+            return main(argv, stop_signals)
+        except UsageError as e:
+            errors.report(e, verbose=_VERBOSE_ERRORS.value)
+            return 2
 
 
 def run():

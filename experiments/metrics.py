@@ -1,9 +1,10 @@
 """What a run writes and reads back: metrics.jsonl, TensorBoard events, the summary plot, and
-the expert load gathered from the MoE layers' summaries."""
+the expert load and router statistics gathered from the MoE layers' summaries."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -13,6 +14,15 @@ import numpy as np
 
 _LOAD_RE = re.compile(r"moe_expert_load_(\d+)_scalar$")
 _LAYER_RE = re.compile(r"x_layers_(\d+)$")
+# The MoE layers' scalar summaries (MoEFeedForward._add_summaries) -> train metric names.
+MOE_SCALARS = {
+    "moe_router_entropy": "router_entropy",
+    "moe_dropped_token_fraction": "dropped_token_fraction",
+    "moe_z_loss": "z_loss",
+}
+# The expert-load image in TensorBoard: each cell a block of pixels, the image at least
+# IMAGE_MIN_PX on its short side where that keeps the long side within IMAGE_MAX_PX.
+IMAGE_MIN_PX, IMAGE_MAX_PX = 256, 1024
 
 
 def _flat_summaries(tree, prefix=()):
@@ -67,6 +77,27 @@ def layer_scalars(name: str, per_layer) -> dict:
     }
 
 
+def moe_scalars(summaries) -> dict:
+    """{metric name: mean over every MoE layer} of the layers' router entropy, fraction of
+    dropped token copies and z-loss summaries (``MOE_SCALARS``); {} without MoE layers. The
+    repeated stack's summaries carry a leading repeat dimension; the mean is over it too."""
+    found = {}
+    for path, v in _flat_summaries(summaries):
+        for summary, metric in MOE_SCALARS.items():
+            if path[-1] == f"{summary}_scalar":
+                found.setdefault(metric, []).append(jnp.asarray(v, jnp.float32).reshape(-1))
+    return {k: jnp.mean(jnp.concatenate(vs)) for k, vs in found.items()}
+
+
+def upscale(img: np.ndarray) -> np.ndarray:
+    """[H, W] -> [H*f, W*f], each value a block of f x f pixels (nearest neighbour): the
+    largest f <= ceil(IMAGE_MIN_PX / min(H, W)) that keeps the long side within IMAGE_MAX_PX
+    (at least 1), so a layers x experts matrix of a few cells is readable in TensorBoard."""
+    h, w = img.shape
+    f = max(1, min(math.ceil(IMAGE_MIN_PX / min(h, w)), IMAGE_MAX_PX // max(h, w)))
+    return np.repeat(np.repeat(img, f, axis=0), f, axis=1)
+
+
 class MetricsWriter:
     """metrics.jsonl + TensorBoard events, written by process 0 only."""
 
@@ -93,7 +124,7 @@ class MetricsWriter:
             if v.ndim == 0:
                 self._tb.add_scalar(f"{kind}/{k}", float(v), int(step))
             elif v.ndim == 2:  # the [layers, experts] load as a grey image (white = max)
-                img = np.nan_to_num(v.astype(np.float32))
+                img = upscale(np.nan_to_num(v.astype(np.float32)))
                 self._tb.add_image(f"{kind}/{k}",
                                    img / max(float(img.max()), 1e-9),
                                    int(step),

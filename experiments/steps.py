@@ -7,8 +7,10 @@
   loss the layers registered (``mutable=[aux_loss, summaries, non_trainable]``), global-norm
   clipping, AdamW. The NON_TRAINABLE collection the forward pass updated (``update_var``: the
   MoE layers' expert bias, DeepSeek-V3's rule on the step's global token counts) replaces the
-  state's, once per optimizer step and outside the gradient; eval steps update nothing. With ``train.on_nonfinite='skip'`` a step whose loss or gradient norm is not
-  finite returns the state it was given (step + 1) and ``skipped=1`` in its metrics.
+  state's, once per optimizer step and outside the gradient; eval steps update nothing. Its
+  metrics add the MoE layers' router entropy, dropped-token fraction and z-loss (means over the
+  layers) and the expert load. With ``train.on_nonfinite='skip'`` a step whose loss or gradient
+  norm is not finite returns the state it was given (step + 1) and ``skipped=1`` in its metrics.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
 from praxis import base_layer, py_utils
 
 from configs import base, models
-from experiments.metrics import expert_load, max_mean_load
+from experiments.metrics import expert_load, max_mean_load, moe_scalars
 from experiments.setup import Prepared
 
 P = jax.sharding.PartitionSpec
@@ -180,7 +182,9 @@ def make_step_fns(prep: Prepared) -> StepFns:
                 lambda new, old: jnp.where(finite, new, old), (params, opt_state, nt),
                 (state["params"], state["opt_state"], state["non_trainable"]))
             metrics["skipped"] = jnp.where(finite, 0.0, 1.0)
-        load = expert_load(updated.get(base_layer.SUMMARIES, {}), nl, lpb, first_repeated)
+        summaries = updated.get(base_layer.SUMMARIES, {})
+        metrics.update(moe_scalars(summaries))
+        load = expert_load(summaries, nl, lpb, first_repeated)
         if load is not None:
             metrics["expert_load"] = load
             metrics["max_mean_load"] = max_mean_load(load)

@@ -14,9 +14,14 @@ from jax.sharding import PartitionSpec as P
 import moe_praxis  # noqa: F401  (applies the shims)
 from moe_praxis.praxis import compat
 
+# Where `make install` wrote moe_praxis_import_hook.pth, every fresh process applies the shims
+# before its first praxis import; the checks that praxis FAILS without them take it out first.
+NO_HOOK = ("import sys; sys.meta_path[:] = "
+           "[f for f in sys.meta_path if type(f).__name__ != 'PraxisImportHook']\n")
+
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+    return subprocess.run([sys.executable, "-c", NO_HOOK + textwrap.dedent(code)],
                           capture_output=True,
                           text=True,
                           timeout=300)
@@ -80,7 +85,7 @@ def _mesh_env():
 @pytest.mark.parametrize("shim", [False, True])
 def test_global_mesh_defined_sees_set_mesh(shim):
     setup = "import moe_praxis" if shim else ""
-    code = textwrap.dedent(_MESH_CODE.format(setup=setup))
+    code = NO_HOOK + textwrap.dedent(_MESH_CODE.format(setup=setup))
     r = subprocess.run([sys.executable, "-c", code],
                        capture_output=True,
                        text=True,
@@ -134,3 +139,52 @@ def test_import_moe_praxis_applies_the_shims_without_importing_praxis():
     assert "SHIMMED True True" in r.stdout, r.stdout
     assert "AFTER_IMPORT []" in r.stdout and "AFTER_CONVERTER []" in r.stdout, r.stdout
     assert "AFTER_LAYER True" in r.stdout, r.stdout
+
+
+def _fresh(code: str, site_dir) -> subprocess.CompletedProcess:
+    """A fresh interpreter that processes ``site_dir``'s .pth files as it does site-packages'
+    at start-up (site.addsitedir), then runs ``code``."""
+    head = f"import site, sys\nsite.addsitedir({str(site_dir)!r})\n"
+    return subprocess.run([sys.executable, "-c", NO_HOOK + head + textwrap.dedent(code)],
+                          capture_output=True,
+                          text=True,
+                          timeout=300)
+
+
+def test_with_the_install_hook_praxis_imports_before_moe_praxis(tmp_path):
+    """The .pth that `make install` writes makes the import order not matter: praxis first
+    (layers, and py_utils with the set_mesh shim), moe_praxis after; start-up itself imports
+    neither jax nor moe_praxis."""
+    from moe_praxis.praxis import import_hook
+
+    import_hook.write_pth(str(tmp_path))
+    r = _fresh(
+        """
+        print("AT_START", sorted(m for m in ("jax", "moe_praxis", "praxis") if m in sys.modules))
+        from praxis import layers, py_utils
+        import moe_praxis
+        print("LAYERS", hasattr(layers, "StackedTransformer"), moe_praxis.MoEFeedForward.__name__)
+        print("MESH_SHIM", getattr(py_utils.global_mesh_defined, "_moe_praxis_shim", False))
+    """, tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "AT_START []" in r.stdout, r.stdout
+    assert "LAYERS True MoEFeedForward" in r.stdout, r.stdout
+    assert "MESH_SHIM True" in r.stdout, r.stdout
+
+
+def test_a_stale_install_hook_does_nothing(tmp_path):
+    """A .pth left behind by a moved or deleted checkout neither fails start-up nor warns."""
+    from moe_praxis.praxis import import_hook
+
+    (tmp_path / import_hook.PTH_NAME).write_text(import_hook.pth_line(str(tmp_path / "gone.py")))
+    r = _fresh("print('STARTED')", tmp_path)
+    assert r.returncode == 0 and "STARTED" in r.stdout, r.stderr[-2000:]
+    assert r.stderr == "", r.stderr
+
+
+def test_make_install_writes_the_import_hook():
+    from pathlib import Path
+
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    recipe = makefile.split("$(STAMP):", 1)[1].split("\n\n", 1)[0]
+    assert "$(PY) -m moe_praxis.praxis.import_hook" in recipe, recipe

@@ -151,3 +151,31 @@ def test_archive_lists_the_experiment_tags():
     if r.returncode or not tags:
         pytest.skip("this clone has no experiment/* tags (git fetch --tags)")
     assert {name for name, _ in rows} == tags
+
+
+def _install_requires() -> list[str]:
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    lines = cfg["options"]["install_requires"].splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+
+
+def test_tools_the_docs_tell_users_to_run_are_installed():
+    """`tensorboard --logdir` in the docs needs the tensorboard package (tensorboardX only
+    writes event files)."""
+    text = "\n".join(p.read_text() for p in _markdown_files())
+    assert "tensorboard --logdir" in text
+    names = [re.split(r"[<>=!~; \[]", r, maxsplit=1)[0].lower() for r in _install_requires()]
+    assert "tensorboard" in names, names
+
+
+def test_readme_commands_run_in_the_venv():
+    """Every `python -m` of the README runs .venv's Python (make installs there), and the
+    README says how to use a plain `python` instead."""
+    readme = (ROOT / "README.md").read_text()
+    bare = [m.start() for m in re.finditer(r"(?<![\w/.])python3? -m ", readme)]
+    assert not bare, [readme[i - 40:i + 40] for i in bare]
+    assert ".venv/bin/python -m experiments.main" in readme
+    assert "source .venv/bin/activate" in readme
