@@ -423,15 +423,20 @@ def test_moe_block_with_forced_sm80_kernels_matches_reference(fuse):
 
         def loss(p, xx):
             o = mp.moe_block(p, xx, c)
-            return jnp.sum(o.y.astype(jnp.float32) * jnp.sin(xx.astype(jnp.float32))) + o.aux_loss
+            terms = o.y.astype(jnp.float32) * jnp.sin(xx.astype(jnp.float32))
+            return jnp.sum(terms) + o.aux_loss, (o.y, jnp.sum(jnp.abs(terms)))
 
-        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
         return f.lower(params, x).as_text(), f(params, x)
 
-    hlo, (lc, gc) = run("cuda")
+    hlo, ((lc, (yc, _)), gc) = run("cuda")
     assert "moe_grouped_gemm_sm80_fwd" in hlo and "moe_grouped_gemm_swiglu_fwd" not in hlo
-    _, (lx, gx) = run("xla")
-    assert abs(float(lc) - float(lx)) <= 2e-2 * abs(float(lx)), f"seed={seed}"
+    _, ((lx, (yx, scale)), gx) = run("xla")
+    assert rel_err(yc, yx) < 2e-2, f"seed={seed}"
+    # The loss is a sum whose terms cancel (|loss| can be a few % of sum |terms|): bounded
+    # against the terms' magnitude. With fuse_gate_up the XLA reference keeps gate and up in
+    # float32 where the unfused CUDA path rounds them to bf16 (a measured 0.5% on y).
+    assert abs(float(lc) - float(lx)) <= 2e-2 * float(scale), f"seed={seed}"
     for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(gx)):
         assert rel_err(a, b) < 2e-2, f"seed={seed}"
 
