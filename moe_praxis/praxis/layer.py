@@ -58,9 +58,8 @@ class MoEFeedForward(base_layer.BaseLayer):
     (docs/praxis.md has the table, kept in step with these fields by a test), plus ours:
       fuse_gate_up: gated only; one weight wi_gate_up [E, M, 2H] (MoEConfig.fuse_gate_up).
       num_experts_per_token: k for gating_func='topk' (top2 / dense_top2 need 2).
-      aux_loss_type, kernel_backend, router_precision, ep_exchange, ep_buffer_factor:
-        MoEConfig's.
-      router_z_loss_weight: MoEConfig.z_loss_coeff (0 = off).
+      aux_loss_type, kernel_backend, router_precision, ep_exchange, ep_buffer_factor,
+      router_z_loss_weight (z_loss_coeff): MoEConfig's.
       mesh_resources: a moe_praxis.MeshResources; when set and a mesh is in scope
         (jax.set_mesh or `with mesh:`), moe_block runs expert-parallel on it, and when the
         layer also has mesh_axis_names and ici_mesh_shape its weight sharding is checked
@@ -73,8 +72,7 @@ class MoEFeedForward(base_layer.BaseLayer):
       score_func: 'softmax' or 'sigmoid' (DeepSeek-V3).
       pre_softmax: softmax over all experts before top-k (True) or over the k selected.
       norm_topk: renormalise the k weights to sum to 1.
-      num_expert_groups, group_topk: group-limited routing (DeepSeek-V3's n_group,
-        topk_group); not Praxis's token num_groups.
+      num_expert_groups, group_topk: DeepSeek-V3's group-limited routing (not num_groups).
       use_expert_bias: the selection-only expert bias (DeepSeek-V3's auxiliary-loss-free
         balancing), a NON_TRAINABLE float32 variable `expert_bias` [E].
       expert_bias_update_rate: u > 0 updates expert_bias in every training call (see
