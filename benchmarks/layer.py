@@ -62,6 +62,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import sys
@@ -75,7 +76,7 @@ import jaxlib
 from benchmarks import bench_kernels, layer_breakdown, layer_report
 from benchmarks import layer_cases as lc
 from benchmarks import trace
-from benchmarks.bench_grouped_gemm import rel_err, time_fn, time_paired
+from benchmarks.bench_grouped_gemm import time_fn, time_paired
 from moe_praxis import ops
 
 CHECK_TOL = 2e-2
@@ -182,6 +183,23 @@ def check_tokens(shape: lc.Shape) -> int:
     return max(8, 1 << (max(t, 1).bit_length() - 1))
 
 
+def chunked_rel_err(a, b, chunks: int = 16):
+    """rel_err over slices of the leading dimension, float32 sums of squares per slice: the
+    DeepSeek-like weight gradients are too large for one float64 copy beside the step's own
+    buffers (that check ran out of memory on the H200)."""
+    try:
+        step = max(1, -(-a.shape[0] // chunks))
+        num = den = 0.0
+        for i in range(0, a.shape[0], step):
+            da, db = a[i:i + step].astype(jnp.float32), b[i:i + step].astype(jnp.float32)
+            num += float(jnp.sum(jnp.square(da - db)))
+            den += float(jnp.sum(jnp.square(db)))
+        return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else float("inf"))
+    except Exception as ex:  # noqa: BLE001
+        print("  rel_err failed:", repr(ex)[:200], flush=True)
+        return None
+
+
 def check_against_xla(sh: Shape) -> list[dict]:
     """'cuda' and 'cuda+fuse' against 'xla' on the first check_tokens() tokens (module doc)."""
     t = check_tokens(sh.shape)
@@ -201,12 +219,13 @@ def check_against_xla(sh: Shape) -> list[dict]:
         try:
             f = lc.block_fns(sh.config(method))
             p = sh.block_params(method, "balanced")
-            errs = {"y": rel_err(f["fwd"](p, x).y, ref_y)}
+            errs = {"y": chunked_rel_err(f["fwd"](p, x).y, ref_y)}
             _, (dp, dx) = f["fwd+bwd"](p, x, cot)
-            errs["dx"] = rel_err(dx, ref_dx)
+            errs["dx"] = chunked_rel_err(dx, ref_dx)
             for n in dp:
                 if n in ref_dp and n != "expert_bias":
-                    errs["d" + n] = rel_err(dp[n], ref_dp[n])
+                    errs["d" + n] = chunked_rel_err(dp[n], ref_dp[n])
+            del dp, dx
             row["rel_err"] = errs
             row["ok"] = all(e is not None and e < CHECK_TOL for e in errs.values())
         except Exception as ex:  # noqa: BLE001
@@ -382,7 +401,8 @@ def main(argv=None) -> int:
             break
         sh = Shape(name, shapes[name], opts.methods, backend, jax.random.key(i))
         print(f"\n== {name}: {shapes[name]}", flush=True)
-        if "xla" in opts.methods:
+        # the check needs no 'xla' method: it runs the 'xla' layer on a slice of its own
+        if any(m in ("cuda", "cuda+fuse") for m in opts.methods):
             result["checks"] += check_against_xla(sh)
         loads = ["balanced"]
         if opts.skew:
