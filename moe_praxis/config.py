@@ -104,6 +104,11 @@ class MoEConfig:
         fuse_gate_up. This version runs the pure-JAX emulation of that arithmetic on every
         backend (no FP8 kernel yet: it is slower than bf16, and says so once); the router, the
         aux loss, the shared experts and the combine stay in higher precision.
+      fp8_quantize_before_gather: with fp8 and fsdp-sharded expert weights, each device
+        quantizes its own shard and the all-gather moves e4m3 data and float32 scales (True,
+        about half the bytes of bf16; bitwise the same result); False gathers the weights in
+        their dtype and quantizes after (for comparison). A shard split along d_model or d_ff
+        must hold whole 128-blocks (else a named error at trace time).
     """
 
     d_model: int
@@ -137,6 +142,7 @@ class MoEConfig:
     shared_expert_gate: bool = False
     expert_bias_update_rate: float = 0.0
     fp8: Optional[str] = None
+    fp8_quantize_before_gather: bool = True
 
     def __post_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_expert_groups", "group_topk"):
@@ -217,6 +223,9 @@ class MoEConfig:
                     f"d_ff={self.d_ff}")
             if self.fuse_gate_up:
                 raise _err("fp8", self.fp8, "is not implemented with fuse_gate_up=True yet")
+        elif not self.fp8_quantize_before_gather:
+            raise _err("fp8_quantize_before_gather", self.fp8_quantize_before_gather,
+                       "only applies with fp8='blockwise' (leave it True)")
         if not self.param_init_scale > 0:
             raise _err("param_init_scale", self.param_init_scale, "must be > 0")
         if self.ep_exchange not in EP_EXCHANGES:

@@ -30,6 +30,9 @@ from moe_praxis.ops import fp8
 # Set to 1: use_cudnn_fusion=True where the fusion cannot run is an error, not a warning (for
 # jobs that must not silently run another kernel than the one asked for).
 ENV_STRICT_CUDNN = "MOE_PRAXIS_STRICT_CUDNN_FUSION"
+# weights key: {name: (fsdp axes, dim)} of expert weights still fsdp-sharded, which the FP8
+# GEMMs quantize and then all-gather (MoEConfig.fp8_quantize_before_gather)
+FP8_GATHER = "fp8_gather"
 
 
 def cudnn_fusion_status() -> tuple[bool, str]:
@@ -122,14 +125,21 @@ def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights):
         "numerics of the recipe, not its speed (no FP8 grouped GEMM kernel in this version).",
         RuntimeWarning)
     dt = rows.dtype
-    up = checkpoint_name(fp8.fp8_grouped_gemm(rows, weights["wi_up"], group_sizes), "moe_up")
+    gathers = weights.get(FP8_GATHER, {})
+
+    def gemm(lhs, name):
+        if name in gathers:
+            axes, dim = gathers[name]
+            return fp8.gathered_fp8_grouped_gemm(lhs, weights[name], group_sizes, axes, dim)
+        return fp8.fp8_grouped_gemm(lhs, weights[name], group_sizes)
+
+    up = checkpoint_name(gemm(rows, "wi_up"), "moe_up")
     if config.gated:
-        gate = checkpoint_name(fp8.fp8_grouped_gemm(rows, weights["wi_gate"], group_sizes),
-                               "moe_gate")
+        gate = checkpoint_name(gemm(rows, "wi_gate"), "moe_gate")
         act = ops.swiglu_reference(gate, up, row_weights, act=config.activation)
     else:
         act = ops.activation(config.activation)(up.astype(jnp.float32))
         if row_weights is not None:
             act = act * row_weights.astype(jnp.float32)[:, None]
     act = checkpoint_name(act.astype(dt), "ffn1")
-    return checkpoint_name(fp8.fp8_grouped_gemm(act, weights["wo"], group_sizes), "ffn2")
+    return checkpoint_name(gemm(act, "wo"), "ffn2")

@@ -223,3 +223,65 @@ def test_fp8_config_errors_name_the_value():
         mp.MoEConfig(d_model=128, d_ff=128, num_experts=4, fp8="e5m2")
     with pytest.raises(ValueError, match="fuse_gate_up"):
         mp.MoEConfig(d_model=128, d_ff=128, num_experts=4, fp8="blockwise", fuse_gate_up=True)
+
+
+@pytest.mark.parametrize("fsdp_dim", ["expert", "model"])
+def test_block_quantize_before_gather_bitwise_equals_gather_then_quantize(fsdp_dim):
+    """moe_block with fp8='blockwise' on fsdp4 x ep2: quantizing each weight shard before the
+    all-gather gives bitwise the outputs and gradients of gathering first; the lowered step's
+    weight all-gathers carry e4m3 in one order and the weights' dtype in the other."""
+    import dataclasses
+
+    import moe_praxis as mp
+
+    seed = _seed()
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(4, 2), ("fsdp", "ep"))
+    res = mp.MeshResources(fsdp="fsdp", ep="ep", fsdp_dim=fsdp_dim)
+    m = 512 if fsdp_dim == "model" else 128  # d_model / 4 shards of whole 128-blocks
+    cfg = mp.MoEConfig(d_model=m,
+                       d_ff=256,
+                       num_experts=8,
+                       top_k=2,
+                       kernel_backend="xla",
+                       fp8="blockwise")
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), mp.init_moe_params(k1, cfg))
+    x = jax.random.normal(k2, (8, 32, m)).astype(jnp.bfloat16)
+    cot = jax.random.normal(k3, x.shape).astype(jnp.bfloat16)
+
+    def step(c):
+
+        def loss(p, x):
+            o = mp.moe_block(p, x, c, mesh=mesh, resources=res)
+            return jnp.sum((o.y * cot).astype(jnp.float32)) + o.aux_loss, o.y
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+    before = step(cfg)
+    after = step(dataclasses.replace(cfg, fp8_quantize_before_gather=False))
+    (_, y1), g1 = before(params, x)
+    (_, y2), g2 = after(params, x)
+    for a, b in zip([y1] + jax.tree.leaves(g1), [y2] + jax.tree.leaves(g2)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                      np.asarray(b, np.float32),
+                                      err_msg=f"seed={seed}")
+    assert float(jnp.max(jnp.abs(g1[0]["wo"].astype(jnp.float32)))) > 0
+
+    def gathers(f):
+        return [l for l in f.lower(params, x).as_text().splitlines() if "all_gather" in l]
+
+    assert any("f8E4M3FN" in l for l in gathers(before)), gathers(before)
+    assert not any("f8E4M3FN" in l for l in gathers(after))
+    assert any("bf16" in l for l in gathers(after))
+
+
+def test_quantize_before_gather_needs_whole_blocks_per_shard():
+    import moe_praxis as mp
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(8, 1), ("fsdp", "ep"))
+    res = mp.MeshResources(fsdp="fsdp", ep="ep", fsdp_dim="model")
+    cfg = mp.MoEConfig(d_model=512, d_ff=256, num_experts=8, kernel_backend="xla", fp8="blockwise")
+    params = mp.init_moe_params(jax.random.key(0), cfg)
+    x = jnp.ones((8, 4, 512))
+    with pytest.raises(ValueError, match=r"shard has shape \(8, 64, 256\).*multiples of 128"):
+        mp.moe_block(params, x, cfg, mesh=mesh, resources=res)
