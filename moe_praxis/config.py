@@ -18,6 +18,8 @@ ACTIVATIONS = ("silu", "gelu", "relu")
 KERNEL_BACKENDS = ("auto", "xla", "cuda")
 EP_EXCHANGES = ("auto", "ragged", "padded")
 ROUTER_PRECISIONS = ("float32", "tf32", "bf16")
+FP8_RECIPES = (None, "blockwise")
+FP8_BLOCK = 128  # moe_praxis.ops.fp8.BLOCK: activation tiles 1 x 128, weight blocks 128 x 128
 
 
 def _err(field: str, value, valid: str) -> ValueError:
@@ -95,6 +97,18 @@ class MoEConfig:
         per optimizer step by `moe_praxis.update_expert_bias`: `b <- b + u * sign(mean_load -
         load)` on the step's global tokens_per_expert. 0 = the bias is never updated; > 0
         needs use_expert_bias.
+      fp8: None (the expert GEMMs in the input dtype) or 'blockwise': DeepSeek-V3's FP8 recipe
+        for the expert GEMMs (forward, dgrad and wgrad): e4m3 operands with float32 scales per
+        1 x 128 activation tile and 128 x 128 weight block, float32 accumulation, outputs in
+        the input dtype (moe_praxis.ops.fp8). Needs d_model and d_ff multiples of 128; not with
+        fuse_gate_up. This version runs the pure-JAX emulation of that arithmetic on every
+        backend (no FP8 kernel yet: it is slower than bf16, and says so once); the router, the
+        aux loss, the shared experts and the combine stay in higher precision.
+      fp8_quantize_before_gather: with fp8 and fsdp-sharded expert weights, each device
+        quantizes its own shard and the all-gather moves e4m3 data and float32 scales (True,
+        about half the bytes of bf16; bitwise the same result); False gathers the weights in
+        their dtype and quantizes after (for comparison). A shard split along d_model or d_ff
+        must hold whole 128-blocks (else a named error at trace time).
     """
 
     d_model: int
@@ -127,6 +141,8 @@ class MoEConfig:
     shared_d_ff: Optional[int] = None
     shared_expert_gate: bool = False
     expert_bias_update_rate: float = 0.0
+    fp8: Optional[str] = None
+    fp8_quantize_before_gather: bool = True
 
     def __post_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_expert_groups", "group_topk"):
@@ -197,6 +213,19 @@ class MoEConfig:
                        "needs gated=True (there is no gate projection to fuse)")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _err("kernel_backend", self.kernel_backend, f"valid: {KERNEL_BACKENDS}")
+        if self.fp8 not in FP8_RECIPES:
+            raise _err("fp8", self.fp8, f"valid: {FP8_RECIPES}")
+        if self.fp8 is not None:
+            if self.d_model % FP8_BLOCK or self.d_ff % FP8_BLOCK:
+                raise _err(
+                    "fp8", self.fp8, f"needs d_model and d_ff multiples of {FP8_BLOCK} (whole "
+                    f"{FP8_BLOCK}x{FP8_BLOCK} weight blocks); got d_model={self.d_model}, "
+                    f"d_ff={self.d_ff}")
+            if self.fuse_gate_up:
+                raise _err("fp8", self.fp8, "is not implemented with fuse_gate_up=True yet")
+        elif not self.fp8_quantize_before_gather:
+            raise _err("fp8_quantize_before_gather", self.fp8_quantize_before_gather,
+                       "only applies with fp8='blockwise' (leave it True)")
         if not self.param_init_scale > 0:
             raise _err("param_init_scale", self.param_init_scale, "must be > 0")
         if self.ep_exchange not in EP_EXCHANGES:

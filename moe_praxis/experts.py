@@ -25,10 +25,14 @@ from jax.ad_checkpoint import checkpoint_name
 from moe_praxis import ops
 from moe_praxis.config import MoEConfig
 from moe_praxis.ops import backend as ops_backend
+from moe_praxis.ops import fp8
 
 # Set to 1: use_cudnn_fusion=True where the fusion cannot run is an error, not a warning (for
 # jobs that must not silently run another kernel than the one asked for).
 ENV_STRICT_CUDNN = "MOE_PRAXIS_STRICT_CUDNN_FUSION"
+# weights key: {name: (fsdp axes, dim)} of expert weights still fsdp-sharded, which the FP8
+# GEMMs quantize and then all-gather (MoEConfig.fp8_quantize_before_gather)
+FP8_GATHER = "fp8_gather"
 
 
 def cudnn_fusion_status() -> tuple[bool, str]:
@@ -83,6 +87,8 @@ def expert_ffn(rows, group_sizes, weights, config: MoEConfig, *, backend="auto",
     """
     if config.use_cudnn_fusion:
         _warn_cudnn_fallback(backend)
+    if config.fp8 is not None:
+        return _fp8_expert_ffn(rows, group_sizes, weights, config, row_weights)
     dt = rows.dtype
     wo = weights["wo"]
     if config.fuse_gate_up:
@@ -109,3 +115,31 @@ def expert_ffn(rows, group_sizes, weights, config: MoEConfig, *, backend="auto",
     act = checkpoint_name(act, "ffn1")
     out = ops.grouped_gemm(act, wo.astype(dt), group_sizes, backend=backend)
     return checkpoint_name(out, "ffn2")
+
+
+def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights):
+    """config.fp8='blockwise': the three expert GEMMs in blockwise FP8 (ops.fp8, forward, dgrad
+    and wgrad), the activation and the routing weight in float32 between them."""
+    ops_backend.warn_once(
+        "MoEConfig.fp8='blockwise' runs the pure-JAX emulation of FP8 GEMMs (ops.fp8): the "
+        "numerics of the recipe, not its speed (no FP8 grouped GEMM kernel in this version).",
+        RuntimeWarning)
+    dt = rows.dtype
+    gathers = weights.get(FP8_GATHER, {})
+
+    def gemm(lhs, name):
+        if name in gathers:
+            axes, dim = gathers[name]
+            return fp8.gathered_fp8_grouped_gemm(lhs, weights[name], group_sizes, axes, dim)
+        return fp8.fp8_grouped_gemm(lhs, weights[name], group_sizes)
+
+    up = checkpoint_name(gemm(rows, "wi_up"), "moe_up")
+    if config.gated:
+        gate = checkpoint_name(gemm(rows, "wi_gate"), "moe_gate")
+        act = ops.swiglu_reference(gate, up, row_weights, act=config.activation)
+    else:
+        act = ops.activation(config.activation)(up.astype(jnp.float32))
+        if row_weights is not None:
+            act = act * row_weights.astype(jnp.float32)[:, None]
+    act = checkpoint_name(act.astype(dt), "ffn1")
+    return checkpoint_name(gemm(act, "wo"), "ffn2")

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from moe_praxis import router_stats, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.dispatch import capacity, exchange, sort
-from moe_praxis.experts import expert_ffn
+from moe_praxis.experts import FP8_GATHER, expert_ffn
 from moe_praxis.ops import resolve_backend, vma
 from moe_praxis.params import check_params, init_moe_params, param_shapes
 from moe_praxis.resources import EPLayout, check_mesh_in_scope, ep_bootstrap, psum
@@ -106,11 +106,15 @@ def _flatten(x, paddings, config: MoEConfig, layout: EPLayout, place):
     return x2, valid, seq_len
 
 
-def _gather_weights(params, layout: EPLayout):
+def _gather_weights(params, layout: EPLayout, config: MoEConfig):
     """Expert weights all-gathered over fsdp: wi [El, M, H/tp], wo [El, H/tp, M], marked
     varying over the token and tp axes like the rows they multiply (a custom_vjp grouped GEMM
-    returns per-shard weight gradients, which autodiff of the cast sums back)."""
-    out = {}
+    returns per-shard weight gradients, which autodiff of the cast sums back).
+
+    With config.fp8 and fp8_quantize_before_gather the shards stay local and the weights get
+    an entry experts.FP8_GATHER {name: (fsdp axes, dim)}: the FP8 GEMM quantizes each shard and
+    gathers the e4m3 data and scales itself (ops.fp8.gathered_fp8_grouped_gemm)."""
+    out, gathers = {}, {}
     for name in ("wi_gate", "wi_up", "wi_gate_up", "wo"):
         if name not in params:
             continue
@@ -120,8 +124,13 @@ def _gather_weights(params, layout: EPLayout):
                 dim = 0
             else:
                 dim = 1 if name.startswith("wi") else 2
-            w = jax.lax.all_gather(w, layout.fsdp_axes, axis=dim, tiled=True)
+            if config.fp8 is not None and config.fp8_quantize_before_gather:
+                gathers[name] = (layout.fsdp_axes, dim)
+            else:
+                w = jax.lax.all_gather(w, layout.fsdp_axes, axis=dim, tiled=True)
         out[name] = vma.vary(w, layout.token_axes + layout.tp_axes)
+    if gathers:
+        out[FP8_GATHER] = gathers
     return out
 
 
@@ -185,7 +194,7 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
             return shared_ffn(x, valid, shared_weights, config, backend=backend)
 
     with jax.named_scope("moe_experts"):
-        weights = _gather_weights(params, layout)
+        weights = _gather_weights(params, layout, config)
         if layout.ep_size == 1:
             rows = checkpoint_name(sort.dispatch_rows(x, d, backend=backend), "moe_dispatched")
             rows = vma.vary(rows, tuple(vma.varying_axes(weights["wo"])))

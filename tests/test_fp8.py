@@ -170,3 +170,118 @@ def test_quantize_before_gather_bitwise_equals_gather_then_quantize(gather_dim):
 def test_shard_not_whole_blocks_is_named_error():
     with pytest.raises(ValueError, match=r"shard has shape \(1, 64, 384\).*multiples of 128"):
         fp8.check_shard_blocks((1, 64, 384), 1, "the expert weight")
+
+
+def test_moe_block_fp8_within_bound_of_float32_and_routes_the_same():
+    """MoEConfig.fp8='blockwise': the whole block (outputs and every gradient) within the fp8
+    bound of the same block in float32 at 'highest' precision, routing unchanged (the router
+    stays float32), and really quantized (error above 0.005)."""
+    import moe_praxis as mp
+
+    seed = _seed()
+    base = mp.MoEConfig(d_model=128, d_ff=256, num_experts=4, top_k=2, kernel_backend="xla")
+    cfg = mp.MoEConfig(d_model=128,
+                       d_ff=256,
+                       num_experts=4,
+                       top_k=2,
+                       kernel_backend="xla",
+                       fp8="blockwise")
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    params = mp.init_moe_params(k1, base)
+    x = jax.random.normal(k2, (2, 96, 128))
+    cot = jax.random.normal(k3, x.shape)
+
+    def run(c):
+
+        def loss(p, x):
+            o = mp.moe_block(p, x, c)
+            return jnp.sum(o.y * cot) + o.aux_loss, o
+
+        with jax.default_matmul_precision("highest"):
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+
+    with pytest.warns(RuntimeWarning, match="emulation of FP8"):
+        (_, o8), (g8, dx8) = run(cfg)
+    (_, o32), (g32, dx32) = run(base)
+    np.testing.assert_array_equal(np.asarray(o8.tokens_per_expert),
+                                  np.asarray(o32.tokens_per_expert))
+    for name, a, b in [("y", o8.y, o32.y),
+                       ("dx", dx8, dx32)] + [("d" + n, g8[n], g32[n])
+                                             for n in ("wi_gate", "wi_up", "wo")]:
+        err = rel_err(a, b)
+        assert 0.005 < err < FP8_BOUND, f"seed={seed} {name}: {err}"
+    # the router's gradient flows through the routing weights only: higher precision kept
+    assert rel_err(g8["router"], g32["router"]) < FP8_BOUND, f"seed={seed}"
+
+
+def test_fp8_config_errors_name_the_value():
+    import moe_praxis as mp
+
+    with pytest.raises(ValueError, match=r"MoEConfig.fp8='blockwise'.*multiples of 128.*d_ff=96"):
+        mp.MoEConfig(d_model=128, d_ff=96, num_experts=4, fp8="blockwise")
+    with pytest.raises(ValueError, match=r"MoEConfig.fp8='e5m2' is invalid"):
+        mp.MoEConfig(d_model=128, d_ff=128, num_experts=4, fp8="e5m2")
+    with pytest.raises(ValueError, match="fuse_gate_up"):
+        mp.MoEConfig(d_model=128, d_ff=128, num_experts=4, fp8="blockwise", fuse_gate_up=True)
+
+
+@pytest.mark.parametrize("fsdp_dim", ["expert", "model"])
+def test_block_quantize_before_gather_bitwise_equals_gather_then_quantize(fsdp_dim):
+    """moe_block with fp8='blockwise' on fsdp4 x ep2: quantizing each weight shard before the
+    all-gather gives bitwise the outputs and gradients of gathering first; the lowered step's
+    weight all-gathers carry e4m3 in one order and the weights' dtype in the other."""
+    import dataclasses
+
+    import moe_praxis as mp
+
+    seed = _seed()
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(4, 2), ("fsdp", "ep"))
+    res = mp.MeshResources(fsdp="fsdp", ep="ep", fsdp_dim=fsdp_dim)
+    m = 512 if fsdp_dim == "model" else 128  # d_model / 4 shards of whole 128-blocks
+    cfg = mp.MoEConfig(d_model=m,
+                       d_ff=256,
+                       num_experts=8,
+                       top_k=2,
+                       kernel_backend="xla",
+                       fp8="blockwise")
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), mp.init_moe_params(k1, cfg))
+    x = jax.random.normal(k2, (8, 32, m)).astype(jnp.bfloat16)
+    cot = jax.random.normal(k3, x.shape).astype(jnp.bfloat16)
+
+    def step(c):
+
+        def loss(p, x):
+            o = mp.moe_block(p, x, c, mesh=mesh, resources=res)
+            return jnp.sum((o.y * cot).astype(jnp.float32)) + o.aux_loss, o.y
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+    before = step(cfg)
+    after = step(dataclasses.replace(cfg, fp8_quantize_before_gather=False))
+    (_, y1), g1 = before(params, x)
+    (_, y2), g2 = after(params, x)
+    for a, b in zip([y1] + jax.tree.leaves(g1), [y2] + jax.tree.leaves(g2)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                      np.asarray(b, np.float32),
+                                      err_msg=f"seed={seed}")
+    assert float(jnp.max(jnp.abs(g1[0]["wo"].astype(jnp.float32)))) > 0
+
+    def gathers(f):
+        return [l for l in f.lower(params, x).as_text().splitlines() if "all_gather" in l]
+
+    assert any("f8E4M3FN" in l for l in gathers(before)), gathers(before)
+    assert not any("f8E4M3FN" in l for l in gathers(after))
+    assert any("bf16" in l for l in gathers(after))
+
+
+def test_quantize_before_gather_needs_whole_blocks_per_shard():
+    import moe_praxis as mp
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(8, 1), ("fsdp", "ep"))
+    res = mp.MeshResources(fsdp="fsdp", ep="ep", fsdp_dim="model")
+    cfg = mp.MoEConfig(d_model=512, d_ff=256, num_experts=8, kernel_backend="xla", fp8="blockwise")
+    params = mp.init_moe_params(jax.random.key(0), cfg)
+    x = jnp.ones((8, 4, 512))
+    with pytest.raises(ValueError, match=r"shard has shape \(8, 64, 256\).*multiples of 128"):
+        mp.moe_block(params, x, cfg, mesh=mesh, resources=res)
