@@ -5,6 +5,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NO_DEPS = $(shell $(PYTHON) -c "import configparser as c; p=c.ConfigParser(); p.read('setup.cfg'); print(' '.join(p['moe_praxis.no_deps']['packages'].split()))")
 PYTEST_ARGS ?=
+# the CPU suite in two pytest-xdist workers (CI's machine has 2 cores; 0 runs it serially)
+PYTEST_WORKERS ?= 2
 
 .PHONY: install run test test-gpu format lint kernels clean
 
@@ -23,7 +25,7 @@ run: install
 	$(PY) -m experiments.main $(ARGS)
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
