@@ -7,6 +7,10 @@
 # those bench cases (ncu has segfaulted under JAX); GG_BENCH_S=N adds the grouped GEMM
 # benchmark with an N-second limit (GG_BENCH_ARGS: its options, e.g. "--skip ragged,tiles"),
 # GATE_UP_BENCH_S=N the fused gate/up one.
+# Building there: the GPU machine has no nvidia-cutlass package, and its jaxlib's FFI headers
+# fail this build's -Werror; carry this machine's CUTLASS headers as a package folder
+# (.cutlass/cutlass_library/source/{include,tools/util/include} + an empty __init__.py, on
+# PYTHONPATH) and the oldest supported jaxlib's include/ copied over jax.ffi.include_dir() there.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/kernels_out}
