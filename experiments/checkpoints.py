@@ -16,6 +16,7 @@ import logging
 import re
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -88,6 +89,21 @@ def _drop_closed_loop_errors():
 
     hook.drops_closed_loop_errors = True
     sys.unraisablehook = hook
+
+    # The same error raised in a callback of a thread tensorstore started is printed through
+    # sys.excepthook / threading.excepthook instead (seen under load): dropped there too.
+    previous_except, previous_thread = sys.excepthook, threading.excepthook
+
+    def excepthook(kind, value, tb):
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous_except(kind, value, tb)
+
+    def thread_hook(args):
+        e = args.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            previous_thread(args)
+
+    sys.excepthook, threading.excepthook = excepthook, thread_hook
 
 
 def _on_every_process(ok: bool) -> bool:

@@ -40,7 +40,10 @@ def test_recorded_counts_of_a_skewed_router():
     params["expert_bias"] = 0.1 * jax.random.normal(k3, (8, ))
     x = jax.random.normal(k2, (4, 32, 8)) + 1.0
     counts = np.asarray(mp.moe_block(params, x, cfg).tokens_per_expert)
-    assert counts.sum() == 4 * 32 * 2 and counts.argmax() == 3, (seed, counts)
+    # every token's first choice: expert 3 holds about half the copies, far above the mean
+    # (another expert may tie it as everyone's second choice, so no argmax)
+    assert counts.sum() == 4 * 32 * 2, (seed, counts)
+    assert counts[3] > 2 * counts.sum() / 8, (seed, counts)
     got = _check(params["expert_bias"], counts, 0.001)
     assert got[3] < float(params["expert_bias"][3]), (seed, counts)
 
