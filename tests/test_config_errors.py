@@ -11,28 +11,14 @@ from pathlib import Path
 import jax
 import pytest
 
-from absl import flags
-from fiddle._src.absl_flags import legacy_flags as fdl_legacy
-
 from configs import experiments, stack
 from experiments import loop, setup, steps
 from experiments import main as main_lib
+from tests.flagutil import parse, reset_flags  # noqa: F401  (reset_flags: autouse)
 
 ROOT = Path(__file__).resolve().parents[1]
 TPL = "--fdl.model.stacked_transformer_tpl.moe_layer_tpl"
 STACK = "--fdl.model.stacked_transformer_tpl"
-
-
-def parse(*args):
-    fv = flags.FLAGS
-    fv.unparse_flags()
-    fv(fdl_legacy.rewrite_fdl_args(["main", *args]))
-
-
-@pytest.fixture(autouse=True)
-def _reset_flags():
-    yield
-    flags.FLAGS.unparse_flags()
 
 
 @pytest.fixture

@@ -12,29 +12,14 @@ import numpy as np
 import pytest
 
 from absl import flags
-from fiddle._src.absl_flags import legacy_flags as fdl_legacy
 
 from configs import base, experiments, registry
 from experiments import data as data_lib
 from experiments import main as main_lib
 from experiments import metrics, setup, steps
+from tests.flagutil import parse, reset_flags  # noqa: F401  (reset_flags: autouse)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def parse(*args):
-    """Parses command-line flags as `python -m experiments.main ARGS` would."""
-    fv = flags.FLAGS
-    fv.unparse_flags()
-    fv(fdl_legacy.rewrite_fdl_args(["main", *args]))
-    return fv
-
-
-@pytest.fixture(autouse=True)
-def _reset_flags():
-    yield
-    flags.FLAGS.unparse_flags()
-
 
 # ------------------------------------------------------------------------------ registry
 

@@ -6,25 +6,12 @@ import json
 
 import pytest
 
-from absl import flags
-from fiddle._src.absl_flags import legacy_flags as fdl_legacy
 from fiddle.experimental import serialization
 
 from configs import experiments
 from experiments import jobdir, loop, setup
 from experiments import main as main_lib
-
-
-def parse(*args):
-    fv = flags.FLAGS
-    fv.unparse_flags()
-    fv(fdl_legacy.rewrite_fdl_args(["main", *args]))
-
-
-@pytest.fixture(autouse=True)
-def _reset_flags():
-    yield
-    flags.FLAGS.unparse_flags()
+from tests.flagutil import parse, reset_flags  # noqa: F401  (reset_flags: autouse)
 
 
 class _Started(Exception):

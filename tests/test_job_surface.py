@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import flags
-from fiddle._src.absl_flags import legacy_flags as fdl_legacy
 
 from configs import experiments, registry
 from experiments import loop, main, metrics, setup, signals
+from tests.flagutil import parse as _parse
+from tests.flagutil import reset_flags  # noqa: F401  (autouse)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,19 +35,6 @@ def _env(devices: int = 1) -> dict:
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
-
-
-def _parse(*args):
-    fv = flags.FLAGS
-    fv.unparse_flags()
-    fv(fdl_legacy.rewrite_fdl_args(["main", *args]))
-    return fv
-
-
-@pytest.fixture(autouse=True)
-def _reset_flags():
-    yield
-    flags.FLAGS.unparse_flags()
 
 
 # ------------------------------------------------------------------------------ signals
