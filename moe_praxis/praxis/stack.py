@@ -12,6 +12,10 @@ the dense layers are cloned from that block at setup.
 Variables: the dense layers under ``dense/x_layers_{i}`` (i < first_k_dense), the repeats
 under ``repeat/sub/...`` with a leading [x_times] dimension; layer l >= first_k_dense is
 repeat (l - first_k_dense) // block.num_layers.
+
+Decoding (``extend_step`` and the decode-state transforms of Praxis's sampling loops) runs the
+dense layers, then the repeats, each with its own attention caches (``DECODE_CACHE`` under
+``dense/...`` and ``repeat/...``).
 """
 
 from __future__ import annotations
@@ -66,6 +70,38 @@ class DenseFirstRepeated(transformers.StackedTransformerRepeated):
         return super().__call__(inputs, paddings, segment_mask, cross_inputs, cross_paddings,
                                 cross_segment_mask, segment_pos)
 
-    def extend_step(self, inputs: JTensor, **kwargs) -> JTensor:
-        raise NotImplementedError(f"DenseFirstRepeated {self.name!r}: decoding (extend_step) is "
-                                  "not implemented; train and evaluate with __call__")
+    def extend_step(self,
+                    inputs: JTensor,
+                    *,
+                    time_step: JTensor,
+                    segment_pos: Optional[JTensor] = None,
+                    atten_mask: Optional[JTensor] = None,
+                    cross_paddings: Optional[JTensor] = None,
+                    cross_segment_mask: Optional[JTensor] = None) -> JTensor:
+        """Cached decoding of one step ([B, M]) or of L steps ([B, L, M]): the dense layers'
+        extend_step, then the repeats' (arguments as StackedTransformerRepeated's)."""
+        kw = dict(time_step=time_step,
+                  segment_pos=segment_pos,
+                  atten_mask=atten_mask,
+                  cross_paddings=cross_paddings,
+                  cross_segment_mask=cross_segment_mask)
+        if self.first_k_dense:
+            inputs = self.dense.extend_step(inputs, **kw)
+        return super().extend_step(inputs, **kw)
+
+    # The decode-state transforms of the sampling loops reach the dense layers' caches too.
+    def transform_decode_state(self, transform_fn: base_layer.DecodeStateTransformFn) -> None:
+        if self.first_k_dense:
+            self.dense.transform_decode_state(transform_fn)
+        super().transform_decode_state(transform_fn)
+
+    def lazy_broadcast_prefix(self, num_suffix_samples: int, suffix_length: int) -> None:
+        if self.first_k_dense:
+            self.dense.lazy_broadcast_prefix(num_suffix_samples, suffix_length)
+        super().lazy_broadcast_prefix(num_suffix_samples, suffix_length)
+
+    def right_align_decode_state_with_prefix(
+            self, max_prefix_size: int, right_align_fn: base_layer.DecodeStateTransformFn) -> None:
+        if self.first_k_dense:
+            self.dense.right_align_decode_state_with_prefix(max_prefix_size, right_align_fn)
+        super().right_align_decode_state_with_prefix(max_prefix_size, right_align_fn)
