@@ -64,6 +64,9 @@ class LanguageModel:
     ROUTED_SCALING_FACTOR = 1.0
     NUM_SHARED_EXPERTS = 0
     SHARED_HIDDEN_DIMS: Optional[int] = None
+    # MoEFeedForward.fp8: None or 'blockwise' (FP8 expert GEMMs; MODEL_DIMS and the experts'
+    # hidden dims multiples of 128).
+    FP8: Optional[str] = None
     # Data.
     DATA_SOURCE = "pydoc"
     DATA_PATH: Optional[str] = None
@@ -123,7 +126,8 @@ class LanguageModel:
                     expert_bias_update_rate=self.EXPERT_BIAS_UPDATE_RATE,
                     routed_scaling_factor=self.ROUTED_SCALING_FACTOR,
                     num_shared_experts=self.NUM_SHARED_EXPERTS,
-                    shared_hidden_dims=self.SHARED_HIDDEN_DIMS)
+                    shared_hidden_dims=self.SHARED_HIDDEN_DIMS,
+                    fp8=self.FP8)
 
     def data(self) -> fdl.Config:
         return fdl.Config(base.DataConfig,
@@ -185,6 +189,19 @@ class Tiny(LanguageModel):
 class TinySynthetic(Tiny):
     """Tiny on the synthetic order-2 Markov source."""
     DATA_SOURCE = "synthetic"
+
+
+@register
+class TinyBf16(Tiny):
+    """Tiny with bf16 activations and expert GEMMs: the baseline of TinyFp8."""
+    FPROP_DTYPE = "bfloat16"
+
+
+@register
+class TinyFp8(TinyBf16):
+    """TinyBf16 with the expert GEMMs in blockwise FP8 (MoEFeedForward.fp8='blockwise'); the
+    same seed and data, so the two held-out losses compare the number formats."""
+    FP8 = "blockwise"
 
 
 @register

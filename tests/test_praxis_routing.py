@@ -266,3 +266,32 @@ def test_expert_parallel_layer_with_every_option_matches_single_device():
                                    rtol=1e-5,
                                    atol=1e-7,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("gating_func", ["topk", "top2"])
+def test_fp8_field_reaches_moe_block_and_changes_the_output(gating_func):
+    """MoEFeedForward(fp8='blockwise') = x + moe_block(layer_norm(x)) with config.fp8 set (1e-6,
+    as the other options), and that output differs from the layer without fp8 by the FP8
+    rounding (above 1e-3 relative, below 0.1: e4m3's 2^-4 relative step on both operands of
+    three GEMMs), so the field is not silently dropped."""
+    m = h = 128  # whole 128 x 128 weight blocks
+    x = jax.random.normal(jax.random.PRNGKey(41), (2, 16, m), jnp.float32)
+    pad = jnp.zeros((2, 16), jnp.float32)
+    kw = dict(gating_func=gating_func, input_dims=m, hidden_dims=h, use_gated_activation=True)
+    tpl = _moe_tpl(fp8="blockwise", **kw)
+    variables = _init_layer(tpl, x, pad, seed=42)
+    y, config, out, _ = _layer_and_block(tpl, variables, x, pad)
+    assert config.fp8 == "blockwise" and config.fp8_quantize_before_gather
+    assert _rel(y, x + out.y) < 1e-6
+    y_ref, config_ref, _, _ = _layer_and_block(_moe_tpl(**kw), variables, x, pad)
+    assert config_ref.fp8 is None
+    d = _rel(y - x, y_ref - x)
+    assert 1e-3 < d < 0.1, d
+
+
+def test_fp8_field_with_bad_dims_is_a_named_error():
+    x, pad = _inputs(0)
+    with pytest.raises(ValueError,
+                       match=r"MoEFeedForward 'moe': MoEConfig.fp8='blockwise' is invalid: needs "
+                       r"d_model and d_ff multiples of 128.*\(the layer's fp8='blockwise'\)"):
+        _init_layer(_moe_tpl(gating_func="topk", fp8="blockwise"), x, pad)

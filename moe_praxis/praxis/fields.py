@@ -54,6 +54,8 @@ CONFIG_FIELDS = {
     "num_shared_experts": "num_shared_experts",
     "shared_d_ff": "shared_hidden_dims",
     "shared_expert_gate": "shared_expert_gate",
+    "fp8": "fp8",
+    "fp8_quantize_before_gather": "fp8_quantize_before_gather",
 }
 # The routing fields only gating_func='topk' honours, with the value 'top2' / 'dense_top2' route
 # with (GShard's softmax top-2; 'top2' takes its capacity from the GShard fields instead).
@@ -194,6 +196,8 @@ def build_config(layer) -> MoEConfig:
             num_shared_experts=_int(layer.num_shared_experts),
             shared_d_ff=_int(layer.shared_hidden_dims),
             shared_expert_gate=bool(layer.shared_expert_gate),
+            fp8=layer.fp8,
+            fp8_quantize_before_gather=bool(layer.fp8_quantize_before_gather),
             activation=ACTIVATIONS[layer.activation_tpl.cls],
             gated=bool(layer.use_gated_activation),
             fuse_gate_up=bool(layer.fuse_gate_up),

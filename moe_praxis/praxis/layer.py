@@ -83,6 +83,8 @@ class MoEFeedForward(base_layer.BaseLayer):
     Shared experts, with any gating_func: num_shared_experts, shared_hidden_dims (Hs; None =
     num_shared_experts * hidden_dims) and shared_expert_gate (Qwen2-MoE's sigmoid output gate),
     MoEConfig's num_shared_experts, shared_d_ff and shared_expert_gate.
+    FP8 expert GEMMs, with any gating_func: fp8 (None or 'blockwise') and
+    fp8_quantize_before_gather, MoEConfig's.
     """
 
     input_dims: int = 0
@@ -138,6 +140,9 @@ class MoEFeedForward(base_layer.BaseLayer):
     num_shared_experts: int = 0
     shared_hidden_dims: Optional[int] = None
     shared_expert_gate: bool = False
+    # FP8 expert GEMMs (MoEConfig.fp8, any gating_func).
+    fp8: Optional[str] = None
+    fp8_quantize_before_gather: bool = True
 
     class WeightSharding(base_layer.BaseLayer.WeightSharding):
         """Weight sharding (mesh axis per dim).
