@@ -374,6 +374,36 @@ def test_configs_of_the_other_family_are_errors(monkeypatch):
     assert gg.choose_sm80_config("wgrad", 1 << 20, 4096, 4096, 8) == "sm80_128x64x32_s4"
 
 
+def test_both_families_take_their_ffi_checks_from_the_shared_header():
+    """kernels/grouped_gemm_common.h holds the error strings of the grouped GEMM handlers' FFI
+    checks (tile, workspace, shapes, alignment, CUDA / CUTLASS failures) and the workspace
+    layout; the Hopper and sm_80 headers and handlers use it and keep no copy of their own."""
+    kernels = REPO / "kernels"
+    common = (kernels / "grouped_gemm_common.h").read_text()
+    for helper in ("invalid_tile", "workspace_too_small", "shape_error", "check_multiples_of_8",
+                   "cuda_error", "cutlass_error", "zero_range", "Carver"):
+        assert re.search(rf"\b{helper}\b", common), helper
+    sources = {
+        p.name: p.read_text()
+        for p in kernels.glob("grouped_gemm*") if p.name != "grouped_gemm_common.h"
+    }
+    assert set(sources) >= {
+        "grouped_gemm.cuh", "grouped_gemm_sm80.cuh", "grouped_gemm_fwd.cu",
+        "grouped_gemm_sm80_fwd.cu"
+    }, sorted(sources)
+    for name, text in sources.items():
+        for copy in ("is invalid; valid: 0..", "bytes is too small", ": need ", "take(size_t",
+                     "make_uint4(0, 0, 0, 0)", "must be multiples of 8"):
+            assert copy not in text, f"kernels/{name} keeps its own {copy!r}"
+    for name in ("grouped_gemm.cuh", "grouped_gemm_sm80.cuh"):
+        assert '#include "grouped_gemm_common.h"' in sources[name], name
+        assert "moe_gg_common::invalid_tile(kWho" in sources[name], name
+        assert "moe_gg_common::workspace_too_small(kWho" in sources[name], name
+    for name, text in sources.items():
+        if name.endswith(".cu") and "swiglu" not in name:
+            assert "moe_gg_common::shape_error(kWho" in text, name
+
+
 def test_workspace_bytes():
     for e in (1, 2, 3, 64, 257):
         assert gg.sm80_workspace_bytes(e) % 256 == 0
@@ -429,6 +459,60 @@ def test_sm80_kernels_every_tile_and_case(shape, tile, dtype):
         assert rel_err(dr, ref_dr) < RTOL_16, msg
         empty = np.asarray(gs) == 0
         np.testing.assert_array_equal(np.asarray(dr, np.float32)[empty], 0.0, err_msg=msg)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("sm80")
+def test_bad_calls_fail_with_the_shared_messages_naming_the_family():
+    """The handlers' FFI checks (kernels/grouped_gemm_common.h) as each family reports them: a
+    tile out of range, a workspace too small, K or N not a multiple of 8, operands of the wrong
+    shape; the Hopper family's where the GPU runs it (compute capability 9.0)."""
+    from moe_praxis.ops._library import ffi
+
+    m, k, n, e = 64, 16, 24, 2
+    lhs, rhs, gs, _ = _inputs(m, k, n, e, "balanced", jnp.bfloat16, _seed())
+    ws = jax.ShapeDtypeStruct((gg.sm80_workspace_bytes(e), ), jnp.uint8)
+
+    def call(target, a, b, out_shape, workspace=ws, **attrs):
+        res = ffi(target, (jax.ShapeDtypeStruct(out_shape, a.dtype), workspace), a, b, gs, **attrs)
+        jax.block_until_ready(res)
+
+    who = "moe_praxis grouped GEMM (sm_80)"
+    bad = len(gg.SM80_TILE_CONFIGS)
+    cases = [
+        (dict(tile=bad), f"{who}: tile={bad} is invalid; valid: 0..{bad - 1}"),
+        (dict(tile=1, workspace=jax.ShapeDtypeStruct((16, ), jnp.uint8)),
+         f"{who}: workspace of 16 bytes is too small; it needs 256 (sm80_workspace_bytes"),
+        (dict(tile=1, out_shape=(m, n + 8)),
+         f"{who} fwd: need lhs [M,K], rhs [E,K,N], group_sizes [E], out [M,N]"),
+    ]
+    for kw, msg in cases:
+        kw = dict(kw)
+        out_shape = kw.pop("out_shape", (m, n))
+        with pytest.raises(Exception, match=re.escape(msg)):
+            call(gg.SM80_TARGETS["fwd"], lhs, rhs, out_shape, **kw)
+    odd = rhs[:, :, :20]  # N = 20
+    with pytest.raises(
+            Exception,
+            match=re.escape(f"{who} fwd: K and N must be multiples of 8, got 20 and 16")):
+        call(gg.SM80_TARGETS["fwd"], lhs, odd, (m, 20), tile=1)
+    if backend.compute_capability() != 90:
+        return
+    hopper = dict(raster=0, swizzle=1, split_rows=0)
+    bad = len(gg.TILE_CONFIGS)
+    with pytest.raises(Exception,
+                       match=re.escape(f"moe_praxis grouped GEMM: tile={bad} is invalid; "
+                                       f"valid: 0..{bad - 1}")):
+        call(gg.TARGETS["fwd"], lhs, rhs, (m, n), tile=bad, **hopper)
+    with pytest.raises(Exception,
+                       match=re.escape("moe_praxis grouped GEMM: workspace of 16 bytes is too "
+                                       "small; it needs 256 (workspace_bytes")):
+        call(gg.TARGETS["fwd"],
+             lhs,
+             rhs, (m, n),
+             workspace=jax.ShapeDtypeStruct((16, ), jnp.uint8),
+             tile=0,
+             **hopper)
 
 
 @pytest.mark.gpu
