@@ -35,8 +35,9 @@ moves them alike. (Until 2026-11-30 dense was timed once per shape and op, first
 Options: --shapes A,B,C  --dists balanced,skewed  --ops fwd,dgrad,wgrad
 --skip ragged,pallas,tiles,batched,ours (ours: the Hopper kernels, e.g. on an A100)
 --sm80 (time the sm_80 kernels too)  --sm80-tiles all|rule|LIST (which sm_80 tiles: every tile
-of SM80_TILE_CONFIGS (the default), the rule's only (also with --skip tiles), or the
-comma-separated configurations)
+of SM80_TILE_CONFIGS, the rule's only, or the comma-separated configurations; unset: all, or the
+rule's only with --skip tiles, so `--skip tiles --sm80-tiles all` sweeps the sm_80 tiles beside
+the Hopper kernel's chosen configuration alone)
 --time-budget SECONDS (stop measuring, still print and write, when exceeded)
 --configs LIST (comma-separated, instead of SWEEP: configurations, or `rule` = the chosen
 configuration, optionally with parts replaced, e.g. `rule/r2048` (its row split set to 2048),
@@ -288,8 +289,9 @@ def main(argv=None) -> int:
                     action="store_true",
                     help="time the sm_80 kernels (every tile, the rule's interleaved) too")
     ap.add_argument("--sm80-tiles",
-                    default="all",
-                    help="with --sm80: all, rule, or comma-separated sm_80 configurations")
+                    default=None,
+                    help="with --sm80: all, rule, or comma-separated sm_80 configurations "
+                    "(default: all; rule with --skip tiles)")
     ap.add_argument("--time-budget", type=float, default=1e9)
     ap.add_argument("--configs", default="", help="comma-separated, instead of SWEEP (see doc)")
     ap.add_argument("--pair-configs",
@@ -297,7 +299,7 @@ def main(argv=None) -> int:
                     help="time the swept configurations interleaved with dense and ours")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
-    sm80_tiles = parse_sm80_tiles(args.sm80_tiles, "tiles" in skip)
+    sm80_tiles = parse_sm80_tiles(args.sm80_tiles or ("rule" if "tiles" in skip else "all"))
     t_start = time.time()
     dev = jax.devices()[0]
     meta = {
@@ -458,10 +460,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def parse_sm80_tiles(text: str, rule_only: bool = False):
-    """--sm80-tiles: 'all' -> every SM80_TILE_CONFIGS name, 'rule' (or rule_only: --skip tiles)
-    -> 'rule', else the comma-separated configurations (ValueError naming the valid ones)."""
-    if rule_only or text == "rule":
+def parse_sm80_tiles(text: str):
+    """--sm80-tiles: 'all' -> every SM80_TILE_CONFIGS name, 'rule' -> 'rule', else the
+    comma-separated configurations (ValueError naming the valid ones)."""
+    if text == "rule":
         return "rule"
     if text == "all":
         return list(gg.SM80_TILE_CONFIGS)
