@@ -19,9 +19,11 @@ with balanced and skewed group sizes (both sum to M, so every method does 2*M*K*
   ours    moe_praxis CUTLASS kernels, configuration chosen by grouped_gemm.choose_config;
           the configurations in SWEEP are timed too (ours[<config>]).
   sm80    (--sm80) moe_praxis's sm_80 kernels (CUTLASS 2.x GemmGrouped, mma.sync), called
-          directly whatever the GPU: the tile choose_sm80_config picks (timed interleaved with
-          dense and ours) and every other tile of SM80_TILE_CONFIGS (sm80[<config>], alone;
-          not with --skip tiles); a second summary prints sm80 / dense, / ragged_dot, / ours.
+          directly whatever the GPU: the tile choose_sm80_config picks ('sm80') and the tiles
+          of --sm80-tiles ('sm80[<config>]'), all timed interleaved with dense and ours; a
+          second summary prints sm80 / dense, / ragged_dot, / ours, and the sweep table every
+          tile's TFLOP/s and the per-shape rankings as the rule's table (benchmarks/sm80_sweep:
+          SM80_MEASURED, printed ready to paste and written to the JSON as sm80_winners).
 
 Prints a table (ms, TFLOP/s, ratio to dense; for ours also the CTA tiles the group scheduler
 issues and the waves they make on this GPU's SMs, `issued_tiles`) and writes JSON. Timing:
@@ -32,7 +34,10 @@ configuration) are timed in interleaved batches (`time_paired`): a clock drift d
 moves them alike. (Until 2026-11-30 dense was timed once per shape and op, first.)
 Options: --shapes A,B,C  --dists balanced,skewed  --ops fwd,dgrad,wgrad
 --skip ragged,pallas,tiles,batched,ours (ours: the Hopper kernels, e.g. on an A100)
---sm80 (time the sm_80 kernels too)
+--sm80 (time the sm_80 kernels too)  --sm80-tiles all|rule|LIST (which sm_80 tiles: every tile
+of SM80_TILE_CONFIGS, the rule's only, or the comma-separated configurations; unset: all, or the
+rule's only with --skip tiles, so `--skip tiles --sm80-tiles all` sweeps the sm_80 tiles beside
+the Hopper kernel's chosen configuration alone)
 --time-budget SECONDS (stop measuring, still print and write, when exceeded)
 --configs LIST (comma-separated, instead of SWEEP: configurations, or `rule` = the chosen
 configuration, optionally with parts replaced, e.g. `rule/r2048` (its row split set to 2048),
@@ -62,6 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import importlib
+
+from benchmarks import sm80_sweep
 
 # The module (the attribute ops.grouped_gemm is the function).
 gg = importlib.import_module("moe_praxis.ops.grouped_gemm")
@@ -281,6 +288,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sm80",
                     action="store_true",
                     help="time the sm_80 kernels (every tile, the rule's interleaved) too")
+    ap.add_argument("--sm80-tiles",
+                    default=None,
+                    help="with --sm80: all, rule, or comma-separated sm_80 configurations "
+                    "(default: all; rule with --skip tiles)")
     ap.add_argument("--time-budget", type=float, default=1e9)
     ap.add_argument("--configs", default="", help="comma-separated, instead of SWEEP (see doc)")
     ap.add_argument("--pair-configs",
@@ -288,6 +299,7 @@ def main(argv=None) -> int:
                     help="time the swept configurations interleaved with dense and ours")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    sm80_tiles = parse_sm80_tiles(args.sm80_tiles or ("rule" if "tiles" in skip else "all"))
     t_start = time.time()
     dev = jax.devices()[0]
     meta = {
@@ -394,8 +406,7 @@ def main(argv=None) -> int:
                         errors.append(f"{shape} {dist} {op} ours {c}: {ex!r}")
                         print("  ours failed:", repr(ex)[:500], flush=True)
                 if args.sm80:
-                    time_sm80(op, (m, k, n, e), data, ref, skip, paired, paired_extra,
-                              lambda *a: record(shape, dist, *a), errors)
+                    time_sm80(op, (m, k, n, e), data, ref, sm80_tiles, paired, paired_extra, errors)
                 out = None
                 if "pallas" not in skip:
                     bkey = (shape, op)
@@ -434,31 +445,46 @@ def main(argv=None) -> int:
         gc.collect()
     print_table(rows)
     print("\n" + summary_table(rows, skip))
+    result = {"meta": meta, "rows": rows, "errors": errors}
     if args.sm80:
         print("\n" + sm80_summary(rows))
+        timed = {r.get("config") for r in rows if r["method"].split("[")[0] == "sm80"}
+        configs = [c for c in gg.SM80_TILE_CONFIGS if c in timed]
+        print("\n" + sm80_sweep.sweep_table(rows, configs))
+        result["sm80_winners"] = sm80_sweep.winners(rows, SHAPES)
+        print("\n" + sm80_sweep.winners_literal(result["sm80_winners"]))
     with open(args.out, "w") as fh:
-        json.dump({"meta": meta, "rows": rows, "errors": errors}, fh, indent=1)
+        json.dump(result, fh, indent=1)
     print(f"wrote {args.out} ({len(rows)} rows, {len(errors)} errors) in "
           f"{time.time() - t_start:.0f} s")
     return 0
 
 
-def time_sm80(op, dims, data, ref, skip, paired, paired_extra, record, errors):
-    """The sm_80 kernels at one point: the rule's tile goes into `paired` (timed interleaved
-    with dense and ours), every other tile is timed alone now (none with 'tiles' in skip)."""
+def parse_sm80_tiles(text: str):
+    """--sm80-tiles: 'all' -> every SM80_TILE_CONFIGS name, 'rule' -> 'rule', else the
+    comma-separated configurations (ValueError naming the valid ones)."""
+    if text == "rule":
+        return "rule"
+    if text == "all":
+        return list(gg.SM80_TILE_CONFIGS)
+    return [gg.SM80_TILE_CONFIGS[gg.parse_sm80_config(c)] for c in text.split(",") if c]
+
+
+def time_sm80(op, dims, data, ref, tiles, paired, paired_extra, errors):
+    """The sm_80 kernels at one point, all added to `paired` (timed interleaved with dense and
+    ours): the rule's tile as 'sm80', every other tile of `tiles` (parse_sm80_tiles) as
+    'sm80[<config>]'."""
     m, k, n, e = dims
     chosen = gg.choose_sm80_config(op, m, k, n, e, backend.shared_memory_per_block())
-    for c in [chosen] if "tiles" in skip else gg.SM80_TILE_CONFIGS:
+    for c in [chosen] + ([] if tiles == "rule" else [t for t in tiles if t != chosen]):
         try:
             f = sm80_fn(op, c)
             out = f(*data)
             extra = {"rel_err_vs_ragged": rel_err(out, ref) if ref is not None else None}
             extra["config"] = c
             del out
-            if c == chosen:
-                paired["sm80"], paired_extra["sm80"] = f, extra
-            else:
-                record(op, f"sm80[{c}]", time_fn(f, *data), 2.0 * m * k * n, extra)
+            name = "sm80" if c == chosen else f"sm80[{c}]"
+            paired[name], paired_extra[name] = f, extra
         except Exception as ex:  # noqa: BLE001
             errors.append(f"{op} sm80 {c}: {ex!r}")
             print("  sm80 failed:", repr(ex)[:500], flush=True)

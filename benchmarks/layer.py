@@ -16,6 +16,9 @@ is more than T), read back from moe_block's tokens_per_expert and printed.
 Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
   cuda, cuda+fuse      moe_block, kernel_backend 'cuda', without / with fuse_gate_up
   cuda+bf16router      moe_block, 'cuda', router_precision='bf16'
+  cuda-sm80            moe_block, 'cuda', the sm_80 grouped GEMM kernels forced while its steps
+                       are traced (ops.backend.force_grouped_gemm, lc.GROUPED_GEMM_FAMILY): the
+                       Ampere kernels' whole layer, on a Hopper GPU beside 'cuda'
   xla                  moe_block, kernel_backend 'xla' (RESOURCE_EXHAUSTED is caught: 'OOM')
   layer, layer+fuse    MoEFeedForward (layer norm + moe_block + residual), 'cuda'; its routing
                        is softmax top-k at every shape (the layer has no sigmoid / group fields)
@@ -32,9 +35,9 @@ The 'cuda' methods run with kernel_backend 'xla' where CUDA is unusable (--quick
 says so). fwd = jit(moe_block) (or the layer's apply); fwd+bwd = jit(value_and_grad) of
 sum(y * cot) + aux losses w.r.t. the parameters and x.
 
-Before timing, each shape checks 'cuda' and 'cuda+fuse' against 'xla' (y, dx and the weight
-gradients, ||a - b|| / ||b||, bf16 tolerance 2e-2) on the first tokens (the
-full 'xla' layer does not fit everywhere). Timing: every executable compiled once
+Before timing, each shape checks 'cuda', 'cuda+fuse' and 'cuda-sm80' against 'xla' (y, dx and
+the weight gradients, ||a - b|| / ||b||, bf16 tolerance 2e-2) on the first tokens (the full
+'xla' layer does not fit everywhere). Timing: every executable compiled once
 (jit(...).lower().compile()), warmed up, then all the methods of one (shape, load, pass) timed
 in interleaved batches (bench_grouped_gemm.time_paired: median of --reps rounds).
 
@@ -78,8 +81,10 @@ from benchmarks import layer_cases as lc
 from benchmarks import trace
 from benchmarks.bench_grouped_gemm import time_fn, time_paired
 from moe_praxis import ops
+from moe_praxis.ops import backend as ops_backend
 
 CHECK_TOL = 2e-2
+CHECKED = ("cuda", "cuda+fuse", "cuda-sm80")  # the methods checked against 'xla'
 CHECK_TOKENS = 2048
 CHECK_BYTES = 8 << 30
 
@@ -160,6 +165,11 @@ class Shape:
             fields["kernel_backend"] = self.backend
         return lc.config(self.shape, **fields)
 
+    def forcing(self, method):
+        """The context `method`'s steps are traced in: its grouped GEMM kernel family forced
+        (lc.GROUPED_GEMM_FAMILY) or none."""
+        return ops_backend.force_grouped_gemm(lc.GROUPED_GEMM_FAMILY.get(method))
+
     def fns(self, method):
         if method == "ideal":
             return lc.ideal_fns()
@@ -201,7 +211,8 @@ def chunked_rel_err(a, b, chunks: int = 16):
 
 
 def check_against_xla(sh: Shape) -> list[dict]:
-    """'cuda' and 'cuda+fuse' against 'xla' on the first check_tokens() tokens (module doc)."""
+    """'cuda', 'cuda+fuse' and 'cuda-sm80' against 'xla' on the first check_tokens() tokens
+    (module doc)."""
     t = check_tokens(sh.shape)
     x, cot = sh.x[:t], sh.cot[:t]
     ref = lc.block_fns(sh.config("xla"))
@@ -212,15 +223,16 @@ def check_against_xla(sh: Shape) -> list[dict]:
             **ref_dp, "wi_gate_up": ops.interleave_gate_up(ref_dp["wi_gate"], ref_dp["wi_up"])
         }
     out = []
-    for method in ("cuda", "cuda+fuse"):
+    for method in CHECKED:
         if method not in sh.methods:
             continue
         row = dict(shape=sh.name, method=method, tokens=t, backend=sh.config(method).kernel_backend)
         try:
             f = lc.block_fns(sh.config(method))
             p = sh.block_params(method, "balanced")
-            errs = {"y": chunked_rel_err(f["fwd"](p, x).y, ref_y)}
-            _, (dp, dx) = f["fwd+bwd"](p, x, cot)
+            with sh.forcing(method):  # traced (and compiled) at the first call of each
+                errs = {"y": chunked_rel_err(f["fwd"](p, x).y, ref_y)}
+                _, (dp, dx) = f["fwd+bwd"](p, x, cot)
             errs["dx"] = chunked_rel_err(dx, ref_dx)
             for n in dp:
                 if n in ref_dp and n != "expert_bias":
@@ -327,7 +339,8 @@ def time_unit(sh: Shape, opts, load: str, pass_: str) -> list[dict]:
         try:
             if key not in sh.steps:
                 fns = sh.fns(method)  # builds the Praxis layer's variables first
-                sh.steps[key] = compile_step(fns[pass_], sh.args(method, pass_, load))
+                with sh.forcing(method):
+                    sh.steps[key] = compile_step(fns[pass_], sh.args(method, pass_, load))
             args = sh.args(method, pass_, load)
             comp, row["peak_bytes"] = sh.steps[key]
             jax.block_until_ready(comp(*args))
@@ -402,7 +415,7 @@ def main(argv=None) -> int:
         sh = Shape(name, shapes[name], opts.methods, backend, jax.random.key(i))
         print(f"\n== {name}: {shapes[name]}", flush=True)
         # the check needs no 'xla' method: it runs the 'xla' layer on a slice of its own
-        if any(m in ("cuda", "cuda+fuse") for m in opts.methods):
+        if any(m in CHECKED for m in opts.methods):
             result["checks"] += check_against_xla(sh)
         loads = ["balanced"]
         if opts.skew:

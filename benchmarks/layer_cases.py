@@ -52,11 +52,16 @@ BLOCK_METHODS = {
     "cuda": (dict(kernel_backend="cuda"), False),
     "cuda+fuse": (dict(kernel_backend="cuda", fuse_gate_up=True), False),
     "cuda+bf16router": (dict(kernel_backend="cuda", router_precision="bf16"), False),
+    "cuda-sm80": (dict(kernel_backend="cuda"), False),
     "xla": (dict(kernel_backend="xla"), False),
     "layer": (dict(kernel_backend="cuda"), True),
     "layer+fuse": (dict(kernel_backend="cuda", fuse_gate_up=True), True),
 }
 METHODS = tuple(BLOCK_METHODS) + ("gshard", "ideal")
+# method -> the grouped GEMM kernel family it forces while its steps are traced
+# (ops.backend.force_grouped_gemm): 'cuda-sm80' runs the sm_80 kernels on any GPU from 8.0 (on
+# a Hopper GPU too, beside 'cuda' with the Hopper ones, in one process).
+GROUPED_GEMM_FAMILY = {"cuda-sm80": "sm80"}
 PASSES = ("fwd", "fwd+bwd")
 SKEW_RATIO = 4.0  # the busiest expert's copies over the mean, in the skewed variant
 

@@ -35,6 +35,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "grouped_gemm_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace moe_gg {
@@ -47,9 +48,15 @@ using ElementAcc = float;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M, N, K) per group
 using UnderlyingShape = ProblemShape::UnderlyingProblemShape;
 
-// Bytes of group arrays per group: shape (12) + 3 pointers (24) + 3 strides (<= 3 * 24) = 108.
-constexpr int64_t kGroupArrayBytesPerGroup = 128;
-constexpr int64_t kAlign = 256;
+using moe_gg_common::group_array_bytes;
+using moe_gg_common::kAlign;
+using moe_gg_common::kGroupArrayBytesPerGroup;
+using moe_gg_common::kPrepareThreads;
+using moe_gg_common::OperandMap;
+using moe_gg_common::zero_range;
+
+// How these kernels name themselves in their errors (grouped_gemm_common.h).
+constexpr const char* kWho = "moe_praxis grouped GEMM";
 
 // Tile configurations (index = the FFI attribute `tile`; the rule that picks one lives in
 // moe_praxis/ops/grouped_gemm.py, TILE_CONFIGS, and docs/grouped_gemm.md).
@@ -213,12 +220,6 @@ template <class LayoutA, class LayoutB, class A, class B, int kF, int kD>
 struct GemmDef<LayoutA, LayoutB, Adaptive<A, B, kF, kD>>
     : AdaptivePair<GemmDef<LayoutA, LayoutB, A>, GemmDef<LayoutA, LayoutB, B>, kF, kD> {};
 
-// Where group e's operands start: base + e * per_expert + row_offset(e) * per_row (elements).
-struct OperandMap {
-  int64_t per_expert;
-  int64_t per_row;
-};
-
 // Row split (fwd, dgrad, fused fwd): a group's ragged rows are issued as problems of at most
 // split_rows rows (0: one problem per group). CUTLASS's group scheduler hands out a problem's
 // tiles column by column (along_m) over all of its rows, so one large group makes a wave of
@@ -233,7 +234,7 @@ inline int num_problems(int64_t e, int64_t rows, int64_t split_rows) {
 
 inline ffi::Error check_split_rows(int64_t split_rows) {
   if (split_rows < 0 || split_rows % 256 != 0) {
-    return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: split_rows=" +
+    return ffi::Error::InvalidArgument(std::string(kWho) + ": split_rows=" +
                                        std::to_string(split_rows) +
                                        " is invalid; valid: 0 (no split) or a multiple of 256");
   }
@@ -287,40 +288,22 @@ struct GroupArrays {
 
 template <class StrideA, class StrideB, class StrideD>
 inline GroupArrays<StrideA, StrideB, StrideD> carve_group_arrays(uint8_t* ws, int e) {
+  moe_gg_common::Carver c{ws};
   GroupArrays<StrideA, StrideB, StrideD> g;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    uint8_t* p = ws + off;
-    off += (bytes + 15) / 16 * 16;
-    return p;
-  };
-  g.shapes = reinterpret_cast<UnderlyingShape*>(take(sizeof(UnderlyingShape) * e));
-  g.ptr_a = reinterpret_cast<const Element**>(take(sizeof(void*) * e));
-  g.ptr_b = reinterpret_cast<const Element**>(take(sizeof(void*) * e));
-  g.ptr_d = reinterpret_cast<Element**>(take(sizeof(void*) * e));
-  g.stride_a = reinterpret_cast<StrideA*>(take(sizeof(StrideA) * e));
-  g.stride_b = reinterpret_cast<StrideB*>(take(sizeof(StrideB) * e));
-  g.stride_d = reinterpret_cast<StrideD*>(take(sizeof(StrideD) * e));
+  g.shapes = c.take<UnderlyingShape>(e);
+  g.ptr_a = c.take<const Element*>(e);
+  g.ptr_b = c.take<const Element*>(e);
+  g.ptr_d = c.take<Element*>(e);
+  g.stride_a = c.take<StrideA>(e);
+  g.stride_b = c.take<StrideB>(e);
+  g.stride_d = c.take<StrideD>(e);
   return g;
-}
-
-inline int64_t group_array_bytes(int e) {
-  return (kGroupArrayBytesPerGroup * e + kAlign - 1) / kAlign * kAlign;
 }
 // Adaptive tiles: the second kernel's shapes, then one 256-byte slot whose first int32 is the
 // choice (1: second), read by tests.
 inline int64_t adaptive_bytes(int e) {
   return (static_cast<int64_t>(sizeof(UnderlyingShape)) * e + kAlign - 1) / kAlign * kAlign +
          kAlign;
-}
-
-constexpr int kPrepareThreads = 256;
-
-__device__ inline void zero_range(Element* p, int64_t n, int64_t tid, int64_t nthreads) {
-  // n and p are multiples of 8 elements / 16 bytes (K, N % 8 == 0 is checked in Python).
-  uint4* v = reinterpret_cast<uint4*>(p);
-  const int64_t nv = n / 8;
-  for (int64_t i = tid; i < nv; i += nthreads) v[i] = make_uint4(0, 0, 0, 0);
 }
 
 // One problem slot of the group arrays (and of the adaptive pair's second shapes).
@@ -487,8 +470,7 @@ S make_ld_stride(int64_t ld) {
 }
 
 inline ffi::Error cuda_error(cudaError_t err, const char* what) {
-  return ffi::Error::Internal(std::string("moe_praxis grouped GEMM: ") + what + ": " +
-                              cudaGetErrorString(err));
+  return moe_gg_common::cuda_error(kWho, err, what);
 }
 
 template <class Def>
@@ -518,7 +500,7 @@ inline ffi::Error check_schedule(Schedule s) {
   if ((s.raster != 0 && s.raster != 1) ||
       (s.swizzle != 1 && s.swizzle != 2 && s.swizzle != 4 && s.swizzle != 8)) {
     return ffi::Error::InvalidArgument(
-        "moe_praxis grouped GEMM: raster=" + std::to_string(s.raster) + ", swizzle=" +
+        std::string(kWho) + ": raster=" + std::to_string(s.raster) + ", swizzle=" +
         std::to_string(s.swizzle) + " are invalid; valid: raster 0 or 1, swizzle 1, 2, 4, 8");
   }
   return check_split_rows(s.split_rows);
@@ -552,26 +534,20 @@ ffi::Error launch_cutlass(cudaStream_t stream, int e, UnderlyingShape* shapes, c
   *used = (need + kAlign - 1) / kAlign * kAlign;
   if (need > ws_bytes) {
     return ffi::Error::InvalidArgument(
-        "moe_praxis grouped GEMM: CUTLASS needs " + std::to_string(need) +
-        " workspace bytes, " + std::to_string(ws_bytes) +
+        std::string(kWho) + ": CUTLASS needs " + std::to_string(need) + " workspace bytes, " +
+        std::to_string(ws_bytes) +
         " are left (raise _CUTLASS_WORKSPACE_BYTES in moe_praxis/ops/grouped_gemm.py)");
   }
   cutlass::Status st = gemm.can_implement(args);
   if (st != cutlass::Status::kSuccess) {
-    return ffi::Error::InvalidArgument(std::string("moe_praxis grouped GEMM: CUTLASS cannot "
-                                                   "implement this problem: ") +
+    return ffi::Error::InvalidArgument(std::string(kWho) +
+                                       ": CUTLASS cannot implement this problem: " +
                                        cutlassGetStatusString(st));
   }
   st = gemm.initialize(args, ws, stream);
-  if (st != cutlass::Status::kSuccess) {
-    return ffi::Error::Internal(std::string("moe_praxis grouped GEMM: initialize failed: ") +
-                                cutlassGetStatusString(st));
-  }
+  if (st != cutlass::Status::kSuccess) return moe_gg_common::cutlass_error(kWho, "initialize", st);
   st = gemm.run(stream);
-  if (st != cutlass::Status::kSuccess) {
-    return ffi::Error::Internal(std::string("moe_praxis grouped GEMM: run failed: ") +
-                                cutlassGetStatusString(st));
-  }
+  if (st != cutlass::Status::kSuccess) return moe_gg_common::cutlass_error(kWho, "run", st);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return cuda_error(err, "CUTLASS kernel launch");
   return ffi::Error::Success();
@@ -617,8 +593,9 @@ ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::Strid
     p.cost_pct[1] = p.dgrad ? Def::kDgradCostPct : Def::kFwdCostPct;
   }
   if (head > workspace_bytes) {
-    return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: workspace of " +
-                                       std::to_string(workspace_bytes) + " bytes is too small");
+    return moe_gg_common::workspace_too_small(kWho, workspace_bytes, head,
+                                              "workspace_bytes in "
+                                              "moe_praxis/ops/grouped_gemm_tiles.py");
   }
 
   // Prepare: block 0 writes the group arrays, all blocks zero what CUTLASS will not write.
@@ -680,9 +657,7 @@ ffi::Error dispatch_tile(int64_t tile, Schedule sched, F&& f) {
     case 12:
       return f(PingpongMidC<2, 1>{});
     default:
-      return ffi::Error::InvalidArgument("moe_praxis grouped GEMM: tile=" + std::to_string(tile) +
-                                         " is invalid; valid: 0.." +
-                                         std::to_string(kNumTiles - 1));
+      return moe_gg_common::invalid_tile(kWho, tile, kNumTiles);
   }
 }
 

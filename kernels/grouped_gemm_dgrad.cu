@@ -18,8 +18,7 @@ ffi::Error GroupedGemmDgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> dout
   auto rd = rhs.dimensions();
   if (od.size() != 2 || rd.size() != 3 || od[1] != rd[2] ||
       group_sizes.element_count() != static_cast<size_t>(rd[0])) {
-    return ffi::Error::InvalidArgument("moe_praxis grouped GEMM dgrad: need dout [M,N], "
-                                       "rhs [E,K,N], group_sizes [E]");
+    return moe_gg_common::shape_error(kWho, "dgrad", "dout [M,N], rhs [E,K,N], group_sizes [E]");
   }
   const int64_t m = od[0], n = od[1], e = rd[0], k = rd[1];
   const Schedule sched{raster, swizzle, split_rows};

@@ -17,8 +17,7 @@ ffi::Error GroupedGemmFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
   auto rd = rhs.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || ld[1] != rd[1] ||
       group_sizes.element_count() != static_cast<size_t>(rd[0])) {
-    return ffi::Error::InvalidArgument("moe_praxis grouped GEMM fwd: need lhs [M,K], rhs [E,K,N], "
-                                       "group_sizes [E]");
+    return moe_gg_common::shape_error(kWho, "fwd", "lhs [M,K], rhs [E,K,N], group_sizes [E]");
   }
   const int64_t m = ld[0], k = ld[1], e = rd[0], n = rd[2];
   const Schedule sched{raster, swizzle, split_rows};

@@ -34,6 +34,7 @@
 #include "cutlass/gemm/device/gemm_grouped.h"
 #include "cutlass/gemm/kernel/default_gemm_grouped.h"
 #include "cutlass/half.h"
+#include "grouped_gemm_common.h"
 #include "xla/ffi/api/ffi.h"
 
 // kernels/call_stats.cu: counts calls, and calls made during CUDA-graph capture (for tests).
@@ -44,11 +45,17 @@ namespace moe_gg80 {
 namespace ffi = xla::ffi;
 using cutlass::gemm::GemmCoord;
 
-// Bytes of group arrays per group: problem size (12) + 3 pointers (24) + 3 leading dims (24).
-constexpr int64_t kGroupArrayBytesPerGroup = 128;
-constexpr int64_t kAlign = 256;
+using moe_gg_common::cdiv;
+using moe_gg_common::group_array_bytes;
+using moe_gg_common::kAlign;
+using moe_gg_common::kGroupArrayBytesPerGroup;
+using moe_gg_common::kPrepareThreads;
+using moe_gg_common::OperandMap;
+using moe_gg_common::zero_range;
+
+// How these kernels name themselves in their errors (grouped_gemm_common.h).
+constexpr const char* kWho = "moe_praxis grouped GEMM (sm_80)";
 constexpr int kAlignment = 8;  // elements per 16-byte access of a 16-bit type
-constexpr int kPrepareThreads = 256;
 
 // Tile configurations (index = the FFI attribute `tile`; SM80_TILE_CONFIGS in
 // moe_praxis/ops/grouped_gemm_sm80.py names them and holds the rule that picks one).
@@ -60,11 +67,21 @@ struct Tile {
   static constexpr int kM = TM;
   static constexpr int kN = TN;
 };
-using Tile128x256 = Tile<128, 256, 64, 64, 64, 64, 3>;  // 0: 8 warps, large outputs
-using Tile128x128 = Tile<128, 128, 32, 64, 64, 32, 4>;  // 1: 4 warps, the general tile
-using Tile64x128 = Tile<64, 128, 32, 32, 64, 32, 4>;    // 2: 4 warps, small groups
-using Tile128x64 = Tile<128, 64, 32, 64, 32, 32, 4>;    // 3: 4 warps, narrow outputs
-constexpr int kNumTiles = 4;
+// Shared memory of a tile: stages x (TM x TK + TK x TN) x 2 bytes (the epilogue reuses it);
+// every tile below fits an A100's 163 KiB per block, all but the K = 64 8-warp ones the 99 KiB
+// of sm_86 / sm_89. Eight-warp tiles are resident one per SM (their registers), the
+// four-warp ones two per SM where their shared memory allows it.
+using Tile128x256 = Tile<128, 256, 64, 64, 64, 64, 3>;     // 0: 8 warps, large outputs
+using Tile128x128 = Tile<128, 128, 32, 64, 64, 32, 4>;     // 1: 4 warps, the general tile
+using Tile64x128 = Tile<64, 128, 32, 32, 64, 32, 4>;       // 2: 4 warps, small groups
+using Tile128x64 = Tile<128, 64, 32, 64, 32, 32, 4>;       // 3: 4 warps, narrow outputs
+using Tile256x128 = Tile<256, 128, 64, 64, 64, 64, 3>;     // 4: 0 transposed (tall outputs)
+using Tile256x128K32 = Tile<256, 128, 32, 64, 64, 32, 4>;  // 5: 8 warps, 96 KiB
+using Tile128x256K32 = Tile<128, 256, 32, 64, 64, 32, 4>;  // 6: 8 warps, 96 KiB
+using Tile128x128K64 = Tile<128, 128, 64, 64, 64, 64, 3>;  // 7: 4 warps, fewer barriers per FLOP
+using Tile128x128S5 = Tile<128, 128, 32, 64, 64, 32, 5>;   // 8: 4 warps, a deeper pipeline
+using Tile64x256 = Tile<64, 256, 32, 64, 64, 32, 4>;       // 9: 4 warps, small groups, wide
+constexpr int kNumTiles = 10;
 
 // The CUTLASS kernel of one (element type, operand layouts, tile). D = alpha * accumulator in
 // the element type, row-major; OnlyAlphaScaling never reads a C operand.
@@ -95,32 +112,17 @@ struct GroupArrays {
 };
 
 inline GroupArrays carve_group_arrays(uint8_t* ws, int e) {
+  moe_gg_common::Carver c{ws};
   GroupArrays g;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    uint8_t* p = ws + off;
-    off += (bytes + 15) / 16 * 16;
-    return p;
-  };
-  g.shapes = reinterpret_cast<GemmCoord*>(take(sizeof(GemmCoord) * e));
-  g.ptr_a = reinterpret_cast<uint16_t**>(take(sizeof(void*) * e));
-  g.ptr_b = reinterpret_cast<uint16_t**>(take(sizeof(void*) * e));
-  g.ptr_d = reinterpret_cast<uint16_t**>(take(sizeof(void*) * e));
-  g.lda = reinterpret_cast<int64_t*>(take(sizeof(int64_t) * e));
-  g.ldb = reinterpret_cast<int64_t*>(take(sizeof(int64_t) * e));
-  g.ldd = reinterpret_cast<int64_t*>(take(sizeof(int64_t) * e));
+  g.shapes = c.take<GemmCoord>(e);
+  g.ptr_a = c.take<uint16_t*>(e);
+  g.ptr_b = c.take<uint16_t*>(e);
+  g.ptr_d = c.take<uint16_t*>(e);
+  g.lda = c.take<int64_t>(e);
+  g.ldb = c.take<int64_t>(e);
+  g.ldd = c.take<int64_t>(e);
   return g;
 }
-
-inline int64_t group_array_bytes(int64_t e) {
-  return (kGroupArrayBytesPerGroup * e + kAlign - 1) / kAlign * kAlign;
-}
-
-// Where group e's operands start: base + e * per_expert + row_offset(e) * per_row (elements).
-struct OperandMap {
-  int64_t per_expert;
-  int64_t per_row;
-};
 
 struct PrepareParams {
   const int32_t* group_sizes;
@@ -140,14 +142,6 @@ struct PrepareParams {
   int64_t zero_row;
   int64_t zero_expert;
 };
-
-__device__ inline void zero_range(uint16_t* p, int64_t n, int64_t tid, int64_t nthreads) {
-  // n and p are multiples of 8 elements / 16 bytes (K, N % 8 == 0 is checked in Python and in
-  // the handlers).
-  uint4* v = reinterpret_cast<uint4*>(p);
-  const int64_t nv = n / 8;
-  for (int64_t i = tid; i < nv; i += nthreads) v[i] = make_uint4(0, 0, 0, 0);
-}
 
 // static: this header is included by three translation units, each gets its own copy
 static __global__ void __launch_bounds__(kPrepareThreads)
@@ -226,11 +220,8 @@ inline PrepareParams ragged_rows_prepare(const int32_t* group_sizes, int64_t e, 
 }
 
 inline ffi::Error cuda_error(cudaError_t err, const char* what) {
-  return ffi::Error::Internal(std::string("moe_praxis grouped GEMM (sm_80): ") + what + ": " +
-                              cudaGetErrorString(err));
+  return moe_gg_common::cuda_error(kWho, err, what);
 }
-
-inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // An upper bound of the output tiles of all problems, from static shapes only. Ragged rows:
 // sum_e ceil(m_e / TM) <= rows / TM + E row tiles, each with ceil(width / TN) column tiles.
@@ -242,9 +233,12 @@ inline int64_t tile_bound(const PrepareParams& p, int tm, int tn) {
   return (p.rows / tm + p.num_groups) * cdiv(p.dim_a, tn);
 }
 
-// Threadblocks the persistent kernel can keep resident on `device` (SMs x occupancy), cached
-// per kernel and device: the occupancy query (and the shared-memory attribute it sets) runs
-// once, not in a captured launch.
+// Threadblocks the persistent kernel can keep resident on `device` (SMs x occupancy: what
+// GemmGrouped::sufficient() returns without host problem sizes, which a launch that reads them
+// on the device does not have), cached per kernel and device: the occupancy query (and the
+// shared-memory attribute it sets) runs once, not in a captured launch. Returns 1 (*out set),
+// 0 (the kernel cannot be resident), -1 (the SM count query failed), -2 (the occupancy query
+// failed).
 template <class Def>
 int resident_blocks(int device, int* out) {
   static std::mutex mu;
@@ -256,7 +250,8 @@ int resident_blocks(int device, int* out) {
     cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return -1;
     const int per_sm = Def::Gemm::maximum_active_blocks();
-    if (per_sm <= 0) return 0;
+    if (per_sm < 0) return -2;  // the occupancy query failed (CUTLASS cleared the CUDA error)
+    if (per_sm == 0) return 0;
     cached = sms * per_sm;
     cached_device = device;
   }
@@ -273,10 +268,9 @@ ffi::Error run_grouped(cudaStream_t stream, const PrepareParams& p, uint8_t* wor
   moe_praxis_note_stream(stream);
   const int e = p.num_groups;
   if (group_array_bytes(e) > workspace_bytes) {
-    return ffi::Error::InvalidArgument(
-        "moe_praxis grouped GEMM (sm_80): workspace of " + std::to_string(workspace_bytes) +
-        " bytes is too small; it needs " + std::to_string(group_array_bytes(e)) +
-        " (GROUP_ARRAY_BYTES_PER_GROUP in moe_praxis/ops/grouped_gemm_sm80.py)");
+    return moe_gg_common::workspace_too_small(kWho, workspace_bytes, group_array_bytes(e),
+                                              "sm80_workspace_bytes in "
+                                              "moe_praxis/ops/grouped_gemm_sm80.py");
   }
   GroupArrays g = carve_group_arrays(workspace, e);
   int device = 0;
@@ -284,11 +278,16 @@ ffi::Error run_grouped(cudaStream_t stream, const PrepareParams& p, uint8_t* wor
   if (err != cudaSuccess) return cuda_error(err, "cudaGetDevice");
   int resident = 0;
   const int ok = resident_blocks<Def>(device, &resident);
-  if (ok < 0) return cuda_error(cudaGetLastError(), "cudaDeviceGetAttribute");
+  if (ok == -1) return cuda_error(cudaGetLastError(), "cudaDeviceGetAttribute");
+  if (ok == -2) {
+    return ffi::Error::Internal(std::string(kWho) +
+                                ": the occupancy query of the CUTLASS kernel failed "
+                                "(cudaFuncSetAttribute / cudaOccupancyMaxActiveBlocksPerMultiprocessor)");
+  }
   if (ok == 0) {
     return ffi::Error::Internal(
-        "moe_praxis grouped GEMM (sm_80): the CUTLASS kernel cannot be resident on this GPU "
-        "(shared memory " + std::to_string(sizeof(typename Def::Kernel::SharedStorage)) +
+        std::string(kWho) + ": the CUTLASS kernel cannot be resident on this GPU (shared memory " +
+        std::to_string(sizeof(typename Def::Kernel::SharedStorage)) +
         " bytes per block); choose a smaller tile");
   }
 
@@ -313,14 +312,11 @@ ffi::Error run_grouped(cudaStream_t stream, const PrepareParams& p, uint8_t* wor
   Gemm gemm;
   cutlass::Status st = gemm.initialize(args, nullptr, stream);
   if (st != cutlass::Status::kSuccess) {
-    return ffi::Error::Internal(std::string("moe_praxis grouped GEMM (sm_80): initialize failed: ") +
-                                cutlassGetStatusString(st));
+    return moe_gg_common::cutlass_error(kWho, "initialize", st);
   }
   st = gemm.run(stream);
   if (st != cutlass::Status::kSuccess) {
-    err = cudaGetLastError();
-    return ffi::Error::Internal(std::string("moe_praxis grouped GEMM (sm_80): run failed: ") +
-                                cutlassGetStatusString(st) + " (" + cudaGetErrorString(err) + ")");
+    return moe_gg_common::cutlass_error(kWho, "run", st, /*with_cuda_error=*/true);
   }
   return ffi::Error::Success();
 }
@@ -342,10 +338,26 @@ ffi::Error dispatch_tile(int64_t tile, cudaStream_t stream, const PrepareParams&
     case 3:
       return run_grouped<GemmDef<Element, LayoutA, LayoutB, Tile128x64>, Element>(
           stream, p, workspace, workspace_bytes);
+    case 4:
+      return run_grouped<GemmDef<Element, LayoutA, LayoutB, Tile256x128>, Element>(
+          stream, p, workspace, workspace_bytes);
+    case 5:
+      return run_grouped<GemmDef<Element, LayoutA, LayoutB, Tile256x128K32>, Element>(
+          stream, p, workspace, workspace_bytes);
+    case 6:
+      return run_grouped<GemmDef<Element, LayoutA, LayoutB, Tile128x256K32>, Element>(
+          stream, p, workspace, workspace_bytes);
+    case 7:
+      return run_grouped<GemmDef<Element, LayoutA, LayoutB, Tile128x128K64>, Element>(
+          stream, p, workspace, workspace_bytes);
+    case 8:
+      return run_grouped<GemmDef<Element, LayoutA, LayoutB, Tile128x128S5>, Element>(
+          stream, p, workspace, workspace_bytes);
+    case 9:
+      return run_grouped<GemmDef<Element, LayoutA, LayoutB, Tile64x256>, Element>(
+          stream, p, workspace, workspace_bytes);
     default:
-      return ffi::Error::InvalidArgument("moe_praxis grouped GEMM (sm_80): tile=" +
-                                         std::to_string(tile) + " is invalid; valid: 0.." +
-                                         std::to_string(kNumTiles - 1));
+      return moe_gg_common::invalid_tile(kWho, tile, kNumTiles);
   }
 }
 
@@ -355,15 +367,10 @@ ffi::Error dispatch(const char* op, ffi::DataType a, ffi::DataType b, ffi::DataT
                     int64_t tile, cudaStream_t stream, const PrepareParams& p, uint8_t* workspace,
                     int64_t workspace_bytes) {
   if (a != b || a != d || (a != ffi::DataType::BF16 && a != ffi::DataType::F16)) {
-    return ffi::Error::InvalidArgument(std::string("moe_praxis grouped GEMM (sm_80) ") + op +
-                                       ": operands and output must all be bf16 or all fp16");
+    return moe_gg_common::invalid(kWho, op, "operands and output must all be bf16 or all fp16");
   }
-  if (p.dim_a % kAlignment != 0 || p.dim_b % kAlignment != 0) {
-    return ffi::Error::InvalidArgument(std::string("moe_praxis grouped GEMM (sm_80) ") + op +
-                                       ": K and N must be multiples of 8, got " +
-                                       std::to_string(p.dim_a) + " and " +
-                                       std::to_string(p.dim_b));
-  }
+  ffi::Error aligned = moe_gg_common::check_multiples_of_8(kWho, op, p.dim_a, p.dim_b);
+  if (aligned.failure()) return aligned;
   if (a == ffi::DataType::BF16) {
     return dispatch_tile<cutlass::bfloat16_t, LayoutA, LayoutB>(tile, stream, p, workspace,
                                                                 workspace_bytes);

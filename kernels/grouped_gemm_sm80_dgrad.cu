@@ -20,8 +20,8 @@ ffi::Error GroupedGemmSm80DgradImpl(cudaStream_t stream, ffi::AnyBuffer dout, ff
   if (od.size() != 2 || rd.size() != 3 || od[1] != rd[2] ||
       group_sizes.element_count() != static_cast<size_t>(rd[0]) || dd.size() != 2 ||
       dd[0] != od[0] || dd[1] != rd[1]) {
-    return ffi::Error::InvalidArgument("moe_praxis grouped GEMM (sm_80) dgrad: need dout [M,N], "
-                                       "rhs [E,K,N], group_sizes [E], dlhs [M,K]");
+    return moe_gg_common::shape_error(kWho, "dgrad",
+                                      "dout [M,N], rhs [E,K,N], group_sizes [E], dlhs [M,K]");
   }
   const int64_t m = od[0], n = od[1], e = rd[0], k = rd[1];
   // the GEMM's contraction is N and its output width K; B's leading dimension is N

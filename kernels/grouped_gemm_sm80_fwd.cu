@@ -19,8 +19,8 @@ ffi::Error GroupedGemmSm80FwdImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::
   if (ld.size() != 2 || rd.size() != 3 || ld[1] != rd[1] ||
       group_sizes.element_count() != static_cast<size_t>(rd[0]) || od.size() != 2 ||
       od[0] != ld[0] || od[1] != rd[2]) {
-    return ffi::Error::InvalidArgument("moe_praxis grouped GEMM (sm_80) fwd: need lhs [M,K], "
-                                       "rhs [E,K,N], group_sizes [E], out [M,N]");
+    return moe_gg_common::shape_error(kWho, "fwd",
+                                      "lhs [M,K], rhs [E,K,N], group_sizes [E], out [M,N]");
   }
   const int64_t m = ld[0], k = ld[1], e = rd[0], n = rd[2];
   PrepareParams p = ragged_rows_prepare(group_sizes.typed_data(), e, m, k, n, lhs.untyped_data(),

@@ -19,6 +19,9 @@
 namespace moe_gg {
 namespace {
 
+// How this kernel names itself in its errors (grouped_gemm_common.h).
+constexpr const char* kWhoSwiglu = "moe_praxis grouped GEMM + SwiGLU";
+
 __device__ __forceinline__ float silu_mul(float g, float u) {
   // kernels/swiglu.cu's bf16 path: x * sigmoid(x) * u with the fast intrinsics
   return g * __fdividef(1.f, 1.f + __expf(-g)) * u;
@@ -209,19 +212,18 @@ ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> 
   auto rd = rhs.dimensions();
   if (ld.size() != 2 || rd.size() != 3 || ld[1] != rd[1] || rd[2] % 16 != 0 ||
       group_sizes.element_count() != static_cast<size_t>(rd[0])) {
-    return ffi::Error::InvalidArgument(
-        "moe_praxis grouped GEMM + SwiGLU fwd: need lhs [M,K], rhs [E,K,2H] with H % 8 == 0, "
-        "group_sizes [E]");
+    return moe_gg_common::shape_error(kWhoSwiglu, "fwd",
+                                      "lhs [M,K], rhs [E,K,2H] with H % 8 == 0, group_sizes [E]");
   }
   const int64_t m = ld[0], k = ld[1], e = rd[0], n = rd[2], h = n / 2;
   if (gate->element_count() != static_cast<size_t>(m * h) ||
       up->element_count() != static_cast<size_t>(m * h) ||
       act->element_count() != static_cast<size_t>(m * h)) {
-    return ffi::Error::InvalidArgument("moe_praxis grouped GEMM + SwiGLU fwd: outputs must be [M, H]");
+    return moe_gg_common::invalid(kWhoSwiglu, "fwd", "outputs must be [M, H]");
   }
   if (has_weight && row_weights.element_count() != static_cast<size_t>(m)) {
-    return ffi::Error::InvalidArgument("moe_praxis grouped GEMM + SwiGLU fwd: row_weights must be "
-                                       "[M=" + std::to_string(m) + "]");
+    return moe_gg_common::invalid(kWhoSwiglu, "fwd",
+                                  "row_weights must be [M=" + std::to_string(m) + "]");
   }
   const Schedule sched{raster, swizzle, split_rows};
   auto run = [&](auto cfg) -> ffi::Error {
@@ -259,7 +261,7 @@ ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> 
     case 12:
       return run(PingpongMidC<2, 1>{});
     default:
-      return ffi::Error::InvalidArgument("moe_praxis grouped GEMM + SwiGLU: tile=" +
+      return ffi::Error::InvalidArgument(std::string(kWhoSwiglu) + ": tile=" +
                                          std::to_string(tile) +
                                          " is not built; valid: 1, 2, 4, 8, 10, 11, 12");
   }

@@ -21,8 +21,8 @@ ffi::Error GroupedGemmWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
   const int64_t e = static_cast<int64_t>(group_sizes.element_count());
   if (ld.size() != 2 || od.size() != 2 || ld[0] != od[0] || wd.size() != 3 || wd[0] != e ||
       wd[1] != ld[1] || wd[2] != od[1]) {
-    return ffi::Error::InvalidArgument("moe_praxis grouped GEMM wgrad: need lhs [M,K], "
-                                       "dout [M,N], group_sizes [E], drhs [E,K,N]");
+    return moe_gg_common::shape_error(kWho, "wgrad",
+                                      "lhs [M,K], dout [M,N], group_sizes [E], drhs [E,K,N]");
   }
   const int64_t m = ld[0], k = ld[1], n = od[1];
   const Schedule sched{raster, swizzle, split_rows};

@@ -264,8 +264,15 @@ def test_kernel_table_lists_the_grouped_gemm_handlers():
         assert target in backend.KERNELS, f"{target} missing from ops/_library.py KERNELS"
         assert f"XLA_FFI_DEFINE_HANDLER_SYMBOL({backend.KERNELS[target]}," in src
     header = (REPO / "kernels" / "grouped_gemm.cuh").read_text()
-    m = re.search(r"kGroupArrayBytesPerGroup = (\d+);", header)
+    # the workspace layout of both families lives in the shared header
+    common = (REPO / "kernels" / "grouped_gemm_common.h").read_text()
+    m = re.search(r"kGroupArrayBytesPerGroup = (\d+);", common)
     assert m and int(m.group(1)) == gg.GROUP_ARRAY_BYTES_PER_GROUP
+    for name in ("grouped_gemm.cuh", "grouped_gemm_sm80.cuh"):
+        family = (REPO / "kernels" / name).read_text()
+        assert '#include "grouped_gemm_common.h"' in family, name
+        assert "using moe_gg_common::kGroupArrayBytesPerGroup;" in family, name
+        assert not re.search(r"kGroupArrayBytesPerGroup = \d+", family), name
     assert f"constexpr int kNumTiles = {len(gg.TILE_CONFIGS)};" in header
 
 

@@ -132,6 +132,40 @@ def test_env_var_forces_the_kernel_family(monkeypatch):
         backend.grouped_gemm_kernel()
 
 
+def test_force_grouped_gemm_scopes_the_family_to_what_is_traced_inside(monkeypatch):
+    """backend.force_grouped_gemm('sm80') forces the sm_80 kernels (ahead of the environment
+    variable) for what is traced inside the block only: a program lowered inside calls the
+    sm_80 targets, one lowered after it the Hopper ones again; None changes nothing; other
+    values are errors naming the valid ones."""
+    _fake_device(monkeypatch, 90, "NVIDIA H200")
+    lhs, rhs, gs, dout = _inputs(64, 16, 32, 4, "skewed", jnp.bfloat16, _seed())
+
+    def fwd_and_grads(a, b):
+        out, vjp = jax.vjp(lambda x, w: ops.grouped_gemm(x, w, gs, backend="cuda"), a, b)
+        return out, *vjp(dout)
+
+    sm80_targets = {f"moe_grouped_gemm_sm80_{op}" for op in ("fwd", "dgrad", "wgrad")}
+    with backend.force_grouped_gemm("sm80"):
+        kernel, why = backend.grouped_gemm_kernel()
+        assert kernel == "sm80" and "force_grouped_gemm=sm80" in why, why
+        assert backend.backend_info()["cuda"]["ops"]["gate_up_swiglu"]["kernel"] == "unfused"
+        assert set(_cuda_targets(fwd_and_grads, lhs, rhs)) == sm80_targets
+        with backend.force_grouped_gemm(None):
+            assert backend.grouped_gemm_kernel()[0] == "sm80"
+    assert backend.grouped_gemm_kernel()[0] == "sm90"
+    # a fresh function: jit reuses the trace of one traced before (the docstring's caveat)
+    after = set(_cuda_targets(lambda a, b: fwd_and_grads(a, b), lhs, rhs))
+    assert after == {f"moe_grouped_gemm_{op}" for op in ("fwd", "dgrad", "wgrad")}, after
+    monkeypatch.setenv(backend.ENV_GROUPED_GEMM, "sm80")
+    with backend.force_grouped_gemm("auto"):
+        assert backend.grouped_gemm_kernel()[0] == "sm90"
+    assert backend.grouped_gemm_kernel()[0] == "sm80"
+    with pytest.raises(ValueError, match=r"force_grouped_gemm\('ampere'\) is invalid; valid: "):
+        with backend.force_grouped_gemm("ampere"):
+            pass
+    assert backend.grouped_gemm_kernel()[0] == "sm80"
+
+
 def test_env_var_is_read_in_one_place_and_documented():
     srcs = [p for p in (REPO / "moe_praxis").rglob("*.py") if "ENV_GROUPED_GEMM" in p.read_text()]
     assert [p.name for p in srcs] == ["backend.py"], srcs
@@ -269,8 +303,36 @@ def test_rule_examples_of_the_docs(monkeypatch):
         for op in gg.OPS:
             assert gg.choose_sm80_config(op, m, k, n, e, 99 * 1024) == "sm80_128x128x32_s4"
             assert gg.choose_sm80_config(op, m, k, n, e, 227 * 1024) == "sm80_128x256x64_s3"
-    assert [gg.sm80_shared_memory(c) // 1024 for c in gg.SM80_TILE_CONFIGS] == [144, 64, 48, 48]
+    assert [gg.sm80_shared_memory(c) // 1024
+            for c in gg.SM80_TILE_CONFIGS] == [144, 64, 48, 48, 144, 96, 96, 96, 80, 80]
     assert "on an sm_86 GPU (99 KiB per block) A, B and C take `sm80_128x128x32_s4`" in flat
+
+
+def test_rule_takes_the_nearest_measured_shape_and_its_fastest_tile_that_fits(monkeypatch):
+    """SM80_MEASURED (the sweep's per-shape rankings) decides near a measured shape: the nearest
+    one's fastest tile whose shared memory fits the GPU; beyond MEASURED_REACH in any per-group
+    dimension, and for groups of at most 128 rows, the wave-count rule decides as before."""
+    monkeypatch.delenv(gg.ENV_TILE, raising=False)
+    sm80 = importlib.import_module("moe_praxis.ops.grouped_gemm_sm80")
+    e, m, k, n = SHAPES["B"]
+    ranking_b = ("sm80_256x128x64_s3", "sm80_128x256x32_s4", "sm80_128x128x32_s4")
+    ranking_c = ("sm80_128x128x64_s3", "sm80_64x256x32_s4")
+    monkeypatch.setattr(sm80, "SM80_MEASURED",
+                        {"fwd": ((SHAPES["B"], ranking_b), (SHAPES["C"], ranking_c))})
+    assert gg.choose_sm80_config("fwd", m, k, n, e) == "sm80_256x128x64_s3"
+    # 144 KiB does not fit 99 KiB: the next measured tile
+    assert gg.choose_sm80_config("fwd", m, k, n, e, 99 * 1024) == "sm80_128x256x32_s4"
+    # per group 2x the rows and half the width of B: still nearest B
+    assert gg.choose_sm80_config("fwd", 2 * m, k, n // 2, e) == "sm80_256x128x64_s3"
+    # C's neighbourhood (per group 512 rows, N = 768, K = 2048)
+    assert gg.choose_sm80_config("fwd", 65536, 2048, 1024, 128) == "sm80_128x128x64_s3"
+    # dgrad has no measured shapes; K 8x beyond reach: the wave-count rule
+    assert gg.choose_sm80_config("dgrad", m, k, n, e) == "sm80_128x256x64_s3"
+    assert gg.choose_sm80_config("fwd", m, 8 * k, n, e) == "sm80_128x256x64_s3"
+    assert gg.choose_sm80_config("fwd", 16384, 2048, 768, 128) == "sm80_64x128x32_s4"
+    assert sm80.measured_ranking("fwd", m, k, n, e) == ranking_b
+    assert sm80.measured_ranking("wgrad", m, k, n, e) is None
+    assert sm80.sm80_problem("wgrad", 1024, 64, 32, 8) == (64, 32, 128)
 
 
 def test_tiles_match_the_kernel_header():
@@ -310,6 +372,36 @@ def test_configs_of_the_other_family_are_errors(monkeypatch):
         gg.choose_sm80_config("fwd", 64, 16, 16, 2)
     monkeypatch.setenv(gg.ENV_TILE, "sm80_128x64x32_s4")
     assert gg.choose_sm80_config("wgrad", 1 << 20, 4096, 4096, 8) == "sm80_128x64x32_s4"
+
+
+def test_both_families_take_their_ffi_checks_from_the_shared_header():
+    """kernels/grouped_gemm_common.h holds the error strings of the grouped GEMM handlers' FFI
+    checks (tile, workspace, shapes, alignment, CUDA / CUTLASS failures) and the workspace
+    layout; the Hopper and sm_80 headers and handlers use it and keep no copy of their own."""
+    kernels = REPO / "kernels"
+    common = (kernels / "grouped_gemm_common.h").read_text()
+    for helper in ("invalid_tile", "workspace_too_small", "shape_error", "check_multiples_of_8",
+                   "cuda_error", "cutlass_error", "zero_range", "Carver"):
+        assert re.search(rf"\b{helper}\b", common), helper
+    sources = {
+        p.name: p.read_text()
+        for p in kernels.glob("grouped_gemm*") if p.name != "grouped_gemm_common.h"
+    }
+    assert set(sources) >= {
+        "grouped_gemm.cuh", "grouped_gemm_sm80.cuh", "grouped_gemm_fwd.cu",
+        "grouped_gemm_sm80_fwd.cu"
+    }, sorted(sources)
+    for name, text in sources.items():
+        for copy in ("is invalid; valid: 0..", "bytes is too small", ": need ", "take(size_t",
+                     "make_uint4(0, 0, 0, 0)", "must be multiples of 8"):
+            assert copy not in text, f"kernels/{name} keeps its own {copy!r}"
+    for name in ("grouped_gemm.cuh", "grouped_gemm_sm80.cuh"):
+        assert '#include "grouped_gemm_common.h"' in sources[name], name
+        assert "moe_gg_common::invalid_tile(kWho" in sources[name], name
+        assert "moe_gg_common::workspace_too_small(kWho" in sources[name], name
+    for name, text in sources.items():
+        if name.endswith(".cu") and "swiglu" not in name:
+            assert "moe_gg_common::shape_error(kWho" in text, name
 
 
 def test_workspace_bytes():
@@ -367,6 +459,60 @@ def test_sm80_kernels_every_tile_and_case(shape, tile, dtype):
         assert rel_err(dr, ref_dr) < RTOL_16, msg
         empty = np.asarray(gs) == 0
         np.testing.assert_array_equal(np.asarray(dr, np.float32)[empty], 0.0, err_msg=msg)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("sm80")
+def test_bad_calls_fail_with_the_shared_messages_naming_the_family():
+    """The handlers' FFI checks (kernels/grouped_gemm_common.h) as each family reports them: a
+    tile out of range, a workspace too small, K or N not a multiple of 8, operands of the wrong
+    shape; the Hopper family's where the GPU runs it (compute capability 9.0)."""
+    from moe_praxis.ops._library import ffi
+
+    m, k, n, e = 64, 16, 24, 2
+    lhs, rhs, gs, _ = _inputs(m, k, n, e, "balanced", jnp.bfloat16, _seed())
+    ws = jax.ShapeDtypeStruct((gg.sm80_workspace_bytes(e), ), jnp.uint8)
+
+    def call(target, a, b, out_shape, workspace=ws, **attrs):
+        res = ffi(target, (jax.ShapeDtypeStruct(out_shape, a.dtype), workspace), a, b, gs, **attrs)
+        jax.block_until_ready(res)
+
+    who = "moe_praxis grouped GEMM (sm_80)"
+    bad = len(gg.SM80_TILE_CONFIGS)
+    cases = [
+        (dict(tile=bad), f"{who}: tile={bad} is invalid; valid: 0..{bad - 1}"),
+        (dict(tile=1, workspace=jax.ShapeDtypeStruct((16, ), jnp.uint8)),
+         f"{who}: workspace of 16 bytes is too small; it needs 256 (sm80_workspace_bytes"),
+        (dict(tile=1, out_shape=(m, n + 8)),
+         f"{who} fwd: need lhs [M,K], rhs [E,K,N], group_sizes [E], out [M,N]"),
+    ]
+    for kw, msg in cases:
+        kw = dict(kw)
+        out_shape = kw.pop("out_shape", (m, n))
+        with pytest.raises(Exception, match=re.escape(msg)):
+            call(gg.SM80_TARGETS["fwd"], lhs, rhs, out_shape, **kw)
+    odd = rhs[:, :, :20]  # N = 20
+    with pytest.raises(
+            Exception,
+            match=re.escape(f"{who} fwd: K and N must be multiples of 8, got 20 and 16")):
+        call(gg.SM80_TARGETS["fwd"], lhs, odd, (m, 20), tile=1)
+    if backend.compute_capability() != 90:
+        return
+    hopper = dict(raster=0, swizzle=1, split_rows=0)
+    bad = len(gg.TILE_CONFIGS)
+    with pytest.raises(Exception,
+                       match=re.escape(f"moe_praxis grouped GEMM: tile={bad} is invalid; "
+                                       f"valid: 0..{bad - 1}")):
+        call(gg.TARGETS["fwd"], lhs, rhs, (m, n), tile=bad, **hopper)
+    with pytest.raises(Exception,
+                       match=re.escape("moe_praxis grouped GEMM: workspace of 16 bytes is too "
+                                       "small; it needs 256 (workspace_bytes")):
+        call(gg.TARGETS["fwd"],
+             lhs,
+             rhs, (m, n),
+             workspace=jax.ShapeDtypeStruct((16, ), jnp.uint8),
+             tile=0,
+             **hopper)
 
 
 @pytest.mark.gpu
@@ -516,3 +662,52 @@ def test_kernels_for_sm80_are_compiled_for_sm80():
         assert backend.COMPUTE_CAPABILITY[op] == (80, None), op
     assert backend.COMPUTE_CAPABILITY["gate_up_swiglu"] == backend.GROUPED_GEMM_KERNELS["sm90"]
     assert backend.GROUPED_GEMM_KERNELS == {"sm90": (90, 91), "sm80": (80, None)}
+
+
+def test_benchmark_sm80_sweep_table_and_rankings_for_the_rule():
+    """The sweep (--sm80 --sm80-tiles): which tiles a value selects, the table of every tile's
+    TFLOP/s with the fastest marked, and the balanced points' rankings in SM80_MEASURED's form
+    (pasted, the rule takes them)."""
+    from benchmarks import sm80_sweep
+    from benchmarks.bench_grouped_gemm import SHAPES as BENCH_SHAPES
+    from benchmarks.bench_grouped_gemm import parse_sm80_tiles
+
+    assert parse_sm80_tiles("all") == list(gg.SM80_TILE_CONFIGS)
+    assert parse_sm80_tiles("rule") == "rule"
+    assert parse_sm80_tiles("sm80_64x256x32_s4,sm80_128x128x64_s3") == [
+        "sm80_64x256x32_s4", "sm80_128x128x64_s3"
+    ]
+    with pytest.raises(ValueError, match=r"'sm80_9x9x9_s9' is invalid; valid: \('sm80_"):
+        parse_sm80_tiles("sm80_9x9x9_s9")
+    a, b, c = gg.SM80_TILE_CONFIGS[:3]
+
+    def row(shape, dist, op, method, ms, cfg="-"):
+        return dict(shape=shape,
+                    dist=dist,
+                    op=op,
+                    method=method,
+                    ms=ms,
+                    tflops=100 / ms,
+                    config=cfg)
+
+    rows = [
+        row("A", "balanced", "fwd", "dense", 1.0),
+        row("A", "balanced", "fwd", "ragged", 8.0),
+        row("A", "balanced", "fwd", "sm80", 2.0, a),
+        row("A", "balanced", "fwd", f"sm80[{b}]", 1.6, b),
+        row("A", "balanced", "fwd", f"sm80[{c}]", 4.0, c),
+        row("A", "skewed", "fwd", "sm80", 2.0, a),
+        row("A", "skewed", "fwd", f"sm80[{c}]", 1.0, c),
+        row("C", "balanced", "wgrad", "dense", 1.0),
+        row("C", "balanced", "wgrad", "sm80", 3.0, c),
+    ]
+    table = sm80_sweep.sweep_table(rows, [a, b, c]).splitlines()
+    assert len(table) == 2 + 3, table
+    assert "| A | balanced | fwd | 100 | 50 | **62** | 25 | " in table[2], table[2]
+    assert table[2].endswith(f"| {a} | {b} | 0.62 | 5.00 |"), table[2]
+    assert "| **100** |" in table[3] and table[3].endswith("| - | - |"), table[3]
+    won = sm80_sweep.winners(rows, BENCH_SHAPES)
+    assert won == {"fwd": [(BENCH_SHAPES["A"], (b, a, c))], "wgrad": [(BENCH_SHAPES["C"], (c, ))]}
+    text = sm80_sweep.winners_literal(won)
+    assert text.startswith("SM80_MEASURED = {")
+    assert eval(text[len("SM80_MEASURED = "):]) == {op: tuple(v) for op, v in won.items()}

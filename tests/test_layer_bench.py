@@ -142,3 +142,34 @@ def test_options_and_device_script_knobs_are_documented():
     assert "BREAKDOWN_S" in knobs
     for knob in knobs:
         assert knob in text, f"device-script knob {knob} is not in docs/performance.md"
+
+
+def test_cuda_sm80_method_traces_its_steps_with_the_sm80_grouped_gemm(monkeypatch):
+    """'cuda-sm80' forces the sm_80 grouped GEMM kernels while its steps are traced
+    (lc.GROUPED_GEMM_FAMILY, Shape.forcing): on a faked H200, its step lowered for CUDA calls
+    the sm_80 targets and the 'cuda' step, lowered after it in the same process, the Hopper
+    ones."""
+    import re as _re
+
+    from benchmarks import layer
+    from moe_praxis.ops import backend
+    from tests.test_grouped_gemm_sm80 import _fake_device
+
+    _fake_device(monkeypatch, 90, "NVIDIA H200")
+    assert lc.GROUPED_GEMM_FAMILY == {"cuda-sm80": "sm80"} and "cuda-sm80" in lc.METHODS
+    sh = layer.Shape("qwen3", lc.QUICK_SHAPES["qwen3"], ["cuda", "cuda-sm80"], "cuda",
+                     jax.random.key(0))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in backend.KERNELS]
+    targets = {}
+    for method in ("cuda-sm80", "cuda"):
+        with sh.forcing(method):
+            exp = jax.export.export(sh.fns(method)["fwd+bwd"],
+                                    platforms=["cuda"],
+                                    disabled_checks=checks)(*sh.args(method, "fwd+bwd", "balanced"))
+        targets[method] = set(_re.findall(r"custom_call @(moe_grouped_gemm\w*)", exp.mlir_module()))
+    assert targets["cuda-sm80"] == {
+        f"moe_grouped_gemm_sm80_{op}"
+        for op in ("fwd", "dgrad", "wgrad")
+    }, targets
+    assert targets["cuda"] == {f"moe_grouped_gemm_{op}" for op in ("fwd", "dgrad", "wgrad")}
+    assert backend.grouped_gemm_kernel()[0] == "sm90"  # nothing forced outside

@@ -28,6 +28,8 @@ environment variable, `library_state()` and `call_stats()` here.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import warnings
@@ -75,10 +77,11 @@ GROUPED_GEMM_KERNELS: dict[str, tuple[int, int | None]] = {"sm90": (90, 91), "sm
 # them on a Hopper GPU) or 'sm90'. Read by grouped_gemm_kernel() only.
 ENV_GROUPED_GEMM = "MOE_PRAXIS_GROUPED_GEMM"
 GROUPED_GEMM_CHOICES = ("auto", "sm90", "sm80")
+# force_grouped_gemm's choice while one is in force (ahead of the environment variable).
+_FORCED_GROUPED_GEMM = contextvars.ContextVar("moe_praxis_grouped_gemm", default=None)
 
 
-def _call(fn, *args):
-    """A cuda.bindings call: its values, or RuntimeError naming the CUresult."""
+def _call(fn, *args):  # a cuda.bindings call: its values, or RuntimeError naming the CUresult
     err, *values = fn(*args)
     if int(err) != 0:
         raise RuntimeError(f"{fn.__name__} failed: {err}")
@@ -156,9 +159,28 @@ def _cc_text(cc: int) -> str:
     return f"{cc // 10}.{cc % 10}"
 
 
+@contextlib.contextmanager
+def force_grouped_gemm(choice: str | None):
+    """Within the block the grouped GEMM's kernel family is `choice` ('auto', 'sm90', 'sm80';
+    None: no change), ahead of $MOE_PRAXIS_GROUPED_GEMM. Picked when an op is traced: what is
+    traced or lowered inside keeps it (jit(f).lower(x).compile() of a fresh f), a function
+    traced before keeps what it traced (benchmarks.layer's 'cuda-sm80' beside 'cuda')."""
+    if choice not in GROUPED_GEMM_CHOICES + (None, ):
+        raise ValueError(f"force_grouped_gemm({choice!r}) is invalid; valid: "
+                         f"{GROUPED_GEMM_CHOICES} or None")
+    token = _FORCED_GROUPED_GEMM.set(choice or _FORCED_GROUPED_GEMM.get())
+    try:
+        yield
+    finally:
+        _FORCED_GROUPED_GEMM.reset(token)
+
+
 def grouped_gemm_choice() -> str:
-    """$MOE_PRAXIS_GROUPED_GEMM ('auto' when unset or empty): 'auto', 'sm90' or 'sm80'. The one
-    reader of the variable; any other value raises, naming the valid ones."""
+    """force_grouped_gemm's choice, else $MOE_PRAXIS_GROUPED_GEMM ('auto' when unset or empty):
+    'auto', 'sm90' or 'sm80'. The one reader of the variable; other values raise."""
+    forced = _FORCED_GROUPED_GEMM.get()
+    if forced is not None:
+        return forced
     value = os.environ.get(ENV_GROUPED_GEMM, "").strip().lower() or "auto"
     if value not in GROUPED_GEMM_CHOICES:
         raise ValueError(f"${ENV_GROUPED_GEMM}={value!r} is invalid; valid: "
@@ -178,7 +200,8 @@ def grouped_gemm_kernel(cc: int | None = None, dtype=None) -> tuple[str, str]:
     is cuda_status('grouped_gemm')'s question."""
     choice = grouped_gemm_choice()
     if choice != "auto":
-        return choice, f"${ENV_GROUPED_GEMM}={choice} forces the {choice} kernels"
+        how = "force_grouped_gemm" if _FORCED_GROUPED_GEMM.get() else f"${ENV_GROUPED_GEMM}"
+        return choice, f"{how}={choice} forces the {choice} kernels"
     cc = compute_capability() if cc is None else cc
     lo, hi = GROUPED_GEMM_KERNELS["sm90"]
     where = f"compute capability {_cc_text(cc)}" if cc else "no GPU (the family of a 9.0 GPU)"
@@ -304,8 +327,7 @@ def backend_info() -> dict[str, dict]:
 
 
 def library_state() -> dict:
-    """The kernel library loader's state without loading it: {'attempted', 'loaded', 'reason',
-    'path'}."""
+    """The library loader's state, not loading it: {'attempted', 'loaded', 'reason', 'path'}."""
     return _library.library_state()
 
 

@@ -39,6 +39,12 @@ SM80_TILE_CONFIGS = (
     "sm80_128x128x32_s4",  # 1: 4 warps of 64x64; the general tile
     "sm80_64x128x32_s4",  # 2: 4 warps of 32x64; small groups (a ragged end wastes < 64 rows)
     "sm80_128x64x32_s4",  # 3: 4 warps of 64x32; few output tiles (more, smaller tiles)
+    "sm80_256x128x64_s3",  # 4: 8 warps of 64x64; 0 transposed (tall outputs)
+    "sm80_256x128x32_s4",  # 5: 8 warps of 64x64, 96 KiB (fits sm_86 / sm_89)
+    "sm80_128x256x32_s4",  # 6: 8 warps of 64x64, 96 KiB (fits sm_86 / sm_89)
+    "sm80_128x128x64_s3",  # 7: 4 warps of 64x64; half the barriers per FLOP of tile 1
+    "sm80_128x128x32_s5",  # 8: 4 warps of 64x64; one more stage in flight than tile 1
+    "sm80_64x256x32_s4",  # 9: 4 warps of 64x64; small groups with wide outputs
 )
 SM80_DTYPES = (jnp.bfloat16, jnp.float16)
 # The SM count the rule assumes (an A100's; the rule counts waves of output tiles with it).
@@ -79,6 +85,37 @@ def sm80_workspace_bytes(num_groups: int) -> int:
     return (GROUP_ARRAY_BYTES_PER_GROUP * num_groups + 255) // 256 * 256
 
 
+# The sweep's per-shape winners (`python -m benchmarks.bench_grouped_gemm --sm80 --sm80-tiles
+# all`, balanced groups; benchmarks/results/, docs/grouped_gemm_sm80.md): per op, measured
+# forward shapes (E, M, K, N) with every tile, fastest first. The benchmark prints this table
+# ready to paste (`sm80_sweep.winners_literal`).
+SM80_MEASURED: dict[str, tuple[tuple[tuple[int, int, int, int], tuple[str, ...]], ...]] = {}
+# A measured shape speaks for problems within this factor of it in every per-group dimension
+# (output rows, output columns, contraction); outside, the wave-count rule below decides.
+MEASURED_REACH = 4.0
+
+
+def sm80_problem(op: str, m: int, k: int, n: int, num_groups: int) -> tuple[float, int, float]:
+    """(output rows, output columns, contraction) of one group of `op` for the forward shapes:
+    fwd (M/E, N, K), dgrad (M/E, K, N), wgrad (K, N, M/E)."""
+    rows = m / max(num_groups, 1)
+    return {"fwd": (rows, n, k), "dgrad": (rows, k, n), "wgrad": (k, n, rows)}[op]
+
+
+def measured_ranking(op: str, m: int, k: int, n: int, num_groups: int) -> tuple[str, ...] | None:
+    """The tiles of the nearest shape of SM80_MEASURED[op] (fastest first), or None where no
+    measured shape is within MEASURED_REACH of this one in every per-group dimension. Nearness:
+    the largest |log ratio| over the dimensions."""
+    here = sm80_problem(op, m, k, n, num_groups)
+    best = None
+    for shape, ranking in SM80_MEASURED.get(op, ()):
+        there = sm80_problem(op, shape[1], shape[2], shape[3], shape[0])
+        dist = max(abs(math.log(max(a, 1) / max(b, 1))) for a, b in zip(here, there))
+        if dist <= math.log(MEASURED_REACH) and (best is None or dist < best[0]):
+            best = (dist, ranking)
+    return None if best is None else best[1]
+
+
 def _waves(m_rows: float, out_cols: int, num_groups: int, tm: int, tn: int) -> float:
     """Waves of output tiles on RULE_SM_COUNT SMs, one resident tile per SM, groups of m_rows
     rows with out_cols columns."""
@@ -93,14 +130,16 @@ def choose_sm80_config(op: str,
                        shared_memory: int | None = None) -> str:
     """The sm_80 tile for one GEMM (docs/grouped_gemm_sm80.md, "The rule").
 
-    op: 'fwd' | 'dgrad' | 'wgrad'; m, k, n, num_groups: the *forward* problem's shapes. Per
-    group the output is out_rows x out_cols (fwd: M/E x N, dgrad: M/E x K, wgrad: K x N):
+    op: 'fwd' | 'dgrad' | 'wgrad'; m, k, n, num_groups: the *forward* problem's shapes;
+    shared_memory: the bytes a block may have on the GPU (None: no limit; sm_86 / sm_89 GPUs
+    have 99 KiB, the A100 163 KiB, Hopper 227 KiB): a tile that needs more is never chosen.
+    Per group the output is out_rows x out_cols (fwd: M/E x N, dgrad: M/E x K, wgrad: K x N):
       - fwd/dgrad with at most 128 rows per group: 64x128 (a 128-row tile would be half empty
         at every group's ragged end);
+      - near a measured shape (SM80_MEASURED, within MEASURED_REACH): its fastest tile that fits;
       - 128x256 where it still makes at least 4 waves of tiles and out_cols >= 256 (the most
         reuse of each operand byte; enough tiles that the last wave's tail is small), and its
-        shared memory fits (`shared_memory`: the bytes a block may have on the GPU, None: no
-        limit; sm_86 / sm_89 GPUs have less than the tile needs, the A100 and H100 enough);
+        shared memory fits;
       - else 128x128 where it makes at least 2 waves;
       - else 128x64 (more, smaller tiles to fill the GPU).
     MOE_PRAXIS_GG_TILE (an sm_80 configuration) overrides the rule.
@@ -114,16 +153,19 @@ def choose_sm80_config(op: str,
         except ValueError as e:
             raise ValueError(f"${ENV_TILE}={forced!r} is invalid while the sm_80 grouped GEMM "
                              f"kernels run: {e}") from None
-    rows = m / max(num_groups, 1)
-    out_rows, out_cols, groups = {
-        "fwd": (rows, n, num_groups),
-        "dgrad": (rows, k, num_groups),
-        "wgrad": (k, n, min(num_groups, m)),
-    }[op]
-    if op != "wgrad" and rows <= 128:
+
+    def fits(config):
+        return shared_memory is None or sm80_shared_memory(config) <= shared_memory
+
+    out_rows, out_cols, _ = sm80_problem(op, m, k, n, num_groups)
+    groups = min(num_groups, m) if op == "wgrad" else num_groups
+    if op != "wgrad" and out_rows <= 128:
         return SM80_TILE_CONFIGS[2]
-    fits = shared_memory is None or sm80_shared_memory(SM80_TILE_CONFIGS[0]) <= shared_memory
-    if fits and out_cols >= 256 and _waves(out_rows, out_cols, groups, 128, 256) >= 4:
+    for config in measured_ranking(op, m, k, n, num_groups) or ():
+        if fits(config):
+            return config
+    if (fits(SM80_TILE_CONFIGS[0]) and out_cols >= 256
+            and _waves(out_rows, out_cols, groups, 128, 256) >= 4):
         return SM80_TILE_CONFIGS[0]
     if _waves(out_rows, out_cols, groups, 128, 128) >= 2:
         return SM80_TILE_CONFIGS[1]
