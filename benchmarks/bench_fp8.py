@@ -76,8 +76,8 @@ def make_fns(op: str, m: int, k: int, n: int, e: int):
         kern = lambda d, out=jnp.bfloat16: fp8_gemm.fp8_wgrad(  # noqa: E731
             *d["xt"], *d["dyt"], d["gs"], m, out_dtype=out)
         quant = lambda d: fp8_gemm.fp8_wgrad(  # noqa: E731
-            *fp8._rows_grouped_t(d["lhs"], d["gs"]), *fp8._rows_grouped_t(d["dout"], d["gs"]), d[
-                "gs"], m)
+            *fp8.quantize_rows_grouped_t_reference(d["lhs"], d["gs"]),
+            *fp8.quantize_rows_grouped_t_reference(d["dout"], d["gs"]), d["gs"], m)
     elif op == "fwd":
         kern = lambda d: fp8_gemm.fp8_nt(*d["lhs_q"], d["qt"], d["s"], d["gs"])  # noqa: E731
         quant = lambda d: fp8_gemm.fp8_nt(*_rows_t(d["lhs"]), d["qt"], d["s"], d["gs"])  # noqa
@@ -118,8 +118,8 @@ def prepare(e: int, m: int, k: int, n: int, dist: str, seed: int = 0) -> dict:
     d["s_t"] = jnp.swapaxes(s, 1, 2)
     d["lhs_q"] = jax.jit(_rows_t)(lhs)
     d["dout_q"] = jax.jit(_rows_t)(dout)
-    d["xt"] = jax.jit(fp8._rows_grouped_t)(lhs, gs)
-    d["dyt"] = jax.jit(fp8._rows_grouped_t)(dout, gs)
+    d["xt"] = jax.jit(fp8.quantize_rows_grouped_t_reference)(lhs, gs)
+    d["dyt"] = jax.jit(fp8.quantize_rows_grouped_t_reference)(dout, gs)
     # dense: one [M, K] x [K, N] problem (the grouped FLOPs), operands contraction-major
     d["dense_w_nk"] = d["qt"][0]  # fwd: [N, K], one expert's weight
     d["dense_w_kn"] = q[0]  # dgrad: [K, N], contraction N

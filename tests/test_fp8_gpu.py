@@ -74,8 +74,8 @@ def _wgrad_operands(rows, c1, c2, e, kind, seed):
     x = jax.random.normal(k1, (rows, c1), jnp.float32).astype(jnp.bfloat16)
     dy = jax.random.normal(k2, (rows, c2), jnp.float32).astype(jnp.bfloat16)
     gs = _sizes(kind, rows, e, rng)
-    xt, xs = fp8._rows_grouped_t(x, gs)
-    dyt, dys = fp8._rows_grouped_t(dy, gs)
+    xt, xs = fp8.quantize_rows_grouped_t_reference(x, gs)
+    dyt, dys = fp8.quantize_rows_grouped_t_reference(dy, gs)
     return x, dy, gs, (xt, xs, dyt, dys, gs)
 
 
@@ -152,7 +152,7 @@ def test_cuda_path_lowered_for_cpu_matches_float64_recipe(kind):
     msg = f"seed={seed} kind={kind} sizes={np.asarray(gs)}"
 
     def run(impl):
-        y, vjp = jax.vjp(lambda a, b: fp8._fp8_gg(a, b, gs, impl), x, w)
+        y, vjp = jax.vjp(lambda a, b: fp8.fp8_grouped_gemm_path(a, b, gs, impl), x, w)
         return (y, *vjp(dy))
 
     (y, dx, dw), (y_ref, dx_ref, _) = run("cuda"), run("xla")
@@ -170,13 +170,13 @@ def test_grouped_layout_tiles_start_at_each_group_and_pad_with_zeros():
     rows, e = 300, 4
     x = jax.random.normal(jax.random.key(seed), (rows, 128), jnp.float32) + 3.0
     gs = jnp.array([130, 0, 1, 100], jnp.int32)  # sum 231 < rows
-    qt, s = fp8._rows_grouped_t(x, gs)
+    qt, s = fp8.quantize_rows_grouped_t_reference(x, gs)
     rp = fp8_gemm.padded_rows(rows, e)
     assert qt.shape == (128, rp) and s.shape == (rp // 128, 128)
     q = np.asarray(qt.astype(jnp.float32)).T
     starts = [0, 256, 256, 384]  # P_g: 130 -> 256, 0 -> 0, 1 -> 128
     for p, m, o in zip(starts, [130, 0, 1, 100], [0, 130, 130, 131]):
-        want_q, want_s = fp8.quantize_tiles(fp8._pad_to_block(x[o:o + m], 0), axis=0)
+        want_q, want_s = fp8.quantize_tiles(x[o:o + m], axis=0)
         np.testing.assert_array_equal(q[p:p + len(want_q)], np.asarray(want_q, np.float32))
         np.testing.assert_array_equal(np.asarray(s[p // 128:p // 128 + len(want_s)]),
                                       np.asarray(want_s))

@@ -113,7 +113,7 @@ def dequantize_blocks(q, s):
     return (b * s[..., :, None, :, None]).reshape(q.shape)
 
 
-def _rows_grouped_t(x, group_sizes):
+def quantize_rows_grouped_t_reference(x, group_sizes):
     """The wgrad operands' layout (fp8_gemm L3): x [R, C] -> qt [C, Rp] e4m3, s [Rp/128, C];
     group g's rows at padded columns [P_g, P_g + m_g), 128-row tiles from each group's first
     row, zero (scale 1) elsewhere."""
@@ -156,8 +156,8 @@ def _fwd_math(lhs, wq, ws, group_sizes, impl="xla"):
 
 def _cuda_bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype):
     dx = _cuda_nt(dy, wq, jnp.swapaxes(ws, 1, 2), lhs.dtype)(group_sizes)
-    xt, xs = _rows_grouped_t(lhs, group_sizes)
-    dyt, dys = _rows_grouped_t(dy, group_sizes)
+    xt, xs = quantize_rows_grouped_t_reference(lhs, group_sizes)
+    dyt, dys = quantize_rows_grouped_t_reference(dy, group_sizes)
     out = jnp.float32 if jnp.dtype(rhs_dtype) == jnp.float32 else jnp.bfloat16
     dw = fp8_gemm.fp8_wgrad(xt, xs, dyt, dys, group_sizes, lhs.shape[0], out_dtype=out)
     return dx, dw.astype(rhs_dtype)
@@ -194,6 +194,14 @@ def fp8_grouped_gemm(lhs, rhs, group_sizes, *, backend: str = "auto"):
     K and N multiples of 128; output in lhs.dtype; gradients for lhs and rhs in FP8 too.
     backend: 'auto' | 'xla' | 'cuda' (module doc)."""
     return _fp8_gg(lhs, rhs, group_sizes.astype(jnp.int32), resolve(backend))
+
+
+def fp8_grouped_gemm_path(lhs, rhs, group_sizes, path: str):
+    """fp8_grouped_gemm on the given path, 'xla' or 'cuda', unresolved (tests, benchmarks): on
+    a CPU the 'cuda' path lowers each kernel call to its reference (ops.fp8_gemm)."""
+    if path not in ("xla", "cuda"):
+        raise ValueError(f"fp8_grouped_gemm_path: path={path!r} is invalid; valid: 'xla', 'cuda'")
+    return _fp8_gg(lhs, rhs, group_sizes.astype(jnp.int32), path)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, ))
