@@ -101,9 +101,11 @@ class MoEConfig:
         for the expert GEMMs (forward, dgrad and wgrad): e4m3 operands with float32 scales per
         1 x 128 activation tile and 128 x 128 weight block, float32 accumulation, outputs in
         the input dtype (moe_praxis.ops.fp8). Needs d_model and d_ff multiples of 128; not with
-        fuse_gate_up. This version runs the pure-JAX emulation of that arithmetic on every
-        backend (no FP8 kernel yet: it is slower than bf16, and says so once); the router, the
-        aux loss, the shared experts and the combine stay in higher precision.
+        fuse_gate_up. Where kernel_backend resolves to cuda on compute capability 9.0 the
+        three GEMMs run the FP8 grouped GEMM kernels (moe_praxis.ops.fp8_gemm: CUTLASS sm_90a,
+        blockwise scaling, bf16 GEMM outputs); elsewhere the pure-JAX emulation of that
+        arithmetic runs (slower than bf16, and says so once). The router, the aux loss, the
+        shared experts and the combine stay in higher precision.
       fp8_quantize_before_gather: with fp8 and fsdp-sharded expert weights, each device
         quantizes its own shard and the all-gather moves e4m3 data and float32 scales (True,
         about half the bytes of bf16; bitwise the same result); False gathers the weights in

@@ -88,7 +88,7 @@ def expert_ffn(rows, group_sizes, weights, config: MoEConfig, *, backend="auto",
     if config.use_cudnn_fusion:
         _warn_cudnn_fallback(backend)
     if config.fp8 is not None:
-        return _fp8_expert_ffn(rows, group_sizes, weights, config, row_weights)
+        return _fp8_expert_ffn(rows, group_sizes, weights, config, row_weights, backend)
     dt = rows.dtype
     wo = weights["wo"]
     if config.fuse_gate_up:
@@ -117,21 +117,30 @@ def expert_ffn(rows, group_sizes, weights, config: MoEConfig, *, backend="auto",
     return checkpoint_name(out, "ffn2")
 
 
-def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights):
+def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, backend):
     """config.fp8='blockwise': the three expert GEMMs in blockwise FP8 (ops.fp8, forward, dgrad
-    and wgrad), the activation and the routing weight in float32 between them."""
-    ops_backend.warn_once(
-        "MoEConfig.fp8='blockwise' runs the pure-JAX emulation of FP8 GEMMs (ops.fp8): the "
-        "numerics of the recipe, not its speed (no FP8 grouped GEMM kernel in this version).",
-        RuntimeWarning)
+    and wgrad: the FP8 grouped GEMM kernels where `backend` resolves to cuda, else the pure-JAX
+    emulation), the activation and the routing weight in float32 between them."""
+    impl = fp8.resolve(backend)
+    if impl == "xla":
+        ops_backend.warn_once(
+            "MoEConfig.fp8='blockwise' runs the pure-JAX emulation of FP8 GEMMs (ops.fp8): the "
+            "numerics of the recipe, not its speed (the FP8 grouped GEMM kernels need "
+            f"kernel_backend 'cuda' on compute capability 9.0; the backend here: {backend!r}).",
+            RuntimeWarning)
     dt = rows.dtype
     gathers = weights.get(FP8_GATHER, {})
 
     def gemm(lhs, name):
         if name in gathers:
             axes, dim = gathers[name]
-            return fp8.gathered_fp8_grouped_gemm(lhs, weights[name], group_sizes, axes, dim)
-        return fp8.fp8_grouped_gemm(lhs, weights[name], group_sizes)
+            return fp8.gathered_fp8_grouped_gemm(lhs,
+                                                 weights[name],
+                                                 group_sizes,
+                                                 axes,
+                                                 dim,
+                                                 backend=impl)
+        return fp8.fp8_grouped_gemm(lhs, weights[name], group_sizes, backend=impl)
 
     up = checkpoint_name(gemm(rows, "wi_up"), "moe_up")
     if config.gated:

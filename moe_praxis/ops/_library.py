@@ -53,6 +53,9 @@ KERNELS: dict[str, str] = {
     "moe_grouped_gemm_sm80_fwd": "MoeGroupedGemmSm80Fwd",
     "moe_grouped_gemm_sm80_dgrad": "MoeGroupedGemmSm80Dgrad",
     "moe_grouped_gemm_sm80_wgrad": "MoeGroupedGemmSm80Wgrad",
+    "moe_grouped_gemm_fp8_nt": "MoeGroupedGemmFp8Nt",
+    "moe_grouped_gemm_fp8_wgrad": "MoeGroupedGemmFp8Wgrad",
+    "moe_grouped_gemm_fp8_wgrad_f32": "MoeGroupedGemmFp8WgradF32",
 }
 
 

@@ -66,6 +66,8 @@ COMPUTE_CAPABILITY: dict[str, tuple[int, int | None]] = {
     "permute": (80, None),
     "grouped_gemm": (80, None),
     "gate_up_swiglu": (90, 91),
+    # the FP8 grouped GEMMs (ops.fp8_gemm): sm_90a code (FP8 wgmma, TMA), compute capability 9.0
+    "fp8_grouped_gemm": (90, 91),
 }
 DEFAULT_COMPUTE_CAPABILITY: tuple[int, int | None] = (80, None)
 # The grouped GEMM's two kernel families and the compute capabilities each runs on: 'sm90'

@@ -21,6 +21,15 @@ FP8 tensor-core GEMM with float32 accumulation computes, up to summation order. 
 input dtype: lhs as the backward's residual (wgrad quantizes it along the rows; requantizing
 the row-tiled FP8 copy would round twice), and every GEMM's output.
 
+Backends (`backend=`: 'auto' | 'xla' | 'cuda', resolved once per call by
+backend.op_backend('fp8_grouped_gemm'): compute capability 9.0 with the library built):
+'xla' is the reference above; 'cuda' runs the three GEMMs as the FP8 grouped GEMM kernels of
+moe_praxis.ops.fp8_gemm on the operand layouts documented there (the forward's lhs and
+dgrad's dy in 1x128 row tiles, the weight's 128x128 blocks, the wgrad's lhs and dy in 128-row
+tiles that start at each group's first row, so a tile never mixes two experts). The kernels
+write bf16 (forward, dgrad; cast to lhs.dtype) and bf16 or float32 (wgrad, the weight's
+dtype). On a CPU the 'cuda' path lowers to the kernels' references, so it is testable there.
+
 Quantize-before-gather (`gathered_fp8_grouped_gemm`): under FSDP each device quantizes its own
 weight shard and the all-gather moves e4m3 data and float32 scales (about half the bytes of
 bf16). 128x128 blocks never straddle a shard boundary (checked by `check_shard_blocks`), so
@@ -36,6 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_praxis.ops import backend as _backend
+from moe_praxis.ops import fp8_gemm
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
 
 E4M3 = jnp.float8_e4m3fn
@@ -102,7 +113,36 @@ def dequantize_blocks(q, s):
     return (b * s[..., :, None, :, None]).reshape(q.shape)
 
 
-def _fwd_math(lhs, wq, ws, group_sizes):
+def quantize_rows_grouped_t_reference(x, group_sizes):
+    """The wgrad operands' layout (fp8_gemm L3): x [R, C] -> qt [C, Rp] e4m3, s [Rp/128, C];
+    group g's rows at padded columns [P_g, P_g + m_g), 128-row tiles from each group's first
+    row, zero (scale 1) elsewhere."""
+    rows, e = x.shape[0], group_sizes.shape[0]
+    rp = fp8_gemm.padded_rows(rows, e)
+    m = fp8_gemm.clamped_sizes(group_sizes, rows)
+    starts = jnp.cumsum(m) - m
+    padded = (m + BLOCK - 1) // BLOCK * BLOCK
+    pstarts = jnp.cumsum(padded) - padded
+    col = jnp.arange(rp, dtype=jnp.int32)
+    g = jnp.clip(jnp.searchsorted(pstarts, col, side="right") - 1, 0, e - 1)
+    local = col - pstarts[g]
+    valid = (local < m[g]) & (col < jnp.sum(padded))
+    src = jnp.where(valid, starts[g] + local, 0)
+    xp = jnp.where(valid[:, None], x[src].astype(jnp.float32), 0.0)
+    q, s = quantize_tiles(xp, axis=0)
+    return q.T, s
+
+
+def _cuda_nt(x, bq, bs, out_dtype):
+    """An FP8 NT grouped GEMM of x's 1x128 row tiles against bq [E, N, C] (scales
+    [E, C/128, N/128]) on the CUDA path."""
+    q, s = quantize_tiles(x, axis=1)
+    return lambda gs: fp8_gemm.fp8_nt(q, s.T, bq, bs, gs).astype(out_dtype)
+
+
+def _fwd_math(lhs, wq, ws, group_sizes, impl="xla"):
+    if impl == "cuda":
+        return _cuda_nt(lhs, jnp.swapaxes(wq, 1, 2), ws, lhs.dtype)(group_sizes)
     k = lhs.shape[1]
     xq, xs = quantize_tiles(lhs, axis=1)
     x = dequantize_tiles(xq, xs, axis=1)[:, :k]
@@ -114,7 +154,18 @@ def _fwd_math(lhs, wq, ws, group_sizes):
     return y.astype(lhs.dtype)
 
 
-def _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype):
+def _cuda_bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype):
+    dx = _cuda_nt(dy, wq, jnp.swapaxes(ws, 1, 2), lhs.dtype)(group_sizes)
+    xt, xs = quantize_rows_grouped_t_reference(lhs, group_sizes)
+    dyt, dys = quantize_rows_grouped_t_reference(dy, group_sizes)
+    out = jnp.float32 if jnp.dtype(rhs_dtype) == jnp.float32 else jnp.bfloat16
+    dw = fp8_gemm.fp8_wgrad(xt, xs, dyt, dys, group_sizes, lhs.shape[0], out_dtype=out)
+    return dx, dw.astype(rhs_dtype)
+
+
+def _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype, impl="xla"):
+    if impl == "cuda":
+        return _cuda_bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype)
     gs = group_sizes.astype(jnp.int32)
     n, rows = dy.shape[1], lhs.shape[0]
     dq, ds = quantize_tiles(dy, axis=1)
@@ -132,28 +183,47 @@ def _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype):
     return dx, dw.astype(rhs_dtype)
 
 
-@jax.custom_vjp
-def fp8_grouped_gemm(lhs, rhs, group_sizes):
+def resolve(backend: str) -> str:
+    """'xla' or 'cuda' for the FP8 GEMMs: backend.op_backend('fp8_grouped_gemm') (compute
+    capability 9.0 and the library; a resolved 'cuda' elsewhere falls back with a warning)."""
+    return _backend.op_backend(backend, fp8_gemm.OP)
+
+
+def fp8_grouped_gemm(lhs, rhs, group_sizes, *, backend: str = "auto"):
     """ragged_dot(lhs [R, K], rhs [E, K, N], group_sizes [E]) in blockwise FP8 (module doc);
-    K and N multiples of 128; output in lhs.dtype; gradients for lhs and rhs in FP8 too."""
+    K and N multiples of 128; output in lhs.dtype; gradients for lhs and rhs in FP8 too.
+    backend: 'auto' | 'xla' | 'cuda' (module doc)."""
+    return _fp8_gg(lhs, rhs, group_sizes.astype(jnp.int32), resolve(backend))
+
+
+def fp8_grouped_gemm_path(lhs, rhs, group_sizes, path: str):
+    """fp8_grouped_gemm on the given path, 'xla' or 'cuda', unresolved (tests, benchmarks): on
+    a CPU the 'cuda' path lowers each kernel call to its reference (ops.fp8_gemm)."""
+    if path not in ("xla", "cuda"):
+        raise ValueError(f"fp8_grouped_gemm_path: path={path!r} is invalid; valid: 'xla', 'cuda'")
+    return _fp8_gg(lhs, rhs, group_sizes.astype(jnp.int32), path)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, ))
+def _fp8_gg(lhs, rhs, group_sizes, impl):
     wq, ws = quantize_blocks(rhs)
-    return _fwd_math(lhs, wq, ws, group_sizes)
+    return _fwd_math(lhs, wq, ws, group_sizes, impl)
 
 
-def _fp8_fwd(lhs, rhs, group_sizes):
+def _fp8_fwd(lhs, rhs, group_sizes, impl):
     wq, ws = quantize_blocks(rhs)
     # a zero-size array carries rhs's dtype (residuals must be JAX values)
-    return _fwd_math(lhs, wq, ws,
-                     group_sizes), (lhs, wq, ws, group_sizes, jnp.zeros((0, ), rhs.dtype))
+    return _fwd_math(lhs, wq, ws, group_sizes,
+                     impl), (lhs, wq, ws, group_sizes, jnp.zeros((0, ), rhs.dtype))
 
 
-def _fp8_bwd(res, dy):
+def _fp8_bwd(impl, res, dy):
     lhs, wq, ws, group_sizes, rhs_like = res
-    dx, dw = _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_like.dtype)
+    dx, dw = _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_like.dtype, impl)
     return dx, dw, None
 
 
-fp8_grouped_gemm.defvjp(_fp8_fwd, _fp8_bwd)
+_fp8_gg.defvjp(_fp8_fwd, _fp8_bwd)
 
 
 def check_shard_blocks(local_shape, gather_dim: int, what: str) -> None:
@@ -164,12 +234,22 @@ def check_shard_blocks(local_shape, gather_dim: int, what: str) -> None:
                          "only the expert dim or the last two can be sharded")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def gathered_fp8_grouped_gemm(lhs, rhs_shard, group_sizes, axis_name, gather_dim: int):
+def gathered_fp8_grouped_gemm(lhs,
+                              rhs_shard,
+                              group_sizes,
+                              axis_name,
+                              gather_dim: int,
+                              *,
+                              backend: str = "auto"):
     """fp8_grouped_gemm with rhs all-gathered over `axis_name` along `gather_dim`, each shard
     quantized BEFORE the gather (inside shard_map). Bitwise equal to gathering rhs and then
     calling fp8_grouped_gemm; the gather moves e4m3 data and float32 scales."""
-    out, _ = _gathered_fwd(lhs, rhs_shard, group_sizes, axis_name, gather_dim)
+    return _gathered(lhs, rhs_shard, group_sizes, axis_name, gather_dim, resolve(backend))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gathered(lhs, rhs_shard, group_sizes, axis_name, gather_dim: int, impl: str):
+    out, _ = _gathered_fwd(lhs, rhs_shard, group_sizes, axis_name, gather_dim, impl)
     return out
 
 
@@ -181,18 +261,18 @@ def _gather_quantized(rhs_shard, axis_name, gather_dim: int):
     return q, s
 
 
-def _gathered_fwd(lhs, rhs_shard, group_sizes, axis_name, gather_dim):
+def _gathered_fwd(lhs, rhs_shard, group_sizes, axis_name, gather_dim, impl):
     wq, ws = _gather_quantized(rhs_shard, axis_name, gather_dim)
-    out = _fwd_math(lhs, wq, ws, group_sizes)
+    out = _fwd_math(lhs, wq, ws, group_sizes, impl)
     return out, (lhs, wq, ws, group_sizes, jnp.zeros((0, ), rhs_shard.dtype))
 
 
-def _gathered_bwd(axis_name, gather_dim, res, dy):
+def _gathered_bwd(axis_name, gather_dim, impl, res, dy):
     lhs, wq, ws, group_sizes, rhs_like = res
     # reduced in the weight's dtype, as the transpose of a gather of that dtype would be
-    dx, dw = _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_like.dtype)
+    dx, dw = _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_like.dtype, impl)
     dw = jax.lax.psum_scatter(dw, axis_name, scatter_dimension=gather_dim, tiled=True)
     return dx, dw, None
 
 
-gathered_fp8_grouped_gemm.defvjp(_gathered_fwd, _gathered_bwd)
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)

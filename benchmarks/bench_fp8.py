@@ -1,0 +1,241 @@
+"""FP8 grouped GEMM benchmark: `python -m benchmarks.bench_fp8 [--out FILE.json]`.
+
+On one Hopper GPU, at the shapes A, B, C of benchmarks.bench_grouped_gemm (balanced groups
+by default; both distributions sum to M, so every row does 2*M*K*N FLOPs), times
+
+  bf16        our bf16 grouped GEMM (ops.grouped_gemm's CUDA kernels, choose_config's tile)
+  fp8         our FP8 grouped GEMM kernel alone on operands quantized beforehand
+              (ops.fp8_gemm: fwd = nt(L1 lhs, L2 qt), dgrad = nt(L1 dy, L2 q),
+              wgrad = wgrad(L3 lhs, L3 dy), bf16 out)
+  fp8+q       the same with the activations' quantization in the timed call (the jnp
+              quantizers of ops.fp8; the weight's L2 blocks stay pre-quantized: the layer
+              quantizes each weight once per step for both its forward and its dgrad)
+  fp8_f32     wgrad with float32 output (for float32 master weights)
+  dense_fp8   one dense cuBLAS FP8 GEMM of the same FLOPs (jax.lax.dot_general on e4m3
+              operands, contraction-major, preferred_element_type bf16; dense_fp8_f32: f32)
+
+and prints a table (ms, TFLOP/s, speedup over bf16) with the issue's targets: forward >= 1.6x
+our bf16 kernel at A and B, dgrad and wgrad >= 1.4x there, judged on the kernel alone (PASS /
+FAIL; '-' where the issue sets no target). Timing: each function jitted, `--warmup` calls, then
+`--reps` calls each followed by block_until_ready; the median. Options: --shapes A,B,C
+--dists balanced,skewed --ops fwd,dgrad,wgrad --warmup 2 --reps 10 --out PATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.bench_grouped_gemm import DISTS, OPS, SHAPES, group_sizes, rel_err
+from moe_praxis.ops import backend, fp8, fp8_gemm
+import importlib
+
+# The module (the attribute ops.grouped_gemm is the function).
+gg = importlib.import_module("moe_praxis.ops.grouped_gemm")
+
+# (op, shape) -> the speedup of fp8 over bf16 the issue asks for
+TARGETS = {(op, s): (1.6 if op == "fwd" else 1.4) for op in OPS for s in ("A", "B")}
+_CONTRACT_1 = (((1, ), (1, )), ((), ()))  # both operands contraction-major
+
+
+def time_median(f, *args, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _rows_t(x):
+    q, s = fp8.quantize_tiles(x, axis=1)
+    return q, s.T
+
+
+def make_fns(op: str, m: int, k: int, n: int, e: int):
+    """{name: (jitted fn, args builder)} for one op; args builders take the prepared data."""
+    cfg = gg.choose_config(op, m, k, n, e)
+    bf16 = {
+        "fwd": lambda d: gg.cuda_fwd(d["lhs"], d["rhs"], d["gs"], cfg),
+        "dgrad": lambda d: gg.cuda_dgrad(d["dout"], d["rhs"], d["gs"], cfg),
+        "wgrad": lambda d: gg.cuda_wgrad(d["lhs"], d["dout"], d["gs"], cfg),
+    }[op]
+    if op == "wgrad":
+        kern = lambda d, out=jnp.bfloat16: fp8_gemm.fp8_wgrad(  # noqa: E731
+            *d["xt"], *d["dyt"], d["gs"], m, out_dtype=out)
+        quant = lambda d: fp8_gemm.fp8_wgrad(  # noqa: E731
+            *fp8.quantize_rows_grouped_t_reference(d["lhs"], d["gs"]),
+            *fp8.quantize_rows_grouped_t_reference(d["dout"], d["gs"]), d["gs"], m)
+    elif op == "fwd":
+        kern = lambda d: fp8_gemm.fp8_nt(*d["lhs_q"], d["qt"], d["s"], d["gs"])  # noqa: E731
+        quant = lambda d: fp8_gemm.fp8_nt(*_rows_t(d["lhs"]), d["qt"], d["s"], d["gs"])  # noqa
+    else:
+        kern = lambda d: fp8_gemm.fp8_nt(*d["dout_q"], d["q"], d["s_t"], d["gs"])  # noqa: E731
+        quant = lambda d: fp8_gemm.fp8_nt(*_rows_t(d["dout"]), d["q"], d["s_t"], d["gs"])  # noqa
+    dense_args = {
+        "fwd": lambda d: (d["lhs_q"][0], d["dense_w_nk"]),
+        "dgrad": lambda d: (d["dout_q"][0], d["dense_w_kn"]),
+        "wgrad": lambda d: (d["dense_xt"], d["dense_dyt"]),
+    }[op]
+
+    def dense(out):
+        return lambda d: jax.lax.dot_general(
+            *dense_args(d), _CONTRACT_1, preferred_element_type=out)
+
+    fns = {
+        "bf16": bf16,
+        "fp8": kern,
+        "fp8+q": quant,
+        "dense_fp8": dense(jnp.bfloat16),
+        "dense_fp8_f32": dense(jnp.float32),
+    }
+    if op == "wgrad":
+        fns["fp8_f32"] = lambda d: kern(d, jnp.float32)
+    return cfg, {name: jax.jit(f) for name, f in fns.items()}
+
+
+def prepare(e: int, m: int, k: int, n: int, dist: str, seed: int = 0) -> dict:
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(k2, (e, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    dout = jax.random.normal(k3, (m, n), jnp.float32).astype(jnp.bfloat16)
+    gs = jnp.asarray(group_sizes(dist, m, e))
+    q, s = jax.jit(fp8.quantize_blocks)(rhs)
+    d = {"lhs": lhs, "rhs": rhs, "dout": dout, "gs": gs, "q": q, "s": s}
+    d["qt"] = jnp.swapaxes(q, 1, 2)
+    d["s_t"] = jnp.swapaxes(s, 1, 2)
+    d["lhs_q"] = jax.jit(_rows_t)(lhs)
+    d["dout_q"] = jax.jit(_rows_t)(dout)
+    d["xt"] = jax.jit(fp8.quantize_rows_grouped_t_reference)(lhs, gs)
+    d["dyt"] = jax.jit(fp8.quantize_rows_grouped_t_reference)(dout, gs)
+    # dense: one [M, K] x [K, N] problem (the grouped FLOPs), operands contraction-major
+    d["dense_w_nk"] = d["qt"][0]  # fwd: [N, K], one expert's weight
+    d["dense_w_kn"] = q[0]  # dgrad: [K, N], contraction N
+    d["dense_xt"] = jnp.swapaxes(d["lhs_q"][0], 0, 1)  # wgrad: [K, M]
+    d["dense_dyt"] = jnp.swapaxes(d["dout_q"][0], 0, 1)  # [N, M]
+    return jax.block_until_ready(d)
+
+
+def run(args) -> list[dict]:
+    rows = []
+    for shape in args.shapes:
+        e, m, k, n = SHAPES[shape]
+        for dist in args.dists:
+            try:
+                d = prepare(e, m, k, n, dist)
+            except Exception:  # noqa: BLE001 - one failed point must not end the run
+                traceback.print_exc()
+                continue
+            for op in args.ops:
+                cfg, fns = make_fns(op, m, k, n, e)
+                flops = 2.0 * m * k * n
+                outs, base = {}, None
+                for name, f in fns.items():
+                    row = {
+                        "shape": shape,
+                        "dist": dist,
+                        "op": op,
+                        "name": name,
+                        "E": e,
+                        "M": m,
+                        "K": k,
+                        "N": n
+                    }
+                    if name == "bf16":
+                        row["config"] = cfg
+                    try:
+                        sec = time_median(lambda: f(d), warmup=args.warmup, reps=args.reps)
+                        outs[name] = f(d)
+                        row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
+                    except Exception as ex:  # noqa: BLE001
+                        row["error"] = repr(ex)[:300]
+                        print(f"{shape} {dist} {op} {name}: {row['error']}", flush=True)
+                    if name == "bf16" and "ms" in row:
+                        base = row["ms"]
+                    if base and "ms" in row:
+                        row["speedup_vs_bf16"] = base / row["ms"]
+                    rows.append(row)
+                for row in rows[-len(fns):]:
+                    if row["name"].startswith("fp8") and row["name"] in outs and "bf16" in outs:
+                        row["rel_err_vs_bf16"] = rel_err(outs[row["name"]], outs["bf16"])
+                    target = TARGETS.get((op, shape))
+                    if row["name"] == "fp8" and target is not None:
+                        row["target"] = target
+                        row["pass"] = bool(row.get("speedup_vs_bf16", 0.0) >= target)
+                del outs
+    return rows
+
+
+def table(rows) -> str:
+    head = (f"{'shape':5} {'dist':8} {'op':5} {'name':13} {'ms':>8} {'TFLOP/s':>8} "
+            f"{'x bf16':>7} {'target':>6} {'verdict':>7} {'err/bf16':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['shape']:5} {r['dist']:8} {r['op']:5} {r['name']:13} "
+                         f"ERROR {r['error'][:80]}")
+            continue
+        sp = r.get("speedup_vs_bf16")
+        verdict = "-" if "pass" not in r else ("PASS" if r["pass"] else "FAIL")
+        err = r.get("rel_err_vs_bf16")
+        lines.append(f"{r['shape']:5} {r['dist']:8} {r['op']:5} {r['name']:13} {r['ms']:8.3f} "
+                     f"{r['tflops']:8.1f} {'' if sp is None else f'{sp:7.2f}':>7} "
+                     f"{r.get('target', '-'):>6} {verdict:>7} "
+                     f"{'' if err is None else f'{err:8.4f}':>8}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--shapes", default="A,B,C")
+    ap.add_argument("--dists", default="balanced")
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    args.shapes = args.shapes.split(",")
+    args.dists = args.dists.split(",")
+    args.ops = args.ops.split(",")
+    for what, got, valid in (("shape", args.shapes, SHAPES), ("dist", args.dists, DISTS),
+                             ("op", args.ops, OPS)):
+        bad = [g for g in got if g not in valid]
+        if bad:
+            ap.error(f"--{what}s {bad} are invalid; valid: {list(valid)}")
+    ok, why = backend.cuda_status(fp8_gemm.OP)
+    if not ok:
+        print(f"the FP8 grouped GEMM kernels cannot run here: {why}", file=sys.stderr)
+        return 2
+    rows = run(args)
+    print(table(rows), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    "device": jax.devices()[0].device_kind,
+                    "host": platform.node(),
+                    "jax": jax.__version__,
+                    "warmup": args.warmup,
+                    "reps": args.reps,
+                    "rows": rows,
+                },
+                f,
+                indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

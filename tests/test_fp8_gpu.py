@@ -1,0 +1,313 @@
+"""FP8 grouped GEMM kernels (moe_praxis.ops.fp8_gemm) and the CUDA path of ops.fp8.
+
+CPU tests (no marker): the wrappers' named errors, the backend requirement, and the CUDA path of
+fp8.fp8_grouped_gemm lowered for the CPU (each kernel call becomes its reference) against
+independent float64 loops. GPU tests (`gpu` marker, skipped without a usable H100/H200): each
+kernel against its reference on the SAME quantized operands and against bf16; gradients; the
+MoE block.
+
+Tolerances (norm-wise relative error ||got - want|| / ||want||):
+- kernel vs a float64 loop over the same dequantized operands, bf16 output: 5e-3. The kernel
+  accumulates exact e4m3 products in float32 (per 128 of K, then scaled), so the float32 error
+  is ~1e-6; one bf16 rounding of the output is at most 2^-9 relative per element (~2e-3).
+- kernel vs the same with float32 output (wgrad_f32): 1e-5 (float32 summation order only).
+- kernel vs the bf16 grouped GEMM of the unquantized inputs: 0.08, the e4m3 bound of
+  tests/test_fp8.py (each operand off by up to 2^-4 relative; norm-wise ~0.05).
+- the CUDA path's gradients vs the pure-JAX recipe: dlhs 1e-2 (both round to bf16 twice);
+  dw 0.08: the recipe's reference still tiles the wgrad's rows globally, the kernels per group
+  (the operands differ by e4m3 rounding, not by the product).
+Inputs are fresh random draws (the seed is in every failure message).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_praxis as mp
+from moe_praxis import ops
+from moe_praxis.ops import backend, fp8, fp8_gemm
+from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
+from tests.test_grouped_gemm import make_sizes
+from tests.testutil import rel_err
+from tests.testutil import seed as _seed
+
+TOL_BF16_OUT = 5e-3
+TOL_F32_OUT = 1e-5
+FP8_BOUND = 0.08
+KINDS = ["balanced", "skewed", "one_takes_all", "empty_groups", "one_row", "sum_lt_m"]
+NT_SHAPES = [(1000, 256, 384, 8), (333, 128, 128, 3)]  # (R, C, N, E): R not a tile multiple
+
+
+def _sizes(kind, rows, e, rng):
+    return jnp.asarray(make_sizes(kind, rows, e, rng))
+
+
+def _nt_operands(rows, c, n, e, kind, seed):
+    """x [R, C] bf16, w [E, C, N] f32, sizes, and the kernel's operands (L1 of x, L2 of w)."""
+    rng = np.random.default_rng(seed)
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(k1, (rows, c), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(k2, (e, c, n), jnp.float32) / np.sqrt(c)
+    gs = _sizes(kind, rows, e, rng)
+    q, s = fp8.quantize_tiles(x, axis=1)
+    wq, ws = fp8.quantize_blocks(w)
+    return x, w, gs, (q, s.T, jnp.swapaxes(wq, 1, 2), ws, gs)
+
+
+def _loop_nt(a, a_s, b, b_s, gs):
+    """float64 loop over groups of the dequantized operands."""
+    a = np.asarray(fp8_gemm.dequantize_rows_t(a, a_s), np.float64)
+    b = np.asarray(fp8_gemm.dequantize_blocks_nk(b, b_s), np.float64)
+    out, start = np.zeros((a.shape[0], b.shape[1])), 0
+    for g, m in enumerate(np.asarray(gs)):
+        out[start:start + m] = a[start:start + m] @ b[g].T
+        start += m
+    return out
+
+
+def _wgrad_operands(rows, c1, c2, e, kind, seed):
+    rng = np.random.default_rng(seed)
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(k1, (rows, c1), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(k2, (rows, c2), jnp.float32).astype(jnp.bfloat16)
+    gs = _sizes(kind, rows, e, rng)
+    xt, xs = fp8.quantize_rows_grouped_t_reference(x, gs)
+    dyt, dys = fp8.quantize_rows_grouped_t_reference(dy, gs)
+    return x, dy, gs, (xt, xs, dyt, dys, gs)
+
+
+def _loop_wgrad_groupwise(x, dy, gs):
+    """float64 wgrad of the per-group recipe, from scratch: each group's rows quantized in
+    128-row tiles starting at its first row (numpy), then x_g^T dy_g."""
+
+    def deq(t):
+        t = np.asarray(t, np.float32)
+        pad = -t.shape[0] % 128
+        t = np.concatenate([t, np.zeros((pad, t.shape[1]), np.float32)])
+        out = np.zeros_like(t, np.float64)
+        for r0 in range(0, t.shape[0], 128):
+            tile = t[r0:r0 + 128]
+            amax = np.abs(tile).max(0)
+            s = np.where(amax > 0, amax * np.float32(1 / 448), np.float32(1)).astype(np.float32)
+            q = np.asarray(jnp.asarray(tile / s).astype(jnp.float8_e4m3fn), np.float64)
+            out[r0:r0 + 128] = q * s
+        return out[:t.shape[0] - pad]
+
+    x, dy = np.asarray(x, np.float32), np.asarray(dy, np.float32)
+    out, start = np.zeros((len(gs), x.shape[1], dy.shape[1])), 0
+    for g, m in enumerate(np.asarray(gs)):
+        if m:
+            out[g] = deq(x[start:start + m]).T @ deq(dy[start:start + m])
+        start += m
+    return out
+
+
+# ------------------------------------------------------------------------------------ CPU
+
+
+def test_wrappers_name_bad_operands():
+    _, _, _, (a, a_s, b, b_s, gs) = _nt_operands(256, 256, 128, 2, "balanced", 0)
+    with pytest.raises(ValueError, match="a must be float8_e4m3fn, got bfloat16"):
+        fp8_gemm.fp8_nt(a.astype(jnp.bfloat16), a_s, b, b_s, gs)
+    with pytest.raises(ValueError, match=r"a_scales must be \[C/128, R\] = \(2, 256\)"):
+        fp8_gemm.fp8_nt(a, a_s.T, b, b_s, gs)
+    with pytest.raises(ValueError, match=r"b_scales must be \[E, C/128, N/128\]"):
+        fp8_gemm.fp8_nt(a, a_s, b, jnp.swapaxes(b_s, 1, 2)[:, :1], gs)
+    with pytest.raises(ValueError, match="C and N multiples of 128; got C=256, N=64"):
+        fp8_gemm.fp8_nt(a, a_s, b[:, :64], b_s, gs)
+    with pytest.raises(ValueError, match=r"group_sizes must be \[E=2\]"):
+        fp8_gemm.fp8_nt(a, a_s, b, b_s, gs[:1])
+    with pytest.raises(ValueError, match="tile=7 is invalid; valid: 0...1"):
+        fp8_gemm.fp8_nt(a, a_s, b, b_s, gs, tile=7)
+    with pytest.raises(ValueError, match="swizzle=3 is invalid"):
+        fp8_gemm.fp8_nt(a, a_s, b, b_s, gs, swizzle=3)
+    _, _, gs, (xt, xs, dyt, dys, _) = _wgrad_operands(200, 128, 256, 3, "balanced", 0)
+    with pytest.raises(ValueError, match=r"Rp = padded_rows\(rows=100, E=3\) = 512"):
+        fp8_gemm.fp8_wgrad(xt, xs, dyt, dys, gs, 100)
+    with pytest.raises(ValueError, match="out_dtype=float16 is invalid"):
+        fp8_gemm.fp8_wgrad(xt, xs, dyt, dys, gs, 200, out_dtype=jnp.float16)
+    with pytest.raises(ValueError, match=r"dy_scales must be \[Rp/128, C2\]"):
+        fp8_gemm.fp8_wgrad(xt, xs, dyt, xs, gs, 200)
+
+
+def test_fp8_kernels_need_compute_capability_9_0_in_one_place():
+    assert backend.COMPUTE_CAPABILITY[fp8_gemm.OP] == (90, 91)
+    for target in fp8_gemm.TARGETS.values():
+        assert backend.KERNELS[target].startswith("MoeGroupedGemmFp8"), target
+    assert fp8_gemm.workspace_bytes(3) == 1280 + fp8_gemm.CUTLASS_WORKSPACE_BYTES
+
+
+@pytest.mark.parametrize("kind", ["skewed", "empty_groups", "one_row", "sum_lt_m"])
+def test_cuda_path_lowered_for_cpu_matches_float64_recipe(kind):
+    """The CUDA path's own layouts and calls, run through the kernels' references: forward
+    and dgrad equal the recipe's pure-JAX path to bf16 rounding, wgrad the per-group recipe
+    (float64 from scratch)."""
+    seed = _seed()
+    rows, c, n, e = 400, 256, 128, 5
+    x, w, gs, _ = _nt_operands(rows, c, n, e, kind, seed)
+    dy = jax.random.normal(jax.random.key(seed + 1), (rows, n), jnp.float32).astype(jnp.bfloat16)
+    msg = f"seed={seed} kind={kind} sizes={np.asarray(gs)}"
+
+    def run(impl):
+        y, vjp = jax.vjp(lambda a, b: fp8.fp8_grouped_gemm_path(a, b, gs, impl), x, w)
+        return (y, *vjp(dy))
+
+    (y, dx, dw), (y_ref, dx_ref, _) = run("cuda"), run("xla")
+    assert y.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    assert rel_err(y, y_ref) < TOL_BF16_OUT, msg
+    assert rel_err(dx, dx_ref) < 1e-2, msg
+    total = int(np.asarray(gs).sum())
+    np.testing.assert_array_equal(np.asarray(y[total:], np.float32), 0.0, err_msg=msg)
+    want = _loop_wgrad_groupwise(x, dy, gs)
+    assert rel_err(dw, want) < TOL_F32_OUT, msg
+
+
+def test_grouped_layout_tiles_start_at_each_group_and_pad_with_zeros():
+    seed = _seed()
+    rows, e = 300, 4
+    x = jax.random.normal(jax.random.key(seed), (rows, 128), jnp.float32) + 3.0
+    gs = jnp.array([130, 0, 1, 100], jnp.int32)  # sum 231 < rows
+    qt, s = fp8.quantize_rows_grouped_t_reference(x, gs)
+    rp = fp8_gemm.padded_rows(rows, e)
+    assert qt.shape == (128, rp) and s.shape == (rp // 128, 128)
+    q = np.asarray(qt.astype(jnp.float32)).T
+    starts = [0, 256, 256, 384]  # P_g: 130 -> 256, 0 -> 0, 1 -> 128
+    for p, m, o in zip(starts, [130, 0, 1, 100], [0, 130, 130, 131]):
+        want_q, want_s = fp8.quantize_tiles(x[o:o + m], axis=0)
+        np.testing.assert_array_equal(q[p:p + len(want_q)], np.asarray(want_q, np.float32))
+        np.testing.assert_array_equal(np.asarray(s[p // 128:p // 128 + len(want_s)]),
+                                      np.asarray(want_s))
+    assert not q[512:].any() and (np.asarray(s[4:]) == 1.0).all()
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+
+def _cuda_or_skip():
+    ok, why = backend.cuda_status(fp8_gemm.OP)
+    if not ok:
+        pytest.skip(f"FP8 grouped GEMM kernels not usable: {why}")
+
+
+def _lowered(fn, *args):
+    return jax.jit(fn).lower(*args).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", range(len(fp8_gemm.TILE_CONFIGS)))
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_nt_matches_reference_and_bf16(kind, tile):
+    _cuda_or_skip()
+    for rows, c, n, e in NT_SHAPES:
+        seed = _seed()
+        x, w, gs, ops_ = _nt_operands(rows, c, n, e, kind, seed)
+        msg = f"seed={seed} kind={kind} tile={tile} shape={(rows, c, n, e)} sizes={np.asarray(gs)}"
+        f = jax.jit(lambda *a: fp8_gemm.fp8_nt(*a, tile=tile))
+        assert fp8_gemm.TARGETS["nt"] in _lowered(f, *ops_)
+        # poison: a first call whose rows are all NaN (e4m3 NaN in a) over every row
+        nan_a = jnp.full_like(ops_[0], jnp.nan)
+        full = jnp.zeros_like(gs).at[0].set(rows)
+        jax.block_until_ready(f(nan_a, *ops_[1:4], full))
+        out = f(*ops_)
+        assert out.dtype == jnp.bfloat16 and out.shape == (rows, n)
+        assert np.isfinite(np.asarray(out, np.float32)).all(), msg
+        assert rel_err(out, _loop_nt(*ops_)) < TOL_BF16_OUT, msg
+        assert rel_err(out, fp8_gemm.fp8_nt_reference(*ops_)) < TOL_BF16_OUT, msg
+        total = int(np.asarray(gs).sum())
+        np.testing.assert_array_equal(np.asarray(out[total:], np.float32), 0.0, err_msg=msg)
+        bf16 = ops.grouped_gemm(x, w.astype(jnp.bfloat16), gs, backend="cuda")
+        if total:
+            assert rel_err(out[:total], bf16[:total]) < FP8_BOUND, msg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_wgrad_matches_reference_and_bf16(kind, out_dtype):
+    _cuda_or_skip()
+    rows, c1, c2, e = 1000, 256, 384, 8
+    seed = _seed()
+    x, dy, gs, ops_ = _wgrad_operands(rows, c1, c2, e, kind, seed)
+    msg = f"seed={seed} kind={kind} out={jnp.dtype(out_dtype)} sizes={np.asarray(gs)}"
+    f = jax.jit(lambda *a: fp8_gemm.fp8_wgrad(*a, rows, out_dtype=out_dtype))
+    assert fp8_gemm.TARGETS["wgrad_f32" if out_dtype == jnp.float32 else "wgrad"] in _lowered(
+        f, *ops_)
+    nan_x = jnp.full_like(ops_[0], jnp.nan)  # poison every expert's output first
+    full = jnp.full_like(gs, rows // e)
+    jax.block_until_ready(f(nan_x, *ops_[1:4], full))
+    out = f(*ops_)
+    assert out.dtype == out_dtype and out.shape == (e, c1, c2)
+    assert np.isfinite(np.asarray(out, np.float32)).all(), msg
+    tol = TOL_F32_OUT if out_dtype == jnp.float32 else TOL_BF16_OUT
+    assert rel_err(out, _loop_wgrad_groupwise(x, dy, gs)) < tol, msg
+    ref = fp8_gemm.fp8_wgrad_reference(*ops_, rows, out_dtype)
+    assert rel_err(out, ref) < tol, msg
+    for g in np.flatnonzero(np.asarray(gs) == 0):
+        np.testing.assert_array_equal(np.asarray(out[g], np.float32), 0.0, err_msg=msg)
+    bf16 = grouped_gemm_wgrad_reference(x.astype(jnp.float32), dy.astype(jnp.float32), gs)
+    assert rel_err(out, bf16) < FP8_BOUND, msg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty_groups", "one_row", "sum_lt_m"])
+def test_cuda_fp8_grouped_gemm_grads_match_pure_jax_paths(kind):
+    """fp8_grouped_gemm(backend='cuda') on the GPU against (a) the same CUDA path lowered for
+    the CPU (the kernels' references: tight) and (b) the recipe's pure-JAX path (module doc)."""
+    _cuda_or_skip()
+    rows, c, n, e = 1000, 256, 384, 8
+    seed = _seed()
+    x, w, gs, _ = _nt_operands(rows, c, n, e, kind, seed)
+    dy = jax.random.normal(jax.random.key(seed + 1), (rows, n), jnp.float32).astype(jnp.bfloat16)
+    msg = f"seed={seed} kind={kind} sizes={np.asarray(gs)}"
+
+    def run(backend_, device=None):
+        args = (x, w, gs, dy) if device is None else jax.device_put((x, w, gs, dy), device)
+
+        def f(a, b, g, d):
+            y, vjp = jax.vjp(lambda a, b: fp8.fp8_grouped_gemm(a, b, g, backend=backend_), a, b)
+            return (y, *vjp(d))
+
+        if device is None:
+            assert fp8_gemm.TARGETS["wgrad_f32"] in _lowered(f, *args)
+        return jax.jit(f)(*args)
+
+    got = run("cuda")
+    same_path = run("cuda", jax.devices("cpu")[0])
+    recipe = run("xla")
+    for name, a, b, c_ in zip(("y", "dx", "dw"), got, same_path, recipe):
+        assert rel_err(a, b) < (TOL_F32_OUT if name == "dw" else TOL_BF16_OUT), (name, msg)
+        assert rel_err(a, c_) < (FP8_BOUND if name == "dw" else 1e-2), (name, msg)
+
+
+@pytest.mark.gpu
+def test_moe_block_fp8_cuda_matches_reference_path():
+    """moe_block with fp8='blockwise' on kernel_backend='cuda' runs the FP8 kernels (no
+    emulation warning) and agrees with the pure-JAX FP8 path."""
+    _cuda_or_skip()
+    cfg = mp.MoEConfig(num_experts=8, top_k=2, d_model=256, d_ff=512, fp8="blockwise")
+    seed = _seed()
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = mp.init_moe_params(k1, cfg)
+    x = jax.random.normal(k2, (4, 128, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
+
+    def run(kernel_backend):
+        c = dataclasses.replace(cfg, kernel_backend=kernel_backend)
+
+        def loss(p, xx):
+            o = mp.moe_block(p, xx, c)
+            return jnp.sum(o.y.astype(jnp.float32) * jnp.sin(xx.astype(jnp.float32))), o.y
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        return fn, fn(params, x)
+
+    backend.reset_warnings()
+    fn, ((_, y), grads) = run("cuda")
+    hlo = fn.lower(params, x).as_text()
+    assert fp8_gemm.TARGETS["nt"] in hlo and fp8_gemm.TARGETS["wgrad_f32"] in hlo
+    (_, y_ref), grads_ref = run("xla")[1]
+    assert rel_err(y, y_ref) < 2e-2, f"seed={seed}"
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        assert rel_err(a, b) < FP8_BOUND, f"seed={seed}"
