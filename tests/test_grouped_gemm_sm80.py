@@ -467,8 +467,7 @@ def test_bad_calls_fail_with_the_shared_messages_naming_the_family():
     """The handlers' FFI checks (kernels/grouped_gemm_common.h) as each family reports them: a
     tile out of range, a workspace too small, K or N not a multiple of 8, operands of the wrong
     shape; the Hopper family's where the GPU runs it (compute capability 9.0)."""
-    from moe_praxis.ops._library import ffi
-
+    ffi = backend.ffi  # the library layer's FFI call, through its public face
     m, k, n, e = 64, 16, 24, 2
     lhs, rhs, gs, _ = _inputs(m, k, n, e, "balanced", jnp.bfloat16, _seed())
     ws = jax.ShapeDtypeStruct((gg.sm80_workspace_bytes(e), ), jnp.uint8)
