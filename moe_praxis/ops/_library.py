@@ -53,6 +53,10 @@ KERNELS: dict[str, str] = {
     "moe_grouped_gemm_sm80_fwd": "MoeGroupedGemmSm80Fwd",
     "moe_grouped_gemm_sm80_dgrad": "MoeGroupedGemmSm80Dgrad",
     "moe_grouped_gemm_sm80_wgrad": "MoeGroupedGemmSm80Wgrad",
+    "moe_fp8_quantize_rows": "MoeFp8QuantizeRows",
+    "moe_fp8_quantize_weight": "MoeFp8QuantizeWeight",
+    "moe_fp8_quantize_rows_grouped_t": "MoeFp8QuantizeRowsGroupedT",
+    "moe_swiglu_fwd_fp8": "MoeSwigluFwdFp8",
 }
 
 

@@ -64,6 +64,7 @@ COMPUTE_CAPABILITY: dict[str, tuple[int, int | None]] = {
     "permute": (80, None),
     "grouped_gemm": (80, None),
     "gate_up_swiglu": (90, 91),
+    "fp8_quant": (80, None),
 }
 DEFAULT_COMPUTE_CAPABILITY: tuple[int, int | None] = (80, None)
 # The grouped GEMM's two kernel families and the compute capabilities each runs on: 'sm90'
