@@ -6,6 +6,7 @@
 //
 //   moe_fp8_quantize_rows           L1: x [R, C] -> q [R, C], s_t [C/128, R]   (1 x 128 tiles)
 //   moe_swiglu_fwd_fp8              the SwiGLU forward writing act [R, H] and act as L1
+//   moe_permute_fp8                 the row-major permute y[r] = x[row_map[r]] writing y and y as L1
 //   moe_fp8_quantize_weight         L2: w [E, K, N] -> q [E, K, N], qt [E, N, K], s [E, K/128, N/128]
 //   moe_fp8_quantize_rows_grouped_t L3: x [R, C], group_sizes [E] -> qt [C, Rp], s [Rp/128, C]
 //
@@ -41,45 +42,70 @@ __device__ __forceinline__ uint8_t to_e4m3(float v, float s) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v / s, __NV_SATFINITE, __NV_E4M3));
 }
 
-// ---------------------------------------------------------------- L1 (and SwiGLU + L1)
+// ------------------------------------------------- L1 (and SwiGLU + L1, permute + L1)
 
-// Tile t = ct * rows + r covers x[r, ct*128 : ct*128 + 128]; LANES = 128 / VEC lanes load one
-// 16-byte vector each. SWIGLU: x is gate, the activation silu(gate) * up * w is computed,
-// rounded to T and stored to act, and that rounded value is quantized.
-template <typename T, bool SWIGLU>
-__global__ void __launch_bounds__(kThreads)
-    quantize_rows_kernel(const T* __restrict__ x, const T* __restrict__ up,
-                         const float* __restrict__ w, T* __restrict__ act, uint8_t* __restrict__ q,
-                         float* __restrict__ s_t, int64_t rows, int64_t ctiles) {
+// Where the rows of an L1 pass come from: x itself; the SwiGLU of x (gate) and up, written to
+// out in T and quantized as rounded; or the permuted rows x[row_map[r]] (zeros where row_map[r]
+// is outside [0, tokens)), written to out and quantized.
+enum class Src { kRows, kSwiglu, kPermute };
+
+template <typename T>
+struct RowsArgs {
+  const T* x;
+  const T* up;              // kSwiglu
+  const float* w;           // kSwiglu: [R] or nullptr (no routing weights)
+  const int32_t* row_map;   // kPermute: [R]
+  int64_t tokens;           // kPermute: rows of x
+  T* out;                   // kSwiglu, kPermute: [R, C]
+  uint8_t* q;               // [R, C]
+  float* s_t;               // [C/128, R]
+  int64_t rows, ctiles;     // R, C / 128
+};
+
+// Tile t = ct * rows + r covers row r, columns [ct*128, ct*128 + 128); LANES = 128 / VEC lanes
+// load one 16-byte vector each.
+template <typename T, Src SRC>
+__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const RowsArgs<T> a) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int LANES = kTile / VEC;
   constexpr int TILES = kThreads / LANES;
+  using V = Vec<T, VEC>;
   const int64_t tile = static_cast<int64_t>(blockIdx.x) * TILES + threadIdx.x / LANES;
   const int lane = threadIdx.x % LANES;
-  const bool live = tile < rows * ctiles;
+  const bool live = tile < a.rows * a.ctiles;
   float v[VEC];
   float amax = 0.f;
   int64_t vi = 0;  // the vector's index in [R, C] / VEC
   if (live) {
-    const int64_t ct = tile / rows, r = tile - ct * rows;
-    vi = (r * ctiles + ct) * LANES + lane;
-    const Vec<T, VEC> xv = reinterpret_cast<const Vec<T, VEC>*>(x)[vi];
-    if constexpr (SWIGLU) {
-      const Vec<T, VEC> uv = reinterpret_cast<const Vec<T, VEC>*>(up)[vi];
-      const float wr = w ? w[r] : 1.f;
-      Vec<T, VEC> av;
+    const int64_t ct = tile / a.rows, r = tile - ct * a.rows;
+    vi = (r * a.ctiles + ct) * LANES + lane;
+    V xv;
+    if constexpr (SRC == Src::kPermute) {
+      const int64_t t = __ldg(a.row_map + r);
+      if (t >= 0 && t < a.tokens) {
+        xv = reinterpret_cast<const V*>(a.x)[(t * a.ctiles + ct) * LANES + lane];
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) xv.v[j] = from_f32<T>(0.f);
+      }
+      reinterpret_cast<V*>(a.out)[vi] = xv;
+    } else {
+      xv = reinterpret_cast<const V*>(a.x)[vi];
+    }
+    if constexpr (SRC == Src::kSwiglu) {
+      const V uv = reinterpret_cast<const V*>(a.up)[vi];
+      const float wr = a.w ? a.w[r] : 1.f;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        av.v[j] = from_f32<T>(swiglu_act<T>(to_f32(xv.v[j]), to_f32(uv.v[j]), wr));
-        v[j] = to_f32(av.v[j]);
+        xv.v[j] = from_f32<T>(swiglu_act<T>(to_f32(xv.v[j]), to_f32(uv.v[j]), wr));
       }
-      reinterpret_cast<Vec<T, VEC>*>(act)[vi] = av;
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) v[j] = to_f32(xv.v[j]);
+      reinterpret_cast<V*>(a.out)[vi] = xv;
     }
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    for (int j = 0; j < VEC; ++j) {
+      v[j] = to_f32(xv.v[j]);
+      amax = fmaxf(amax, fabsf(v[j]));
+    }
   }
   // every lane takes part in the shuffles (a dead tile's lanes carry 0)
 #pragma unroll
@@ -91,25 +117,41 @@ __global__ void __launch_bounds__(kThreads)
   Vec<uint8_t, VEC> qv;
 #pragma unroll
   for (int j = 0; j < VEC; ++j) qv.v[j] = to_e4m3(v[j], s);
-  reinterpret_cast<Vec<uint8_t, VEC>*>(q)[vi] = qv;
-  if (lane == 0) s_t[tile] = s;
+  reinterpret_cast<Vec<uint8_t, VEC>*>(a.q)[vi] = qv;
+  if (lane == 0) a.s_t[tile] = s;
 }
 
-template <typename T, bool SWIGLU>
-ffi::Error launch_rows(cudaStream_t stream, const void* x, const void* up, const float* w,
-                       void* act, void* q, float* s_t, int64_t rows, int64_t cols) {
+template <typename T, Src SRC>
+ffi::Error launch_rows(cudaStream_t stream, RowsArgs<T> a) {
   constexpr int TILES = kThreads / (kTile * sizeof(T) / 16);
-  const int64_t ctiles = cols / kTile;
-  const int64_t blocks = ceil_div(rows * ctiles, TILES);
+  const int64_t blocks = ceil_div(a.rows * a.ctiles, TILES);
   if (blocks > INT32_MAX) {
-    return MOE_INVALID("fp8 quantize rows: R=" + std::to_string(rows) + ", C=" +
-                       std::to_string(cols) + " needs more than 2^31 - 1 blocks");
+    return MOE_INVALID("fp8 quantize rows: R=" + std::to_string(a.rows) + ", C=" +
+                       std::to_string(a.ctiles * kTile) + " needs more than 2^31 - 1 blocks");
   }
-  quantize_rows_kernel<T, SWIGLU><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<const T*>(x), static_cast<const T*>(up), w, static_cast<T*>(act),
-      static_cast<uint8_t*>(q), s_t, rows, ctiles);
+  quantize_rows_kernel<T, SRC><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
   MOE_LAUNCH_CHECK("fp8_quantize_rows");
   return ffi::Error::Success();
+}
+
+// Runs launch_rows<T, SRC> for x's dtype (checked: f32 or bf16) on type-erased pointers.
+template <Src SRC>
+ffi::Error launch_rows_any(cudaStream_t stream, ffi::DataType dtype, const void* x,
+                           const void* up, const float* w, const int32_t* row_map,
+                           int64_t tokens, void* out, void* q, float* s_t, int64_t rows,
+                           int64_t cols) {
+  if (dtype == ffi::F32) {
+    using T = float;
+    return launch_rows<T, SRC>(
+        stream, RowsArgs<T>{static_cast<const T*>(x), static_cast<const T*>(up), w, row_map,
+                            tokens, static_cast<T*>(out), static_cast<uint8_t*>(q), s_t, rows,
+                            cols / kTile});
+  }
+  using T = __nv_bfloat16;
+  return launch_rows<T, SRC>(
+      stream, RowsArgs<T>{static_cast<const T*>(x), static_cast<const T*>(up), w, row_map,
+                          tokens, static_cast<T*>(out), static_cast<uint8_t*>(q), s_t, rows,
+                          cols / kTile});
 }
 
 // ------------------------------------------------------- 128 x 128 tiles: L2 and L3
@@ -315,12 +357,9 @@ ffi::Error QuantizeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
   if (auto err = check_rows("fp8 quantize rows", x, *q, *s_t); !err.success()) return err;
   const int64_t rows = x.dimensions()[0], cols = x.dimensions()[1];
   if (rows == 0 || cols == 0) return ffi::Error::Success();
-  if (x.element_type() == ffi::F32) {
-    return launch_rows<float, false>(stream, x.untyped_data(), nullptr, nullptr, nullptr,
-                                     q->untyped_data(), s_t->typed_data(), rows, cols);
-  }
-  return launch_rows<__nv_bfloat16, false>(stream, x.untyped_data(), nullptr, nullptr, nullptr,
-                                           q->untyped_data(), s_t->typed_data(), rows, cols);
+  return launch_rows_any<Src::kRows>(stream, x.element_type(), x.untyped_data(), nullptr,
+                                     nullptr, nullptr, 0, nullptr, q->untyped_data(),
+                                     s_t->typed_data(), rows, cols);
 }
 
 ffi::Error SwigluFwdFp8Impl(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffer up,
@@ -338,15 +377,30 @@ ffi::Error SwigluFwdFp8Impl(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBu
     return MOE_INVALID("swiglu fwd fp8: weights must be [R=" + std::to_string(rows) + "]");
   }
   if (rows == 0 || cols == 0) return ffi::Error::Success();
-  const float* wp = has_weight ? w.typed_data() : nullptr;
-  if (gate.element_type() == ffi::F32) {
-    return launch_rows<float, true>(stream, gate.untyped_data(), up.untyped_data(), wp,
-                                    act->untyped_data(), q->untyped_data(), s_t->typed_data(),
-                                    rows, cols);
+  return launch_rows_any<Src::kSwiglu>(stream, gate.element_type(), gate.untyped_data(),
+                                       up.untyped_data(), has_weight ? w.typed_data() : nullptr,
+                                       nullptr, 0, act->untyped_data(), q->untyped_data(),
+                                       s_t->typed_data(), rows, cols);
+}
+
+ffi::Error PermuteFp8Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_map,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> q,
+                          ffi::Result<ffi::Buffer<ffi::F32>> s_t) {
+  if (auto err = check_rows("permute fp8", *y, *q, *s_t); !err.success()) return err;
+  const int64_t rows = y->dimensions()[0], cols = y->dimensions()[1];
+  if (x.dimensions().size() != 2 || x.dimensions()[1] != cols ||
+      x.element_type() != y->element_type()) {
+    return MOE_INVALID("permute fp8: x must be [T, M=" + std::to_string(cols) +
+                       "] in y's dtype, got " + dims_text(x));
   }
-  return launch_rows<__nv_bfloat16, true>(stream, gate.untyped_data(), up.untyped_data(), wp,
-                                          act->untyped_data(), q->untyped_data(),
-                                          s_t->typed_data(), rows, cols);
+  if (row_map.element_count() != static_cast<size_t>(rows)) {
+    return MOE_INVALID("permute fp8: row_map must be [R=" + std::to_string(rows) + "]");
+  }
+  if (rows == 0 || cols == 0) return ffi::Error::Success();
+  return launch_rows_any<Src::kPermute>(stream, x.element_type(), x.untyped_data(), nullptr,
+                                        nullptr, row_map.typed_data(), x.dimensions()[0],
+                                        y->untyped_data(), q->untyped_data(), s_t->typed_data(),
+                                        rows, cols);
 }
 
 ffi::Error QuantizeWeightImpl(cudaStream_t stream, ffi::AnyBuffer w,
@@ -453,6 +507,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeSwigluFwdFp8, moe::SwigluFwdFp8Impl,
                                   .Ret<xla::ffi::AnyBuffer>()              // q [R, H] e4m3
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // s_t [H/128, R]
                                   .Attr<bool>("has_weight"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermuteFp8, moe::PermuteFp8Impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x [T, M]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [R]
+                                  .Ret<xla::ffi::AnyBuffer>()              // y [R, M]
+                                  .Ret<xla::ffi::AnyBuffer>()              // q [R, M] e4m3
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // s_t [M/128, R]
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeFp8QuantizeWeight, moe::QuantizeWeightImpl,

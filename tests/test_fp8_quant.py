@@ -11,7 +11,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from moe_praxis.ops import fp8, fp8_quant
+from moe_praxis.ops import fp8, fp8_fused, fp8_quant
+from moe_praxis.ops.permute import permute_reference
 from moe_praxis.ops.swiglu import swiglu_reference
 from tests import fp8_reference as ref
 from tests.testutil import rel_err
@@ -140,7 +141,7 @@ def test_named_errors():
     with pytest.raises(ValueError, match=r"kernel_backend='gpu' is invalid"):
         fp8_quant.quantize_rows(jnp.zeros((4, 128)), backend="gpu")
     with pytest.raises(ValueError, match=r"gate has shape \(4, 64\).*multiple of 128"):
-        fp8_quant.swiglu_fp8(jnp.zeros((4, 64)), jnp.zeros((4, 64)))
+        fp8_fused.swiglu_fp8(jnp.zeros((4, 64)), jnp.zeros((4, 64)))
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
@@ -150,7 +151,7 @@ def test_swiglu_fp8_reference_is_swiglu_then_rows(weighted):
     gate = (jax.random.normal(k1, (40, 256)) * 2).astype(jnp.bfloat16)
     up = jax.random.normal(k2, (40, 256)).astype(jnp.bfloat16)
     w = jax.random.uniform(k3, (40, )) if weighted else None
-    act, q, s_t = fp8_quant.swiglu_fp8(gate, up, w, backend="xla")
+    act, q, s_t = fp8_fused.swiglu_fp8(gate, up, w, backend="xla")
     want = swiglu_reference(gate, up, w)
     _same(act, want, f"seed={seed}")
     qn, sn = ref.rows(np.asarray(want, np.float32))
@@ -158,7 +159,26 @@ def test_swiglu_fp8_reference_is_swiglu_then_rows(weighted):
     _same(s_t, sn, f"seed={seed}")
     # differentiable through act, as the SwiGLU
     cot = jax.random.normal(k4, (40, 256)).astype(jnp.bfloat16)
-    got = jax.vjp(lambda g, u: fp8_quant.swiglu_fp8(g, u, w, backend="xla")[0], gate, up)[1](cot)
+    got = jax.vjp(lambda g, u: fp8_fused.swiglu_fp8(g, u, w, backend="xla")[0], gate, up)[1](cot)
     exp = jax.vjp(lambda g, u: swiglu_reference(g, u, w), gate, up)[1](cot)
     for a, b in zip(got, exp):
         _same(a, b, f"seed={seed}")
+
+
+def test_permute_fp8_reference_is_permute_then_rows():
+    seed = _seed()
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    x = _rows_input(seed, 30, 256, jnp.bfloat16)
+    row_map = jax.random.randint(k1, (70, ), -2, 33)  # some rows outside [0, T): zeros
+    y, q, s_t = fp8_fused.permute_fp8(x, row_map, backend="xla")
+    want = permute_reference(x, row_map)
+    _same(y, want, f"seed={seed}")
+    qn, sn = ref.rows(np.asarray(want, np.float32))
+    _same(q, qn, f"seed={seed}")
+    _same(s_t, sn, f"seed={seed}")
+    cot = jax.random.normal(k3, (70, 256)).astype(jnp.bfloat16)
+    got = jax.vjp(lambda a: fp8_fused.permute_fp8(a, row_map, backend="xla")[0], x)[1](cot)
+    exp = jax.vjp(lambda a: permute_reference(a, row_map), x)[1](cot)
+    _same(got[0], exp[0], f"seed={seed}")
+    with pytest.raises(ValueError, match=r"row_map must be \[R\] integers.*float32"):
+        fp8_fused.permute_fp8(x, jnp.zeros((4, )), backend="xla")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from moe_praxis import ops
-from moe_praxis.ops import fp8_quant
+from moe_praxis.ops import fp8_fused, fp8_quant
 from tests import fp8_reference as ref
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
@@ -143,7 +143,7 @@ def test_swiglu_fp8_kernel_is_the_swiglu_kernel_then_rows(dtype, weighted):
     gate = (4 * jax.random.normal(k1, (r, h))).astype(dtype)
     up = _input(k2, (r, h), dtype)
     w = jax.random.uniform(k3, (r, )) if weighted else None
-    kern = jax.jit(functools.partial(fp8_quant.swiglu_fp8, backend="cuda"))
+    kern = jax.jit(functools.partial(fp8_fused.swiglu_fp8, backend="cuda"))
     swiglu = jax.jit(functools.partial(ops.swiglu, backend="cuda"))
     poison()
     act, q, s_t = kern(gate, up, w)
@@ -152,5 +152,24 @@ def test_swiglu_fp8_kernel_is_the_swiglu_kernel_then_rows(dtype, weighted):
     _same(q, wq, f"seed={seed} q")
     _same(s_t, ws, f"seed={seed} s_t")
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    want = on_cpu(fp8_quant.swiglu_fp8_reference, gate, up, w)[0]
+    want = on_cpu(fp8_fused.swiglu_fp8_reference, gate, up, w)[0]
     assert rel_err(act, want) <= tol, f"seed={seed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 1, 128), (1000, 2600, 384), (4099, 8196, 2048)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_permute_fp8_kernel_bitwise(shape, dtype):
+    """y, q, s_t all bitwise the reference's (a permute is exact); rows mapped outside
+    [0, T) are zero (scale 1)."""
+    t, r, m = shape
+    seed = _seed()
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    x = _input(k1, (t, m), dtype)
+    row_map = jax.random.randint(k2, (r, ), -3, t + 3)
+    kern = jax.jit(functools.partial(fp8_fused.permute_fp8, backend="cuda"))
+    poison()
+    got = kern(x, row_map)
+    want = on_cpu(fp8_fused.permute_fp8_reference, x, row_map)
+    for name, a, b in zip(("y", "q", "s_t"), got, want):
+        _same(a, b, f"seed={seed} {name}")

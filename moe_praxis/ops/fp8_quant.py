@@ -28,13 +28,11 @@ the tiles (all zero) have scale 1. Rows past sum(group_sizes) are ignored.
 
 Every quantizer takes `backend=` ('auto' | 'xla' | 'cuda', as ops.swiglu): 'cuda' runs its
 kernel (kernels/fp8_quant.cu, bitwise equal to the reference here) through platform_call.
-`swiglu_fp8` is the SwiGLU forward that writes its activation both in the input dtype (the
-wgrad's operand) and as L1, in one pass.
+moe_praxis.ops.fp8_fused holds the SwiGLU forward and the permute that write their output as
+L1 in the same pass.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +40,6 @@ import numpy as np
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops._library import ffi, platform_call
-from moe_praxis.ops.swiglu import no_weights, swiglu, swiglu_reference
-from moe_praxis.ops.vma import vary_together
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -120,7 +116,8 @@ def _check_float(x, what: str) -> None:
                          "bfloat16")
 
 
-def _check_rows(x, what: str) -> None:
+def check_rows(x, what: str) -> None:
+    """x must be [R, C], float32 or bfloat16, C a multiple of 128 (whole 1 x 128 tiles)."""
     if x.ndim != 2:
         raise ValueError(f"{what} must be [R, C], got shape {tuple(x.shape)}")
     _check_float(x, what)
@@ -148,7 +145,7 @@ def padded_rows(rows: int, num_groups: int) -> int:
 
 def quantize_rows_reference(x):
     """L1: x [R, C] (C % 128 == 0) -> (q e4m3 [R, C], s_t float32 [C/128, R])."""
-    _check_rows(x, "x")
+    check_rows(x, "x")
     q, s = quantize_tiles(x, axis=1)
     return q, s.T
 
@@ -158,19 +155,20 @@ def dequantize_rows(q, s_t):
     return dequantize_tiles(q, s_t.T, axis=1)
 
 
-def _rows_out(x):
+def rows_out(x):
+    """The abstract outputs of L1 of x [R, C]: q e4m3 [R, C], s_t float32 [C/128, R]."""
     r, c = x.shape
     return (jax.ShapeDtypeStruct((r, c), E4M3), jax.ShapeDtypeStruct((c // BLOCK, r), jnp.float32))
 
 
 def _rows_ffi(x):
-    return tuple(ffi("moe_fp8_quantize_rows", _rows_out(x), x))
+    return tuple(ffi("moe_fp8_quantize_rows", rows_out(x), x))
 
 
 def quantize_rows(x, *, backend: str = "auto"):
     """L1 row tiles (module doc): x [R, C] float32 / bfloat16, C a multiple of 128 ->
     (q e4m3 [R, C], s_t float32 [C/128, R]). backend 'cuda': the kernel (bitwise equal)."""
-    _check_rows(x, "x")
+    check_rows(x, "x")
     if _backend.op_backend(backend, "fp8_quant") == "cuda":
         return platform_call(_rows_ffi, quantize_rows_reference, x)
     return quantize_rows_reference(x)
@@ -239,7 +237,7 @@ def _padded_sources(group_sizes, rows: int, num_cols: int):
 
 def quantize_rows_grouped_t_reference(x, group_sizes):
     """L3: x [R, C], group_sizes [E] -> (qt e4m3 [C, Rp], s float32 [Rp/128, C])."""
-    _check_rows(x, "x")
+    check_rows(x, "x")
     _check_group_sizes(group_sizes)
     rows, rp = x.shape[0], padded_rows(x.shape[0], group_sizes.shape[0])
     src = _padded_sources(group_sizes, rows, rp)
@@ -272,72 +270,9 @@ def quantize_rows_grouped_t(x, group_sizes, *, backend: str = "auto"):
     multiple of 128, group_sizes [E] integers (on the device; no host sync) ->
     (qt e4m3 [C, Rp], s float32 [Rp/128, C]), Rp = padded_rows(R, E). backend 'cuda': the
     kernel (a device-side scan of group_sizes, padding zero-filled)."""
-    _check_rows(x, "x")
+    check_rows(x, "x")
     _check_group_sizes(group_sizes)
     gs = group_sizes.astype(jnp.int32)
     if _backend.op_backend(backend, "fp8_quant") == "cuda":
         return platform_call(_grouped_ffi, quantize_rows_grouped_t_reference, x, gs)
     return quantize_rows_grouped_t_reference(x, gs)
-
-
-# ------------------------------------------------- SwiGLU with its output as L1
-
-
-def swiglu_fp8_reference(gate, up, weights=None):
-    """(act [R, H] in gate.dtype, q, s_t): swiglu_reference, then L1 of act as rounded."""
-    act = swiglu_reference(gate, up, weights)
-    return (act, ) + quantize_rows_reference(act)
-
-
-def _swiglu_fp8_ffi(gate, up, w, has_weight):
-    r, h = gate.shape
-    out = (jax.ShapeDtypeStruct((r, h), gate.dtype), ) + _rows_out(gate)
-    return tuple(ffi("moe_swiglu_fwd_fp8", out, gate, up, w, has_weight=has_weight))
-
-
-def _swiglu_fp8_ref(gate, up, w, has_weight):
-    return swiglu_fp8_reference(gate, up, w if has_weight else None)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, ))
-def _swiglu_fp8(gate, up, w, has_weight):
-    return platform_call(functools.partial(_swiglu_fp8_ffi, has_weight=has_weight),
-                         functools.partial(_swiglu_fp8_ref, has_weight=has_weight), gate, up, w)
-
-
-def _swiglu_fp8_fwd(gate, up, w, has_weight):
-    return _swiglu_fp8(gate, up, w, has_weight), (gate, up, w)
-
-
-def _swiglu_fp8_bwd(has_weight, res, cts):
-    # q and s_t are a rounding of act: the gradient flows through act (straight through the
-    # quantization, as the FP8 GEMM's custom_vjp does for its operands)
-    gate, up, w = res
-    dact = cts[0]
-    _, vjp = jax.vjp(lambda g, u, ww: swiglu(g, u, ww
-                                             if has_weight else None, backend="cuda"), gate, up, w)
-    dg, du, dw = vjp(dact)
-    return dg, du, dw if has_weight else jnp.zeros_like(w)
-
-
-_swiglu_fp8.defvjp(_swiglu_fp8_fwd, _swiglu_fp8_bwd)
-
-
-def swiglu_fp8(gate, up, weights=None, *, backend: str = "auto"):
-    """SwiGLU forward writing its activation twice in one pass: act = silu(gate) * up
-    (* weights[:, None]) in gate.dtype (what the wgrad reads) and act quantized as L1
-    (q e4m3 [R, H], s_t float32 [H/128, R]), the down projection's FP8 lhs. gate, up: [R, H]
-    float32 / bfloat16, H a multiple of 128; weights: optional [R]. The L1 pair is exactly
-    quantize_rows(act); act is the SwiGLU kernel's (ops.swiglu) on 'cuda', the reference's
-    elsewhere. Differentiable through act."""
-    if gate.shape != up.shape:
-        raise ValueError(f"gate and up must have one shape, got {gate.shape} and {up.shape}")
-    _check_rows(gate, "gate")
-    if weights is not None and weights.shape != gate.shape[:1]:
-        raise ValueError(f"weights must be [R={gate.shape[0]}], got {weights.shape}")
-    if _backend.op_backend(backend, "fp8_quant") != "cuda":
-        return swiglu_fp8_reference(gate, up.astype(gate.dtype), weights)
-    up = up.astype(gate.dtype)
-    if weights is None:
-        return _swiglu_fp8(*vary_together(gate, up), no_weights(), False)
-    return _swiglu_fp8(*vary_together(gate, up, weights.astype(jnp.float32)), True)
