@@ -240,8 +240,11 @@ def quantize_rows_grouped_t_reference(x, group_sizes):
     check_rows(x, "x")
     _check_group_sizes(group_sizes)
     rows, rp = x.shape[0], padded_rows(x.shape[0], group_sizes.shape[0])
-    src = _padded_sources(group_sizes, rows, rp)
-    xp = jnp.take(x.astype(jnp.float32), src, axis=0, mode="fill", fill_value=0)
+    if rows == 0:  # all padding (jnp.take cannot read an empty axis)
+        xp = jnp.zeros((rp, x.shape[1]), jnp.float32)
+    else:
+        src = _padded_sources(group_sizes, rows, rp)
+        xp = jnp.take(x.astype(jnp.float32), src, axis=0, mode="fill", fill_value=0)
     q, s = quantize_tiles(xp, axis=0)
     return q.T, s
 
