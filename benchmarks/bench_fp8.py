@@ -7,9 +7,10 @@ by default; both distributions sum to M, so every row does 2*M*K*N FLOPs), times
   fp8         our FP8 grouped GEMM kernel alone on operands quantized beforehand
               (ops.fp8_gemm: fwd = nt(L1 lhs, L2 qt), dgrad = nt(L1 dy, L2 q),
               wgrad = wgrad(L3 lhs, L3 dy), bf16 out)
-  fp8+q       the same with the activations' quantization in the timed call (the jnp
-              quantizers of ops.fp8; the weight's L2 blocks stay pre-quantized: the layer
-              quantizes each weight once per step for both its forward and its dgrad)
+  fp8+q       the same with the activations' quantization in the timed call (the CUDA
+              quantizers of ops.fp8_quant: L1 rows, L3 grouped rows; the weight's L2 blocks
+              stay pre-quantized: the layer quantizes each weight once per step for both its
+              forward and its dgrad)
   fp8_f32     wgrad with float32 output (for float32 master weights)
   dense_fp8   one dense cuBLAS FP8 GEMM of the same FLOPs (jax.lax.dot_general on e4m3
               operands, contraction-major, preferred_element_type bf16; --dense-f32 adds
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_grouped_gemm import DISTS, OPS, SHAPES, group_sizes, rel_err
-from moe_praxis.ops import backend, fp8, fp8_gemm
+from moe_praxis.ops import backend, fp8_gemm, fp8_quant
 import importlib
 
 # The module (the attribute ops.grouped_gemm is the function).
@@ -66,8 +67,7 @@ def time_median(f, *args, warmup: int, reps: int) -> float:
 
 
 def _rows_t(x):
-    q, s = fp8.quantize_tiles(x, axis=1)
-    return q, s.T
+    return fp8_quant.quantize_rows(x, backend="auto")
 
 
 def make_fns(op: str, m: int, k: int, n: int, e: int, dense_f32: bool = False):
@@ -82,8 +82,8 @@ def make_fns(op: str, m: int, k: int, n: int, e: int, dense_f32: bool = False):
         kern = lambda d, out=jnp.bfloat16: fp8_gemm.fp8_wgrad(  # noqa: E731
             *d["xt"], *d["dyt"], d["gs"], m, out_dtype=out)
         quant = lambda d: fp8_gemm.fp8_wgrad(  # noqa: E731
-            *fp8.quantize_rows_grouped_t_reference(d["lhs"], d["gs"]),
-            *fp8.quantize_rows_grouped_t_reference(d["dout"], d["gs"]), d["gs"], m)
+            *fp8_quant.quantize_rows_grouped_t(d["lhs"], d["gs"], backend="auto"),
+            *fp8_quant.quantize_rows_grouped_t(d["dout"], d["gs"], backend="auto"), d["gs"], m)
     elif op == "fwd":
         kern = lambda d: fp8_gemm.fp8_nt(*d["lhs_q"], d["qt"], d["s"], d["gs"])  # noqa: E731
         quant = lambda d: fp8_gemm.fp8_nt(*_rows_t(d["lhs"]), d["qt"], d["s"], d["gs"])  # noqa
@@ -119,14 +119,14 @@ def prepare(e: int, m: int, k: int, n: int, dist: str, seed: int = 0) -> dict:
     rhs = (jax.random.normal(k2, (e, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
     dout = jax.random.normal(k3, (m, n), jnp.float32).astype(jnp.bfloat16)
     gs = jnp.asarray(group_sizes(dist, m, e))
-    q, s = jax.jit(fp8.quantize_blocks)(rhs)
-    d = {"lhs": lhs, "rhs": rhs, "dout": dout, "gs": gs, "q": q, "s": s}
-    d["qt"] = jnp.swapaxes(q, 1, 2)
+    q, qt, s = jax.jit(lambda w: fp8_quant.quantize_weight(w, backend="auto"))(rhs)
+    d = {"lhs": lhs, "rhs": rhs, "dout": dout, "gs": gs, "q": q, "qt": qt, "s": s}
     d["s_t"] = jnp.swapaxes(s, 1, 2)
     d["lhs_q"] = jax.jit(_rows_t)(lhs)
     d["dout_q"] = jax.jit(_rows_t)(dout)
-    d["xt"] = jax.jit(fp8.quantize_rows_grouped_t_reference)(lhs, gs)
-    d["dyt"] = jax.jit(fp8.quantize_rows_grouped_t_reference)(dout, gs)
+    grouped = jax.jit(lambda x, g: fp8_quant.quantize_rows_grouped_t(x, g, backend="auto"))
+    d["xt"] = grouped(lhs, gs)
+    d["dyt"] = grouped(dout, gs)
     # dense: one [M, K] x [K, N] problem (the grouped FLOPs), operands contraction-major
     d["dense_w_nk"] = d["qt"][0]  # fwd: [N, K], one expert's weight
     d["dense_w_kn"] = q[0]  # dgrad: [K, N], contraction N
