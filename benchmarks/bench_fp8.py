@@ -7,18 +7,24 @@ by default; both distributions sum to M, so every row does 2*M*K*N FLOPs), times
   fp8         our FP8 grouped GEMM kernel alone on operands quantized beforehand
               (ops.fp8_gemm: fwd = nt(L1 lhs, L2 qt), dgrad = nt(L1 dy, L2 q),
               wgrad = wgrad(L3 lhs, L3 dy), bf16 out)
-  fp8+q       the same with the activations' quantization in the timed call (the jnp
-              quantizers of ops.fp8; the weight's L2 blocks stay pre-quantized: the layer
-              quantizes each weight once per step for both its forward and its dgrad)
+  fp8+q       the same with the activations' quantization in the timed call (the CUDA
+              quantizers of ops.fp8_quant: L1 rows, L3 grouped rows; the weight's L2 blocks
+              stay pre-quantized: the layer quantizes each weight once per step for both its
+              forward and its dgrad)
   fp8_f32     wgrad with float32 output (for float32 master weights)
   dense_fp8   one dense cuBLAS FP8 GEMM of the same FLOPs (jax.lax.dot_general on e4m3
-              operands, contraction-major, preferred_element_type bf16; dense_fp8_f32: f32)
+              operands, contraction-major, preferred_element_type bf16; --dense-f32 adds
+              dense_fp8_f32 with float32 output)
 
 and prints a table (ms, TFLOP/s, speedup over bf16) with the issue's targets: forward >= 1.6x
 our bf16 kernel at A and B, dgrad and wgrad >= 1.4x there, judged on the kernel alone (PASS /
 FAIL; '-' where the issue sets no target). Timing: each function jitted, `--warmup` calls, then
-`--reps` calls each followed by block_until_ready; the median. Options: --shapes A,B,C
---dists balanced,skewed --ops fwd,dgrad,wgrad --warmup 2 --reps 10 --out PATH.
+`--reps` calls each followed by block_until_ready; the median. Each row is printed when
+measured; `--time-budget` seconds (default 85) bounds the run: rows not reached are reported
+as skipped. The FP8 rows' error against the bf16 kernel (rel_err_vs_bf16) is measured on the
+first CHECK_ROWS output rows (wgrad: the first expert). Options: --shapes A,B,C
+--dists balanced,skewed --ops fwd,dgrad,wgrad --warmup 2 --reps 10 --time-budget 85
+--dense-f32 --out PATH.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_grouped_gemm import DISTS, OPS, SHAPES, group_sizes, rel_err
-from moe_praxis.ops import backend, fp8, fp8_gemm
+from moe_praxis.ops import backend, fp8_gemm, fp8_quant
 import importlib
 
 # The module (the attribute ops.grouped_gemm is the function).
@@ -45,6 +51,7 @@ gg = importlib.import_module("moe_praxis.ops.grouped_gemm")
 
 # (op, shape) -> the speedup of fp8 over bf16 the issue asks for
 TARGETS = {(op, s): (1.6 if op == "fwd" else 1.4) for op in OPS for s in ("A", "B")}
+CHECK_ROWS = 4096
 _CONTRACT_1 = (((1, ), (1, )), ((), ()))  # both operands contraction-major
 
 
@@ -60,11 +67,10 @@ def time_median(f, *args, warmup: int, reps: int) -> float:
 
 
 def _rows_t(x):
-    q, s = fp8.quantize_tiles(x, axis=1)
-    return q, s.T
+    return fp8_quant.quantize_rows(x, backend="auto")
 
 
-def make_fns(op: str, m: int, k: int, n: int, e: int):
+def make_fns(op: str, m: int, k: int, n: int, e: int, dense_f32: bool = False):
     """{name: (jitted fn, args builder)} for one op; args builders take the prepared data."""
     cfg = gg.choose_config(op, m, k, n, e)
     bf16 = {
@@ -76,8 +82,8 @@ def make_fns(op: str, m: int, k: int, n: int, e: int):
         kern = lambda d, out=jnp.bfloat16: fp8_gemm.fp8_wgrad(  # noqa: E731
             *d["xt"], *d["dyt"], d["gs"], m, out_dtype=out)
         quant = lambda d: fp8_gemm.fp8_wgrad(  # noqa: E731
-            *fp8.quantize_rows_grouped_t_reference(d["lhs"], d["gs"]),
-            *fp8.quantize_rows_grouped_t_reference(d["dout"], d["gs"]), d["gs"], m)
+            *fp8_quant.quantize_rows_grouped_t(d["lhs"], d["gs"], backend="auto"),
+            *fp8_quant.quantize_rows_grouped_t(d["dout"], d["gs"], backend="auto"), d["gs"], m)
     elif op == "fwd":
         kern = lambda d: fp8_gemm.fp8_nt(*d["lhs_q"], d["qt"], d["s"], d["gs"])  # noqa: E731
         quant = lambda d: fp8_gemm.fp8_nt(*_rows_t(d["lhs"]), d["qt"], d["s"], d["gs"])  # noqa
@@ -99,8 +105,9 @@ def make_fns(op: str, m: int, k: int, n: int, e: int):
         "fp8": kern,
         "fp8+q": quant,
         "dense_fp8": dense(jnp.bfloat16),
-        "dense_fp8_f32": dense(jnp.float32),
     }
+    if dense_f32:
+        fns["dense_fp8_f32"] = dense(jnp.float32)
     if op == "wgrad":
         fns["fp8_f32"] = lambda d: kern(d, jnp.float32)
     return cfg, {name: jax.jit(f) for name, f in fns.items()}
@@ -112,14 +119,14 @@ def prepare(e: int, m: int, k: int, n: int, dist: str, seed: int = 0) -> dict:
     rhs = (jax.random.normal(k2, (e, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
     dout = jax.random.normal(k3, (m, n), jnp.float32).astype(jnp.bfloat16)
     gs = jnp.asarray(group_sizes(dist, m, e))
-    q, s = jax.jit(fp8.quantize_blocks)(rhs)
-    d = {"lhs": lhs, "rhs": rhs, "dout": dout, "gs": gs, "q": q, "s": s}
-    d["qt"] = jnp.swapaxes(q, 1, 2)
+    q, qt, s = jax.jit(lambda w: fp8_quant.quantize_weight(w, backend="auto"))(rhs)
+    d = {"lhs": lhs, "rhs": rhs, "dout": dout, "gs": gs, "q": q, "qt": qt, "s": s}
     d["s_t"] = jnp.swapaxes(s, 1, 2)
     d["lhs_q"] = jax.jit(_rows_t)(lhs)
     d["dout_q"] = jax.jit(_rows_t)(dout)
-    d["xt"] = jax.jit(fp8.quantize_rows_grouped_t_reference)(lhs, gs)
-    d["dyt"] = jax.jit(fp8.quantize_rows_grouped_t_reference)(dout, gs)
+    grouped = jax.jit(lambda x, g: fp8_quant.quantize_rows_grouped_t(x, g, backend="auto"))
+    d["xt"] = grouped(lhs, gs)
+    d["dyt"] = grouped(dout, gs)
     # dense: one [M, K] x [K, N] problem (the grouped FLOPs), operands contraction-major
     d["dense_w_nk"] = d["qt"][0]  # fwd: [N, K], one expert's weight
     d["dense_w_kn"] = q[0]  # dgrad: [K, N], contraction N
@@ -128,20 +135,49 @@ def prepare(e: int, m: int, k: int, n: int, dist: str, seed: int = 0) -> dict:
     return jax.block_until_ready(d)
 
 
+def _check_slice(out, op):
+    return out[:1] if op == "wgrad" else out[:CHECK_ROWS]
+
+
+def _line(r) -> str:
+    if "error" in r or "skipped" in r:
+        why = r.get("error") or r["skipped"]
+        return f"{r['shape']:5} {r['dist']:8} {r['op']:5} {r['name']:13} {why[:90]}"
+    sp = r.get("speedup_vs_bf16")
+    verdict = "-" if "pass" not in r else ("PASS" if r["pass"] else "FAIL")
+    err = r.get("rel_err_vs_bf16")
+    return (f"{r['shape']:5} {r['dist']:8} {r['op']:5} {r['name']:13} {r['ms']:8.3f} "
+            f"{r['tflops']:8.1f} {'' if sp is None else f'{sp:7.2f}':>7} "
+            f"{r.get('target', '-'):>6} {verdict:>7} {'' if err is None else f'{err:8.4f}':>8}")
+
+
+HEAD = (f"{'shape':5} {'dist':8} {'op':5} {'name':13} {'ms':>8} {'TFLOP/s':>8} "
+        f"{'x bf16':>7} {'target':>6} {'verdict':>7} {'err/bf16':>8}")
+
+
+def measure(row, f, d, op, args, ref):
+    """Times f(d) into row (ms, TFLOP/s, speedup, error vs the bf16 output `ref`); returns
+    the checked slice of its output."""
+    flops = 2.0 * row["M"] * row["K"] * row["N"]
+    sec = time_median(lambda: f(d), warmup=args.warmup, reps=args.reps)
+    out = _check_slice(f(d), op)
+    row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
+    if ref is not None and row["name"].startswith("fp8"):
+        row["rel_err_vs_bf16"] = rel_err(out, ref)
+    return out
+
+
 def run(args) -> list[dict]:
     rows = []
+    t_start = time.perf_counter()
+    print(HEAD, flush=True)
     for shape in args.shapes:
         e, m, k, n = SHAPES[shape]
         for dist in args.dists:
-            try:
-                d = prepare(e, m, k, n, dist)
-            except Exception:  # noqa: BLE001 - one failed point must not end the run
-                traceback.print_exc()
-                continue
+            d = None
             for op in args.ops:
-                cfg, fns = make_fns(op, m, k, n, e)
-                flops = 2.0 * m * k * n
-                outs, base = {}, None
+                cfg, fns = make_fns(op, m, k, n, e, args.dense_f32)
+                base, ref = None, None
                 for name, f in fns.items():
                     row = {
                         "shape": shape,
@@ -155,46 +191,32 @@ def run(args) -> list[dict]:
                     }
                     if name == "bf16":
                         row["config"] = cfg
-                    try:
-                        sec = time_median(lambda: f(d), warmup=args.warmup, reps=args.reps)
-                        outs[name] = f(d)
-                        row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
-                    except Exception as ex:  # noqa: BLE001
-                        row["error"] = repr(ex)[:300]
-                        print(f"{shape} {dist} {op} {name}: {row['error']}", flush=True)
-                    if name == "bf16" and "ms" in row:
-                        base = row["ms"]
+                    if time.perf_counter() - t_start > args.time_budget:
+                        row["skipped"] = f"skipped: --time-budget {args.time_budget:g} s spent"
+                    else:
+                        try:
+                            if d is None:
+                                d = prepare(e, m, k, n, dist)
+                            out = measure(row, f, d, op, args, ref)
+                            if name == "bf16":
+                                base, ref = row["ms"], out
+                        except Exception as ex:  # noqa: BLE001 - one failure must not end the run
+                            row["error"] = repr(ex)[:300]
+                            traceback.print_exc()
                     if base and "ms" in row:
                         row["speedup_vs_bf16"] = base / row["ms"]
-                    rows.append(row)
-                for row in rows[-len(fns):]:
-                    if row["name"].startswith("fp8") and row["name"] in outs and "bf16" in outs:
-                        row["rel_err_vs_bf16"] = rel_err(outs[row["name"]], outs["bf16"])
                     target = TARGETS.get((op, shape))
-                    if row["name"] == "fp8" and target is not None:
+                    if name == "fp8" and target is not None and "ms" in row:
                         row["target"] = target
                         row["pass"] = bool(row.get("speedup_vs_bf16", 0.0) >= target)
-                del outs
+                    rows.append(row)
+                    print(_line(row), flush=True)
+            del d
     return rows
 
 
 def table(rows) -> str:
-    head = (f"{'shape':5} {'dist':8} {'op':5} {'name':13} {'ms':>8} {'TFLOP/s':>8} "
-            f"{'x bf16':>7} {'target':>6} {'verdict':>7} {'err/bf16':>8}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"{r['shape']:5} {r['dist']:8} {r['op']:5} {r['name']:13} "
-                         f"ERROR {r['error'][:80]}")
-            continue
-        sp = r.get("speedup_vs_bf16")
-        verdict = "-" if "pass" not in r else ("PASS" if r["pass"] else "FAIL")
-        err = r.get("rel_err_vs_bf16")
-        lines.append(f"{r['shape']:5} {r['dist']:8} {r['op']:5} {r['name']:13} {r['ms']:8.3f} "
-                     f"{r['tflops']:8.1f} {'' if sp is None else f'{sp:7.2f}':>7} "
-                     f"{r.get('target', '-'):>6} {verdict:>7} "
-                     f"{'' if err is None else f'{err:8.4f}':>8}")
-    return "\n".join(lines)
+    return "\n".join([HEAD, "-" * len(HEAD)] + [_line(r) for r in rows])
 
 
 def main(argv=None) -> int:
@@ -205,6 +227,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--time-budget", type=float, default=85.0, help="seconds of measuring")
+    ap.add_argument("--dense-f32", action="store_true", help="also dense FP8 with f32 output")
     args = ap.parse_args(argv)
     args.shapes = args.shapes.split(",")
     args.dists = args.dists.split(",")
@@ -219,7 +243,7 @@ def main(argv=None) -> int:
         print(f"the FP8 grouped GEMM kernels cannot run here: {why}", file=sys.stderr)
         return 2
     rows = run(args)
-    print(table(rows), flush=True)
+    print("\n" + table(rows), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(

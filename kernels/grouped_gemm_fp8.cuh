@@ -8,7 +8,8 @@
 //          (128 x 128 blocks, MN-major). Rows past sum(group_sizes) are zero.
 //   wgrad: out[g] [C1, C2] = sum over group g's rows of dq(x)[r, c1] dq(dy)[r, c2]; x and dy
 //          transposed and grouped: [C, Rp] e4m3 (group g's rows at padded columns [P_g, P_g + m_g),
-//          P_g = sum_{j<g} round_up(m_j, 128)), scales [Rp/128, C]. Experts with no rows get zeros.
+//          P_g = sum_{j<g} round_up(m_j, 128)), scales [Rp/128, C] (one per 128 rows and column:
+//          scale granularity 1 along both M and N). Experts with no rows get zeros.
 //
 // As in grouped_gemm.cuh, group sizes stay on the device: a prepare kernel scans them (clamped to
 // the rows left) and writes each problem's shape, pointers, strides and scale layouts into the
@@ -76,13 +77,17 @@ struct StridedScales : Base {
   }
 };
 
-using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kBlock, kBlock>;
-using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-
 // One kernel: A (M x K) and B (N x K) both K-major (FP8 wgmma needs it), D row-major ElementD.
-template <class ElementD, class Config>
+// Scales: A one per row and 128 of K (granularity (1, 128)); B one per GranN columns and 128 of
+// K: GranN = 128 for a weight's 128 x 128 blocks (nt), 1 for wgrad's dy, whose L3 tiles are
+// 128 rows by one column.
+template <class ElementDT, class Config, int GranN>
 struct Fp8GemmDef {
+  using ElementD = ElementDT;
+  static constexpr int kGranN = GranN;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, GranN, kBlock>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   static constexpr int kAlignmentD = 16 / sizeof(ElementD);
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile,
@@ -107,8 +112,14 @@ struct Fp8GemmDef {
   using StrideD = typename Kernel::InternalStrideD;
 };
 
-template <class ElementD, class StrideA, class StrideB, class StrideD>
+template <class Def>
 struct Fp8Arrays {
+  using ElementD = typename Def::ElementD;
+  using StrideA = typename Def::StrideA;
+  using StrideB = typename Def::StrideB;
+  using StrideD = typename Def::StrideD;
+  using LayoutSFA = typename Def::LayoutSFA;
+  using LayoutSFB = typename Def::LayoutSFB;
   UnderlyingShape* shapes;
   const ElementIn** ptr_a;
   const ElementIn** ptr_b;
@@ -122,10 +133,16 @@ struct Fp8Arrays {
   LayoutSFB* layout_sfb;
 };
 
-template <class ElementD, class StrideA, class StrideB, class StrideD>
-inline Fp8Arrays<ElementD, StrideA, StrideB, StrideD> carve_fp8_arrays(uint8_t* ws, int e,
-                                                                       int64_t* bytes) {
-  Fp8Arrays<ElementD, StrideA, StrideB, StrideD> g;
+template <class Def>
+inline Fp8Arrays<Def> carve_fp8_arrays(uint8_t* ws, int e, int64_t* bytes) {
+  using G = Fp8Arrays<Def>;
+  using ElementD = typename G::ElementD;
+  using StrideA = typename G::StrideA;
+  using StrideB = typename G::StrideB;
+  using StrideD = typename G::StrideD;
+  using LayoutSFA = typename G::LayoutSFA;
+  using LayoutSFB = typename G::LayoutSFB;
+  G g;
   size_t off = 0;
   auto take = [&](size_t each) {
     uint8_t* p = ws + off;
@@ -191,10 +208,14 @@ __device__ inline void zero_bytes(void* p, int64_t n, int64_t tid, int64_t nthre
 
 // Every block scans the group sizes (block 0 writes the arrays); all blocks zero what CUTLASS
 // will not write: rows past the sum (nt) or the outputs of empty experts (wgrad).
-template <class ElementD, class StrideA, class StrideB, class StrideD>
+template <class Def>
 __global__ void __launch_bounds__(kPrepareThreads)
-    moe_fp8_prepare(Fp8Prepare p, Fp8Arrays<ElementD, StrideA, StrideB, StrideD> g, StrideA s_a,
-                    StrideB s_b, StrideD s_d) {
+    moe_fp8_prepare(Fp8Prepare p, Fp8Arrays<Def> g, typename Def::StrideA s_a,
+                    typename Def::StrideB s_b, typename Def::StrideD s_d) {
+  using ElementD = typename Def::ElementD;
+  using LayoutSFA = typename Def::LayoutSFA;
+  using LayoutSFB = typename Def::LayoutSFB;
+  constexpr int kGranN = Def::kGranN;
   using BlockScan = cub::BlockScan<int64_t, kPrepareThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ int64_t carry, pad_carry;
@@ -236,7 +257,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
           d += static_cast<int64_t>(e) * p.dim_m * p.dim_n;
           g.layout_sfa[e] = scale_layout<LayoutSFA, 1>(p.dim_m, static_cast<int>(padded), p.dim_m);
           g.layout_sfb[e] =
-              scale_layout<LayoutSFB, kBlock>(p.dim_n, static_cast<int>(padded), p.dim_n / kBlock);
+              scale_layout<LayoutSFB, kGranN>(p.dim_n, static_cast<int>(padded), p.dim_n / kGranN);
         } else {
           g.shapes[e] = UnderlyingShape(static_cast<int>(m), p.dim_n, p.dim_k);
           a = p.a + lo * p.dim_k;
@@ -246,7 +267,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
           d += lo * p.dim_n;
           g.layout_sfa[e] =
               scale_layout<LayoutSFA, 1>(static_cast<int>(m), p.dim_k, static_cast<int>(p.rows));
-          g.layout_sfb[e] = scale_layout<LayoutSFB, kBlock>(p.dim_n, p.dim_k, static_cast<int>(nb));
+          g.layout_sfb[e] = scale_layout<LayoutSFB, kGranN>(p.dim_n, p.dim_k, p.dim_n / kGranN);
         }
         g.ptr_a[e] = a;
         g.ptr_b[e] = b;
@@ -276,15 +297,15 @@ __global__ void __launch_bounds__(kPrepareThreads)
 }
 
 // Prepare + the CUTLASS kernel of one configuration.
-template <class Def, class ElementD>
+template <class Def>
 ffi::Error run_fp8(cudaStream_t stream, Fp8Prepare p, uint8_t* workspace, int64_t workspace_bytes,
                    moe_gg::Schedule sched) {
   using Gemm = typename Def::Gemm;
   moe_praxis_note_stream(stream);
   const int e = p.num_groups;
   int64_t used = 0;
-  auto g = carve_fp8_arrays<ElementD, typename Def::StrideA, typename Def::StrideB,
-                            typename Def::StrideD>(workspace, e, &used);
+  using ElementD = typename Def::ElementD;
+  auto g = carve_fp8_arrays<Def>(workspace, e, &used);
   const int64_t head = fp8_group_array_bytes(e);
   if (used > head || head > workspace_bytes) {
     return ffi::Error::InvalidArgument(
@@ -361,7 +382,7 @@ ffi::Error run_fp8(cudaStream_t stream, Fp8Prepare p, uint8_t* workspace, int64_
 }
 
 // Dispatches on the tile attribute (and checks the schedule knobs).
-template <class ElementD>
+template <class ElementD, int GranN>
 ffi::Error run_fp8_tile(cudaStream_t stream, Fp8Prepare p, uint8_t* workspace,
                         int64_t workspace_bytes, int64_t tile, int64_t raster, int64_t swizzle) {
   const moe_gg::Schedule sched{raster, swizzle, 0};
@@ -369,11 +390,11 @@ ffi::Error run_fp8_tile(cudaStream_t stream, Fp8Prepare p, uint8_t* workspace,
   if (bad.failure()) return bad;
   switch (tile) {
     case 0:
-      return run_fp8<Fp8GemmDef<ElementD, Coop128<1, 2>>, ElementD>(stream, p, workspace,
-                                                                    workspace_bytes, sched);
+      return run_fp8<Fp8GemmDef<ElementD, Coop128<1, 2>, GranN>>(stream, p, workspace,
+                                                                 workspace_bytes, sched);
     case 1:
-      return run_fp8<Fp8GemmDef<ElementD, Coop128<1, 1>>, ElementD>(stream, p, workspace,
-                                                                    workspace_bytes, sched);
+      return run_fp8<Fp8GemmDef<ElementD, Coop128<1, 1>, GranN>>(stream, p, workspace,
+                                                                 workspace_bytes, sched);
     default:
       return ffi::Error::InvalidArgument("moe_praxis FP8 grouped GEMM: tile=" +
                                          std::to_string(tile) + " is invalid; valid: 0.." +

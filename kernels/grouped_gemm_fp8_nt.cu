@@ -50,7 +50,7 @@ ffi::Error Fp8NtImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::Buffer<ffi::F32
   p.sa = a_scales.typed_data();
   p.sb = b_scales.typed_data();
   p.d = out->untyped_data();
-  return run_fp8_tile<cutlass::bfloat16_t>(stream, p,
+  return run_fp8_tile<cutlass::bfloat16_t, kBlock>(stream, p,
                                            reinterpret_cast<uint8_t*>(workspace->untyped_data()),
                                            static_cast<int64_t>(workspace->size_bytes()), tile,
                                            raster, swizzle);

@@ -59,7 +59,7 @@ ffi::Error fp8_wgrad(cudaStream_t stream, ffi::AnyBuffer xt, ffi::Buffer<ffi::F3
   p.sa = x_scales.typed_data();
   p.sb = dy_scales.typed_data();
   p.d = out->untyped_data();
-  return run_fp8_tile<ElementD>(stream, p, reinterpret_cast<uint8_t*>(workspace->untyped_data()),
+  return run_fp8_tile<ElementD, 1>(stream, p, reinterpret_cast<uint8_t*>(workspace->untyped_data()),
                                 static_cast<int64_t>(workspace->size_bytes()), tile, raster,
                                 swizzle);
 }

@@ -11,24 +11,10 @@
 #include <algorithm>
 
 #include "moe_common.h"
+#include "swiglu_math.cuh"
 
 namespace moe {
 namespace {
-
-// sigmoid in f32. For bf16 inputs and outputs the fast intrinsics (ex2.approx, approximate
-// division: ~2 ulp of f32) are used: their error is far below the one rounding of the output to
-// bf16 (8 mantissa bits), and the accurate expf + IEEE division made the bf16 forward
-// instruction-bound and slower than XLA on the H200 (benchmarks/results/kernels_history.md,
-// "swiglu.cu: sigmoid_t<__nv_bfloat16>"). f32 keeps the accurate functions (its
-// tests compare at 1e-6). Large |g|: __expf(-g) -> inf gives __fdividef(1, inf) = 0, as expected.
-template <typename T>
-__device__ __forceinline__ float sigmoid_t(float g) {
-  return 1.f / (1.f + expf(-g));
-}
-template <>
-__device__ __forceinline__ float sigmoid_t<__nv_bfloat16>(float g) {
-  return __fdividef(1.f, 1.f + __expf(-g));
-}
 
 // Stores a vector of d gate and d up: to dg[i] and du[i], or (interleaved output, dgu !=
 // nullptr: the fused gate/up path's [R, 2H] gradient, column 2j = gate unit j, 2j + 1 = up unit
@@ -90,7 +76,7 @@ __global__ void __launch_bounds__(kFlatThreads)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float x = to_f32(gv[q].v[j]);
-        ov.v[j] = from_f32<T>(x * sigmoid_t<T>(x) * to_f32(uv[q].v[j]) * wr);
+        ov.v[j] = from_f32<T>(swiglu_act<T>(x, to_f32(uv[q].v[j]), wr));
       }
       o[i] = ov;
     }

@@ -11,10 +11,11 @@
    and FFI registration on first use, the FFI call helper.
 
 `fp8` is the blockwise-scaled FP8 grouped GEMM's pure-JAX reference (MoEConfig.fp8 builds on
-it); `vma` holds the shard_map typing helpers. Importing this package loads no shared library.
+it), `fp8_quant` its quantizers and the FP8 kernels' operand layouts (references and
+kernels), `fp8_fused` the SwiGLU and permute that also write their output in FP8; `vma` holds the shard_map typing helpers. Importing this package loads no shared library.
 """
 
-from moe_praxis.ops import backend, fp8, vma
+from moe_praxis.ops import backend, fp8, fp8_fused, fp8_quant, vma
 from moe_praxis.ops.aux_loss import aux_loss, aux_loss_reference
 from moe_praxis.ops.backend import backend_info, resolve_backend
 from moe_praxis.ops.gate_up import gate_up_swiglu, interleave_gate_up, split_gate_up
@@ -30,6 +31,8 @@ __all__ = [
     "backend",
     "backend_info",
     "fp8",
+    "fp8_fused",
+    "fp8_quant",
     "gate_up_swiglu",
     "grouped_gemm",
     "grouped_gemm_reference",

@@ -56,6 +56,11 @@ KERNELS: dict[str, str] = {
     "moe_grouped_gemm_fp8_nt": "MoeGroupedGemmFp8Nt",
     "moe_grouped_gemm_fp8_wgrad": "MoeGroupedGemmFp8Wgrad",
     "moe_grouped_gemm_fp8_wgrad_f32": "MoeGroupedGemmFp8WgradF32",
+    "moe_fp8_quantize_rows": "MoeFp8QuantizeRows",
+    "moe_fp8_quantize_weight": "MoeFp8QuantizeWeight",
+    "moe_fp8_quantize_rows_grouped_t": "MoeFp8QuantizeRowsGroupedT",
+    "moe_swiglu_fwd_fp8": "MoeSwigluFwdFp8",
+    "moe_permute_fp8": "MoePermuteFp8",
 }
 
 

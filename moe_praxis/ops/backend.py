@@ -66,6 +66,7 @@ COMPUTE_CAPABILITY: dict[str, tuple[int, int | None]] = {
     "permute": (80, None),
     "grouped_gemm": (80, None),
     "gate_up_swiglu": (90, 91),
+    "fp8_quant": (80, None),
     # the FP8 grouped GEMMs (ops.fp8_gemm): sm_90a code (FP8 wgmma, TMA), compute capability 9.0
     "fp8_grouped_gemm": (90, 91),
 }

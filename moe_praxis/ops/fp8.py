@@ -14,7 +14,13 @@ operands' quantization:
     forward  y  = lhs @ rhs[g]          lhs 1x128 along K, rhs 128x128
     dgrad    dx = dy @ rhs[g]^T         dy 1x128 along N, rhs the forward's 128x128 blocks
                                         (a 128x128 block is its own transpose's block)
-    wgrad    dw = lhs_g^T @ dy_g        lhs and dy 128x1 along the rows (the contraction)
+    wgrad    dw = lhs_g^T @ dy_g        lhs and dy 128x1 along the rows (the contraction),
+                                        tiles starting at each group's first row, so a
+                                        tile never mixes two experts' rows
+
+The quantizers and the operand layouts the FP8 kernels read live in moe_praxis.ops.fp8_quant
+(this module re-exports quantize_tiles, quantize_blocks and their inverses); the wgrad's
+operands here are its L3 layout, dequantized.
 
 This reference dequantizes to float32 and multiplies at 'highest' precision, which is what an
 FP8 tensor-core GEMM with float32 accumulation computes, up to summation order. Kept in the
@@ -43,106 +49,42 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops import fp8_gemm
+from moe_praxis.ops.fp8_quant import (  # noqa: F401  (the recipe's quantizers, re-exported)
+    BLOCK, E4M3, E4M3_MAX, check_blocks, dequantize_blocks, dequantize_rows_grouped_t,
+    dequantize_tiles, quantize_blocks, quantize_rows, quantize_rows_grouped_t,
+    quantize_rows_grouped_t_reference, quantize_tiles, quantize_weight)
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
 
-E4M3 = jnp.float8_e4m3fn
-E4M3_MAX = 448.0
-_INV_MAX = np.float32(1.0 / E4M3_MAX)
-BLOCK = 128
 _HI = jax.lax.Precision.HIGHEST
 
-
-def _scale(amax):
-    return jnp.where(amax > 0, amax.astype(jnp.float32) * _INV_MAX, jnp.float32(1.0))
-
-
-def _pad_to_block(x, axis: int):
-    pad = -x.shape[axis] % BLOCK
-    if not pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
+# The CUDA path's quantizers (ops.fp8_quant) with backend 'auto': their kernels wherever the
+# FP8 GEMM kernels run; lowered for a CPU, their references (bitwise the same).
+_QUANT = "auto"
 
 
-def quantize_tiles(x, axis: int = -1):
-    """1 x 128 tiles along `axis` (zero-padded to a multiple of 128) -> (q e4m3 with the padded
-    shape, scales float32 with `axis` divided by 128)."""
-    axis = axis % x.ndim
-    x = _pad_to_block(x.astype(jnp.float32), axis)
-    shape = x.shape
-    tiled = x.reshape(shape[:axis] + (shape[axis] // BLOCK, BLOCK) + shape[axis + 1:])
-    s = _scale(jnp.max(jnp.abs(tiled), axis=axis + 1))
-    q = (tiled / jnp.expand_dims(s, axis + 1)).astype(E4M3)
-    return q.reshape(shape), s
+def _cuda_nt(x, bq, bs, group_sizes, out_dtype):
+    """The FP8 NT grouped GEMM of x's 1x128 row tiles (L1) against bq [E, N, C] (scales
+    [E, C/128, N/128])."""
+    q, s_t = quantize_rows(x, backend=_QUANT)
+    return fp8_gemm.fp8_nt(q, s_t, bq, bs, group_sizes).astype(out_dtype)
 
 
-def dequantize_tiles(q, s, axis: int = -1):
-    axis = axis % q.ndim
-    shape = q.shape
-    tiled = q.astype(jnp.float32).reshape(shape[:axis] + (shape[axis] // BLOCK, BLOCK) +
-                                          shape[axis + 1:])
-    return (tiled * jnp.expand_dims(s, axis + 1)).reshape(shape)
-
-
-def check_blocks(shape, what: str) -> None:
-    """The last two dims of a weight must be multiples of 128 (whole 128x128 blocks)."""
-    if shape[-1] % BLOCK or shape[-2] % BLOCK:
-        raise ValueError(f"fp8='blockwise': {what} has shape {tuple(shape)}; its last two "
-                         f"dimensions must be multiples of {BLOCK} (whole {BLOCK}x{BLOCK} "
-                         "blocks): use d_model and d_ff that are")
-
-
-def quantize_blocks(w):
-    """w [..., K, N] (K, N multiples of 128) -> (q e4m3 [..., K, N], scales [..., K/128, N/128])."""
-    check_blocks(w.shape, "the weight")
-    *lead, k, n = w.shape
-    b = w.astype(jnp.float32).reshape(*lead, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
-    s = _scale(jnp.max(jnp.abs(b), axis=(-3, -1)))
-    q = (b / s[..., :, None, :, None]).astype(E4M3)
-    return q.reshape(w.shape), s
-
-
-def dequantize_blocks(q, s):
-    *lead, k, n = q.shape
-    b = q.astype(jnp.float32).reshape(*lead, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
-    return (b * s[..., :, None, :, None]).reshape(q.shape)
-
-
-def quantize_rows_grouped_t_reference(x, group_sizes):
-    """The wgrad operands' layout (fp8_gemm L3): x [R, C] -> qt [C, Rp] e4m3, s [Rp/128, C];
-    group g's rows at padded columns [P_g, P_g + m_g), 128-row tiles from each group's first
-    row, zero (scale 1) elsewhere."""
-    rows, e = x.shape[0], group_sizes.shape[0]
-    rp = fp8_gemm.padded_rows(rows, e)
-    m = fp8_gemm.clamped_sizes(group_sizes, rows)
-    starts = jnp.cumsum(m) - m
-    padded = (m + BLOCK - 1) // BLOCK * BLOCK
-    pstarts = jnp.cumsum(padded) - padded
-    col = jnp.arange(rp, dtype=jnp.int32)
-    g = jnp.clip(jnp.searchsorted(pstarts, col, side="right") - 1, 0, e - 1)
-    local = col - pstarts[g]
-    valid = (local < m[g]) & (col < jnp.sum(padded))
-    src = jnp.where(valid, starts[g] + local, 0)
-    xp = jnp.where(valid[:, None], x[src].astype(jnp.float32), 0.0)
-    q, s = quantize_tiles(xp, axis=0)
-    return q.T, s
-
-
-def _cuda_nt(x, bq, bs, out_dtype):
-    """An FP8 NT grouped GEMM of x's 1x128 row tiles against bq [E, N, C] (scales
-    [E, C/128, N/128]) on the CUDA path."""
-    q, s = quantize_tiles(x, axis=1)
-    return lambda gs: fp8_gemm.fp8_nt(q, s.T, bq, bs, gs).astype(out_dtype)
-
-
-def _fwd_math(lhs, wq, ws, group_sizes, impl="xla"):
+def _quantize_weight(rhs, impl):
+    """(q [E, K, N], qt [E, N, K] or None, s): the CUDA path's forward reads qt (written in the
+    same pass as q), the reference q."""
     if impl == "cuda":
-        return _cuda_nt(lhs, jnp.swapaxes(wq, 1, 2), ws, lhs.dtype)(group_sizes)
+        return quantize_weight(rhs, backend=_QUANT)
+    q, s = quantize_blocks(rhs)
+    return q, None, s
+
+
+def _fwd_math(lhs, wq, ws, group_sizes, impl="xla", wqt=None):
+    if impl == "cuda":
+        wqt = jnp.swapaxes(wq, 1, 2) if wqt is None else wqt
+        return _cuda_nt(lhs, wqt, ws, group_sizes, lhs.dtype)
     k = lhs.shape[1]
     xq, xs = quantize_tiles(lhs, axis=1)
     x = dequantize_tiles(xq, xs, axis=1)[:, :k]
@@ -155,9 +97,10 @@ def _fwd_math(lhs, wq, ws, group_sizes, impl="xla"):
 
 
 def _cuda_bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype):
-    dx = _cuda_nt(dy, wq, jnp.swapaxes(ws, 1, 2), lhs.dtype)(group_sizes)
-    xt, xs = quantize_rows_grouped_t_reference(lhs, group_sizes)
-    dyt, dys = quantize_rows_grouped_t_reference(dy, group_sizes)
+    dy = dy.astype(lhs.dtype)
+    dx = _cuda_nt(dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, lhs.dtype)
+    xt, xs = quantize_rows_grouped_t(lhs, group_sizes, backend=_QUANT)
+    dyt, dys = quantize_rows_grouped_t(dy, group_sizes, backend=_QUANT)
     out = jnp.float32 if jnp.dtype(rhs_dtype) == jnp.float32 else jnp.bfloat16
     dw = fp8_gemm.fp8_wgrad(xt, xs, dyt, dys, group_sizes, lhs.shape[0], out_dtype=out)
     return dx, dw.astype(rhs_dtype)
@@ -174,12 +117,13 @@ def _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype, impl="xla"):
                             gs,
                             precision=_HI,
                             preferred_element_type=jnp.float32).astype(lhs.dtype)
-    xq, xs = quantize_tiles(lhs, axis=0)  # 128 x 1 tiles along the rows: wgrad's contraction
-    gq, gs_ = quantize_tiles(dy, axis=0)
+    # 128 x 1 tiles along the rows, the wgrad's contraction, starting at each group's first
+    # row (fp8_quant's L3 layout: a tile never mixes two experts' rows)
+    xq, xs = quantize_rows_grouped_t_reference(lhs, gs)
+    gq, gs_ = quantize_rows_grouped_t_reference(dy, gs)
     with jax.default_matmul_precision("highest"):
-        dw = grouped_gemm_wgrad_reference(
-            dequantize_tiles(xq, xs, axis=0)[:rows],
-            dequantize_tiles(gq, gs_, axis=0)[:rows], gs)
+        dw = grouped_gemm_wgrad_reference(dequantize_rows_grouped_t(xq, xs, gs, rows),
+                                          dequantize_rows_grouped_t(gq, gs_, gs, rows), gs)
     return dx, dw.astype(rhs_dtype)
 
 
@@ -206,15 +150,15 @@ def fp8_grouped_gemm_path(lhs, rhs, group_sizes, path: str):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, ))
 def _fp8_gg(lhs, rhs, group_sizes, impl):
-    wq, ws = quantize_blocks(rhs)
-    return _fwd_math(lhs, wq, ws, group_sizes, impl)
+    wq, wqt, ws = _quantize_weight(rhs, impl)
+    return _fwd_math(lhs, wq, ws, group_sizes, impl, wqt)
 
 
 def _fp8_fwd(lhs, rhs, group_sizes, impl):
-    wq, ws = quantize_blocks(rhs)
+    wq, wqt, ws = _quantize_weight(rhs, impl)
     # a zero-size array carries rhs's dtype (residuals must be JAX values)
-    return _fwd_math(lhs, wq, ws, group_sizes,
-                     impl), (lhs, wq, ws, group_sizes, jnp.zeros((0, ), rhs.dtype))
+    return _fwd_math(lhs, wq, ws, group_sizes, impl,
+                     wqt), (lhs, wq, ws, group_sizes, jnp.zeros((0, ), rhs.dtype))
 
 
 def _fp8_bwd(impl, res, dy):

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_praxis.ops._library import ffi, platform_call
+from moe_praxis.ops.fp8_quant import (  # noqa: F401  (padded_rows re-exported: L3's Rp)
+    dequantize_rows, dequantize_tiles, grouped_offsets, padded_rows)
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
 from moe_praxis.ops.grouped_gemm_tiles import CUTLASS_WORKSPACE_BYTES
 
@@ -57,21 +59,9 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def padded_rows(rows: int, num_groups: int) -> int:
-    """Rp of the L3 layout: room for every group's rows rounded up to whole 128-row tiles."""
-    return _round_up(rows + (BLOCK - 1) * num_groups, BLOCK)
-
-
 def workspace_bytes(num_groups: int) -> int:
     """Bytes of the workspace output of one FP8 GEMM call: the group arrays, then CUTLASS's."""
     return _round_up(GROUP_ARRAY_BYTES_PER_GROUP * num_groups, 256) + CUTLASS_WORKSPACE_BYTES
-
-
-def clamped_sizes(group_sizes, rows: int):
-    """Rows of each group as the kernels count them: sizes clamped to [0, rows left]."""
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), rows)
-    return ends - jnp.concatenate([jnp.zeros((1, ), jnp.int32), ends[:-1]])
 
 
 def check_schedule(tile: int, raster: int, swizzle: int) -> None:
@@ -153,27 +143,17 @@ def check_wgrad(xt, x_scales, dyt, dy_scales, group_sizes, rows: int, out_dtype)
 # --------------------------------------------------------------------------- references
 
 
-def dequantize_rows_t(q, s_t):
-    """L1: q [R, C] e4m3, s_t [C/128, R] -> float32 [R, C]."""
-    return q.astype(jnp.float32) * jnp.repeat(s_t.T, BLOCK, axis=1)
-
-
 def dequantize_blocks_nk(b, b_scales):
     """b [E, N, C] e4m3, scales [E, C/128, N/128] -> float32 [E, N, C]."""
     s = jnp.repeat(jnp.repeat(jnp.swapaxes(b_scales, 1, 2), BLOCK, axis=1), BLOCK, axis=2)
     return b.astype(jnp.float32) * s
 
 
-def dequantize_cols_t(qt, s):
-    """L3: qt [C, Rp] e4m3, s [Rp/128, C] -> float32 [Rp, C] (rows in padded order)."""
-    return qt.T.astype(jnp.float32) * jnp.repeat(s, BLOCK, axis=0)
-
-
 def fp8_nt_reference(a, a_scales, b, b_scales, group_sizes):
     """fp8_nt in pure JAX: float32 of the dequantized operands, HIGHEST, bf16 out."""
-    out = jax.lax.ragged_dot(dequantize_rows_t(a, a_scales),
+    out = jax.lax.ragged_dot(dequantize_rows(a, a_scales),
                              jnp.swapaxes(dequantize_blocks_nk(b, b_scales), 1, 2),
-                             clamped_sizes(group_sizes, a.shape[0]),
+                             grouped_offsets(group_sizes, a.shape[0])[1],
                              precision=_HI,
                              preferred_element_type=jnp.float32)
     return out.astype(jnp.bfloat16)
@@ -182,10 +162,10 @@ def fp8_nt_reference(a, a_scales, b, b_scales, group_sizes):
 def fp8_wgrad_reference(xt, x_scales, dyt, dy_scales, group_sizes, rows: int, out_dtype):
     """fp8_wgrad in pure JAX: each group's padded rows (zero past its m_g) contracted at
     HIGHEST in float32; empty groups zero."""
-    padded = (clamped_sizes(group_sizes, rows) + BLOCK - 1) // BLOCK * BLOCK
-    with jax.default_matmul_precision("highest"):
-        out = grouped_gemm_wgrad_reference(dequantize_cols_t(xt, x_scales),
-                                           dequantize_cols_t(dyt, dy_scales), padded)
+    padded = (grouped_offsets(group_sizes, rows)[1] + BLOCK - 1) // BLOCK * BLOCK
+    with jax.default_matmul_precision("highest"):  # L3 in its padded row order
+        out = grouped_gemm_wgrad_reference(dequantize_tiles(xt.T, x_scales, axis=0),
+                                           dequantize_tiles(dyt.T, dy_scales, axis=0), padded)
     return out.astype(out_dtype)
 
 

@@ -1,0 +1,538 @@
+// FP8 (e4m3) quantization into the layouts the FP8 grouped GEMMs read (moe_praxis/ops/fp8_quant.py
+// states them and holds the pure-JAX references these kernels equal bitwise):
+//
+//   scale = amax(tile) * f32(1/448)   (1 for an all-zero tile)
+//   q     = e4m3(x / scale)           (IEEE division, round to nearest even, satfinite)
+//
+//   moe_fp8_quantize_rows           L1: x [R, C] -> q [R, C], s_t [C/128, R]   (1 x 128 tiles)
+//   moe_swiglu_fwd_fp8              the SwiGLU forward writing act [R, H] and act as L1
+//   moe_permute_fp8                 the row-major permute y[r] = x[row_map[r]] writing y and y as L1
+//   moe_fp8_quantize_weight         L2: w [E, K, N] -> q [E, K, N], qt [E, N, K], s [E, K/128, N/128]
+//   moe_fp8_quantize_rows_grouped_t L3: x [R, C], group_sizes [E] -> qt [C, Rp], s [Rp/128, C]
+//
+// One pass over the input each. L1: a group of 128 / VEC lanes per tile (16 bf16 or 32 f32
+// lanes, one 16-byte load each), the amax by shuffles; tiles are numbered column tile major,
+// row minor, so the scales a block writes are contiguous in s_t. L2 and L3: one block per
+// 128 x 128 tile, each thread holding two columns of 32 rows; L2 writes qt straight from
+// registers (32 contiguous bytes per column) and q through the tile in shared memory; L3 has
+// one scale per column of its tile and writes qt from registers. L3 finds its tile's group with
+// a block scan of group_sizes on the device (no host sync; CUDA-graph safe) and zero-fills
+// padding. The inputs are finite: a NaN or inf input is not a case the recipe defines.
+#include <cuda_fp8.h>
+
+#include <cub/block/block_scan.cuh>
+
+#include "moe_common.h"
+#include "swiglu_math.cuh"
+
+namespace moe {
+namespace {
+
+constexpr int kTile = 128;
+constexpr int kThreads = 256;
+// f32(1/448), the reference's np.float32(1 / 448): the scale is a product with it, so every
+// implementation rounds it the same way
+constexpr float kInvMax = 0x1.24924ap-9f;
+
+__device__ __forceinline__ float tile_scale(float amax) {
+  return amax > 0.f ? amax * kInvMax : 1.f;
+}
+
+__device__ __forceinline__ uint8_t to_e4m3(float v, float s) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v / s, __NV_SATFINITE, __NV_E4M3));
+}
+
+// ------------------------------------------------- L1 (and SwiGLU + L1, permute + L1)
+
+// Where the rows of an L1 pass come from: x itself; the SwiGLU of x (gate) and up, written to
+// out in T and quantized as rounded; or the permuted rows x[row_map[r]] (zeros where row_map[r]
+// is outside [0, tokens)), written to out and quantized.
+enum class Src { kRows, kSwiglu, kPermute };
+
+template <typename T>
+struct RowsArgs {
+  const T* x;
+  const T* up;              // kSwiglu
+  const float* w;           // kSwiglu: [R] or nullptr (no routing weights)
+  const int32_t* row_map;   // kPermute: [R]
+  int64_t tokens;           // kPermute: rows of x
+  T* out;                   // kSwiglu, kPermute: [R, C]
+  uint8_t* q;               // [R, C]
+  float* s_t;               // [C/128, R]
+  int64_t rows, ctiles;     // R, C / 128
+};
+
+// Tile t = ct * rows + r covers row r, columns [ct*128, ct*128 + 128); LANES = 128 / VEC lanes
+// load one 16-byte vector each.
+template <typename T, Src SRC>
+__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const RowsArgs<T> a) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int LANES = kTile / VEC;
+  constexpr int TILES = kThreads / LANES;
+  using V = Vec<T, VEC>;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) * TILES + threadIdx.x / LANES;
+  const int lane = threadIdx.x % LANES;
+  const bool live = tile < a.rows * a.ctiles;
+  float v[VEC];
+  float amax = 0.f;
+  int64_t vi = 0;  // the vector's index in [R, C] / VEC
+  if (live) {
+    const int64_t ct = tile / a.rows, r = tile - ct * a.rows;
+    vi = (r * a.ctiles + ct) * LANES + lane;
+    V xv;
+    if constexpr (SRC == Src::kPermute) {
+      const int64_t t = __ldg(a.row_map + r);
+      if (t >= 0 && t < a.tokens) {
+        xv = reinterpret_cast<const V*>(a.x)[(t * a.ctiles + ct) * LANES + lane];
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) xv.v[j] = from_f32<T>(0.f);
+      }
+      reinterpret_cast<V*>(a.out)[vi] = xv;
+    } else {
+      xv = reinterpret_cast<const V*>(a.x)[vi];
+    }
+    if constexpr (SRC == Src::kSwiglu) {
+      const V uv = reinterpret_cast<const V*>(a.up)[vi];
+      const float wr = a.w ? a.w[r] : 1.f;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        xv.v[j] = from_f32<T>(swiglu_act<T>(to_f32(xv.v[j]), to_f32(uv.v[j]), wr));
+      }
+      reinterpret_cast<V*>(a.out)[vi] = xv;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      v[j] = to_f32(xv.v[j]);
+      amax = fmaxf(amax, fabsf(v[j]));
+    }
+  }
+  // every lane takes part in the shuffles (a dead tile's lanes carry 0)
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  }
+  if (!live) return;
+  const float s = tile_scale(amax);
+  Vec<uint8_t, VEC> qv;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) qv.v[j] = to_e4m3(v[j], s);
+  reinterpret_cast<Vec<uint8_t, VEC>*>(a.q)[vi] = qv;
+  if (lane == 0) a.s_t[tile] = s;
+}
+
+template <typename T, Src SRC>
+ffi::Error launch_rows(cudaStream_t stream, RowsArgs<T> a) {
+  constexpr int TILES = kThreads / (kTile * sizeof(T) / 16);
+  const int64_t blocks = ceil_div(a.rows * a.ctiles, TILES);
+  if (blocks > INT32_MAX) {
+    return MOE_INVALID("fp8 quantize rows: R=" + std::to_string(a.rows) + ", C=" +
+                       std::to_string(a.ctiles * kTile) + " needs more than 2^31 - 1 blocks");
+  }
+  quantize_rows_kernel<T, SRC><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  MOE_LAUNCH_CHECK("fp8_quantize_rows");
+  return ffi::Error::Success();
+}
+
+// Runs launch_rows<T, SRC> for x's dtype (checked: f32 or bf16) on type-erased pointers.
+template <Src SRC>
+ffi::Error launch_rows_any(cudaStream_t stream, ffi::DataType dtype, const void* x,
+                           const void* up, const float* w, const int32_t* row_map,
+                           int64_t tokens, void* out, void* q, float* s_t, int64_t rows,
+                           int64_t cols) {
+  if (dtype == ffi::F32) {
+    using T = float;
+    return launch_rows<T, SRC>(
+        stream, RowsArgs<T>{static_cast<const T*>(x), static_cast<const T*>(up), w, row_map,
+                            tokens, static_cast<T*>(out), static_cast<uint8_t*>(q), s_t, rows,
+                            cols / kTile});
+  }
+  using T = __nv_bfloat16;
+  return launch_rows<T, SRC>(
+      stream, RowsArgs<T>{static_cast<const T*>(x), static_cast<const T*>(up), w, row_map,
+                          tokens, static_cast<T*>(out), static_cast<uint8_t*>(q), s_t, rows,
+                          cols / kTile});
+}
+
+// ------------------------------------------------------- 128 x 128 tiles: L2 and L3
+
+// Thread layout of a 128 x 128 tile: columns 2 * (tid % 64) and + 1, rows 32 * (tid / 64) ..
+// + 31. Loads the thread's rows of the tile x[r0 + i, c0 : c0 + 128] for i < valid (zeros for
+// i >= valid) into v[i][0..1] and returns the thread's amax of each of its two columns.
+template <typename T>
+__device__ __forceinline__ void load_columns(const T* __restrict__ x, int64_t ld, int64_t r0,
+                                             int64_t c0, int valid, float (&v)[32][2],
+                                             float (&amax)[2]) {
+  const int cp = threadIdx.x % 64, rg = threadIdx.x / 64;
+  amax[0] = amax[1] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int row = rg * 32 + i;
+    if (row < valid) {
+      const Vec<T, 2> p =
+          *reinterpret_cast<const Vec<T, 2>*>(x + (r0 + row) * ld + c0 + 2 * cp);
+      v[i][0] = to_f32(p.v[0]);
+      v[i][1] = to_f32(p.v[1]);
+    } else {
+      v[i][0] = v[i][1] = 0.f;
+    }
+    amax[0] = fmaxf(amax[0], fabsf(v[i][0]));
+    amax[1] = fmaxf(amax[1], fabsf(v[i][1]));
+  }
+}
+
+// Stores column j of the thread's tile rows, quantized with scale s, as 32 contiguous bytes
+// at dst (16-byte aligned).
+__device__ __forceinline__ void store_column(uint8_t* __restrict__ dst, const float (&v)[32][2],
+                                             int j, float s) {
+  Vec<uint8_t, 16> out[2];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) out[i / 16].v[i % 16] = to_e4m3(v[i][j], s);
+  reinterpret_cast<Vec<uint8_t, 16>*>(dst)[0] = out[0];
+  reinterpret_cast<Vec<uint8_t, 16>*>(dst)[1] = out[1];
+}
+
+constexpr int kSmemStride = kTile + 16;  // bytes per row of the staged q tile (16-byte aligned)
+
+// L2: block (b) = tile (e, kt, nt), b = (e * KT + kt) * NT + nt.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_weight_kernel(const T* __restrict__ w, uint8_t* __restrict__ q,
+                           uint8_t* __restrict__ qt, float* __restrict__ s, int64_t k,
+                           int64_t n) {
+  __shared__ float warp_max[kThreads / 32];
+  __shared__ __align__(16) uint8_t staged[kTile * kSmemStride];
+  const int64_t kt_count = k / kTile, nt_count = n / kTile;
+  const int64_t b = blockIdx.x;
+  const int64_t nt = b % nt_count, kt = (b / nt_count) % kt_count, e = b / (nt_count * kt_count);
+  const int64_t k0 = kt * kTile, n0 = nt * kTile;
+  const T* we = w + e * k * n;
+  float v[32][2], cm[2];
+  load_columns(we, n, k0, n0, kTile, v, cm);
+  float amax = fmaxf(cm[0], cm[1]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = warp_max[0];
+#pragma unroll
+  for (int i = 1; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
+  const float sc = tile_scale(amax);
+  if (threadIdx.x == 0) s[b] = sc;
+  const int cp = threadIdx.x % 64, rg = threadIdx.x / 64;
+  // qt[e, n0 + c, k0 + 32 rg ...]: the thread's 32 rows of each of its columns
+  uint8_t* qte = qt + e * n * k;
+  store_column(qte + (n0 + 2 * cp) * k + k0 + rg * 32, v, 0, sc);
+  store_column(qte + (n0 + 2 * cp + 1) * k + k0 + rg * 32, v, 1, sc);
+  // q[e, k0 + r, n0 ...] row-major through shared memory, 16-byte stores
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    Vec<uint8_t, 2> pair;
+    pair.v[0] = to_e4m3(v[i][0], sc);
+    pair.v[1] = to_e4m3(v[i][1], sc);
+    *reinterpret_cast<Vec<uint8_t, 2>*>(staged + (rg * 32 + i) * kSmemStride + 2 * cp) = pair;
+  }
+  __syncthreads();
+  uint8_t* qe = q + e * k * n;
+  constexpr int kChunks = kTile * kTile / 16;
+  for (int c = threadIdx.x; c < kChunks; c += kThreads) {
+    const int row = c / 8, col = (c % 8) * 16;
+    *reinterpret_cast<Vec<uint8_t, 16>*>(qe + (k0 + row) * n + n0 + col) =
+        *reinterpret_cast<const Vec<uint8_t, 16>*>(staged + row * kSmemStride + col);
+  }
+}
+
+// L3: the group of the block's padded tile [p0, p0 + 128): its first source row and how many
+// of its 128 rows hold data (0: padding past the last group). Block-wide scans over the groups
+// in chunks of kThreads, in int64 (raw sums of group sizes cannot overflow).
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+struct TileRows {
+  int64_t src;
+  int count;
+};
+
+__device__ TileRows find_tile_rows(const int32_t* __restrict__ gs, int64_t e, int64_t rows,
+                                   int64_t p0) {
+  using Scan = cub::BlockScan<int64_t, kThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  __shared__ TileRows found;
+  __shared__ int done;
+  if (threadIdx.x == 0) {
+    found = TileRows{0, 0};
+    done = 0;
+  }
+  __syncthreads();
+  int64_t raw_carry = 0, pad_carry = 0;
+  for (int64_t base = 0; base < e; base += kThreads) {
+    const int64_t g = base + threadIdx.x;
+    const int64_t size = g < e && gs[g] > 0 ? gs[g] : 0;
+    int64_t cum, total;
+    Scan(temp).InclusiveSum(size, cum, total);
+    __syncthreads();
+    const int64_t end = min64(raw_carry + cum, rows), start = min64(raw_carry + cum - size, rows);
+    const int64_t m = end - start, padded = (m + kTile - 1) / kTile * kTile;
+    int64_t pcum, ptotal;
+    Scan(temp).InclusiveSum(padded, pcum, ptotal);
+    const int64_t pstart = pad_carry + pcum - padded;
+    if (g < e && pstart <= p0 && p0 < pstart + padded) {
+      const int64_t j = p0 - pstart;
+      found = TileRows{start + j, static_cast<int>(min64(m - j, kTile))};
+      done = 1;
+    }
+    __syncthreads();
+    if (done) break;
+    raw_carry += total;
+    pad_carry += ptotal;
+  }
+  return found;
+}
+
+// L3: block (pt, ct) quantizes padded rows [128 pt, 128 pt + 128) x columns [128 ct, + 128).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    quantize_grouped_t_kernel(const T* __restrict__ x, const int32_t* __restrict__ gs,
+                              uint8_t* __restrict__ qt, float* __restrict__ s, int64_t rows,
+                              int64_t cols, int64_t e, int64_t rp) {
+  __shared__ float col_max[4][kTile];
+  const int64_t pt = blockIdx.x, c0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const TileRows t = find_tile_rows(gs, e, rows, pt * kTile);
+  float v[32][2], cm[2];
+  load_columns(x, cols, t.src, c0, t.count, v, cm);
+  const int cp = threadIdx.x % 64, rg = threadIdx.x / 64;
+  col_max[rg][2 * cp] = cm[0];
+  col_max[rg][2 * cp + 1] = cm[1];
+  __syncthreads();
+  float sc[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int c = 2 * cp + j;
+    sc[j] = tile_scale(fmaxf(fmaxf(col_max[0][c], col_max[1][c]),
+                             fmaxf(col_max[2][c], col_max[3][c])));
+    store_column(qt + (c0 + c) * rp + pt * kTile + rg * 32, v, j, sc[j]);
+  }
+  if (rg == 0) {
+    Vec<float, 2> pair;
+    pair.v[0] = sc[0];
+    pair.v[1] = sc[1];
+    *reinterpret_cast<Vec<float, 2>*>(s + pt * cols + c0 + 2 * cp) = pair;
+  }
+}
+
+// ------------------------------------------------------------------------------ handlers
+
+bool is_float(const ffi::AnyBuffer& x) {
+  return x.element_type() == ffi::F32 || x.element_type() == ffi::BF16;
+}
+
+std::string dims_text(const ffi::AnyBuffer& x) {
+  std::string out = "[";
+  for (size_t i = 0; i < x.dimensions().size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(x.dimensions()[i]);
+  }
+  return out + "]";
+}
+
+ffi::Error check_rows(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& q,
+                      const ffi::Buffer<ffi::F32>& s_t) {
+  if (x.dimensions().size() != 2) {
+    return MOE_INVALID(std::string(op) + ": x must be [R, C], got " + dims_text(x));
+  }
+  if (!is_float(x)) return MOE_INVALID(std::string(op) + ": x must be float32 or bfloat16");
+  if (x.dimensions()[1] % kTile) {
+    return MOE_INVALID(std::string(op) + ": C=" + std::to_string(x.dimensions()[1]) +
+                       " must be a multiple of 128");
+  }
+  if (q.element_type() != ffi::F8E4M3FN || q.element_count() != x.element_count()) {
+    return MOE_INVALID(std::string(op) + ": q must be float8_e4m3fn with x's shape");
+  }
+  if (s_t.element_count() != x.element_count() / kTile) {
+    return MOE_INVALID(std::string(op) + ": s_t must be [C/128, R] float32");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
+                            ffi::Result<ffi::Buffer<ffi::F32>> s_t) {
+  if (auto err = check_rows("fp8 quantize rows", x, *q, *s_t); !err.success()) return err;
+  const int64_t rows = x.dimensions()[0], cols = x.dimensions()[1];
+  if (rows == 0 || cols == 0) return ffi::Error::Success();
+  return launch_rows_any<Src::kRows>(stream, x.element_type(), x.untyped_data(), nullptr,
+                                     nullptr, nullptr, 0, nullptr, q->untyped_data(),
+                                     s_t->typed_data(), rows, cols);
+}
+
+ffi::Error SwigluFwdFp8Impl(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                            ffi::Buffer<ffi::F32> w, ffi::Result<ffi::AnyBuffer> act,
+                            ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::Buffer<ffi::F32>> s_t,
+                            bool has_weight) {
+  if (auto err = check_rows("swiglu fwd fp8", gate, *q, *s_t); !err.success()) return err;
+  if (up.element_type() != gate.element_type() || up.element_count() != gate.element_count() ||
+      act->element_type() != gate.element_type() ||
+      act->element_count() != gate.element_count()) {
+    return MOE_INVALID("swiglu fwd fp8: up and act must have gate's shape and dtype");
+  }
+  const int64_t rows = gate.dimensions()[0], cols = gate.dimensions()[1];
+  if (has_weight && w.element_count() != static_cast<size_t>(rows)) {
+    return MOE_INVALID("swiglu fwd fp8: weights must be [R=" + std::to_string(rows) + "]");
+  }
+  if (rows == 0 || cols == 0) return ffi::Error::Success();
+  return launch_rows_any<Src::kSwiglu>(stream, gate.element_type(), gate.untyped_data(),
+                                       up.untyped_data(), has_weight ? w.typed_data() : nullptr,
+                                       nullptr, 0, act->untyped_data(), q->untyped_data(),
+                                       s_t->typed_data(), rows, cols);
+}
+
+ffi::Error PermuteFp8Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_map,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> q,
+                          ffi::Result<ffi::Buffer<ffi::F32>> s_t) {
+  if (auto err = check_rows("permute fp8", *y, *q, *s_t); !err.success()) return err;
+  const int64_t rows = y->dimensions()[0], cols = y->dimensions()[1];
+  if (x.dimensions().size() != 2 || x.dimensions()[1] != cols ||
+      x.element_type() != y->element_type()) {
+    return MOE_INVALID("permute fp8: x must be [T, M=" + std::to_string(cols) +
+                       "] in y's dtype, got " + dims_text(x));
+  }
+  if (row_map.element_count() != static_cast<size_t>(rows)) {
+    return MOE_INVALID("permute fp8: row_map must be [R=" + std::to_string(rows) + "]");
+  }
+  if (rows == 0 || cols == 0) return ffi::Error::Success();
+  return launch_rows_any<Src::kPermute>(stream, x.element_type(), x.untyped_data(), nullptr,
+                                        nullptr, row_map.typed_data(), x.dimensions()[0],
+                                        y->untyped_data(), q->untyped_data(), s_t->typed_data(),
+                                        rows, cols);
+}
+
+ffi::Error QuantizeWeightImpl(cudaStream_t stream, ffi::AnyBuffer w,
+                              ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
+                              ffi::Result<ffi::Buffer<ffi::F32>> s) {
+  if (w.dimensions().size() != 3) {
+    return MOE_INVALID("fp8 quantize weight: w must be [E, K, N], got " + dims_text(w));
+  }
+  if (!is_float(w)) return MOE_INVALID("fp8 quantize weight: w must be float32 or bfloat16");
+  const int64_t e = w.dimensions()[0], k = w.dimensions()[1], n = w.dimensions()[2];
+  if (k % kTile || n % kTile) {
+    return MOE_INVALID("fp8 quantize weight: w is " + dims_text(w) +
+                       "; K and N must be multiples of 128");
+  }
+  if (q->element_type() != ffi::F8E4M3FN || qt->element_type() != ffi::F8E4M3FN ||
+      q->element_count() != w.element_count() || qt->element_count() != w.element_count()) {
+    return MOE_INVALID("fp8 quantize weight: q [E, K, N] and qt [E, N, K] must be float8_e4m3fn");
+  }
+  const int64_t blocks = e * (k / kTile) * (n / kTile);
+  if (s->element_count() != static_cast<size_t>(blocks)) {
+    return MOE_INVALID("fp8 quantize weight: s must be [E, K/128, N/128] float32");
+  }
+  if (blocks == 0) return ffi::Error::Success();
+  if (blocks > INT32_MAX) {
+    return MOE_INVALID("fp8 quantize weight: " + dims_text(w) + " has more than 2^31 - 1 blocks");
+  }
+  const auto grid = static_cast<unsigned>(blocks);
+  auto* qp = static_cast<uint8_t*>(q->untyped_data());
+  auto* qtp = static_cast<uint8_t*>(qt->untyped_data());
+  if (w.element_type() == ffi::F32) {
+    quantize_weight_kernel<float><<<grid, kThreads, 0, stream>>>(
+        static_cast<const float*>(w.untyped_data()), qp, qtp, s->typed_data(), k, n);
+  } else {
+    quantize_weight_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(w.untyped_data()), qp, qtp, s->typed_data(), k, n);
+  }
+  MOE_LAUNCH_CHECK("fp8_quantize_weight");
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizeRowsGroupedTImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                                    ffi::Buffer<ffi::S32> group_sizes,
+                                    ffi::Result<ffi::AnyBuffer> qt,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> s) {
+  const char* op = "fp8 quantize rows grouped t";
+  if (x.dimensions().size() != 2) {
+    return MOE_INVALID(std::string(op) + ": x must be [R, C], got " + dims_text(x));
+  }
+  if (!is_float(x)) return MOE_INVALID(std::string(op) + ": x must be float32 or bfloat16");
+  const int64_t rows = x.dimensions()[0], cols = x.dimensions()[1];
+  const int64_t e = static_cast<int64_t>(group_sizes.element_count());
+  if (cols % kTile) {
+    return MOE_INVALID(std::string(op) + ": C=" + std::to_string(cols) +
+                       " must be a multiple of 128");
+  }
+  if (e < 1) return MOE_INVALID(std::string(op) + ": group_sizes must be [E] with E >= 1");
+  const int64_t rp = ceil_div(rows + (kTile - 1) * e, kTile) * kTile;
+  const auto qd = qt->dimensions();
+  if (qt->element_type() != ffi::F8E4M3FN || qd.size() != 2 || qd[0] != cols || qd[1] != rp) {
+    return MOE_INVALID(std::string(op) + ": qt must be float8_e4m3fn [C=" +
+                       std::to_string(cols) + ", Rp=" + std::to_string(rp) +
+                       "], Rp = round_up(R + 127 E, 128)");
+  }
+  if (s->element_count() != static_cast<size_t>(rp / kTile * cols)) {
+    return MOE_INVALID(std::string(op) + ": s must be [Rp/128, C] float32");
+  }
+  if (cols == 0) return ffi::Error::Success();
+  if (cols / kTile > 65535 || rp / kTile > INT32_MAX) {
+    return MOE_INVALID(std::string(op) + ": x " + dims_text(x) + " is too large for the grid");
+  }
+  const dim3 grid(static_cast<unsigned>(rp / kTile), static_cast<unsigned>(cols / kTile));
+  auto* qtp = static_cast<uint8_t*>(qt->untyped_data());
+  if (x.element_type() == ffi::F32) {
+    quantize_grouped_t_kernel<float><<<grid, kThreads, 0, stream>>>(
+        static_cast<const float*>(x.untyped_data()), group_sizes.typed_data(), qtp,
+        s->typed_data(), rows, cols, e, rp);
+  } else {
+    quantize_grouped_t_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(x.untyped_data()), group_sizes.typed_data(), qtp,
+        s->typed_data(), rows, cols, e, rp);
+  }
+  MOE_LAUNCH_CHECK("fp8_quantize_rows_grouped_t");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeFp8QuantizeRows, moe::QuantizeRowsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x [R, C]
+                                  .Ret<xla::ffi::AnyBuffer>()              // q [R, C] e4m3
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // s_t [C/128, R]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeSwigluFwdFp8, moe::SwigluFwdFp8Impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // gate [R, H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // up [R, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w [R] or [1]
+                                  .Ret<xla::ffi::AnyBuffer>()              // act [R, H]
+                                  .Ret<xla::ffi::AnyBuffer>()              // q [R, H] e4m3
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // s_t [H/128, R]
+                                  .Attr<bool>("has_weight"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermuteFp8, moe::PermuteFp8Impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x [T, M]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [R]
+                                  .Ret<xla::ffi::AnyBuffer>()              // y [R, M]
+                                  .Ret<xla::ffi::AnyBuffer>()              // q [R, M] e4m3
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // s_t [M/128, R]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeFp8QuantizeWeight, moe::QuantizeWeightImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // w [E, K, N]
+                                  .Ret<xla::ffi::AnyBuffer>()              // q [E, K, N] e4m3
+                                  .Ret<xla::ffi::AnyBuffer>()              // qt [E, N, K] e4m3
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // s [E, K/128, N/128]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeFp8QuantizeRowsGroupedT, moe::QuantizeRowsGroupedTImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x [R, C]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // group_sizes [E]
+                                  .Ret<xla::ffi::AnyBuffer>()              // qt [C, Rp] e4m3
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // s [Rp/128, C]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
