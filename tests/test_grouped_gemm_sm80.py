@@ -166,6 +166,30 @@ def test_force_grouped_gemm_scopes_the_family_to_what_is_traced_inside(monkeypat
     assert backend.grouped_gemm_kernel()[0] == "sm80"
 
 
+def test_family_is_fixed_when_the_op_is_called_for_its_forward_and_backward(monkeypatch):
+    """The kernel family is a static argument of the op, read when it is called: a backward
+    traced after the force ended (or from a trace cache) runs the family of its forward, never
+    the other one (fwd under force_grouped_gemm('sm80'), vjp applied outside: all sm_80)."""
+    _fake_device(monkeypatch, 90, "NVIDIA H200")
+    lhs, rhs, gs, dout = _inputs(64, 16, 32, 4, "balanced", jnp.bfloat16, _seed())
+
+    def fwd_inside_bwd_outside(a, b):
+        with backend.force_grouped_gemm("sm80"):
+            out, vjp = jax.vjp(lambda x, w: ops.grouped_gemm(x, w, gs, backend="cuda"), a, b)
+        return out, *vjp(dout)
+
+    def fwd_outside_bwd_inside(a, b):
+        out, vjp = jax.vjp(lambda x, w: ops.grouped_gemm(x, w, gs, backend="cuda"), a, b)
+        with backend.force_grouped_gemm("sm80"):
+            return out, *vjp(dout)
+
+    tags = {"sm80": "sm80_", "sm90": ""}
+    for fn, family in ((fwd_inside_bwd_outside, "sm80"), (fwd_outside_bwd_inside, "sm90")):
+        got = set(_cuda_targets(fn, lhs, rhs))
+        want = {f"moe_grouped_gemm_{tags[family]}{op}" for op in ("fwd", "dgrad", "wgrad")}
+        assert got == want, (fn.__name__, got)
+
+
 def test_env_var_is_read_in_one_place_and_documented():
     srcs = [p for p in (REPO / "moe_praxis").rglob("*.py") if "ENV_GROUPED_GEMM" in p.read_text()]
     assert [p.name for p in srcs] == ["backend.py"], srcs
@@ -280,7 +304,11 @@ def test_xla_on_a_gpu_warns_once_naming_the_cost(monkeypatch):
 
 
 def test_rule_examples_of_the_docs(monkeypatch):
+    """The wave-count rule (no measured shape within reach: SM80_MEASURED emptied here) and the
+    examples the docs give of it."""
     monkeypatch.delenv(gg.ENV_TILE, raising=False)
+    monkeypatch.setattr(importlib.import_module("moe_praxis.ops.grouped_gemm_sm80"),
+                        "SM80_MEASURED", {})
     for e, m, k, n in SHAPES.values():
         for op in gg.OPS:
             assert gg.choose_sm80_config(op, m, k, n, e) == "sm80_128x256x64_s3", (op, m, k, n, e)
@@ -333,6 +361,32 @@ def test_rule_takes_the_nearest_measured_shape_and_its_fastest_tile_that_fits(mo
     assert sm80.measured_ranking("fwd", m, k, n, e) == ranking_b
     assert sm80.measured_ranking("wgrad", m, k, n, e) is None
     assert sm80.sm80_problem("wgrad", 1024, 64, 32, 8) == (64, 32, 128)
+
+
+def test_measured_rankings_are_whole_and_the_rule_takes_them_at_the_benchmark_shapes(monkeypatch):
+    """SM80_MEASURED (the sweep's rankings, pasted from the benchmark): per op the three
+    benchmark shapes, each ranking every tile once; at A, B and C the rule takes the measured
+    winners (128x256x32 for fwd and wgrad, 256x128x32 for dgrad, both 96 KiB: the same on a
+    99 KiB GPU), as docs/grouped_gemm_sm80.md says."""
+    monkeypatch.delenv(gg.ENV_TILE, raising=False)
+    sm80 = importlib.import_module("moe_praxis.ops.grouped_gemm_sm80")
+    assert set(sm80.SM80_MEASURED) == set(gg.OPS)
+    for op, entries in sm80.SM80_MEASURED.items():
+        assert sorted(shape for shape, _ in entries) == sorted(SHAPES.values()), op
+        for shape, ranking in entries:
+            assert sorted(ranking) == sorted(gg.SM80_TILE_CONFIGS), (op, shape)
+    want = {
+        "fwd": "sm80_128x256x32_s4",
+        "dgrad": "sm80_256x128x32_s4",
+        "wgrad": "sm80_128x256x32_s4"
+    }
+    for e, m, k, n in SHAPES.values():
+        for op in gg.OPS:
+            for smem in (None, 99 * 1024, 227 * 1024):
+                assert gg.choose_sm80_config(op, m, k, n, e, smem) == want[op], (op, e, smem)
+    flat = " ".join((REPO / "docs" / "grouped_gemm_sm80.md").read_text().split())
+    assert ("`choose_sm80_config` gives `sm80_128x256x32_s4` for fwd and wgrad and "
+            "`sm80_256x128x32_s4` for dgrad at A, B and C (measured)") in flat
 
 
 def test_tiles_match_the_kernel_header():

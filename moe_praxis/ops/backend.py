@@ -152,25 +152,23 @@ def sm_count() -> int | None:
 
 
 def shared_memory_per_block() -> int | None:
-    """The least shared memory (bytes) a block may opt in to on this host's CUDA GPUs (None
-    without one, or where the query did not report it): which sm_80 tiles fit."""
+    """Least opt-in shared memory per block (bytes) of this host's GPUs (None: unknown)."""
     sizes = [d.get("shared_memory_per_block") for d in device_query()["devices"]]
     return min(sizes) if sizes and None not in sizes else None
 
 
-def _cc_text(cc: int) -> str:
+def _cc_text(cc: int) -> str:  # 90 -> '9.0'
     return f"{cc // 10}.{cc % 10}"
 
 
 @contextlib.contextmanager
 def force_grouped_gemm(choice: str | None):
-    """Within the block the grouped GEMM's kernel family is `choice` ('auto', 'sm90', 'sm80';
-    None: no change), ahead of $MOE_PRAXIS_GROUPED_GEMM. Picked when an op is traced: what is
-    traced or lowered inside keeps it (jit(f).lower(x).compile() of a fresh f), a function
-    traced before keeps what it traced (benchmarks.layer's 'cuda-sm80' beside 'cuda')."""
+    """Within the block the grouped GEMM family is `choice` ('auto', 'sm90', 'sm80'; None: no
+    change), ahead of $MOE_PRAXIS_GROUPED_GEMM, for the ops called (traced) inside it: each op
+    keeps the family it was called with (benchmarks.layer's 'cuda-sm80' beside 'cuda')."""
     if choice not in GROUPED_GEMM_CHOICES + (None, ):
-        raise ValueError(f"force_grouped_gemm({choice!r}) is invalid; valid: "
-                         f"{GROUPED_GEMM_CHOICES} or None")
+        raise ValueError(
+            f"force_grouped_gemm({choice!r}) is invalid; valid: {GROUPED_GEMM_CHOICES}")
     token = _FORCED_GROUPED_GEMM.set(choice or _FORCED_GROUPED_GEMM.get())
     try:
         yield
@@ -179,8 +177,7 @@ def force_grouped_gemm(choice: str | None):
 
 
 def grouped_gemm_choice() -> str:
-    """force_grouped_gemm's choice, else $MOE_PRAXIS_GROUPED_GEMM ('auto' when unset or empty):
-    'auto', 'sm90' or 'sm80'. The one reader of the variable; other values raise."""
+    """force_grouped_gemm's, else $MOE_PRAXIS_GROUPED_GEMM's choice (its one reader; unset: auto)"""
     forced = _FORCED_GROUPED_GEMM.get()
     if forced is not None:
         return forced

@@ -155,7 +155,8 @@ def _vjp_bwd(impl, res, dact):
         dh, dw = platform_call(
             functools.partial(swiglu_bwd_ffi, has_weight=has_weight, interleaved=True), ref, gate,
             up, w, dact)
-    gimpl = (backend, None)  # dgrad / wgrad: ops.grouped_gemm's kernels and rule
+    # dgrad / wgrad: ops.grouped_gemm's Hopper kernels (the fused forward runs beside them only)
+    gimpl = (backend, None, "sm90" if backend == "cuda" else None)
     dlhs = gg.dgrad_impl(dh, w_gate_up, group_sizes, gimpl)
     dw_gate_up = gg.wgrad_impl(lhs, dh, group_sizes, gimpl).astype(w_gate_up.dtype)
     return (dlhs, dw_gate_up, zero_cotangent(group_sizes),

@@ -191,11 +191,16 @@ def is_empty(m, k, n, e) -> bool:
     return 0 in (m, k, n, e)
 
 
-def kernel_config(op: str, dims, dtype, config: str | None) -> tuple[str, str]:
-    """(kernel family, configuration) of one CUDA GEMM: the family backend.grouped_gemm_kernel
-    picks for `dtype`, and `config` (checked against that family) or the family's rule for the
-    forward dims (m, k, n, e)."""
-    kernel, why = _backend.grouped_gemm_kernel(dtype=dtype)
+def kernel_config(op: str,
+                  dims,
+                  dtype,
+                  config: str | None,
+                  family: str | None = None) -> tuple[str, str]:
+    """(kernel family, configuration) of one CUDA GEMM: `family` (the op's, fixed when it was
+    called) or the one backend.grouped_gemm_kernel picks for `dtype`, and `config` (checked
+    against that family) or the family's rule for the forward dims (m, k, n, e)."""
+    kernel, why = ((family, f"the {family} family the op was called with")
+                   if family else _backend.grouped_gemm_kernel(dtype=dtype))
     if config is not None and is_sm80_config(config) != (kernel == "sm80"):
         valid = SM80_TILE_CONFIGS if kernel == "sm80" else TILE_CONFIGS
         raise ValueError(f"grouped GEMM config {config!r} is not a configuration of the {kernel} "
@@ -209,11 +214,12 @@ def kernel_config(op: str, dims, dtype, config: str | None) -> tuple[str, str]:
 
 def _run(op, dims, reference, cuda_fn, a, b, group_sizes, impl):
     """One of the three GEMMs: the reference for impl 'xla' or an empty problem, else the CUDA
-    kernel of the family backend.grouped_gemm_kernel picks (configuration: impl's, or the
-    family's rule for the forward dims (m, k, n, e))."""
+    kernel of impl's family (impl: (backend, config, family); the family is read when the op
+    is called, so its forward and backward, traced later, cannot run different families),
+    configuration impl's or the family's rule for the forward dims (m, k, n, e)."""
     if impl[0] == "xla" or is_empty(*dims):
         return reference(a, b, group_sizes)
-    kernel, cfg = kernel_config(op, dims, a.dtype, impl[1])
+    kernel, cfg = kernel_config(op, dims, a.dtype, impl[1], impl[2] if len(impl) > 2 else None)
     if kernel == "sm80":
         m, k, n, e = dims
         out_shape = {"fwd": (m, n), "dgrad": (m, k), "wgrad": (e, k, n)}[op]
@@ -281,5 +287,8 @@ def grouped_gemm(lhs, rhs, group_sizes, *, backend: str = "auto", config: str | 
         config = (SM80_TILE_CONFIGS[parse_sm80_config(config)]
                   if is_sm80_config(config) else config_name(*parse_config(config)))
     resolved = resolve(backend, lhs, rhs)
-    impl = (resolved, config)
+    # the kernel family is part of the op's static arguments: fixed here, at the call, for the
+    # forward and the backward alike, and a key of any trace cache that holds them
+    family = _backend.grouped_gemm_kernel(dtype=lhs.dtype)[0] if resolved == "cuda" else None
+    impl = (resolved, config, family)
     return _grouped_gemm(lhs, rhs, group_sizes.astype(jnp.int32), impl)

@@ -86,10 +86,126 @@ def sm80_workspace_bytes(num_groups: int) -> int:
 
 
 # The sweep's per-shape winners (`python -m benchmarks.bench_grouped_gemm --sm80 --sm80-tiles
-# all`, balanced groups; benchmarks/results/, docs/grouped_gemm_sm80.md): per op, measured
-# forward shapes (E, M, K, N) with every tile, fastest first. The benchmark prints this table
-# ready to paste (`sm80_sweep.winners_literal`).
-SM80_MEASURED: dict[str, tuple[tuple[tuple[int, int, int, int], tuple[str, ...]], ...]] = {}
+# all`, balanced groups, one H200 running the sm_80 code; benchmarks/results/
+# grouped_gemm_sm80_sweep.json, docs/grouped_gemm_sm80.md): per op, the measured forward shapes
+# (E, M, K, N) with every tile, fastest first. The benchmark prints this table ready to paste
+# (`sm80_sweep.winners_literal`).
+SM80_MEASURED: dict[str, tuple[tuple[tuple[int, int, int, int], tuple[str, ...]], ...]] = {
+    "fwd": (
+        ((8, 32768, 4096, 14336), (
+            "sm80_128x256x32_s4",
+            "sm80_256x128x32_s4",
+            "sm80_128x128x32_s4",
+            "sm80_128x128x32_s5",
+            "sm80_256x128x64_s3",
+            "sm80_128x128x64_s3",
+            "sm80_128x256x64_s3",
+            "sm80_64x256x32_s4",
+            "sm80_64x128x32_s4",
+            "sm80_128x64x32_s4",
+        )),
+        ((32, 32768, 7168, 2048), (
+            "sm80_128x256x32_s4",
+            "sm80_256x128x32_s4",
+            "sm80_128x128x32_s5",
+            "sm80_128x128x32_s4",
+            "sm80_256x128x64_s3",
+            "sm80_128x128x64_s3",
+            "sm80_64x256x32_s4",
+            "sm80_128x256x64_s3",
+            "sm80_128x64x32_s4",
+            "sm80_64x128x32_s4",
+        )),
+        ((128, 65536, 2048, 768), (
+            "sm80_128x256x32_s4",
+            "sm80_256x128x32_s4",
+            "sm80_128x128x32_s5",
+            "sm80_256x128x64_s3",
+            "sm80_128x128x64_s3",
+            "sm80_128x128x32_s4",
+            "sm80_64x256x32_s4",
+            "sm80_128x256x64_s3",
+            "sm80_128x64x32_s4",
+            "sm80_64x128x32_s4",
+        )),
+    ),
+    "dgrad": (
+        ((8, 32768, 4096, 14336), (
+            "sm80_256x128x32_s4",
+            "sm80_128x256x32_s4",
+            "sm80_128x128x64_s3",
+            "sm80_128x128x32_s5",
+            "sm80_256x128x64_s3",
+            "sm80_128x128x32_s4",
+            "sm80_128x256x64_s3",
+            "sm80_64x256x32_s4",
+            "sm80_64x128x32_s4",
+            "sm80_128x64x32_s4",
+        )),
+        ((32, 32768, 7168, 2048), (
+            "sm80_256x128x32_s4",
+            "sm80_128x256x32_s4",
+            "sm80_128x128x64_s3",
+            "sm80_128x128x32_s4",
+            "sm80_256x128x64_s3",
+            "sm80_128x128x32_s5",
+            "sm80_128x256x64_s3",
+            "sm80_64x256x32_s4",
+            "sm80_64x128x32_s4",
+            "sm80_128x64x32_s4",
+        )),
+        ((128, 65536, 2048, 768), (
+            "sm80_256x128x32_s4",
+            "sm80_128x256x32_s4",
+            "sm80_128x128x64_s3",
+            "sm80_128x128x32_s5",
+            "sm80_256x128x64_s3",
+            "sm80_128x128x32_s4",
+            "sm80_128x256x64_s3",
+            "sm80_64x256x32_s4",
+            "sm80_128x64x32_s4",
+            "sm80_64x128x32_s4",
+        )),
+    ),
+    "wgrad": (
+        ((8, 32768, 4096, 14336), (
+            "sm80_128x256x32_s4",
+            "sm80_256x128x32_s4",
+            "sm80_256x128x64_s3",
+            "sm80_128x256x64_s3",
+            "sm80_128x128x64_s3",
+            "sm80_128x128x32_s4",
+            "sm80_128x128x32_s5",
+            "sm80_64x256x32_s4",
+            "sm80_128x64x32_s4",
+            "sm80_64x128x32_s4",
+        )),
+        ((32, 32768, 7168, 2048), (
+            "sm80_128x256x32_s4",
+            "sm80_256x128x32_s4",
+            "sm80_256x128x64_s3",
+            "sm80_128x128x64_s3",
+            "sm80_128x128x32_s5",
+            "sm80_64x256x32_s4",
+            "sm80_128x128x32_s4",
+            "sm80_128x256x64_s3",
+            "sm80_128x64x32_s4",
+            "sm80_64x128x32_s4",
+        )),
+        ((128, 65536, 2048, 768), (
+            "sm80_128x256x32_s4",
+            "sm80_256x128x32_s4",
+            "sm80_128x128x64_s3",
+            "sm80_128x128x32_s5",
+            "sm80_256x128x64_s3",
+            "sm80_64x256x32_s4",
+            "sm80_128x128x32_s4",
+            "sm80_128x256x64_s3",
+            "sm80_128x64x32_s4",
+            "sm80_64x128x32_s4",
+        )),
+    ),
+}
 # A measured shape speaks for problems within this factor of it in every per-group dimension
 # (output rows, output columns, contraction); outside, the wave-count rule below decides.
 MEASURED_REACH = 4.0
