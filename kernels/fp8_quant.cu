@@ -2,7 +2,8 @@
 // states them and holds the pure-JAX references these kernels equal bitwise):
 //
 //   scale = amax(tile) * f32(1/448)   (1 for an all-zero tile)
-//   q     = e4m3(x / scale)           (IEEE division, round to nearest even, satfinite)
+//   q     = e4m3(x * (1 / scale))     (one IEEE float32 reciprocal per tile, a float32 product
+//                                      per element, round to nearest even, satfinite)
 //
 //   moe_fp8_quantize_rows           L1: x [R, C] -> q [R, C], s_t [C/128, R]   (1 x 128 tiles)
 //   moe_swiglu_fwd_fp8              the SwiGLU forward writing act [R, H] and act as L1
@@ -38,8 +39,14 @@ __device__ __forceinline__ float tile_scale(float amax) {
   return amax > 0.f ? amax * kInvMax : 1.f;
 }
 
-__device__ __forceinline__ uint8_t to_e4m3(float v, float s) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v / s, __NV_SATFINITE, __NV_E4M3));
+// The reference's reciprocal of a scale: IEEE float32 division (round to nearest), whatever the
+// compiler flags.
+__device__ __forceinline__ float reciprocal(float s) { return __fdiv_rn(1.f, s); }
+
+// e4m3 of v * inv (inv = reciprocal(scale)); __fmul_rn keeps the product a plain rounded
+// multiply.
+__device__ __forceinline__ uint8_t to_e4m3(float v, float inv) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fmul_rn(v, inv), __NV_SATFINITE, __NV_E4M3));
 }
 
 // ------------------------------------------------- L1 (and SwiGLU + L1, permute + L1)
@@ -113,10 +120,10 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const RowsArgs<
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   }
   if (!live) return;
-  const float s = tile_scale(amax);
+  const float s = tile_scale(amax), inv = reciprocal(s);
   Vec<uint8_t, VEC> qv;
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) qv.v[j] = to_e4m3(v[j], s);
+  for (int j = 0; j < VEC; ++j) qv.v[j] = to_e4m3(v[j], inv);
   reinterpret_cast<Vec<uint8_t, VEC>*>(a.q)[vi] = qv;
   if (lane == 0) a.s_t[tile] = s;
 }
@@ -181,13 +188,13 @@ __device__ __forceinline__ void load_columns(const T* __restrict__ x, int64_t ld
   }
 }
 
-// Stores column j of the thread's tile rows, quantized with scale s, as 32 contiguous bytes
-// at dst (16-byte aligned).
+// Stores column j of the thread's tile rows, quantized with inv = reciprocal(scale), as 32
+// contiguous bytes at dst (16-byte aligned).
 __device__ __forceinline__ void store_column(uint8_t* __restrict__ dst, const float (&v)[32][2],
-                                             int j, float s) {
+                                             int j, float inv) {
   Vec<uint8_t, 16> out[2];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) out[i / 16].v[i % 16] = to_e4m3(v[i][j], s);
+  for (int i = 0; i < 32; ++i) out[i / 16].v[i % 16] = to_e4m3(v[i][j], inv);
   reinterpret_cast<Vec<uint8_t, 16>*>(dst)[0] = out[0];
   reinterpret_cast<Vec<uint8_t, 16>*>(dst)[1] = out[1];
 }
@@ -217,19 +224,19 @@ __global__ void __launch_bounds__(kThreads)
   amax = warp_max[0];
 #pragma unroll
   for (int i = 1; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
-  const float sc = tile_scale(amax);
+  const float sc = tile_scale(amax), inv = reciprocal(sc);
   if (threadIdx.x == 0) s[b] = sc;
   const int cp = threadIdx.x % 64, rg = threadIdx.x / 64;
   // qt[e, n0 + c, k0 + 32 rg ...]: the thread's 32 rows of each of its columns
   uint8_t* qte = qt + e * n * k;
-  store_column(qte + (n0 + 2 * cp) * k + k0 + rg * 32, v, 0, sc);
-  store_column(qte + (n0 + 2 * cp + 1) * k + k0 + rg * 32, v, 1, sc);
+  store_column(qte + (n0 + 2 * cp) * k + k0 + rg * 32, v, 0, inv);
+  store_column(qte + (n0 + 2 * cp + 1) * k + k0 + rg * 32, v, 1, inv);
   // q[e, k0 + r, n0 ...] row-major through shared memory, 16-byte stores
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
     Vec<uint8_t, 2> pair;
-    pair.v[0] = to_e4m3(v[i][0], sc);
-    pair.v[1] = to_e4m3(v[i][1], sc);
+    pair.v[0] = to_e4m3(v[i][0], inv);
+    pair.v[1] = to_e4m3(v[i][1], inv);
     *reinterpret_cast<Vec<uint8_t, 2>*>(staged + (rg * 32 + i) * kSmemStride + 2 * cp) = pair;
   }
   __syncthreads();
@@ -309,7 +316,7 @@ __global__ void __launch_bounds__(kThreads)
     const int c = 2 * cp + j;
     sc[j] = tile_scale(fmaxf(fmaxf(col_max[0][c], col_max[1][c]),
                              fmaxf(col_max[2][c], col_max[3][c])));
-    store_column(qt + (c0 + c) * rp + pt * kTile + rg * 32, v, j, sc[j]);
+    store_column(qt + (c0 + c) * rp + pt * kTile + rg * 32, v, j, reciprocal(sc[j]));
   }
   if (rg == 0) {
     Vec<float, 2> pair;

@@ -1,6 +1,7 @@
 """Independent NumPy FP8 quantizers of the three operand layouts (moe_praxis/ops/fp8_quant.py),
 written loop by loop from the layout statements, not from the ops code, for the CPU and GPU
-tests: numpy float32 division, ml_dtypes' e4m3 cast (round to nearest even)."""
+tests: numpy float32 product with the float32 reciprocal of the scale, ml_dtypes' e4m3 cast
+(round to nearest even)."""
 
 import ml_dtypes
 import numpy as np
@@ -14,7 +15,7 @@ def tile(v):
     v = np.asarray(v, np.float32)
     amax = np.float32(np.abs(v).max()) if v.size else np.float32(0)
     s = np.float32(amax * INV_MAX) if amax > 0 else np.float32(1)
-    return (v / s).astype(E4M3), s
+    return (v * (np.float32(1) / s)).astype(E4M3), s
 
 
 def rows(x):

@@ -33,7 +33,7 @@ def _np_quantize_tiles(x):
     t = np.asarray(x, np.float32).reshape(x.shape[0], -1, 128)
     amax = np.abs(t).max(-1)
     s = np.where(amax > 0, amax * np.float32(1 / 448), np.float32(1)).astype(np.float32)
-    q = (t / s[..., None]).astype(ml_dtypes.float8_e4m3fn)
+    q = (t * (np.float32(1) / s)[..., None]).astype(ml_dtypes.float8_e4m3fn)
     return q.reshape(x.shape), s
 
 

@@ -2,8 +2,9 @@
 (marked `gpu`; skipped elsewhere).
 
 Every output is compared BITWISE with the pure-JAX reference (moe_praxis.ops.fp8_quant) run on
-the CPU: the same float32 amax, product with f32(1/448), IEEE division and round-to-nearest-
-even e4m3 cast, so no tolerance. Inputs are fresh random values, with all-zero tiles, huge
+the CPU: the same float32 amax, product with f32(1/448), float32 reciprocal of the scale, product
+and round-to-nearest-even e4m3 cast, so no tolerance (a mismatch reports how many elements
+differ and by how many e4m3 / float32 steps at most). Inputs are fresh random values, with all-zero tiles, huge
 (1e30) and tiny (1e-30) rows, and per-row magnitudes spread over many octaves (e4m3
 subnormals). Outputs are poisoned before each call (device memory filled with 0x7f bytes,
 e4m3 NaN, and freed, so XLA hands it to the kernel's outputs): a byte the kernel does not
@@ -44,8 +45,24 @@ def on_cpu(fn, *args):
     return jax.jit(fn)(*jax.device_put(args, cpu))
 
 
+def _steps(a):
+    """Signed integer codes, monotonic in value (e4m3 bytes, float32 bits)."""
+    a = np.asarray(a)
+    bits = ref.bits(a).astype(np.int64)
+    sign = 1 << (8 * a.dtype.itemsize - 1)
+    return np.where(bits & sign, -(bits & (sign - 1)), bits)
+
+
 def _same(got, want, msg):
-    np.testing.assert_array_equal(ref.bits(got), ref.bits(want), err_msg=msg)
+    g, w = ref.bits(got), ref.bits(want)
+    if not np.array_equal(g, w):
+        bad = np.argwhere(g != w)
+        ulps = int(np.max(np.abs(_steps(got) - _steps(want))))
+        first = tuple(bad[0])
+        raise AssertionError(
+            f"{msg}: {len(bad)} of {g.size} elements differ, at most {ulps} steps; first at "
+            f"{first}: got {np.asarray(got, np.float32)[first]}, want "
+            f"{np.asarray(want, np.float32)[first]}")
 
 
 def _input(key, shape, dtype):

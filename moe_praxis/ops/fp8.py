@@ -6,7 +6,7 @@ weights per 128 x 128 block, e4m3 values, float32 accumulation, outputs in the i
     scale = amax(tile) * f32(1/448)  (448: e4m3's largest finite value; an all-zero tile has
                                       scale 1; a product, not a quotient, so every
                                       implementation rounds it the same way)
-    q     = e4m3(x / scale)    (round to nearest even; |x / scale| <= 448, so no overflow)
+    q     = e4m3(x * (1 / scale))  (a float32 reciprocal per tile; moe_praxis.ops.fp8_quant)
 
 The GEMMs of one grouped GEMM (ragged_dot semantics, moe_praxis.ops.grouped_gemm) and their
 operands' quantization:

@@ -5,7 +5,13 @@ One rule everywhere (DeepSeek-V3's, moe_praxis.ops.fp8 builds its GEMMs on it):
     scale = amax(tile) * f32(1/448)  (448: e4m3's largest finite value; an all-zero tile has
                                       scale 1; a product, not a quotient, so every
                                       implementation rounds it the same way)
-    q     = e4m3(x / scale)    (round to nearest even; |x / scale| <= 448, so no overflow)
+    q     = e4m3(x * (1 / scale))  (1 / scale: one float32 IEEE reciprocal per tile, then a
+                                    float32 product per element; round to nearest even;
+                                    |q| <= 448 up to rounding, so no overflow)
+
+(A product with the reciprocal, not a quotient: XLA rewrites a division by a broadcast scale
+into exactly this, so writing it out keeps the reference the same on every backend and lets
+the kernels match it bitwise; it is also one division per tile instead of per element.)
 
 The layouts the FP8 grouped GEMM kernels read (CUTLASS's sm90 blockwise mainloop takes
 MN-major scales only, hence the transposed scale arrays). Letters: R rows (token copies),
@@ -54,6 +60,11 @@ def _scale(amax):
     return jnp.where(amax > 0, amax.astype(jnp.float32) * _INV_MAX, jnp.float32(1.0))
 
 
+def _reciprocal(s):
+    # 1 / s of the unbroadcast scales: an IEEE float32 division per tile
+    return jnp.float32(1.0) / s
+
+
 def _pad_to_block(x, axis: int):
     pad = -x.shape[axis] % BLOCK
     if not pad:
@@ -71,7 +82,7 @@ def quantize_tiles(x, axis: int = -1):
     shape = x.shape
     tiled = x.reshape(shape[:axis] + (shape[axis] // BLOCK, BLOCK) + shape[axis + 1:])
     s = _scale(jnp.max(jnp.abs(tiled), axis=axis + 1))
-    q = (tiled / jnp.expand_dims(s, axis + 1)).astype(E4M3)
+    q = (tiled * jnp.expand_dims(_reciprocal(s), axis + 1)).astype(E4M3)
     return q.reshape(shape), s
 
 
@@ -97,7 +108,7 @@ def quantize_blocks(w):
     *lead, k, n = w.shape
     b = w.astype(jnp.float32).reshape(*lead, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
     s = _scale(jnp.max(jnp.abs(b), axis=(-3, -1)))
-    q = (b / s[..., :, None, :, None]).astype(E4M3)
+    q = (b * _reciprocal(s)[..., :, None, :, None]).astype(E4M3)
     return q.reshape(w.shape), s
 
 
