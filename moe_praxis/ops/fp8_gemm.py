@@ -9,7 +9,8 @@ layouts fixed for MoEConfig.fp8='blockwise' (moe_praxis.ops.fp8 quantizes to the
     L3 grouped rows   x [R, C] + group_sizes -> qt [C, Rp] e4m3, s [Rp/128, C],
                       Rp = padded_rows(R, E); group g's rows at the padded columns
                       [P_g, P_g + m_g), P_g = sum_{j<g} round_up(m_j, 128) (sizes clamped to
-                      the rows left); zero (scale 1) everywhere else
+                      the rows left); zero (scale 1) everywhere else; one scale per 128-row
+                      tile and column (the wgrad's scale granularity is 1 along M and N)
 
     fp8_nt     out[rows of g, n] = sum_k dq(a)[r, k] dq(b[g])[n, k]   (bf16 out [R, N])
                a: L1 over [R, C]; b [E, N, C] e4m3 with scales [E, C/128, N/128].
