@@ -24,7 +24,7 @@ measured; `--time-budget` seconds (default 85) bounds the run: rows not reached 
 as skipped. The FP8 rows' error against the bf16 kernel (rel_err_vs_bf16) is measured on the
 first CHECK_ROWS output rows (wgrad: the first expert). Options: --shapes A,B,C
 --dists balanced,skewed --ops fwd,dgrad,wgrad --warmup 2 --reps 10 --time-budget 85
---dense-f32 --out PATH.
+--dense-f32 --tiles 0,1 (rows fp8[<cluster>] for the other FP8 tiles) --out PATH.
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ def _rows_t(x):
     return fp8_quant.quantize_rows(x, backend="auto")
 
 
-def make_fns(op: str, m: int, k: int, n: int, e: int, dense_f32: bool = False):
-    """{name: (jitted fn, args builder)} for one op; args builders take the prepared data."""
+def make_fns(op: str, m: int, k: int, n: int, e: int, dense_f32: bool = False, tiles=(0, )):
+    """(the bf16 kernel's configuration, {name: jitted fn of the prepared data}) for one op;
+    'fp8' runs tiles[0], 'fp8[<cluster>]' each other tile of fp8_gemm.TILE_CONFIGS."""
     cfg = gg.choose_config(op, m, k, n, e)
     bf16 = {
         "fwd": lambda d: gg.cuda_fwd(d["lhs"], d["rhs"], d["gs"], cfg),
@@ -79,16 +80,18 @@ def make_fns(op: str, m: int, k: int, n: int, e: int, dense_f32: bool = False):
         "wgrad": lambda d: gg.cuda_wgrad(d["lhs"], d["dout"], d["gs"], cfg),
     }[op]
     if op == "wgrad":
-        kern = lambda d, out=jnp.bfloat16: fp8_gemm.fp8_wgrad(  # noqa: E731
-            *d["xt"], *d["dyt"], d["gs"], m, out_dtype=out)
+        kern = lambda d, out=jnp.bfloat16, tile=tiles[0]: fp8_gemm.fp8_wgrad(  # noqa: E731
+            *d["xt"], *d["dyt"], d["gs"], m, out_dtype=out, tile=tile)
         quant = lambda d: fp8_gemm.fp8_wgrad(  # noqa: E731
             *fp8_quant.quantize_rows_grouped_t(d["lhs"], d["gs"], backend="auto"),
             *fp8_quant.quantize_rows_grouped_t(d["dout"], d["gs"], backend="auto"), d["gs"], m)
     elif op == "fwd":
-        kern = lambda d: fp8_gemm.fp8_nt(*d["lhs_q"], d["qt"], d["s"], d["gs"])  # noqa: E731
+        kern = lambda d, tile=tiles[0]: fp8_gemm.fp8_nt(  # noqa: E731
+            *d["lhs_q"], d["qt"], d["s"], d["gs"], tile=tile)
         quant = lambda d: fp8_gemm.fp8_nt(*_rows_t(d["lhs"]), d["qt"], d["s"], d["gs"])  # noqa
     else:
-        kern = lambda d: fp8_gemm.fp8_nt(*d["dout_q"], d["q"], d["s_t"], d["gs"])  # noqa: E731
+        kern = lambda d, tile=tiles[0]: fp8_gemm.fp8_nt(  # noqa: E731
+            *d["dout_q"], d["q"], d["s_t"], d["gs"], tile=tile)
         quant = lambda d: fp8_gemm.fp8_nt(*_rows_t(d["dout"]), d["q"], d["s_t"], d["gs"])  # noqa
     dense_args = {
         "fwd": lambda d: (d["lhs_q"][0], d["dense_w_nk"]),
@@ -103,6 +106,10 @@ def make_fns(op: str, m: int, k: int, n: int, e: int, dense_f32: bool = False):
     fns = {
         "bf16": bf16,
         "fp8": kern,
+    }
+    for t in tiles[1:]:
+        fns[f"fp8[{fp8_gemm.TILE_CONFIGS[t].rsplit('_', 1)[1]}]"] = lambda d, t=t: kern(d, tile=t)
+    fns |= {
         "fp8+q": quant,
         "dense_fp8": dense(jnp.bfloat16),
     }
@@ -176,7 +183,7 @@ def run(args) -> list[dict]:
         for dist in args.dists:
             d = None
             for op in args.ops:
-                cfg, fns = make_fns(op, m, k, n, e, args.dense_f32)
+                cfg, fns = make_fns(op, m, k, n, e, args.dense_f32, args.tiles)
                 base, ref = None, None
                 for name, f in fns.items():
                     row = {
@@ -229,10 +236,21 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--time-budget", type=float, default=85.0, help="seconds of measuring")
     ap.add_argument("--dense-f32", action="store_true", help="also dense FP8 with f32 output")
+    ap.add_argument("--tiles",
+                    default="0",
+                    help="FP8 tiles to time (indices of fp8_gemm.TILE_CONFIGS; the first is "
+                    "the 'fp8' row)")
     args = ap.parse_args(argv)
     args.shapes = args.shapes.split(",")
     args.dists = args.dists.split(",")
     args.ops = args.ops.split(",")
+    try:
+        args.tiles = tuple(int(t) for t in args.tiles.split(","))
+    except ValueError:
+        ap.error(f"--tiles {args.tiles!r} is invalid; valid: comma-separated integers")
+    bad = [t for t in args.tiles if t not in range(len(fp8_gemm.TILE_CONFIGS))]
+    if bad:
+        ap.error(f"--tiles {bad} are invalid; valid: {dict(enumerate(fp8_gemm.TILE_CONFIGS))}")
     for what, got, valid in (("shape", args.shapes, SHAPES), ("dist", args.dists, DISTS),
                              ("op", args.ops, OPS)):
         bad = [g for g in got if g not in valid]
