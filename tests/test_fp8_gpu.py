@@ -229,15 +229,16 @@ def test_cuda_nt_matches_reference_and_bf16(kind, tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", range(len(fp8_gemm.TILE_CONFIGS)))
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("kind", KINDS)
-def test_cuda_wgrad_matches_reference_and_bf16(kind, out_dtype):
+def test_cuda_wgrad_matches_reference_and_bf16(kind, out_dtype, tile):
     _cuda_or_skip()
     rows, c1, c2, e = 1000, 256, 384, 8
     seed = _seed()
     x, dy, gs, ops_ = _wgrad_operands(rows, c1, c2, e, kind, seed)
-    msg = f"seed={seed} kind={kind} out={jnp.dtype(out_dtype)} sizes={np.asarray(gs)}"
-    f = jax.jit(lambda *a: fp8_gemm.fp8_wgrad(*a, rows, out_dtype=out_dtype))
+    msg = f"seed={seed} kind={kind} out={jnp.dtype(out_dtype)} tile={tile} sizes={np.asarray(gs)}"
+    f = jax.jit(lambda *a: fp8_gemm.fp8_wgrad(*a, rows, out_dtype=out_dtype, tile=tile))
     assert fp8_gemm.TARGETS["wgrad_f32" if out_dtype == jnp.float32 else "wgrad"] in _lowered(
         f, *ops_)
     nan_x = jnp.full_like(ops_[0], jnp.nan)  # poison every expert's output first
