@@ -50,7 +50,7 @@ struct Coop128 {  // cooperative 128x128x128: example 68's tile; 128 = one scale
   using Tile = Shape<_128, _128, _128>;
   using Cluster = Shape<Int<CM>, Int<CN>, _1>;
 };
-constexpr int kNumFp8Tiles = 2;
+constexpr int kNumFp8Tiles = 3;
 
 // The mainloop with per-group scale layouts (see the file comment). Everything else is
 // CUTLASS's blockwise mainloop.
@@ -394,6 +394,9 @@ ffi::Error run_fp8_tile(cudaStream_t stream, Fp8Prepare p, uint8_t* workspace,
                                                                  workspace_bytes, sched);
     case 1:
       return run_fp8<Fp8GemmDef<ElementD, Coop128<1, 1>, GranN>>(stream, p, workspace,
+                                                                 workspace_bytes, sched);
+    case 2:  // 2x1: B multicast to the two row tiles (the group scheduler rounds row tiles to 2)
+      return run_fp8<Fp8GemmDef<ElementD, Coop128<2, 1>, GranN>>(stream, p, workspace,
                                                                  workspace_bytes, sched);
     default:
       return ffi::Error::InvalidArgument("moe_praxis FP8 grouped GEMM: tile=" +

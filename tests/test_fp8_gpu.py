@@ -10,11 +10,15 @@ Tolerances (norm-wise relative error ||got - want|| / ||want||):
 - kernel vs a float64 loop over the same dequantized operands, bf16 output: 5e-3. The kernel
   accumulates exact e4m3 products in float32 (per 128 of K, then scaled), so the float32 error
   is ~1e-6; one bf16 rounding of the output is at most 2^-9 relative per element (~2e-3).
-- kernel vs the same with float32 output (wgrad_f32): 1e-5 (float32 summation order only).
+- kernel with float32 output (wgrad_f32) vs float32 / float64 references: 5e-4. Hopper's FP8
+  tensor cores accumulate each 128-deep K block with about 14 mantissa bits, not float32's 24
+  (which is why the recipe promotes to float32 registers every 128 of K): each block's partial
+  sum is off by up to ~2^-13 relative; measured ~1e-4 norm-wise.
+- the CUDA path's references on the CPU vs float64: 1e-5 (float32 summation order only).
 - kernel vs the bf16 grouped GEMM of the unquantized inputs: 0.08, the e4m3 bound of
   tests/test_fp8.py (each operand off by up to 2^-4 relative; norm-wise ~0.05).
 - the CUDA path's gradients vs the pure-JAX recipe (the same quantized operands): dlhs 1e-2
-  (both round to bf16 twice); dw 1e-5 (float32 out, float32 summation order only).
+  (both round to bf16 twice); dw 5e-4 (float32 out, the kernel's FP8 accumulation above).
 Inputs are fresh random draws (the seed is in every failure message).
 """
 
@@ -34,7 +38,8 @@ from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 
 TOL_BF16_OUT = 5e-3
-TOL_F32_OUT = 1e-5
+TOL_F32_OUT = 1e-5  # float32 references against float64
+TOL_F32_KERNEL = 5e-4  # the FP8 tensor cores' accumulation within a 128-deep K block
 FP8_BOUND = 0.08
 KINDS = ["balanced", "skewed", "one_takes_all", "empty_groups", "one_row", "sum_lt_m"]
 # (R, C, N, E): R not a tile multiple; the two GEMMs of test_moe_block_fp8_cuda_matches_...
@@ -120,7 +125,7 @@ def test_wrappers_name_bad_operands():
         fp8_gemm.fp8_nt(a, a_s, b[:, :64], b_s, gs)
     with pytest.raises(ValueError, match=r"group_sizes must be \[E=2\]"):
         fp8_gemm.fp8_nt(a, a_s, b, b_s, gs[:1])
-    with pytest.raises(ValueError, match="tile=7 is invalid; valid: 0...1"):
+    with pytest.raises(ValueError, match="tile=7 is invalid; valid: 0...2"):
         fp8_gemm.fp8_nt(a, a_s, b, b_s, gs, tile=7)
     with pytest.raises(ValueError, match="swizzle=3 is invalid"):
         fp8_gemm.fp8_nt(a, a_s, b, b_s, gs, swizzle=3)
@@ -247,7 +252,7 @@ def test_cuda_wgrad_matches_reference_and_bf16(kind, out_dtype, tile):
     out = f(*ops_)
     assert out.dtype == out_dtype and out.shape == (e, c1, c2)
     assert np.isfinite(np.asarray(out, np.float32)).all(), msg
-    tol = TOL_F32_OUT if out_dtype == jnp.float32 else TOL_BF16_OUT
+    tol = TOL_F32_KERNEL if out_dtype == jnp.float32 else TOL_BF16_OUT
     assert rel_err(out, _loop_wgrad_groupwise(x, dy, gs)) < tol, msg
     # the reference on the CPU: float32 products there are exact (no TF32 question)
     ref = fp8_gemm.fp8_wgrad_reference(*jax.device_put(ops_,
@@ -287,8 +292,8 @@ def test_cuda_fp8_grouped_gemm_grads_match_pure_jax_paths(kind):
     same_path = run("cuda", jax.devices("cpu")[0])
     recipe = run("xla", jax.devices("cpu")[0])
     for name, a, b, c_ in zip(("y", "dx", "dw"), got, same_path, recipe):
-        assert rel_err(a, b) < (TOL_F32_OUT if name == "dw" else TOL_BF16_OUT), (name, msg)
-        assert rel_err(a, c_) < (TOL_F32_OUT if name == "dw" else 1e-2), (name, msg)
+        assert rel_err(a, b) < (TOL_F32_KERNEL if name == "dw" else TOL_BF16_OUT), (name, msg)
+        assert rel_err(a, c_) < (TOL_F32_KERNEL if name == "dw" else 1e-2), (name, msg)
 
 
 @pytest.mark.gpu

@@ -46,8 +46,9 @@ TARGETS = {
     "wgrad_f32": "moe_grouped_gemm_fp8_wgrad_f32",
 }
 # The FFI attribute `tile` (kernels/grouped_gemm_fp8.cuh run_fp8_tile): cooperative
-# 128x128x128 with a 1x2 cluster (B tiles of two columns share A by TMA multicast) or 1x1.
-TILE_CONFIGS = ("coop_128x128x128_c1x2", "coop_128x128x128_c1x1")
+# 128x128x128 with a 1x2 cluster (two column tiles share A by TMA multicast), 1x1, or 2x1 (two
+# row tiles share B).
+TILE_CONFIGS = ("coop_128x128x128_c1x2", "coop_128x128x128_c1x1", "coop_128x128x128_c2x1")
 RASTERS = ("along_m", "along_n")
 SWIZZLES = (1, 2, 4, 8)
 # kernels/grouped_gemm_fp8.cuh kFp8GroupArrayBytesPerGroup
