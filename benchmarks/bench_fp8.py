@@ -25,7 +25,7 @@ half the repetitions); `--time-budget` seconds (default 140) bounds the run: row
 are reported as skipped. The FP8 rows' error against the bf16 kernel (rel_err_vs_bf16) is measured on the
 first CHECK_ROWS output rows (wgrad: the first expert). Options: --shapes A,B,C
 --dists balanced,skewed --ops fwd,dgrad,wgrad --warmup 2 --reps 10 --time-budget 140
---dense-f32 --tiles 0,2 (the first is the fp8 row; rows fp8[<cluster>] for the others)
+--dense-f32 --tiles 0,2,3 (the first is the fp8 row; rows fp8[<tile>] for the others)
 --out PATH.
 """
 
@@ -72,9 +72,15 @@ def _rows_t(x):
     return fp8_quant.quantize_rows(x, backend="auto")
 
 
+def _short(config: str) -> str:
+    """'coop_128x128x128_c2x1' -> 'c2x1', 'pingpong_64x128x128_c1x2' -> 'pp64c1x2'."""
+    kind, tile, cluster = config.split("_")
+    return cluster if kind == "coop" else f"pp{tile.split('x')[0]}{cluster}"
+
+
 def make_fns(op: str, m: int, k: int, n: int, e: int, dense_f32: bool = False, tiles=(0, )):
     """(the bf16 kernel's configuration, {name: jitted fn of the prepared data}) for one op;
-    'fp8' runs tiles[0], 'fp8[<cluster>]' each other tile of fp8_gemm.TILE_CONFIGS."""
+    'fp8' runs tiles[0], 'fp8[<tile>]' each other tile of fp8_gemm.TILE_CONFIGS."""
     cfg = gg.choose_config(op, m, k, n, e)
     bf16 = {
         "fwd": lambda d: gg.cuda_fwd(d["lhs"], d["rhs"], d["gs"], cfg),
@@ -110,7 +116,7 @@ def make_fns(op: str, m: int, k: int, n: int, e: int, dense_f32: bool = False, t
         "fp8": kern,
     }
     for t in tiles[1:]:
-        fns[f"fp8[{fp8_gemm.TILE_CONFIGS[t].rsplit('_', 1)[1]}]"] = lambda d, t=t: kern(d, tile=t)
+        fns[f"fp8[{_short(fp8_gemm.TILE_CONFIGS[t])}]"] = lambda d, t=t: kern(d, tile=t)
     fns |= {
         "fp8+q": quant,
         "dense_fp8": dense(jnp.bfloat16),
@@ -252,7 +258,7 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=140.0, help="seconds of measuring")
     ap.add_argument("--dense-f32", action="store_true", help="also dense FP8 with f32 output")
     ap.add_argument("--tiles",
-                    default="0,2",
+                    default="0,2,3",
                     help="FP8 tiles to time (indices of fp8_gemm.TILE_CONFIGS; the first is "
                     "the 'fp8' row)")
     args = ap.parse_args(argv)

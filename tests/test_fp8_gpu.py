@@ -125,7 +125,7 @@ def test_wrappers_name_bad_operands():
         fp8_gemm.fp8_nt(a, a_s, b[:, :64], b_s, gs)
     with pytest.raises(ValueError, match=r"group_sizes must be \[E=2\]"):
         fp8_gemm.fp8_nt(a, a_s, b, b_s, gs[:1])
-    with pytest.raises(ValueError, match="tile=7 is invalid; valid: 0...2"):
+    with pytest.raises(ValueError, match="tile=7 is invalid; valid: 0...3"):
         fp8_gemm.fp8_nt(a, a_s, b, b_s, gs, tile=7)
     with pytest.raises(ValueError, match="swizzle=3 is invalid"):
         fp8_gemm.fp8_nt(a, a_s, b, b_s, gs, swizzle=3)

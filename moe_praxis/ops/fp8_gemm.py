@@ -47,8 +47,10 @@ TARGETS = {
 }
 # The FFI attribute `tile` (kernels/grouped_gemm_fp8.cuh run_fp8_tile): cooperative
 # 128x128x128 with a 1x2 cluster (two column tiles share A by TMA multicast), 1x1, or 2x1 (two
-# row tiles share B).
-TILE_CONFIGS = ("coop_128x128x128_c1x2", "coop_128x128x128_c1x1", "coop_128x128x128_c2x1")
+# row tiles share B); ping-pong 64x128x128 with a 1x2 cluster (one consumer warpgroup's scale
+# promotion and epilogue overlap the other's tensor-core work).
+TILE_CONFIGS = ("coop_128x128x128_c1x2", "coop_128x128x128_c1x1", "coop_128x128x128_c2x1",
+                "pingpong_64x128x128_c1x2")
 RASTERS = ("along_m", "along_n")
 SWIZZLES = (1, 2, 4, 8)
 # kernels/grouped_gemm_fp8.cuh kFp8GroupArrayBytesPerGroup
