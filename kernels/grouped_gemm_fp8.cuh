@@ -50,7 +50,16 @@ struct Coop128 {  // cooperative 128x128x128: example 68's tile; 128 = one scale
   using Tile = Shape<_128, _128, _128>;
   using Cluster = Shape<Int<CM>, Int<CN>, _1>;
 };
-constexpr int kNumFp8Tiles = 2;
+// ping-pong 64x128x128: each consumer warpgroup owns a 64x128 tile, so one warpgroup's scale
+// promotion and epilogue overlap the other's tensor-core work
+template <int CM, int CN>
+struct Pingpong64 {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+  using Tile = Shape<_64, _128, _128>;
+  using Cluster = Shape<Int<CM>, Int<CN>, _1>;
+};
+constexpr int kNumFp8Tiles = 4;
 
 // The mainloop with per-group scale layouts (see the file comment). Everything else is
 // CUTLASS's blockwise mainloop.
@@ -395,6 +404,12 @@ ffi::Error run_fp8_tile(cudaStream_t stream, Fp8Prepare p, uint8_t* workspace,
     case 1:
       return run_fp8<Fp8GemmDef<ElementD, Coop128<1, 1>, GranN>>(stream, p, workspace,
                                                                  workspace_bytes, sched);
+    case 2:  // 2x1: B multicast to the two row tiles (the group scheduler rounds row tiles to 2)
+      return run_fp8<Fp8GemmDef<ElementD, Coop128<2, 1>, GranN>>(stream, p, workspace,
+                                                                 workspace_bytes, sched);
+    case 3:
+      return run_fp8<Fp8GemmDef<ElementD, Pingpong64<1, 2>, GranN>>(stream, p, workspace,
+                                                                    workspace_bytes, sched);
     default:
       return ffi::Error::InvalidArgument("moe_praxis FP8 grouped GEMM: tile=" +
                                          std::to_string(tile) + " is invalid; valid: 0.." +

@@ -10,11 +10,15 @@ Tolerances (norm-wise relative error ||got - want|| / ||want||):
 - kernel vs a float64 loop over the same dequantized operands, bf16 output: 5e-3. The kernel
   accumulates exact e4m3 products in float32 (per 128 of K, then scaled), so the float32 error
   is ~1e-6; one bf16 rounding of the output is at most 2^-9 relative per element (~2e-3).
-- kernel vs the same with float32 output (wgrad_f32): 1e-5 (float32 summation order only).
+- kernel with float32 output (wgrad_f32) vs float32 / float64 references: 5e-4. Hopper's FP8
+  tensor cores accumulate each 128-deep K block with about 14 mantissa bits, not float32's 24
+  (which is why the recipe promotes to float32 registers every 128 of K): each block's partial
+  sum is off by up to ~2^-13 relative; measured ~1e-4 norm-wise.
+- the CUDA path's references on the CPU vs float64: 1e-5 (float32 summation order only).
 - kernel vs the bf16 grouped GEMM of the unquantized inputs: 0.08, the e4m3 bound of
   tests/test_fp8.py (each operand off by up to 2^-4 relative; norm-wise ~0.05).
 - the CUDA path's gradients vs the pure-JAX recipe (the same quantized operands): dlhs 1e-2
-  (both round to bf16 twice); dw 1e-5 (float32 out, float32 summation order only).
+  (both round to bf16 twice); dw 5e-4 (float32 out, the kernel's FP8 accumulation above).
 Inputs are fresh random draws (the seed is in every failure message).
 """
 
@@ -34,7 +38,8 @@ from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 
 TOL_BF16_OUT = 5e-3
-TOL_F32_OUT = 1e-5
+TOL_F32_OUT = 1e-5  # float32 references against float64
+TOL_F32_KERNEL = 5e-4  # the FP8 tensor cores' accumulation within a 128-deep K block
 FP8_BOUND = 0.08
 KINDS = ["balanced", "skewed", "one_takes_all", "empty_groups", "one_row", "sum_lt_m"]
 # (R, C, N, E): R not a tile multiple; the two GEMMs of test_moe_block_fp8_cuda_matches_...
@@ -120,7 +125,7 @@ def test_wrappers_name_bad_operands():
         fp8_gemm.fp8_nt(a, a_s, b[:, :64], b_s, gs)
     with pytest.raises(ValueError, match=r"group_sizes must be \[E=2\]"):
         fp8_gemm.fp8_nt(a, a_s, b, b_s, gs[:1])
-    with pytest.raises(ValueError, match="tile=7 is invalid; valid: 0...1"):
+    with pytest.raises(ValueError, match="tile=7 is invalid; valid: 0...3"):
         fp8_gemm.fp8_nt(a, a_s, b, b_s, gs, tile=7)
     with pytest.raises(ValueError, match="swizzle=3 is invalid"):
         fp8_gemm.fp8_nt(a, a_s, b, b_s, gs, swizzle=3)
@@ -179,6 +184,29 @@ def _lowered(fn, *args):
 
 
 @pytest.mark.gpu
+def test_pure_jax_recipe_on_gpu_really_rounds_to_e4m3():
+    """Quantize and dequantize inside one jit on the GPU equal the CPU's (XLA:GPU folds
+    f32 -> e4m3 -> f32 conversion chains away unless the e4m3 value is kept), and the
+    recipe's 'xla' path on the GPU equals the same path on the CPU."""
+    seed = _seed()
+    x = jax.random.normal(jax.random.key(seed), (256, 512), jnp.float32)
+    cpu = jax.devices("cpu")[0]
+
+    def roundtrip(v):
+        return fp8.dequantize_tiles(*fp8.quantize_tiles(v, axis=1), axis=1)
+
+    got = jax.jit(roundtrip)(x)
+    want = jax.jit(roundtrip)(jax.device_put(x, cpu))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed={seed}")
+    assert rel_err(got, x) > 0.005, f"seed={seed}: nothing was quantized"
+    rows, c, n, e = 512, 256, 256, 4
+    x, w, gs, _ = _nt_operands(rows, c, n, e, "skewed", seed)
+    f = jax.jit(lambda a, b, g: fp8.fp8_grouped_gemm(a, b, g, backend="xla"))
+    y_gpu, y_cpu = f(x, w, gs), f(*jax.device_put((x, w, gs), cpu))
+    assert rel_err(y_gpu, y_cpu) < TOL_BF16_OUT, f"seed={seed}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile", range(len(fp8_gemm.TILE_CONFIGS)))
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_nt_matches_reference_and_bf16(kind, tile):
@@ -206,15 +234,16 @@ def test_cuda_nt_matches_reference_and_bf16(kind, tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", range(len(fp8_gemm.TILE_CONFIGS)))
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("kind", KINDS)
-def test_cuda_wgrad_matches_reference_and_bf16(kind, out_dtype):
+def test_cuda_wgrad_matches_reference_and_bf16(kind, out_dtype, tile):
     _cuda_or_skip()
     rows, c1, c2, e = 1000, 256, 384, 8
     seed = _seed()
     x, dy, gs, ops_ = _wgrad_operands(rows, c1, c2, e, kind, seed)
-    msg = f"seed={seed} kind={kind} out={jnp.dtype(out_dtype)} sizes={np.asarray(gs)}"
-    f = jax.jit(lambda *a: fp8_gemm.fp8_wgrad(*a, rows, out_dtype=out_dtype))
+    msg = f"seed={seed} kind={kind} out={jnp.dtype(out_dtype)} tile={tile} sizes={np.asarray(gs)}"
+    f = jax.jit(lambda *a: fp8_gemm.fp8_wgrad(*a, rows, out_dtype=out_dtype, tile=tile))
     assert fp8_gemm.TARGETS["wgrad_f32" if out_dtype == jnp.float32 else "wgrad"] in _lowered(
         f, *ops_)
     nan_x = jnp.full_like(ops_[0], jnp.nan)  # poison every expert's output first
@@ -223,9 +252,11 @@ def test_cuda_wgrad_matches_reference_and_bf16(kind, out_dtype):
     out = f(*ops_)
     assert out.dtype == out_dtype and out.shape == (e, c1, c2)
     assert np.isfinite(np.asarray(out, np.float32)).all(), msg
-    tol = TOL_F32_OUT if out_dtype == jnp.float32 else TOL_BF16_OUT
+    tol = TOL_F32_KERNEL if out_dtype == jnp.float32 else TOL_BF16_OUT
     assert rel_err(out, _loop_wgrad_groupwise(x, dy, gs)) < tol, msg
-    ref = fp8_gemm.fp8_wgrad_reference(*ops_, rows, out_dtype)
+    # the reference on the CPU: float32 products there are exact (no TF32 question)
+    ref = fp8_gemm.fp8_wgrad_reference(*jax.device_put(ops_,
+                                                       jax.devices("cpu")[0]), rows, out_dtype)
     assert rel_err(out, ref) < tol, msg
     for g in np.flatnonzero(np.asarray(gs) == 0):
         np.testing.assert_array_equal(np.asarray(out[g], np.float32), 0.0, err_msg=msg)
@@ -237,7 +268,8 @@ def test_cuda_wgrad_matches_reference_and_bf16(kind, out_dtype):
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "empty_groups", "one_row", "sum_lt_m"])
 def test_cuda_fp8_grouped_gemm_grads_match_pure_jax_paths(kind):
     """fp8_grouped_gemm(backend='cuda') on the GPU against (a) the same CUDA path lowered for
-    the CPU (the kernels' references: tight) and (b) the recipe's pure-JAX path (module doc)."""
+    the CPU (the kernels' references: tight) and (b) the recipe's pure-JAX path on the CPU
+    (module doc)."""
     _cuda_or_skip()
     rows, c, n, e = 1000, 256, 384, 8
     seed = _seed()
@@ -258,10 +290,10 @@ def test_cuda_fp8_grouped_gemm_grads_match_pure_jax_paths(kind):
 
     got = run("cuda")
     same_path = run("cuda", jax.devices("cpu")[0])
-    recipe = run("xla")
+    recipe = run("xla", jax.devices("cpu")[0])
     for name, a, b, c_ in zip(("y", "dx", "dw"), got, same_path, recipe):
-        assert rel_err(a, b) < (TOL_F32_OUT if name == "dw" else TOL_BF16_OUT), (name, msg)
-        assert rel_err(a, c_) < (TOL_F32_OUT if name == "dw" else 1e-2), (name, msg)
+        assert rel_err(a, b) < (TOL_F32_KERNEL if name == "dw" else TOL_BF16_OUT), (name, msg)
+        assert rel_err(a, c_) < (TOL_F32_KERNEL if name == "dw" else 1e-2), (name, msg)
 
 
 @pytest.mark.gpu

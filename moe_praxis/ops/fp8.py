@@ -65,11 +65,12 @@ _HI = jax.lax.Precision.HIGHEST
 _QUANT = "auto"
 
 
-def _cuda_nt(x, bq, bs, group_sizes, out_dtype):
+def _cuda_nt(op, x, bq, bs, group_sizes, out_dtype):
     """The FP8 NT grouped GEMM of x's 1x128 row tiles (L1) against bq [E, N, C] (scales
     [E, C/128, N/128])."""
     q, s_t = quantize_rows(x, backend=_QUANT)
-    return fp8_gemm.fp8_nt(q, s_t, bq, bs, group_sizes).astype(out_dtype)
+    return fp8_gemm.fp8_nt(q, s_t, bq, bs, group_sizes,
+                           tile=fp8_gemm.DEFAULT_TILES[op]).astype(out_dtype)
 
 
 def _quantize_weight(rhs, impl):
@@ -84,7 +85,7 @@ def _quantize_weight(rhs, impl):
 def _fwd_math(lhs, wq, ws, group_sizes, impl="xla", wqt=None):
     if impl == "cuda":
         wqt = jnp.swapaxes(wq, 1, 2) if wqt is None else wqt
-        return _cuda_nt(lhs, wqt, ws, group_sizes, lhs.dtype)
+        return _cuda_nt("fwd", lhs, wqt, ws, group_sizes, lhs.dtype)
     k = lhs.shape[1]
     xq, xs = quantize_tiles(lhs, axis=1)
     x = dequantize_tiles(xq, xs, axis=1)[:, :k]
@@ -98,11 +99,18 @@ def _fwd_math(lhs, wq, ws, group_sizes, impl="xla", wqt=None):
 
 def _cuda_bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype):
     dy = dy.astype(lhs.dtype)
-    dx = _cuda_nt(dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, lhs.dtype)
+    dx = _cuda_nt("dgrad", dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, lhs.dtype)
     xt, xs = quantize_rows_grouped_t(lhs, group_sizes, backend=_QUANT)
     dyt, dys = quantize_rows_grouped_t(dy, group_sizes, backend=_QUANT)
     out = jnp.float32 if jnp.dtype(rhs_dtype) == jnp.float32 else jnp.bfloat16
-    dw = fp8_gemm.fp8_wgrad(xt, xs, dyt, dys, group_sizes, lhs.shape[0], out_dtype=out)
+    dw = fp8_gemm.fp8_wgrad(xt,
+                            xs,
+                            dyt,
+                            dys,
+                            group_sizes,
+                            lhs.shape[0],
+                            out_dtype=out,
+                            tile=fp8_gemm.DEFAULT_TILES["wgrad"])
     return dx, dw.astype(rhs_dtype)
 
 

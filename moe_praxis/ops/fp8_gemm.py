@@ -9,7 +9,8 @@ layouts fixed for MoEConfig.fp8='blockwise' (moe_praxis.ops.fp8 quantizes to the
     L3 grouped rows   x [R, C] + group_sizes -> qt [C, Rp] e4m3, s [Rp/128, C],
                       Rp = padded_rows(R, E); group g's rows at the padded columns
                       [P_g, P_g + m_g), P_g = sum_{j<g} round_up(m_j, 128) (sizes clamped to
-                      the rows left); zero (scale 1) everywhere else
+                      the rows left); zero (scale 1) everywhere else; one scale per 128-row
+                      tile and column (the wgrad's scale granularity is 1 along M and N)
 
     fp8_nt     out[rows of g, n] = sum_k dq(a)[r, k] dq(b[g])[n, k]   (bf16 out [R, N])
                a: L1 over [R, C]; b [E, N, C] e4m3 with scales [E, C/128, N/128].
@@ -34,7 +35,7 @@ from moe_praxis.ops._library import ffi, platform_call
 from moe_praxis.ops.fp8_quant import (  # noqa: F401  (padded_rows re-exported: L3's Rp)
     dequantize_rows, dequantize_tiles, grouped_offsets, padded_rows)
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
-from moe_praxis.ops.grouped_gemm_tiles import CUTLASS_WORKSPACE_BYTES
+from moe_praxis.ops.grouped_gemm_tiles import CUTLASS_WORKSPACE_BYTES, SWIZZLES
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 BLOCK = 128
@@ -45,10 +46,14 @@ TARGETS = {
     "wgrad_f32": "moe_grouped_gemm_fp8_wgrad_f32",
 }
 # The FFI attribute `tile` (kernels/grouped_gemm_fp8.cuh run_fp8_tile): cooperative
-# 128x128x128 with a 1x2 cluster (B tiles of two columns share A by TMA multicast) or 1x1.
-TILE_CONFIGS = ("coop_128x128x128_c1x2", "coop_128x128x128_c1x1")
-RASTERS = ("along_m", "along_n")
-SWIZZLES = (1, 2, 4, 8)
+# 128x128x128 with a 1x2 cluster (two column tiles share A by TMA multicast), 1x1, or 2x1 (two
+# row tiles share B); ping-pong 64x128x128 with a 1x2 cluster (one consumer warpgroup's scale
+# promotion and epilogue overlap the other's tensor-core work).
+TILE_CONFIGS = ("coop_128x128x128_c1x2", "coop_128x128x128_c1x1", "coop_128x128x128_c2x1",
+                "pingpong_64x128x128_c1x2")
+# The tile moe_praxis.ops.fp8's CUDA path runs for each of its GEMMs (benchmarks.bench_fp8
+# times the others).
+DEFAULT_TILES = {"fwd": 0, "dgrad": 0, "wgrad": 0}
 # kernels/grouped_gemm_fp8.cuh kFp8GroupArrayBytesPerGroup
 GROUP_ARRAY_BYTES_PER_GROUP = 384
 WGRAD_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))

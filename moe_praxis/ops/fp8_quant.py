@@ -74,6 +74,14 @@ def _pad_to_block(x, axis: int):
     return jnp.pad(x, widths)
 
 
+def _materialized(q):
+    """q as e4m3 values that a later conversion back to float32 cannot skip: XLA:GPU's
+    SimplifyFPConversions (under xla_allow_excess_precision, on by default) folds a chain
+    f32 -> e4m3 -> f32 into nothing, so a quantize-dequantize inside one jit would not round
+    at all; an optimization barrier keeps the e4m3 value."""
+    return jax.lax.optimization_barrier(q)
+
+
 def quantize_tiles(x, axis: int = -1):
     """1 x 128 tiles along `axis` (zero-padded to a multiple of 128) -> (q e4m3 with the padded
     shape, scales float32 with `axis` divided by 128)."""
@@ -82,7 +90,7 @@ def quantize_tiles(x, axis: int = -1):
     shape = x.shape
     tiled = x.reshape(shape[:axis] + (shape[axis] // BLOCK, BLOCK) + shape[axis + 1:])
     s = _scale(jnp.max(jnp.abs(tiled), axis=axis + 1))
-    q = (tiled * jnp.expand_dims(_reciprocal(s), axis + 1)).astype(E4M3)
+    q = _materialized((tiled * jnp.expand_dims(_reciprocal(s), axis + 1)).astype(E4M3))
     return q.reshape(shape), s
 
 
@@ -108,7 +116,7 @@ def quantize_blocks(w):
     *lead, k, n = w.shape
     b = w.astype(jnp.float32).reshape(*lead, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
     s = _scale(jnp.max(jnp.abs(b), axis=(-3, -1)))
-    q = (b * _reciprocal(s)[..., :, None, :, None]).astype(E4M3)
+    q = _materialized((b * _reciprocal(s)[..., :, None, :, None]).astype(E4M3))
     return q.reshape(w.shape), s
 
 
