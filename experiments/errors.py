@@ -3,6 +3,7 @@ the traceback first only when asked for (``--verbose_errors``)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
@@ -32,3 +33,16 @@ def report(e: BaseException, *, verbose: bool = False, file=None) -> None:
     if verbose:
         traceback.print_exception(_unsuppressed(e), file=file)
     print(PREFIX + one_line(e), file=file, flush=True)
+
+
+def end_process_on_error(rc: int) -> int:
+    """The main process's exit: after a config, flag or restore error (status 2) the process
+    ends at once. Tensorstore reads still in flight after a failed restore complete during
+    interpreter shutdown, where their callbacks print 'Event loop is closed' tracebacks past
+    every hook (checkpoints._drop_closed_loop_errors); the one-line error has been written and
+    nothing else is pending."""
+    if rc == 2:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+    return rc

@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import difflib
 import json
-import os
 import re
 import signal
 import sys
@@ -385,22 +384,9 @@ def _main(argv) -> int:
             return 2
 
 
-def _main_process(argv) -> int:
-    """_main as the process's main: after a config, flag or restore error (status 2) the
-    process ends at once. Tensorstore reads still in flight after a failed restore complete
-    during interpreter shutdown, where their callbacks print 'Event loop is closed' tracebacks
-    past every hook (checkpoints._drop_closed_loop_errors); the one-line error has been written
-    and nothing else is pending."""
-    rc = _main(argv)
-    if rc == 2:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)
-    return rc
-
-
 def run():
-    app.run(_main_process, flags_parser=fdl_flags.flags_parser)
+    app.run(lambda argv: errors.end_process_on_error(_main(argv)),
+            flags_parser=fdl_flags.flags_parser)
 
 
 if __name__ == "__main__":
