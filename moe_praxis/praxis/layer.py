@@ -58,8 +58,8 @@ class MoEFeedForward(base_layer.BaseLayer):
     (docs/praxis.md has the table, kept in step with these fields by a test), plus ours:
       fuse_gate_up: gated only; one weight wi_gate_up [E, M, 2H] (MoEConfig.fuse_gate_up).
       num_experts_per_token: k for gating_func='topk' (top2 / dense_top2 need 2).
-      aux_loss_type, kernel_backend, router_precision, ep_exchange, ep_buffer_factor,
-      router_z_loss_weight (z_loss_coeff): MoEConfig's.
+      aux_loss_type, kernel_backend, router_precision, ep_exchange, ep_buffer_factor, fp8,
+      fp8_quantize_before_gather, router_z_loss_weight (z_loss_coeff): MoEConfig's.
       mesh_resources: a moe_praxis.MeshResources; when set and a mesh is in scope
         (jax.set_mesh or `with mesh:`), moe_block runs expert-parallel on it, and when the
         layer also has mesh_axis_names and ici_mesh_shape its weight sharding is checked
@@ -83,8 +83,6 @@ class MoEFeedForward(base_layer.BaseLayer):
     Shared experts, with any gating_func: num_shared_experts, shared_hidden_dims (Hs; None =
     num_shared_experts * hidden_dims) and shared_expert_gate (Qwen2-MoE's sigmoid output gate),
     MoEConfig's num_shared_experts, shared_d_ff and shared_expert_gate.
-    FP8 expert GEMMs, with any gating_func: fp8 (None or 'blockwise') and
-    fp8_quantize_before_gather, MoEConfig's.
     """
 
     input_dims: int = 0
@@ -115,8 +113,7 @@ class MoEFeedForward(base_layer.BaseLayer):
     gating_logit_cap: float = 0.0
     moe_gating_embedding_level: str = "token"
     use_gated_activation: bool = False
-    # moe_praxis fields.
-    fuse_gate_up: bool = False
+    fuse_gate_up: bool = False  # moe_praxis's fields from here on
     num_experts_per_token: int = 2
     aux_loss_type: str = "gshard"
     router_z_loss_weight: float = 0.0
@@ -140,8 +137,7 @@ class MoEFeedForward(base_layer.BaseLayer):
     num_shared_experts: int = 0
     shared_hidden_dims: Optional[int] = None
     shared_expert_gate: bool = False
-    # FP8 expert GEMMs (MoEConfig.fp8, any gating_func).
-    fp8: Optional[str] = None
+    fp8: Optional[str] = None  # FP8 expert GEMMs (MoEConfig.fp8, any gating_func)
     fp8_quantize_before_gather: bool = True
 
     class WeightSharding(base_layer.BaseLayer.WeightSharding):
