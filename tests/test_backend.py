@@ -225,6 +225,20 @@ def test_swiglu_permute_aux_paths_match_numpy_reference():
     assert abs(float(got) - ref.aux_loss(probs, f, top_k=2, coeff=0.3)) <= 1e-6 * float(got)
 
 
+def test_permute_references_read_and_drop_negative_rows_as_the_kernels_do():
+    """Out-of-range row_map entries, negative ones too, read zeros and are not written (the
+    kernels' contract); jnp indexing alone would wrap -1 to the last token."""
+    rng = np.random.default_rng(ref.seed())
+    t = 6
+    row_map = jnp.asarray([-1, -3, 0, t, 5, -2, t + 2, 2], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((t, 4)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
+    np.testing.assert_array_equal(ops.permute_reference(x, row_map), ref.permute(x, row_map))
+    np.testing.assert_allclose(ops.unpermute_reference(y, row_map, t),
+                               ref.unpermute(y, row_map, t),
+                               rtol=1e-6)
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 def test_swiglu_custom_vjp_inside_shard_map_with_mixed_varying_inputs(weighted):
     """Inside shard_map (check_vma) the rows vary over the mesh axis and the weights do not

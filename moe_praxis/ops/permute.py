@@ -4,7 +4,8 @@
     unpermute(y, row_map, T)[t] = sum_{r: row_map[r]=t} y[r]
 
 Each is the other's transpose (so each is the other's backward). Rows whose row_map is out
-of range (>= T, used for dropped / padded copies) read zeros and are not written.
+of range (>= T, used for dropped / padded copies, or negative) read zeros and are not written,
+as in the kernels (NumPy-style wrapping of negative indices is not the contract).
 
 CUDA side (kernels/permute.cu): `permute_cuda` / `unpermute_cuda`, custom_vjps whose forward
 and backward are each a `platform_call` of a kernel and the reference.
@@ -22,13 +23,19 @@ from moe_praxis.ops._library import ffi, platform_call
 from moe_praxis.ops.vma import zero_cotangent
 
 
+def _in_range(row_map, num_tokens: int):
+    """row_map with every out-of-range entry, negative ones too, set to num_tokens (jnp
+    indexing would wrap a negative index to the end)."""
+    return jnp.where(row_map < 0, num_tokens, row_map)
+
+
 def permute_reference(x, row_map):
-    return jnp.take(x, row_map, axis=0, mode="fill", fill_value=0)
+    return jnp.take(x, _in_range(row_map, x.shape[0]), axis=0, mode="fill", fill_value=0)
 
 
 def unpermute_reference(y, row_map, num_tokens: int):
     out = jnp.zeros((num_tokens, ) + y.shape[1:], y.dtype)
-    return out.at[row_map].add(y, mode="drop")
+    return out.at[_in_range(row_map, num_tokens)].add(y, mode="drop")
 
 
 # ------------------------------------------------------------------------------ CUDA side
