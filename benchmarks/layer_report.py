@@ -13,6 +13,7 @@ DEFAULT_JSON = "benchmarks/results/layer_bench.json"
 GSHARD_REF = "gshard cf2.5"  # the GShard row 'x GShard' divides by (equal capacity per copy)
 TARGET_METHODS = ("cuda", "cuda+fuse")
 SKEW_SLACK = 1.15
+FP8_SPEEDUP = 1.35  # issue 19: 'cuda+fp8' fwd+bwd over 'cuda', Mixtral-like, balanced
 
 
 def _list(choices, what):
@@ -96,6 +97,7 @@ def derive(rows: list[dict], shape: lc.Shape, pass_: str, copy_bw: float) -> Non
                  status="computed",
                  weight_traffic_bytes=traffic))
     gshard = by.get(GSHARD_REF, {}).get("ms")
+    cuda_ms = by.get("cuda", {}).get("ms")
     flops = lc.expert_flops(shape, pass_)
     for r in rows:
         if not r.get("ms"):
@@ -104,10 +106,17 @@ def derive(rows: list[dict], shape: lc.Shape, pass_: str, copy_bw: float) -> Non
         r["pct_ideal"] = 100 * ideal / r["ms"] if ideal else None
         r["pct_roofline"] = 100 * roof / r["ms"] if roof else None
         r["x_gshard"] = gshard / r["ms"] if gshard else None
+        r["x_cuda"] = cuda_ms / r["ms"] if cuda_ms else None
 
 
 def _target(r: dict, balanced_ms: float | None):
-    """(text, ok) of issue 23's target for one row, or None where none applies."""
+    """(text, ok) of issue 23's target for one row (issue 19's for 'cuda+fp8'), or None where
+    none applies."""
+    if r["method"] == "cuda+fp8":
+        if r["pass_"] != "fwd+bwd" or r["load"] != "balanced" or r["shape"] != "mixtral":
+            return None
+        xc = r.get("x_cuda") or 0
+        return f">= {FP8_SPEEDUP}x 'cuda' (x{xc:.2f})", xc >= FP8_SPEEDUP
     if r["pass_"] != "fwd+bwd" or r["method"] not in TARGET_METHODS:
         return None
     if r["load"] == "skewed":

@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 from moe_praxis import ops
 from moe_praxis.config import MoEConfig
 from moe_praxis.ops import backend as ops_backend
-from moe_praxis.ops import fp8
+from moe_praxis.ops import fp8, fp8_fused
 
 # Set to 1: use_cudnn_fusion=True where the fusion cannot run is an error, not a warning (for
 # jobs that must not silently run another kernel than the one asked for).
@@ -72,7 +72,27 @@ def _warn_cudnn_fallback(backend: str) -> None:
         f"({ENV_STRICT_CUDNN}=1 makes this an error).", RuntimeWarning)
 
 
-def expert_ffn(rows, group_sizes, weights, config: MoEConfig, *, backend="auto", row_weights=None):
+def fp8_kernels(config: MoEConfig, backend: str) -> bool:
+    """True where config.fp8 runs the FP8 kernels (rather than the pure-JAX emulation): the
+    dispatch then writes the rows' FP8 operand in its permute (expert_ffn's rows_fp8)."""
+    return config.fp8 is not None and fp8.resolve(backend) == "cuda"
+
+
+def dispatch_rows_fp8(x, row_map):
+    """(rows = x[row_map] in x.dtype, (q, s_t)): the permute writing the gate/up projection's
+    FP8 lhs in the same pass (ops.fp8_fused.permute_fp8)."""
+    rows, q, s_t = fp8_fused.permute_fp8(x, row_map, backend="auto")
+    return rows, (q, s_t)
+
+
+def expert_ffn(rows,
+               group_sizes,
+               weights,
+               config: MoEConfig,
+               *,
+               backend="auto",
+               row_weights=None,
+               rows_fp8=None):
     """rows: [R, M]; group_sizes: [E]; weights: the expert weights of the parameter tree
     (moe.param_shapes: wi_up, wi_gate if gated [E, M, H], or wi_gate_up [E, M, 2H] with
     config.fuse_gate_up; wo [E, H, M]; other keys ignored) -> [R, M].
@@ -84,11 +104,14 @@ def expert_ffn(rows, group_sizes, weights, config: MoEConfig, *, backend="auto",
     With config.use_cudnn_fusion where cuDNN's fusion is unusable: warns once per reason
     (RuntimeWarning naming it and the fallback) and runs the fallback; with
     MOE_PRAXIS_STRICT_CUDNN_FUSION=1 raises instead.
+    rows_fp8: optional (q, s_t), the rows' FP8 operand (dispatch_rows_fp8), used by the FP8
+    kernels (config.fp8, fp8_kernels) instead of quantizing the rows again.
     """
     if config.use_cudnn_fusion:
         _warn_cudnn_fallback(backend)
     if config.fp8 is not None:
-        return _fp8_expert_ffn(rows, group_sizes, weights, config, row_weights, backend)
+        return _fp8_expert_ffn(rows, group_sizes, weights, config, row_weights, backend,
+                               rows_fp8)
     dt = rows.dtype
     wo = weights["wo"]
     if config.fuse_gate_up:
@@ -117,7 +140,8 @@ def expert_ffn(rows, group_sizes, weights, config: MoEConfig, *, backend="auto",
     return checkpoint_name(out, "ffn2")
 
 
-def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, backend):
+def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, backend,
+                    rows_fp8):
     """config.fp8='blockwise': the three expert GEMMs in blockwise FP8 (ops.fp8, forward, dgrad
     and wgrad: the FP8 grouped GEMM kernels where `backend` resolves to cuda, else the pure-JAX
     emulation), the activation and the routing weight in float32 between them."""
@@ -130,6 +154,8 @@ def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, 
             RuntimeWarning)
     dt = rows.dtype
     gathers = weights.get(FP8_GATHER, {})
+    if impl == "cuda" and not gathers:
+        return _fp8_kernel_ffn(rows, group_sizes, weights, config, row_weights, rows_fp8)
 
     def gemm(lhs, name):
         if name in gathers:
@@ -152,3 +178,27 @@ def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, 
             act = act * row_weights.astype(jnp.float32)[:, None]
     act = checkpoint_name(act.astype(dt), "ffn1")
     return checkpoint_name(gemm(act, "wo"), "ffn2")
+
+
+def _fp8_kernel_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, rows_fp8):
+    """The FP8 kernels' FFN: one FP8 operand of the rows for the gate and up projections (the
+    permute's, rows_fp8, or quantized here once), the SwiGLU writing the down projection's FP8
+    operand in its pass (silu; other activations quantize their output after it)."""
+    names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
+    outs = fp8.fp8_gemms_shared_lhs(rows, rows_fp8, tuple(weights[n] for n in names), group_sizes)
+    up = checkpoint_name(outs[-1], "moe_up")
+    act_fp8 = None
+    if config.gated and config.activation == "silu":
+        gate = checkpoint_name(outs[0], "moe_gate")
+        act, *act_fp8 = fp8_fused.swiglu_fp8(gate, up, row_weights, backend="auto")
+    elif config.gated:
+        gate = checkpoint_name(outs[0], "moe_gate")
+        act = ops.swiglu_reference(gate, up, row_weights, act=config.activation).astype(rows.dtype)
+    else:
+        act = ops.activation(config.activation)(up.astype(jnp.float32))
+        if row_weights is not None:
+            act = act * row_weights.astype(jnp.float32)[:, None]
+        act = act.astype(rows.dtype)
+    act = checkpoint_name(act, "ffn1")
+    out = fp8.fp8_gemms_shared_lhs(act, act_fp8, (weights["wo"], ), group_sizes)[0]
+    return checkpoint_name(out, "ffn2")

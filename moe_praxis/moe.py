@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from moe_praxis import router_stats, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.dispatch import capacity, exchange, sort
-from moe_praxis.experts import FP8_GATHER, expert_ffn
+from moe_praxis.experts import FP8_GATHER, dispatch_rows_fp8, expert_ffn, fp8_kernels
 from moe_praxis.ops import resolve_backend, vma
 from moe_praxis.params import check_params, init_moe_params, param_shapes
 from moe_praxis.resources import EPLayout, check_mesh_in_scope, ep_bootstrap, psum
@@ -196,8 +196,16 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
     with jax.named_scope("moe_experts"):
         weights = _gather_weights(params, layout, config)
         if layout.ep_size == 1:
-            rows = checkpoint_name(sort.dispatch_rows(x, d, backend=backend), "moe_dispatched")
-            rows = vma.vary(rows, tuple(vma.varying_axes(weights["wo"])))
+            rows_fp8 = None
+            if fp8_kernels(config, backend) and FP8_GATHER not in weights:  # the permute writes
+                # the rows' FP8 operand too
+                rows, rows_fp8 = dispatch_rows_fp8(x, d.row_map)
+            else:
+                rows = sort.dispatch_rows(x, d, backend=backend)
+            w_axes = tuple(vma.varying_axes(weights["wo"]))
+            rows = vma.vary(checkpoint_name(rows, "moe_dispatched"), w_axes)
+            if rows_fp8 is not None:
+                rows_fp8 = tuple(vma.vary(a, w_axes) for a in rows_fp8)
             # Without tensor parallelism the routing weights go into the activation and the
             # combine is a plain unpermute; with it, the partial sums over tp are added in
             # float32 after a float32 weighted combine.
@@ -208,7 +216,8 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
                              weights,
                              config,
                              backend=backend,
-                             row_weights=row_w)
+                             row_weights=row_w,
+                             rows_fp8=rows_fp8)
             y = sort.combine_sorted(out, w_sorted, d.row_map, t_l, not fuse, backend=backend)
             overflow = jnp.zeros((), jnp.int32)
             shared = shared_branch()

@@ -36,6 +36,13 @@ tiles that start at each group's first row, so a tile never mixes two experts). 
 write bf16 (forward, dgrad; cast to lhs.dtype) and bf16 or float32 (wgrad, the weight's
 dtype). On a CPU the 'cuda' path lowers to the kernels' references, so it is testable there.
 
+GEMMs sharing one lhs (`fp8_gemms_shared_lhs`, the CUDA path of the expert FFN): the gate and
+up projections read the same rows, and the down projection reads the SwiGLU's output; the
+lhs's L1 operand comes in with it (written by the op that produced the lhs,
+ops.fp8_fused.permute_fp8 / swiglu_fp8, or quantize_rows once), and the backward quantizes
+lhs for the wgrads once. Each GEMM's numerics are fp8_grouped_gemm's; the lhs's gradient is
+the sum of the dgrads, added in float32.
+
 Quantize-before-gather (`gathered_fp8_grouped_gemm`): under FSDP each device quantizes its own
 weight shard and the all-gather moves e4m3 data and float32 scales (about half the bytes of
 bf16). 128x128 blocks never straddle a shard boundary (checked by `check_shard_blocks`), so
@@ -176,6 +183,63 @@ def _fp8_bwd(impl, res, dy):
 
 
 _fp8_gg.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def fp8_gemms_shared_lhs(lhs, lhs_fp8, rhss, group_sizes):
+    """[fp8_grouped_gemm(lhs, rhs, group_sizes, backend='cuda') for rhs in rhss] with lhs's L1
+    operand given (module doc): lhs [R, K] (the backward's residual, in its dtype); lhs_fp8:
+    (q e4m3 [R, K], s_t float32 [K/128, R]), fp8_quant.quantize_rows of lhs as rounded, or
+    None to quantize here; rhss: a tuple of [E, K, N_i] weights. Returns a tuple of [R, N_i] in
+    lhs.dtype. Gradients reach lhs (straight through its L1 operand) and every rhs."""
+    if lhs_fp8 is None:
+        lhs_fp8 = quantize_rows(jax.lax.stop_gradient(lhs), backend=_QUANT)
+    q, s_t = (jax.lax.stop_gradient(a) for a in lhs_fp8)
+    if q.shape != lhs.shape or s_t.shape != (lhs.shape[1] // BLOCK, lhs.shape[0]):
+        raise ValueError(f"lhs_fp8 must be (q {tuple(lhs.shape)}, s_t "
+                         f"{(lhs.shape[1] // BLOCK, lhs.shape[0])}) for lhs {tuple(lhs.shape)}, got "
+                         f"({tuple(q.shape)}, {tuple(s_t.shape)})")
+    return _shared(lhs, q, s_t, tuple(rhss), group_sizes.astype(jnp.int32))
+
+
+@jax.custom_vjp
+def _shared(lhs, q, s_t, rhss, group_sizes):
+    return _shared_fwd(lhs, q, s_t, rhss, group_sizes)[0]
+
+
+def _shared_fwd(lhs, q, s_t, rhss, group_sizes):
+    outs, res_w = [], []
+    for rhs in rhss:
+        wq, wqt, ws = _quantize_weight(rhs, "cuda")
+        outs.append(
+            fp8_gemm.fp8_nt(q, s_t, wqt, ws, group_sizes,
+                            tile=fp8_gemm.DEFAULT_TILES["fwd"]).astype(lhs.dtype))
+        res_w.append((wq, ws, jnp.zeros((0, ), rhs.dtype)))
+    return tuple(outs), (lhs, q, s_t, group_sizes, tuple(res_w))
+
+
+def _shared_bwd(res, dys):
+    lhs, q, s_t, group_sizes, res_w = res
+    xt, xs = quantize_rows_grouped_t(lhs, group_sizes, backend=_QUANT)
+    dx, dws = None, []
+    for (wq, ws, like), dy in zip(res_w, dys):
+        dy = dy.astype(lhs.dtype)
+        part = _cuda_nt("dgrad", dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, jnp.float32)
+        dx = part if dx is None else dx + part
+        dyt, dys_ = quantize_rows_grouped_t(dy, group_sizes, backend=_QUANT)
+        out = jnp.float32 if like.dtype == jnp.float32 else jnp.bfloat16
+        dw = fp8_gemm.fp8_wgrad(xt,
+                                xs,
+                                dyt,
+                                dys_,
+                                group_sizes,
+                                lhs.shape[0],
+                                out_dtype=out,
+                                tile=fp8_gemm.DEFAULT_TILES["wgrad"])
+        dws.append(dw.astype(like.dtype))
+    return dx.astype(lhs.dtype), jnp.zeros_like(q), jnp.zeros_like(s_t), tuple(dws), None
+
+
+_shared.defvjp(_shared_fwd, _shared_bwd)
 
 
 def check_shard_blocks(local_shape, gather_dim: int, what: str) -> None:

@@ -51,9 +51,10 @@ TARGETS = {
 # promotion and epilogue overlap the other's tensor-core work).
 TILE_CONFIGS = ("coop_128x128x128_c1x2", "coop_128x128x128_c1x1", "coop_128x128x128_c2x1",
                 "pingpong_64x128x128_c1x2")
-# The tile moe_praxis.ops.fp8's CUDA path runs for each of its GEMMs (benchmarks.bench_fp8
-# times the others).
-DEFAULT_TILES = {"fwd": 0, "dgrad": 0, "wgrad": 0}
+# The tile moe_praxis.ops.fp8's CUDA path runs for each of its GEMMs: the 2x1 cluster (two row
+# tiles share each weight tile's load) was the fastest or within noise of it at every point of
+# the sweep over the four tiles at shapes A, B, C (benchmarks/results/fp8_bench_tiles.json).
+DEFAULT_TILES = {"fwd": 2, "dgrad": 2, "wgrad": 2}
 # kernels/grouped_gemm_fp8.cuh kFp8GroupArrayBytesPerGroup
 GROUP_ARRAY_BYTES_PER_GROUP = 384
 WGRAD_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
