@@ -299,7 +299,8 @@ def test_cuda_fp8_grouped_gemm_grads_match_pure_jax_paths(kind):
 @pytest.mark.gpu
 def test_moe_block_fp8_cuda_matches_reference_path():
     """moe_block with fp8='blockwise' on kernel_backend='cuda' runs the FP8 kernels (no
-    emulation warning) and agrees with the pure-JAX FP8 path."""
+    emulation warning), its permute and SwiGLU writing FP8 operands, and agrees with the
+    pure-JAX FP8 path."""
     _cuda_or_skip()
     cfg = mp.MoEConfig(num_experts=8, top_k=2, d_model=256, d_ff=512, fp8="blockwise")
     seed = _seed()
@@ -321,6 +322,8 @@ def test_moe_block_fp8_cuda_matches_reference_path():
     fn, ((_, y), grads) = run("cuda")
     hlo = fn.lower(params, x).as_text()
     assert fp8_gemm.TARGETS["nt"] in hlo and fp8_gemm.TARGETS["wgrad_f32"] in hlo
+    # the permute and the SwiGLU write the GEMMs' FP8 operands (experts._fp8_kernel_ffn)
+    assert "moe_permute_fp8" in hlo and "moe_swiglu_fwd_fp8" in hlo
     (_, y_ref), grads_ref = run("xla")[1]
     y_bf16 = jax.jit(lambda p, xx: mp.moe_block(
         p, xx, dataclasses.replace(cfg, fp8=None, kernel_backend="cuda")).y)(params, x)
