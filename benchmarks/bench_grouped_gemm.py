@@ -23,7 +23,9 @@ with balanced and skewed group sizes (both sum to M, so every method does 2*M*K*
           of --sm80-tiles ('sm80[<config>]'), all timed interleaved with dense and ours; a
           second summary prints sm80 / dense, / ragged_dot, / ours, and the sweep table every
           tile's TFLOP/s and the per-shape rankings as the rule's table (benchmarks/sm80_sweep:
-          SM80_MEASURED, printed ready to paste and written to the JSON as sm80_winners).
+          SM80_MEASURED, printed ready to paste and written to the JSON as sm80_winners);
+          'sm80_1group': the rule's tile on one group of all the rows (the dense GEMM's FLOPs
+          through the same mma.sync code: the ceiling of the grouped call on this GPU).
 
 Prints a table (ms, TFLOP/s, ratio to dense; for ours also the CTA tiles the group scheduler
 issues and the waves they make on this GPU's SMs, `issued_tiles`) and writes JSON. Timing:
@@ -470,6 +472,21 @@ def parse_sm80_tiles(text: str):
     return [gg.SM80_TILE_CONFIGS[gg.parse_sm80_config(c)] for c in text.split(",") if c]
 
 
+def sm80_one_group_fn(op: str, config: str):
+    """The sm_80 kernel of `op` with `config` on ONE group of all the rows against expert 0's
+    weight: the FLOPs of the dense GEMM through the same tile and code (mma.sync), so the gap
+    from it to the grouped call is what the grouping costs, and the gap from it to dense cuBLAS
+    what the Ampere instructions cost on this GPU. (The slice of the weight is a copy of one
+    expert's weight inside the call, well under 1% of these GEMMs' time.)"""
+    base = sm80_fn(op, config)
+
+    def f(lhs, rhs, dout, gs):
+        del gs
+        return base(lhs, rhs[:1], dout, jnp.full((1, ), lhs.shape[0], jnp.int32))
+
+    return jax.jit(f)
+
+
 def time_sm80(op, dims, data, ref, tiles, paired, paired_extra, errors):
     """The sm_80 kernels at one point, all added to `paired` (timed interleaved with dense and
     ours): the rule's tile as 'sm80', every other tile of `tiles` (parse_sm80_tiles) as
@@ -488,6 +505,13 @@ def time_sm80(op, dims, data, ref, tiles, paired, paired_extra, errors):
         except Exception as ex:  # noqa: BLE001
             errors.append(f"{op} sm80 {c}: {ex!r}")
             print("  sm80 failed:", repr(ex)[:500], flush=True)
+    try:
+        f = sm80_one_group_fn(op, chosen)
+        jax.block_until_ready(f(*data))
+        paired["sm80_1group"], paired_extra["sm80_1group"] = f, {"config": chosen}
+    except Exception as ex:  # noqa: BLE001
+        errors.append(f"{op} sm80_1group {chosen}: {ex!r}")
+        print("  sm80_1group failed:", repr(ex)[:500], flush=True)
 
 
 def sm80_summary(rows) -> str:
@@ -496,8 +520,9 @@ def sm80_summary(rows) -> str:
     ratios, > 1 means the sm_80 kernel is faster."""
     out = [
         "| shape | groups | op | dense | ragged_dot | ours (Hopper) | sm80 (config) "
-        "| sm80 / dense | sm80 / ragged_dot | sm80 / ours | best sm80 tile |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"
+        "| sm80 / dense | sm80 / ragged_dot | sm80 / ours | best sm80 tile | sm80, 1 group "
+        "| sm80 / 1 group |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     ]
     keys = list(dict.fromkeys((r["shape"], r["dist"], r["op"]) for r in rows))
     for key in keys:
@@ -515,9 +540,10 @@ def sm80_summary(rows) -> str:
             return f"{x['ms'] / s['ms']:.2f}" if x else "-"
 
         d, rg, o = get.get("dense"), get.get("ragged"), get.get("ours")
+        one = get.get("sm80_1group")
         out.append(f"| {key[0]} | {key[1]} | {key[2]} | {cell(d)} | {cell(rg)} | {cell(o)} | "
                    f"{cell(s)} ({s['config']}) | {ratio(d)} | {ratio(rg)} | {ratio(o)} | "
-                   f"{best['config']} ({best['tflops']:.0f}) |")
+                   f"{best['config']} ({best['tflops']:.0f}) | {cell(one)} | {ratio(one)} |")
     return "\n".join(out)
 
 
