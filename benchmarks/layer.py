@@ -52,7 +52,7 @@ aliased); target and PASS/FAIL against issue 23 (fwd+bwd, 'cuda' and 'cuda+fuse'
 >= 95% of ideal and >= 1.25x GShard; skewed load within 15% of the balanced time. Speed is
 asserted here, in the output, never in a test.
 
---breakdown: per-stage GPU time of the balanced fwd+bwd step of 'cuda' and 'cuda+fuse' from a
+--breakdown: per-stage GPU time of the balanced fwd+bwd step of 'cuda', 'cuda+fuse' and 'cuda+fp8' from a
 profiler trace (benchmarks/layer_breakdown.py: the stage table); where the trace has no GPU
 kernels (the CPU) it prints why and goes on.
 --quick: CPU sizes (layer_cases.QUICK_SHAPES), 2 rounds, small copy-bandwidth buffer: the
@@ -457,7 +457,7 @@ def main(argv=None) -> int:
 
 def run_breakdown(sh: Shape) -> dict:
     out = {}
-    for method in ("cuda", "cuda+fuse"):
+    for method in ("cuda", "cuda+fuse", "cuda+fp8"):
         if (method, "fwd+bwd") not in sh.steps:
             continue
         comp, _ = sh.steps[(method, "fwd+bwd")]
