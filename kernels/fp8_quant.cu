@@ -14,9 +14,10 @@
 // One pass over the input each. L1: a group of 128 / VEC lanes per tile (16 bf16 or 32 f32
 // lanes, one 16-byte load each), the amax by shuffles; tiles are numbered column tile major,
 // row minor, so the scales a block writes are contiguous in s_t. L2 and L3: one block per
-// 128 x 128 tile, each thread holding two columns of 32 rows; L2 writes qt straight from
-// registers (32 contiguous bytes per column) and q through the tile in shared memory; L3 has
-// one scale per column of its tile and writes qt from registers. L3 finds its tile's group with
+// 128 x 128 tile (L2) or a 128 x 32 slice of one (L3); L2's threads hold two columns of 16
+// rows and write qt straight from registers (16 contiguous bytes per column) and q through the
+// tile in shared memory; L3 has one scale per column of its tile, and its threads hold one
+// column of 16 rows and write it to qt as one 16-byte store. L3 finds its tile's group with
 // a block scan of group_sizes on the device (no host sync; CUDA-graph safe) and zero-fills
 // padding. The inputs are finite: a NaN or inf input is not a case the recipe defines.
 #include <cuda_fp8.h>
@@ -163,59 +164,59 @@ ffi::Error launch_rows_any(cudaStream_t stream, ffi::DataType dtype, const void*
 
 // ------------------------------------------------------- 128 x 128 tiles: L2 and L3
 
-// Thread layout of a 128 x 128 tile: columns 2 * (tid % 64) and + 1, rows 32 * (tid / 64) ..
-// + 31. Loads the thread's rows of the tile x[r0 + i, c0 : c0 + 128] for i < valid (zeros for
-// i >= valid) into v[i][0..1] and returns the thread's amax of each of its two columns.
+// L2's thread layout of a 128 x 128 tile: 512 threads, columns 2 * (tid % 64) and + 1, rows
+// 16 * (tid / 64) .. + 15 (16 rows per thread rather than 32 halve the values a thread holds, so
+// twice the warps stay resident and one block's reduction and stores overlap another's loads).
+constexpr int kL2Threads = 512;
+constexpr int kL2Rows = kTile / (kL2Threads / 64);
+static_assert(kL2Rows == 16, "a thread's part of a column is one 16-byte store");
+
+// Loads the thread's rows of the tile x[r0 + i, c0 : c0 + 128] into v[i][0..1] and returns
+// the thread's amax of each of its two columns.
 template <typename T>
 __device__ __forceinline__ void load_columns(const T* __restrict__ x, int64_t ld, int64_t r0,
-                                             int64_t c0, int valid, float (&v)[32][2],
+                                             int64_t c0, float (&v)[kL2Rows][2],
                                              float (&amax)[2]) {
   const int cp = threadIdx.x % 64, rg = threadIdx.x / 64;
   amax[0] = amax[1] = 0.f;
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int row = rg * 32 + i;
-    if (row < valid) {
-      const Vec<T, 2> p =
-          *reinterpret_cast<const Vec<T, 2>*>(x + (r0 + row) * ld + c0 + 2 * cp);
-      v[i][0] = to_f32(p.v[0]);
-      v[i][1] = to_f32(p.v[1]);
-    } else {
-      v[i][0] = v[i][1] = 0.f;
-    }
+  for (int i = 0; i < kL2Rows; ++i) {
+    const Vec<T, 2> p =
+        *reinterpret_cast<const Vec<T, 2>*>(x + (r0 + rg * kL2Rows + i) * ld + c0 + 2 * cp);
+    v[i][0] = to_f32(p.v[0]);
+    v[i][1] = to_f32(p.v[1]);
     amax[0] = fmaxf(amax[0], fabsf(v[i][0]));
     amax[1] = fmaxf(amax[1], fabsf(v[i][1]));
   }
 }
 
-// Stores column j of the thread's tile rows, quantized with inv = reciprocal(scale), as 32
+// Stores column j of the thread's tile rows, quantized with inv = reciprocal(scale), as 16
 // contiguous bytes at dst (16-byte aligned).
-__device__ __forceinline__ void store_column(uint8_t* __restrict__ dst, const float (&v)[32][2],
-                                             int j, float inv) {
-  Vec<uint8_t, 16> out[2];
+__device__ __forceinline__ void store_column(uint8_t* __restrict__ dst,
+                                             const float (&v)[kL2Rows][2], int j, float inv) {
+  Vec<uint8_t, 16> out;
 #pragma unroll
-  for (int i = 0; i < 32; ++i) out[i / 16].v[i % 16] = to_e4m3(v[i][j], inv);
-  reinterpret_cast<Vec<uint8_t, 16>*>(dst)[0] = out[0];
-  reinterpret_cast<Vec<uint8_t, 16>*>(dst)[1] = out[1];
+  for (int i = 0; i < kL2Rows; ++i) out.v[i] = to_e4m3(v[i][j], inv);
+  *reinterpret_cast<Vec<uint8_t, 16>*>(dst) = out;
 }
 
 constexpr int kSmemStride = kTile + 16;  // bytes per row of the staged q tile (16-byte aligned)
 
 // L2: block (b) = tile (e, kt, nt), b = (e * KT + kt) * NT + nt.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kL2Threads)
     quantize_weight_kernel(const T* __restrict__ w, uint8_t* __restrict__ q,
                            uint8_t* __restrict__ qt, float* __restrict__ s, int64_t k,
                            int64_t n) {
-  __shared__ float warp_max[kThreads / 32];
+  __shared__ float warp_max[kL2Threads / 32];
   __shared__ __align__(16) uint8_t staged[kTile * kSmemStride];
   const int64_t kt_count = k / kTile, nt_count = n / kTile;
   const int64_t b = blockIdx.x;
   const int64_t nt = b % nt_count, kt = (b / nt_count) % kt_count, e = b / (nt_count * kt_count);
   const int64_t k0 = kt * kTile, n0 = nt * kTile;
   const T* we = w + e * k * n;
-  float v[32][2], cm[2];
-  load_columns(we, n, k0, n0, kTile, v, cm);
+  float v[kL2Rows][2], cm[2];
+  load_columns(we, n, k0, n0, v, cm);
   float amax = fmaxf(cm[0], cm[1]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -223,26 +224,27 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   amax = warp_max[0];
 #pragma unroll
-  for (int i = 1; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
+  for (int i = 1; i < kL2Threads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
   const float sc = tile_scale(amax), inv = reciprocal(sc);
   if (threadIdx.x == 0) s[b] = sc;
   const int cp = threadIdx.x % 64, rg = threadIdx.x / 64;
-  // qt[e, n0 + c, k0 + 32 rg ...]: the thread's 32 rows of each of its columns
+  // qt[e, n0 + c, k0 + 16 rg ...]: the thread's 16 rows of each of its columns
   uint8_t* qte = qt + e * n * k;
-  store_column(qte + (n0 + 2 * cp) * k + k0 + rg * 32, v, 0, inv);
-  store_column(qte + (n0 + 2 * cp + 1) * k + k0 + rg * 32, v, 1, inv);
+  store_column(qte + (n0 + 2 * cp) * k + k0 + rg * kL2Rows, v, 0, inv);
+  store_column(qte + (n0 + 2 * cp + 1) * k + k0 + rg * kL2Rows, v, 1, inv);
   // q[e, k0 + r, n0 ...] row-major through shared memory, 16-byte stores
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
+  for (int i = 0; i < kL2Rows; ++i) {
     Vec<uint8_t, 2> pair;
     pair.v[0] = to_e4m3(v[i][0], inv);
     pair.v[1] = to_e4m3(v[i][1], inv);
-    *reinterpret_cast<Vec<uint8_t, 2>*>(staged + (rg * 32 + i) * kSmemStride + 2 * cp) = pair;
+    *reinterpret_cast<Vec<uint8_t, 2>*>(staged + (rg * kL2Rows + i) * kSmemStride + 2 * cp) =
+        pair;
   }
   __syncthreads();
   uint8_t* qe = q + e * k * n;
   constexpr int kChunks = kTile * kTile / 16;
-  for (int c = threadIdx.x; c < kChunks; c += kThreads) {
+  for (int c = threadIdx.x; c < kChunks; c += kL2Threads) {
     const int row = c / 8, col = (c % 8) * 16;
     *reinterpret_cast<Vec<uint8_t, 16>*>(qe + (k0 + row) * n + n0 + col) =
         *reinterpret_cast<const Vec<uint8_t, 16>*>(staged + row * kSmemStride + col);
@@ -295,35 +297,44 @@ __device__ TileRows find_tile_rows(const int32_t* __restrict__ gs, int64_t e, in
   return found;
 }
 
-// L3: block (pt, ct) quantizes padded rows [128 pt, 128 pt + 128) x columns [128 ct, + 128).
+// L3: block (pt, cb) quantizes padded rows [128 pt, 128 pt + 128) x columns [32 cb, + 32): one
+// column per thread (a warp reads 32 consecutive columns of a row), 16 rows each. Narrow blocks
+// holding 16 values per thread keep many blocks resident per SM, so one block's scan, loads and
+// stores overlap the others' (the 128-column version, 64 values per thread, ran at a quarter of
+// the copy bandwidth).
+constexpr int kL3Cols = 32;
+constexpr int kL3Groups = kThreads / kL3Cols;  // row groups of a block
+constexpr int kL3Rows = kTile / kL3Groups;     // rows per thread: 16, one 16-byte store
+static_assert(kL3Rows == 16, "a thread's column of its tile is one 16-byte store");
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quantize_grouped_t_kernel(const T* __restrict__ x, const int32_t* __restrict__ gs,
                               uint8_t* __restrict__ qt, float* __restrict__ s, int64_t rows,
                               int64_t cols, int64_t e, int64_t rp) {
-  __shared__ float col_max[4][kTile];
-  const int64_t pt = blockIdx.x, c0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  __shared__ float col_max[kL3Groups][kL3Cols];
+  const int lane = threadIdx.x % kL3Cols, rg = threadIdx.x / kL3Cols;
+  const int64_t pt = blockIdx.x, c = static_cast<int64_t>(blockIdx.y) * kL3Cols + lane;
   const TileRows t = find_tile_rows(gs, e, rows, pt * kTile);
-  float v[32][2], cm[2];
-  load_columns(x, cols, t.src, c0, t.count, v, cm);
-  const int cp = threadIdx.x % 64, rg = threadIdx.x / 64;
-  col_max[rg][2 * cp] = cm[0];
-  col_max[rg][2 * cp + 1] = cm[1];
-  __syncthreads();
-  float sc[2];
+  float v[kL3Rows];
+  float amax = 0.f;
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int c = 2 * cp + j;
-    sc[j] = tile_scale(fmaxf(fmaxf(col_max[0][c], col_max[1][c]),
-                             fmaxf(col_max[2][c], col_max[3][c])));
-    store_column(qt + (c0 + c) * rp + pt * kTile + rg * 32, v, j, reciprocal(sc[j]));
+  for (int i = 0; i < kL3Rows; ++i) {
+    const int row = rg * kL3Rows + i;
+    v[i] = row < t.count ? to_f32(x[(t.src + row) * cols + c]) : 0.f;
+    amax = fmaxf(amax, fabsf(v[i]));
   }
-  if (rg == 0) {
-    Vec<float, 2> pair;
-    pair.v[0] = sc[0];
-    pair.v[1] = sc[1];
-    *reinterpret_cast<Vec<float, 2>*>(s + pt * cols + c0 + 2 * cp) = pair;
-  }
+  col_max[rg][lane] = amax;
+  __syncthreads();
+  amax = col_max[0][lane];
+#pragma unroll
+  for (int g = 1; g < kL3Groups; ++g) amax = fmaxf(amax, col_max[g][lane]);
+  const float sc = tile_scale(amax), inv = reciprocal(sc);
+  Vec<uint8_t, 16> out;
+#pragma unroll
+  for (int i = 0; i < kL3Rows; ++i) out.v[i] = to_e4m3(v[i], inv);
+  *reinterpret_cast<Vec<uint8_t, 16>*>(qt + c * rp + pt * kTile + rg * kL3Rows) = out;
+  if (rg == 0) s[pt * cols + c] = sc;
 }
 
 // ------------------------------------------------------------------------------ handlers
@@ -438,10 +449,10 @@ ffi::Error QuantizeWeightImpl(cudaStream_t stream, ffi::AnyBuffer w,
   auto* qp = static_cast<uint8_t*>(q->untyped_data());
   auto* qtp = static_cast<uint8_t*>(qt->untyped_data());
   if (w.element_type() == ffi::F32) {
-    quantize_weight_kernel<float><<<grid, kThreads, 0, stream>>>(
+    quantize_weight_kernel<float><<<grid, kL2Threads, 0, stream>>>(
         static_cast<const float*>(w.untyped_data()), qp, qtp, s->typed_data(), k, n);
   } else {
-    quantize_weight_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
+    quantize_weight_kernel<__nv_bfloat16><<<grid, kL2Threads, 0, stream>>>(
         static_cast<const __nv_bfloat16*>(w.untyped_data()), qp, qtp, s->typed_data(), k, n);
   }
   MOE_LAUNCH_CHECK("fp8_quantize_weight");
@@ -475,10 +486,10 @@ ffi::Error QuantizeRowsGroupedTImpl(cudaStream_t stream, ffi::AnyBuffer x,
     return MOE_INVALID(std::string(op) + ": s must be [Rp/128, C] float32");
   }
   if (cols == 0) return ffi::Error::Success();
-  if (cols / kTile > 65535 || rp / kTile > INT32_MAX) {
+  if (cols / kL3Cols > 65535 || rp / kTile > INT32_MAX) {
     return MOE_INVALID(std::string(op) + ": x " + dims_text(x) + " is too large for the grid");
   }
-  const dim3 grid(static_cast<unsigned>(rp / kTile), static_cast<unsigned>(cols / kTile));
+  const dim3 grid(static_cast<unsigned>(rp / kTile), static_cast<unsigned>(cols / kL3Cols));
   auto* qtp = static_cast<uint8_t*>(qt->untyped_data());
   if (x.element_type() == ffi::F32) {
     quantize_grouped_t_kernel<float><<<grid, kThreads, 0, stream>>>(
