@@ -521,8 +521,7 @@ def sm80_summary(rows) -> str:
     out = [
         "| shape | groups | op | dense | ragged_dot | ours (Hopper) | sm80 (config) "
         "| sm80 / dense | sm80 / ragged_dot | sm80 / ours | best sm80 tile | sm80, 1 group "
-        "| sm80 / 1 group |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| sm80 / 1 group |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     ]
     keys = list(dict.fromkeys((r["shape"], r["dist"], r["op"]) for r in rows))
     for key in keys:

@@ -84,6 +84,7 @@ from benchmarks.bench_grouped_gemm import time_fn, time_paired
 from moe_praxis import ops
 from moe_praxis.ops import backend as ops_backend
 
+
 def compile_step(fn, args):
     """(compiled, peak bytes or None): jit's AOT compile, and XLA's memory analysis of it."""
     compiled = fn.lower(*args).compile()

@@ -110,8 +110,7 @@ def expert_ffn(rows,
     if config.use_cudnn_fusion:
         _warn_cudnn_fallback(backend)
     if config.fp8 is not None:
-        return _fp8_expert_ffn(rows, group_sizes, weights, config, row_weights, backend,
-                               rows_fp8)
+        return _fp8_expert_ffn(rows, group_sizes, weights, config, row_weights, backend, rows_fp8)
     dt = rows.dtype
     wo = weights["wo"]
     if config.fuse_gate_up:
@@ -140,8 +139,7 @@ def expert_ffn(rows,
     return checkpoint_name(out, "ffn2")
 
 
-def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, backend,
-                    rows_fp8):
+def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, backend, rows_fp8):
     """config.fp8='blockwise': the three expert GEMMs in blockwise FP8 (ops.fp8, forward, dgrad
     and wgrad: the FP8 grouped GEMM kernels where `backend` resolves to cuda, else the pure-JAX
     emulation), the activation and the routing weight in float32 between them."""

@@ -270,8 +270,8 @@ def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated):
     np.testing.assert_array_equal(np.asarray(ok.tokens_per_expert),
                                   np.asarray(oe.tokens_per_expert))
     names = ("wi_gate", "wi_up", "wo") if gated else ("wi_up", "wo")
-    for name, a, b in [("y", ok.y, oe.y), ("dx", dxk, dxe)] + [("d" + n, gk[n], ge[n])
-                                                               for n in names]:
+    for name, a, b in [("y", ok.y, oe.y),
+                       ("dx", dxk, dxe)] + [("d" + n, gk[n], ge[n]) for n in names]:
         err = rel_err(a, b)
         assert err < 1e-5 and float(jnp.max(jnp.abs(a))) > 0, f"seed={seed} {name}: {err}"
 

@@ -195,9 +195,10 @@ def fp8_gemms_shared_lhs(lhs, lhs_fp8, rhss, group_sizes):
         lhs_fp8 = quantize_rows(jax.lax.stop_gradient(lhs), backend=_QUANT)
     q, s_t = (jax.lax.stop_gradient(a) for a in lhs_fp8)
     if q.shape != lhs.shape or s_t.shape != (lhs.shape[1] // BLOCK, lhs.shape[0]):
-        raise ValueError(f"lhs_fp8 must be (q {tuple(lhs.shape)}, s_t "
-                         f"{(lhs.shape[1] // BLOCK, lhs.shape[0])}) for lhs {tuple(lhs.shape)}, got "
-                         f"({tuple(q.shape)}, {tuple(s_t.shape)})")
+        raise ValueError(
+            f"lhs_fp8 must be (q {tuple(lhs.shape)}, s_t "
+            f"{(lhs.shape[1] // BLOCK, lhs.shape[0])}) for lhs {tuple(lhs.shape)}, got "
+            f"({tuple(q.shape)}, {tuple(s_t.shape)})")
     return _shared(lhs, q, s_t, tuple(rhss), group_sizes.astype(jnp.int32))
 
 
