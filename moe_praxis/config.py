@@ -103,7 +103,9 @@ class MoEConfig:
         the input dtype (moe_praxis.ops.fp8). Needs d_model and d_ff multiples of 128; not with
         fuse_gate_up. Where kernel_backend resolves to cuda on compute capability 9.0 the
         three GEMMs run the FP8 grouped GEMM kernels (moe_praxis.ops.fp8_gemm: CUTLASS sm_90a,
-        blockwise scaling, bf16 GEMM outputs); elsewhere the pure-JAX emulation of that
+        blockwise scaling, bf16 GEMM outputs; the dispatch permute and the SwiGLU write the
+        GEMMs' FP8 operands in their own passes, docs/kernels.md); elsewhere the pure-JAX
+        emulation of that
         arithmetic runs (slower than bf16, and says so once). The router, the aux loss, the
         shared experts and the combine stay in higher precision.
       fp8_quantize_before_gather: with fp8 and fsdp-sharded expert weights, each device
