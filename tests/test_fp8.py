@@ -276,6 +276,13 @@ def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated):
         assert err < 1e-5 and float(jnp.max(jnp.abs(a))) > 0, f"seed={seed} {name}: {err}"
 
 
+def test_shared_lhs_names_a_mismatched_fp8_operand():
+    x, w, sizes = _inputs(_seed())
+    q, s_t = fp8.quantize_rows(x)
+    with pytest.raises(ValueError, match=r"lhs_fp8 must be \(q \(300, 256\), s_t \(2, 300\)\)"):
+        fp8.fp8_gemms_shared_lhs(x, (q[:10], s_t), (w, ), sizes)
+
+
 def test_fp8_config_errors_name_the_value():
     import moe_praxis as mp
 
