@@ -172,10 +172,12 @@ class Checkpoints:
         """(state, None) or (None, why the checkpoint of ``step`` is unusable, one line)."""
         import orbax.checkpoint as ocp
 
+        # Before the restore, not after its failure: reads still in flight when it fails can
+        # complete (and print) before the except clause runs (seen under load).
+        _drop_closed_loop_errors()
         try:
             state = mngr.restore(step, args=ocp.args.StandardRestore(self.abstract_state))
         except Exception as e:  # orbax and tensorstore raise many types for a damaged file
-            _drop_closed_loop_errors()
             why = one_line(e)
             if not any((self.ckpt_dir / str(step)).glob("*/_METADATA")):
                 why = f"its _METADATA file is missing; {one_line(e, 120)}"
