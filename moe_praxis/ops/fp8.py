@@ -72,12 +72,32 @@ _HI = jax.lax.Precision.HIGHEST
 _QUANT = "auto"
 
 
-def _cuda_nt(op, x, bq, bs, group_sizes, out_dtype):
-    """The FP8 NT grouped GEMM of x's 1x128 row tiles (L1) against bq [E, N, C] (scales
-    [E, C/128, N/128])."""
-    q, s_t = quantize_rows(x, backend=_QUANT)
+def _nt(op, q, s_t, bq, bs, group_sizes, out_dtype):
+    """The FP8 NT grouped GEMM of an L1 operand (q, s_t) against bq [E, N, C] (scales
+    [E, C/128, N/128]), in out_dtype."""
     return fp8_gemm.fp8_nt(q, s_t, bq, bs, group_sizes,
                            tile=fp8_gemm.DEFAULT_TILES[op]).astype(out_dtype)
+
+
+def _cuda_nt(op, x, bq, bs, group_sizes, out_dtype):
+    """_nt of x's 1x128 row tiles (L1), quantized here."""
+    return _nt(op, *quantize_rows(x, backend=_QUANT), bq, bs, group_sizes, out_dtype)
+
+
+def _cuda_wgrad(xt, xs, dy, group_sizes, rows: int, rhs_dtype):
+    """The FP8 wgrad of one weight: the lhs's L3 operand (xt, xs) against dy's, quantized here;
+    written in float32 for a float32 weight, else bf16, returned in the weight's dtype."""
+    dyt, dys = quantize_rows_grouped_t(dy, group_sizes, backend=_QUANT)
+    out = jnp.float32 if jnp.dtype(rhs_dtype) == jnp.float32 else jnp.bfloat16
+    dw = fp8_gemm.fp8_wgrad(xt,
+                            xs,
+                            dyt,
+                            dys,
+                            group_sizes,
+                            rows,
+                            out_dtype=out,
+                            tile=fp8_gemm.DEFAULT_TILES["wgrad"])
+    return dw.astype(rhs_dtype)
 
 
 def _quantize_weight(rhs, impl):
@@ -108,17 +128,7 @@ def _cuda_bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype):
     dy = dy.astype(lhs.dtype)
     dx = _cuda_nt("dgrad", dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, lhs.dtype)
     xt, xs = quantize_rows_grouped_t(lhs, group_sizes, backend=_QUANT)
-    dyt, dys = quantize_rows_grouped_t(dy, group_sizes, backend=_QUANT)
-    out = jnp.float32 if jnp.dtype(rhs_dtype) == jnp.float32 else jnp.bfloat16
-    dw = fp8_gemm.fp8_wgrad(xt,
-                            xs,
-                            dyt,
-                            dys,
-                            group_sizes,
-                            lhs.shape[0],
-                            out_dtype=out,
-                            tile=fp8_gemm.DEFAULT_TILES["wgrad"])
-    return dx, dw.astype(rhs_dtype)
+    return dx, _cuda_wgrad(xt, xs, dy, group_sizes, lhs.shape[0], rhs_dtype)
 
 
 def _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype, impl="xla"):
@@ -211,33 +221,24 @@ def _shared_fwd(lhs, q, s_t, rhss, group_sizes):
     outs, res_w = [], []
     for rhs in rhss:
         wq, wqt, ws = _quantize_weight(rhs, "cuda")
-        outs.append(
-            fp8_gemm.fp8_nt(q, s_t, wqt, ws, group_sizes,
-                            tile=fp8_gemm.DEFAULT_TILES["fwd"]).astype(lhs.dtype))
+        outs.append(_nt("fwd", q, s_t, wqt, ws, group_sizes, lhs.dtype))
         res_w.append((wq, ws, jnp.zeros((0, ), rhs.dtype)))
-    return tuple(outs), (lhs, q, s_t, group_sizes, tuple(res_w))
+    # not q and s_t: their (zero) cotangents need only their shapes, which lhs gives
+    return tuple(outs), (lhs, group_sizes, tuple(res_w))
 
 
 def _shared_bwd(res, dys):
-    lhs, q, s_t, group_sizes, res_w = res
+    lhs, group_sizes, res_w = res
     xt, xs = quantize_rows_grouped_t(lhs, group_sizes, backend=_QUANT)
     dx, dws = None, []
     for (wq, ws, like), dy in zip(res_w, dys):
         dy = dy.astype(lhs.dtype)
         part = _cuda_nt("dgrad", dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, jnp.float32)
         dx = part if dx is None else dx + part
-        dyt, dys_ = quantize_rows_grouped_t(dy, group_sizes, backend=_QUANT)
-        out = jnp.float32 if like.dtype == jnp.float32 else jnp.bfloat16
-        dw = fp8_gemm.fp8_wgrad(xt,
-                                xs,
-                                dyt,
-                                dys_,
-                                group_sizes,
-                                lhs.shape[0],
-                                out_dtype=out,
-                                tile=fp8_gemm.DEFAULT_TILES["wgrad"])
-        dws.append(dw.astype(like.dtype))
-    return dx.astype(lhs.dtype), jnp.zeros_like(q), jnp.zeros_like(s_t), tuple(dws), None
+        dws.append(_cuda_wgrad(xt, xs, dy, group_sizes, lhs.shape[0], like.dtype))
+    (r, k), bk = lhs.shape, lhs.shape[1] // BLOCK
+    return (dx.astype(lhs.dtype), jnp.zeros((r, k), E4M3), jnp.zeros((bk, r),
+                                                                     jnp.float32), tuple(dws), None)
 
 
 _shared.defvjp(_shared_fwd, _shared_bwd)
