@@ -74,15 +74,9 @@ def _warn_cudnn_fallback(backend: str) -> None:
 
 def fp8_kernels(config: MoEConfig, backend: str) -> bool:
     """True where config.fp8 runs the FP8 kernels (rather than the pure-JAX emulation): the
-    dispatch then writes the rows' FP8 operand in its permute (expert_ffn's rows_fp8)."""
+    dispatch then writes the rows' FP8 operand in its permute (sort.dispatch_rows_fp8,
+    expert_ffn's rows_fp8)."""
     return config.fp8 is not None and fp8.resolve(backend) == "cuda"
-
-
-def dispatch_rows_fp8(x, row_map):
-    """(rows = x[row_map] in x.dtype, (q, s_t)): the permute writing the gate/up projection's
-    FP8 lhs in the same pass (ops.fp8_fused.permute_fp8)."""
-    rows, q, s_t = fp8_fused.permute_fp8(x, row_map, backend="auto")
-    return rows, (q, s_t)
 
 
 def expert_ffn(rows,
@@ -104,7 +98,7 @@ def expert_ffn(rows,
     With config.use_cudnn_fusion where cuDNN's fusion is unusable: warns once per reason
     (RuntimeWarning naming it and the fallback) and runs the fallback; with
     MOE_PRAXIS_STRICT_CUDNN_FUSION=1 raises instead.
-    rows_fp8: optional (q, s_t), the rows' FP8 operand (dispatch_rows_fp8), used by the FP8
+    rows_fp8: optional (q, s_t), the rows' FP8 operand (sort.dispatch_rows_fp8), used by the FP8
     kernels (config.fp8, fp8_kernels) instead of quantizing the rows again.
     """
     if config.use_cudnn_fusion:
@@ -167,15 +161,19 @@ def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, 
         return fp8.fp8_grouped_gemm(lhs, weights[name], group_sizes, backend=impl)
 
     up = checkpoint_name(gemm(rows, "wi_up"), "moe_up")
-    if config.gated:
-        gate = checkpoint_name(gemm(rows, "wi_gate"), "moe_gate")
-        act = ops.swiglu_reference(gate, up, row_weights, act=config.activation)
-    else:
-        act = ops.activation(config.activation)(up.astype(jnp.float32))
-        if row_weights is not None:
-            act = act * row_weights.astype(jnp.float32)[:, None]
-    act = checkpoint_name(act.astype(dt), "ffn1")
+    gate = checkpoint_name(gemm(rows, "wi_gate"), "moe_gate") if config.gated else None
+    act = checkpoint_name(_activation_reference(gate, up, row_weights, config).astype(dt), "ffn1")
     return checkpoint_name(gemm(act, "wo"), "ffn2")
+
+
+def _activation_reference(gate, up, row_weights, config: MoEConfig):
+    """The activation between the FP8 GEMMs, times the routing weight (float32 math)."""
+    if config.gated:
+        return ops.swiglu_reference(gate, up, row_weights, act=config.activation)
+    act = ops.activation(config.activation)(up.astype(jnp.float32))
+    if row_weights is not None:
+        act = act * row_weights.astype(jnp.float32)[:, None]
+    return act
 
 
 def _fp8_kernel_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, rows_fp8):
@@ -185,18 +183,12 @@ def _fp8_kernel_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, 
     names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
     outs = fp8.fp8_gemms_shared_lhs(rows, rows_fp8, tuple(weights[n] for n in names), group_sizes)
     up = checkpoint_name(outs[-1], "moe_up")
+    gate = checkpoint_name(outs[0], "moe_gate") if config.gated else None
     act_fp8 = None
     if config.gated and config.activation == "silu":
-        gate = checkpoint_name(outs[0], "moe_gate")
         act, *act_fp8 = fp8_fused.swiglu_fp8(gate, up, row_weights, backend="auto")
-    elif config.gated:
-        gate = checkpoint_name(outs[0], "moe_gate")
-        act = ops.swiglu_reference(gate, up, row_weights, act=config.activation).astype(rows.dtype)
     else:
-        act = ops.activation(config.activation)(up.astype(jnp.float32))
-        if row_weights is not None:
-            act = act * row_weights.astype(jnp.float32)[:, None]
-        act = act.astype(rows.dtype)
+        act = _activation_reference(gate, up, row_weights, config).astype(rows.dtype)
     act = checkpoint_name(act, "ffn1")
     out = fp8.fp8_gemms_shared_lhs(act, act_fp8, (weights["wo"], ), group_sizes)[0]
     return checkpoint_name(out, "ffn2")

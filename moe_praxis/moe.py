@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from moe_praxis import router_stats, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.dispatch import capacity, exchange, sort
-from moe_praxis.experts import FP8_GATHER, dispatch_rows_fp8, expert_ffn, fp8_kernels
+from moe_praxis.experts import FP8_GATHER, expert_ffn, fp8_kernels
 from moe_praxis.ops import resolve_backend, vma
 from moe_praxis.params import check_params, init_moe_params, param_shapes
 from moe_praxis.resources import EPLayout, check_mesh_in_scope, ep_bootstrap, psum
@@ -199,7 +199,7 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
             rows_fp8 = None
             if fp8_kernels(config, backend) and FP8_GATHER not in weights:  # the permute writes
                 # the rows' FP8 operand too
-                rows, rows_fp8 = dispatch_rows_fp8(x, d.row_map)
+                rows, rows_fp8 = sort.dispatch_rows_fp8(x, d)
             else:
                 rows = sort.dispatch_rows(x, d, backend=backend)
             w_axes = tuple(vma.varying_axes(weights["wo"]))

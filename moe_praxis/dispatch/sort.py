@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from moe_praxis import ops
 from moe_praxis.config import MoEConfig
+from moe_praxis.ops import fp8_fused
 
 
 @jax.tree_util.register_dataclass
@@ -50,6 +51,13 @@ def sort_copies(expert_ids, keep, num_experts: int, dropped_tokens) -> Dispatch:
 def dispatch_rows(x, d: Dispatch, *, backend: str = "auto"):
     """x: [T, M] -> expert-sorted rows [R, M] (zeros for dropped / padded rows)."""
     return ops.permute(x, d.row_map, backend=backend)
+
+
+def dispatch_rows_fp8(x, d: Dispatch):
+    """(rows = dispatch_rows(x, d), (q, s_t)): the permute writing the rows' FP8 operand (L1
+    row tiles, the gate/up projection's lhs) in the same pass (ops.fp8_fused.permute_fp8)."""
+    rows, q, s_t = fp8_fused.permute_fp8(x, d.row_map, backend="auto")
+    return rows, (q, s_t)
 
 
 def row_weights(weights, d: Dispatch):
