@@ -73,9 +73,11 @@ def _rows_t(x):
 
 
 def _short(config: str) -> str:
-    """'coop_128x128x128_c2x1' -> 'c2x1', 'pingpong_64x128x128_c1x2' -> 'pp64c1x2'."""
-    kind, tile, cluster = config.split("_")
-    return cluster if kind == "coop" else f"pp{tile.split('x')[0]}{cluster}"
+    """'coop_128x128x128_c2x1' -> 'c2x1', 'pingpong_64x128x128_c1x2' -> 'pp64c1x2',
+    'coop_128x128x128_c2x1_overlap' -> 'c2x1o'."""
+    kind, tile, cluster, *rest = config.split("_")
+    short = cluster if kind == "coop" else f"pp{tile.split('x')[0]}{cluster}"
+    return short + ("o" if rest == ["overlap"] else "")
 
 
 def make_fns(op: str, m: int, k: int, n: int, e: int, dense_f32: bool = False, tiles=(0, )):

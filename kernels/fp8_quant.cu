@@ -297,16 +297,16 @@ __device__ TileRows find_tile_rows(const int32_t* __restrict__ gs, int64_t e, in
   return found;
 }
 
-// L3: block b = pt * (C / 32) + cb quantizes padded rows [128 pt, 128 pt + 128) x columns
-// [32 cb, + 32): one column per thread (a warp reads 32 consecutive columns of a row), 16 rows
-// each; consecutive blocks take the column slices of one row tile, so the blocks running at
-// once read whole rows of x. 48 registers a thread, so 5 blocks per SM. On the H200 this ran at
-// 1.04 TB/s (28% of copy) where one 128 x 128 tile per block with 64 values a thread ran at 0.91:
-// more resident blocks did not remove what holds L3 back (L2 went from 37% to 68% of copy with
-// the same change); what does is not known yet.
+// L3: block (pt, cs) quantizes padded rows [128 pt, 128 pt + 128) x columns
+// [32 kL3Slices cs, + 32 kL3Slices), one 32-column slice at a time: one column per thread (a
+// warp reads 32 consecutive columns of a row), 16 rows each, one 16-byte store of qt. The
+// block finds its rows (a block-wide scan over the group sizes) once for all its slices: with
+// one slice per block that scan was most of a block's time (L3 ran at 0.91-1.04 TB/s against
+// a copy's 3.7; benchmarks/results/fp8_quant_bench*.json).
 constexpr int kL3Cols = 32;
 constexpr int kL3Groups = kThreads / kL3Cols;  // row groups of a block
 constexpr int kL3Rows = kTile / kL3Groups;     // rows per thread: 16, one 16-byte store
+constexpr int kL3Slices = 8;                   // 32-column slices per block
 static_assert(kL3Rows == 16, "a thread's column of its tile is one 16-byte store");
 
 template <typename T>
@@ -314,31 +314,34 @@ __global__ void __launch_bounds__(kThreads)
     quantize_grouped_t_kernel(const T* __restrict__ x, const int32_t* __restrict__ gs,
                               uint8_t* __restrict__ qt, float* __restrict__ s, int64_t rows,
                               int64_t cols, int64_t e, int64_t rp) {
-  __shared__ float col_max[kL3Groups][kL3Cols];
+  __shared__ float col_max[2][kL3Groups][kL3Cols];  // two: one barrier per slice
   const int lane = threadIdx.x % kL3Cols, rg = threadIdx.x / kL3Cols;
   const int64_t col_blocks = cols / kL3Cols;
-  const int64_t pt = blockIdx.x / col_blocks;
-  const int64_t c = (blockIdx.x % col_blocks) * kL3Cols + lane;
+  const int64_t pt = blockIdx.x;
   const TileRows t = find_tile_rows(gs, e, rows, pt * kTile);
-  float v[kL3Rows];
-  float amax = 0.f;
+  const int64_t cb0 = static_cast<int64_t>(blockIdx.y) * kL3Slices;
+  for (int k = 0; k < kL3Slices && cb0 + k < col_blocks; ++k) {  // uniform over the block
+    const int64_t c = (cb0 + k) * kL3Cols + lane;
+    float v[kL3Rows];
+    float amax = 0.f;
 #pragma unroll
-  for (int i = 0; i < kL3Rows; ++i) {
-    const int row = rg * kL3Rows + i;
-    v[i] = row < t.count ? to_f32(x[(t.src + row) * cols + c]) : 0.f;
-    amax = fmaxf(amax, fabsf(v[i]));
+    for (int i = 0; i < kL3Rows; ++i) {
+      const int row = rg * kL3Rows + i;
+      v[i] = row < t.count ? to_f32(x[(t.src + row) * cols + c]) : 0.f;
+      amax = fmaxf(amax, fabsf(v[i]));
+    }
+    col_max[k & 1][rg][lane] = amax;
+    __syncthreads();
+    amax = col_max[k & 1][0][lane];
+#pragma unroll
+    for (int g = 1; g < kL3Groups; ++g) amax = fmaxf(amax, col_max[k & 1][g][lane]);
+    const float sc = tile_scale(amax), inv = reciprocal(sc);
+    Vec<uint8_t, 16> out;
+#pragma unroll
+    for (int i = 0; i < kL3Rows; ++i) out.v[i] = to_e4m3(v[i], inv);
+    *reinterpret_cast<Vec<uint8_t, 16>*>(qt + c * rp + pt * kTile + rg * kL3Rows) = out;
+    if (rg == 0) s[pt * cols + c] = sc;
   }
-  col_max[rg][lane] = amax;
-  __syncthreads();
-  amax = col_max[0][lane];
-#pragma unroll
-  for (int g = 1; g < kL3Groups; ++g) amax = fmaxf(amax, col_max[g][lane]);
-  const float sc = tile_scale(amax), inv = reciprocal(sc);
-  Vec<uint8_t, 16> out;
-#pragma unroll
-  for (int i = 0; i < kL3Rows; ++i) out.v[i] = to_e4m3(v[i], inv);
-  *reinterpret_cast<Vec<uint8_t, 16>*>(qt + c * rp + pt * kTile + rg * kL3Rows) = out;
-  if (rg == 0) s[pt * cols + c] = sc;
 }
 
 // ------------------------------------------------------------------------------ handlers
@@ -490,10 +493,11 @@ ffi::Error QuantizeRowsGroupedTImpl(cudaStream_t stream, ffi::AnyBuffer x,
     return MOE_INVALID(std::string(op) + ": s must be [Rp/128, C] float32");
   }
   if (cols == 0) return ffi::Error::Success();
-  if (rp / kTile * (cols / kL3Cols) > INT32_MAX) {
+  const int64_t slice_blocks = ceil_div(cols / kL3Cols, kL3Slices);
+  if (rp / kTile > INT32_MAX || slice_blocks > 65535) {
     return MOE_INVALID(std::string(op) + ": x " + dims_text(x) + " is too large for the grid");
   }
-  const dim3 grid(static_cast<unsigned>(rp / kTile * (cols / kL3Cols)));
+  const dim3 grid(static_cast<unsigned>(rp / kTile), static_cast<unsigned>(slice_blocks));
   auto* qtp = static_cast<uint8_t*>(qt->untyped_data());
   if (x.element_type() == ffi::F32) {
     quantize_grouped_t_kernel<float><<<grid, kThreads, 0, stream>>>(

@@ -16,14 +16,12 @@
 // workspace, zeroing what CUTLASS will not write; then the CUTLASS kernel runs. No host sync:
 // CUDA-graph safe. Workspace: [kFp8GroupArrayBytesPerGroup * E, 256-aligned][CUTLASS workspace].
 //
-// Scale layouts: CUTLASS's mainloop builds each group's scale tensors from the problem shape
-// alone (a packed [K/128, M] array per group). Our activation scales are one [C/128, R] array
-// over all groups (group g's at column o_g, row stride R), so the mainloop here (StridedScales)
-// takes each group's scale layouts from the per-group layout arrays that the prepare kernel
-// fills (CUTLASS's Arguments carry them, its mainloop does not read them).
+// The mainloop (grouped_gemm_fp8_mainloop.cuh) is CUTLASS's with per-group scale layouts and,
+// for the tiles that ask for it, the scale promotion overlapped with the next K block's wgmmas.
 #pragma once
 
 #include "grouped_gemm.cuh"
+#include "grouped_gemm_fp8_mainloop.cuh"
 
 namespace moe_fp8 {
 
@@ -43,8 +41,9 @@ constexpr int kAlignmentIn = 16;  // 16 bytes of e4m3
 constexpr int64_t kFp8GroupArrayBytesPerGroup = 384;
 
 // Tile configurations (the FFI attribute `tile`; TILE_CONFIGS in moe_praxis/ops/fp8_gemm.py).
-template <int CM, int CN>
+template <int CM, int CN, bool Overlap = false>
 struct Coop128 {  // cooperative 128x128x128: example 68's tile; 128 = one scale block of N and K
+  static constexpr bool kOverlap = Overlap;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
   using Tile = Shape<_128, _128, _128>;
@@ -54,37 +53,13 @@ struct Coop128 {  // cooperative 128x128x128: example 68's tile; 128 = one scale
 // promotion and epilogue overlap the other's tensor-core work
 template <int CM, int CN>
 struct Pingpong64 {
+  static constexpr bool kOverlap = false;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
   using Tile = Shape<_64, _128, _128>;
   using Cluster = Shape<Int<CM>, Int<CN>, _1>;
 };
-constexpr int kNumFp8Tiles = 4;
-
-// The mainloop with per-group scale layouts (see the file comment). Everything else is
-// CUTLASS's blockwise mainloop.
-template <class Base>
-struct StridedScales : Base {
-  template <class ProblemShapeMNKL>
-  CUTLASS_DEVICE auto load_init(ProblemShapeMNKL const& problem_shape_mnkl,
-                                typename Base::Params const& params,
-                                typename Base::ElementBlockScale const* ptr_sfa = nullptr,
-                                typename Base::ElementBlockScale const* ptr_sfb = nullptr) const {
-    return Base::load_init(problem_shape_mnkl, params, ptr_sfa, ptr_sfb);
-  }
-
-  template <class InputTensors, class ProblemShapeMNKL>
-  CUTLASS_DEVICE auto tensors_perform_update(InputTensors const&,
-                                             typename Base::Params const& params,
-                                             ProblemShapeMNKL problem_shape_mnkl,
-                                             int32_t next_batch) {
-    auto t = Base::load_init(problem_shape_mnkl, params, params.ptr_SFA[next_batch],
-                             params.ptr_SFB[next_batch]);
-    Tensor sfa = make_tensor(get<2>(t).data(), params.layout_SFA[next_batch]);
-    Tensor sfb = make_tensor(get<3>(t).data(), params.layout_SFB[next_batch]);
-    return cute::make_tuple(get<0>(t), get<1>(t), sfa, sfb);
-  }
-};
+constexpr int kNumFp8Tiles = 6;
 
 // One kernel: A (M x K) and B (N x K) both K-major (FP8 wgmma needs it), D row-major ElementD.
 // Scales: A one per row and 128 of K (granularity (1, 128)); B one per GranN columns and 128 of
@@ -112,7 +87,7 @@ struct Fp8GemmDef {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Config::Kernel>::CollectiveOp;
-  using CollectiveMainloop = StridedScales<BuiltMainloop>;
+  using CollectiveMainloop = StridedScales<BuiltMainloop, Config::kOverlap>;
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -410,6 +385,12 @@ ffi::Error run_fp8_tile(cudaStream_t stream, Fp8Prepare p, uint8_t* workspace,
     case 3:
       return run_fp8<Fp8GemmDef<ElementD, Pingpong64<1, 2>, GranN>>(stream, p, workspace,
                                                                     workspace_bytes, sched);
+    case 4:  // tiles 2 and 0 with the promotion overlapped (grouped_gemm_fp8_mainloop.cuh)
+      return run_fp8<Fp8GemmDef<ElementD, Coop128<2, 1, true>, GranN>>(stream, p, workspace,
+                                                                       workspace_bytes, sched);
+    case 5:
+      return run_fp8<Fp8GemmDef<ElementD, Coop128<1, 2, true>, GranN>>(stream, p, workspace,
+                                                                       workspace_bytes, sched);
     default:
       return ffi::Error::InvalidArgument("moe_praxis FP8 grouped GEMM: tile=" +
                                          std::to_string(tile) + " is invalid; valid: 0.." +

@@ -23,6 +23,7 @@ Inputs are fresh random draws (the seed is in every failure message).
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -125,7 +126,7 @@ def test_wrappers_name_bad_operands():
         fp8_gemm.fp8_nt(a, a_s, b[:, :64], b_s, gs)
     with pytest.raises(ValueError, match=r"group_sizes must be \[E=2\]"):
         fp8_gemm.fp8_nt(a, a_s, b, b_s, gs[:1])
-    with pytest.raises(ValueError, match="tile=7 is invalid; valid: 0...3"):
+    with pytest.raises(ValueError, match="tile=7 is invalid; valid: 0...5"):
         fp8_gemm.fp8_nt(a, a_s, b, b_s, gs, tile=7)
     with pytest.raises(ValueError, match="swizzle=3 is invalid"):
         fp8_gemm.fp8_nt(a, a_s, b, b_s, gs, swizzle=3)
@@ -332,3 +333,40 @@ def test_moe_block_fp8_cuda_matches_reference_path():
     assert rel_err(y, y_ref) < 2e-2, f"seed={seed}"
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
         assert rel_err(a, b) < FP8_BOUND, f"seed={seed}"
+
+
+# The cooperative 128x128x128 tiles differ in cluster shape and in whether each K block's scale
+# promotion overlaps the next block's wgmmas; each output element is accumulated in the same
+# order in all of them, so they must agree bit for bit.
+COOP_TILES = [
+    i for i, name in enumerate(fp8_gemm.TILE_CONFIGS) if name.startswith("coop_128x128x128")
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "empty_groups", "one_row"])
+def test_cuda_coop_tiles_are_bitwise_equal(kind):
+    _cuda_or_skip()
+    assert len(COOP_TILES) >= 4, fp8_gemm.TILE_CONFIGS
+    seed = _seed()
+    rows, c, n, e = 1000, 1024, 384, 8  # 8 K blocks: the overlapped loop's pairs and its tail
+    _, _, gs, nt_ops = _nt_operands(rows, c, n, e, kind, seed)
+    _, _, _, wg_ops = _wgrad_operands(rows, 256, 384, e, kind, seed)
+    # 9 K blocks: the odd tail of the overlapped loop
+    _, _, _, odd_ops = _nt_operands(rows, 1152, 256, e, kind, seed)
+    msg = f"seed={seed} kind={kind} sizes={np.asarray(gs)}"
+    for name, fn, ops_ in (
+        ("nt", lambda t, *a: fp8_gemm.fp8_nt(*a, tile=t), nt_ops),
+        ("nt_odd_k", lambda t, *a: fp8_gemm.fp8_nt(*a, tile=t), odd_ops),
+        ("wgrad", lambda t, *a: fp8_gemm.fp8_wgrad(*a, rows, tile=t), wg_ops),
+        ("wgrad_f32", lambda t, *a: fp8_gemm.fp8_wgrad(*a, rows, out_dtype=jnp.float32, tile=t),
+         wg_ops),
+    ):
+        outs = {t: np.asarray(jax.jit(functools.partial(fn, t))(*ops_)) for t in COOP_TILES}
+        first = outs[COOP_TILES[0]]
+        assert np.isfinite(first.astype(np.float32)).all(), f"{name} {msg}"
+        assert np.abs(first.astype(np.float32)).max() > 0, f"{name} {msg}: all zero"
+        for t in COOP_TILES[1:]:
+            np.testing.assert_array_equal(outs[t],
+                                          first,
+                                          err_msg=f"{name} tile {fp8_gemm.TILE_CONFIGS[t]} {msg}")

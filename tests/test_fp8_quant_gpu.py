@@ -130,6 +130,7 @@ GROUPED_CASES = [
     (8192, 256, ("skewed", 300)),  # more groups than a block scan's chunk
     (0, 128, (0, 0, 0)),  # no rows: all padding
     (777, 128, (777, )),
+    (2000, 1152, ("skewed", 8)),  # 36 column slices: whole blocks of 8 slices and a tail of 4
 ]
 
 

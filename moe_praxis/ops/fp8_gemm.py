@@ -48,9 +48,12 @@ TARGETS = {
 # The FFI attribute `tile` (kernels/grouped_gemm_fp8.cuh run_fp8_tile): cooperative
 # 128x128x128 with a 1x2 cluster (two column tiles share A by TMA multicast), 1x1, or 2x1 (two
 # row tiles share B); ping-pong 64x128x128 with a 1x2 cluster (one consumer warpgroup's scale
-# promotion and epilogue overlap the other's tensor-core work).
+# promotion and epilogue overlap the other's tensor-core work); and the 2x1 and 1x2 cooperative
+# tiles with each 128-deep K block's scale promotion overlapped with the next block's wgmmas
+# (two temporary accumulators; kernels/grouped_gemm_fp8_mainloop.cuh).
 TILE_CONFIGS = ("coop_128x128x128_c1x2", "coop_128x128x128_c1x1", "coop_128x128x128_c2x1",
-                "pingpong_64x128x128_c1x2")
+                "pingpong_64x128x128_c1x2", "coop_128x128x128_c2x1_overlap",
+                "coop_128x128x128_c1x2_overlap")
 # The tile moe_praxis.ops.fp8's CUDA path runs for each of its GEMMs: the 2x1 cluster (two row
 # tiles share each weight tile's load) was the fastest or within noise of it at every point of
 # the sweep over the four tiles at shapes A, B, C (benchmarks/results/fp8_bench_tiles.json).
