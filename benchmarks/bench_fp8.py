@@ -25,7 +25,8 @@ half the repetitions); `--time-budget` seconds (default 140) bounds the run: row
 are reported as skipped. The FP8 rows' error against the bf16 kernel (rel_err_vs_bf16) is measured on the
 first CHECK_ROWS output rows (wgrad: the first expert). Options: --shapes A,B,C
 --dists balanced,skewed --ops fwd,dgrad,wgrad --warmup 2 --reps 10 --time-budget 140
---dense-f32 --tiles 0,2,3 (the first is the fp8 row; rows fp8[<tile>] for the others)
+--dense-f32 --tiles auto,2,3 (the first is the fp8 row; rows fp8[<tile>] for the others;
+'auto' is the tile the layer runs at that point, fp8_gemm.choose_tile)
 --out PATH.
 """
 
@@ -94,15 +95,20 @@ def make_fns(op: str, m: int, k: int, n: int, e: int, dense_f32: bool = False, t
             *d["xt"], *d["dyt"], d["gs"], m, out_dtype=out, tile=tile)
         quant = lambda d: fp8_gemm.fp8_wgrad(  # noqa: E731
             *fp8_quant.quantize_rows_grouped_t(d["lhs"], d["gs"], backend="auto"),
-            *fp8_quant.quantize_rows_grouped_t(d["dout"], d["gs"], backend="auto"), d["gs"], m)
+            *fp8_quant.quantize_rows_grouped_t(d["dout"], d["gs"], backend="auto"),
+            d["gs"],
+            m,
+            tile=tiles[0])
     elif op == "fwd":
         kern = lambda d, tile=tiles[0]: fp8_gemm.fp8_nt(  # noqa: E731
             *d["lhs_q"], d["qt"], d["s"], d["gs"], tile=tile)
-        quant = lambda d: fp8_gemm.fp8_nt(*_rows_t(d["lhs"]), d["qt"], d["s"], d["gs"])  # noqa
+        quant = lambda d: fp8_gemm.fp8_nt(  # noqa: E731
+            *_rows_t(d["lhs"]), d["qt"], d["s"], d["gs"], tile=tiles[0])
     else:
         kern = lambda d, tile=tiles[0]: fp8_gemm.fp8_nt(  # noqa: E731
             *d["dout_q"], d["q"], d["s_t"], d["gs"], tile=tile)
-        quant = lambda d: fp8_gemm.fp8_nt(*_rows_t(d["dout"]), d["q"], d["s_t"], d["gs"])  # noqa
+        quant = lambda d: fp8_gemm.fp8_nt(  # noqa: E731
+            *_rows_t(d["dout"]), d["q"], d["s_t"], d["gs"], tile=tiles[0])
     dense_args = {
         "fwd": lambda d: (d["lhs_q"][0], d["dense_w_nk"]),
         "dgrad": lambda d: (d["dout_q"][0], d["dense_w_kn"]),
@@ -201,7 +207,9 @@ def run(args) -> list[dict]:
     for first in (True, False):
         for shape, dist, op in points:
             e, m, k, n = SHAPES[shape]
-            cfg, fns = make_fns(op, m, k, n, e, args.dense_f32, args.tiles)
+            tiles = [fp8_gemm.choose_tile(m, e) if t == "auto" else t for t in args.tiles]
+            tiles = tuple(dict.fromkeys(tiles))  # 'auto' may name a tile also listed
+            cfg, fns = make_fns(op, m, k, n, e, args.dense_f32, tiles)
             base, ref = state.get((shape, dist, op), (None, None))
             for name, f in fns.items():
                 if (name in FIRST_PASS) != first:
@@ -218,6 +226,8 @@ def run(args) -> list[dict]:
                 }
                 if name == "bf16":
                     row["config"] = cfg
+                elif name in ("fp8", "fp8+q", "fp8_f32"):
+                    row["config"] = fp8_gemm.TILE_CONFIGS[tiles[0]]
                 if time.perf_counter() - t_start > args.time_budget:
                     row["skipped"] = f"skipped: --time-budget {args.time_budget:g} s spent"
                 else:
@@ -260,18 +270,18 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=140.0, help="seconds of measuring")
     ap.add_argument("--dense-f32", action="store_true", help="also dense FP8 with f32 output")
     ap.add_argument("--tiles",
-                    default="0,2,3",
-                    help="FP8 tiles to time (indices of fp8_gemm.TILE_CONFIGS; the first is "
-                    "the 'fp8' row)")
+                    default="auto",
+                    help="FP8 tiles to time (indices of fp8_gemm.TILE_CONFIGS, or 'auto': "
+                    "fp8_gemm.choose_tile's; the first is the 'fp8' row)")
     args = ap.parse_args(argv)
     args.shapes = args.shapes.split(",")
     args.dists = args.dists.split(",")
     args.ops = args.ops.split(",")
     try:
-        args.tiles = tuple(int(t) for t in args.tiles.split(","))
+        args.tiles = tuple(t if t == "auto" else int(t) for t in args.tiles.split(","))
     except ValueError:
-        ap.error(f"--tiles {args.tiles!r} is invalid; valid: comma-separated integers")
-    bad = [t for t in args.tiles if t not in range(len(fp8_gemm.TILE_CONFIGS))]
+        ap.error(f"--tiles {args.tiles!r} is invalid; valid: comma-separated integers or 'auto'")
+    bad = [t for t in args.tiles if t != "auto" and t not in range(len(fp8_gemm.TILE_CONFIGS))]
     if bad:
         ap.error(f"--tiles {bad} are invalid; valid: {dict(enumerate(fp8_gemm.TILE_CONFIGS))}")
     for what, got, valid in (("shape", args.shapes, SHAPES), ("dist", args.dists, DISTS),

@@ -297,50 +297,89 @@ __device__ TileRows find_tile_rows(const int32_t* __restrict__ gs, int64_t e, in
   return found;
 }
 
-// L3: block (pt, cs) quantizes padded rows [128 pt, 128 pt + 128) x columns
-// [32 kL3Slices cs, + 32 kL3Slices), one 32-column slice at a time: one column per thread (a
-// warp reads 32 consecutive columns of a row), 16 rows each, one 16-byte store of qt. The
-// block finds its rows (a block-wide scan over the group sizes) once for all its slices: with
-// one slice per block that scan was most of a block's time (L3 ran at 0.91-1.04 TB/s against
-// a copy's 3.7; benchmarks/results/fp8_quant_bench*.json).
-constexpr int kL3Cols = 32;
-constexpr int kL3Groups = kThreads / kL3Cols;  // row groups of a block
-constexpr int kL3Rows = kTile / kL3Groups;     // rows per thread: 16, one 16-byte store
-constexpr int kL3Slices = 8;                   // 32-column slices per block
-static_assert(kL3Rows == 16, "a thread's column of its tile is one 16-byte store");
+// L3: block (pt, cb) quantizes padded rows [128 pt, 128 pt + 128) x columns
+// [kL3Cols * kL3Chunks * cb, ...), kL3Cols columns (one chunk) at a time, through shared memory
+// both ways so that global memory is read and written in whole 128-byte lines:
+//   1. the chunk's 128 rows are read as 16-byte vectors (a row's kL3Cols values by consecutive
+//      threads) into `tile` (zeros past the group's rows);
+//   2. thread (c, q) takes column c, rows [32 q, 32 q + 32): its column maximum, the block's
+//      per column (col_max), the scale, then the 32 e4m3 bytes into `out[c]`;
+//   3. out's rows, 128 bytes each (column c's 128 padded rows), go to qt[c] by 8 threads each.
+// The block finds its rows (a block-wide scan over the group sizes) once for all its chunks.
+// (The kernel before this one read and wrote 16-64 bytes per row and ran at 0.91-1.14 TB/s
+// against a copy's 3.7-3.9: benchmarks/results/fp8_quant_bench*.json.)
+constexpr int kL3Cols = 64;                        // columns per chunk
+constexpr int kL3Quarters = kThreads / kL3Cols;    // row groups in step 2
+constexpr int kL3Rows = kTile / kL3Quarters;       // rows per thread in step 2: 32
+constexpr int kL3Chunks = 8;                       // chunks per block
+constexpr int kL3OutStride = kTile + 16;           // bytes; the pad spreads rows over banks
+static_assert(kTile % kL3Cols == 0 && kL3Rows % 16 == 0, "L3 tiling");
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quantize_grouped_t_kernel(const T* __restrict__ x, const int32_t* __restrict__ gs,
                               uint8_t* __restrict__ qt, float* __restrict__ s, int64_t rows,
                               int64_t cols, int64_t e, int64_t rp) {
-  __shared__ float col_max[2][kL3Groups][kL3Cols];  // two: one barrier per slice
-  const int lane = threadIdx.x % kL3Cols, rg = threadIdx.x / kL3Cols;
-  const int64_t col_blocks = cols / kL3Cols;
+  constexpr int VEC = 16 / sizeof(T);                 // values per 16-byte vector
+  constexpr int ROW_THREADS = kL3Cols / VEC;          // threads per row in step 1
+  constexpr int PASS_ROWS = kThreads / ROW_THREADS;   // rows per pass in step 1
+  using V = Vec<T, VEC>;
+  __shared__ V tile[kTile][ROW_THREADS];
+  __shared__ float col_max[kL3Quarters][kL3Cols];
+  __shared__ __align__(16) uint8_t out[kL3Cols][kL3OutStride];
   const int64_t pt = blockIdx.x;
   const TileRows t = find_tile_rows(gs, e, rows, pt * kTile);
-  const int64_t cb0 = static_cast<int64_t>(blockIdx.y) * kL3Slices;
-  for (int k = 0; k < kL3Slices && cb0 + k < col_blocks; ++k) {  // uniform over the block
-    const int64_t c = (cb0 + k) * kL3Cols + lane;
-    float v[kL3Rows];
+  const int lv = threadIdx.x % ROW_THREADS, lr = threadIdx.x / ROW_THREADS;  // step 1
+  const int c = threadIdx.x % kL3Cols, q = threadIdx.x / kL3Cols;            // step 2
+  const int64_t chunks = cols / kL3Cols;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.y) * kL3Chunks;
+  for (int64_t k = k0; k < k0 + kL3Chunks && k < chunks; ++k) {  // uniform over the block
+    const int64_t c0 = k * kL3Cols;
+#pragma unroll
+    for (int pass = 0; pass < kTile / PASS_ROWS; ++pass) {
+      const int r = pass * PASS_ROWS + lr;
+      V v;
+      if (r < t.count) {
+        v = reinterpret_cast<const V*>(x + (t.src + r) * cols + c0)[lv];
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v.v[j] = from_f32<T>(0.f);
+      }
+      tile[r][lv] = v;
+    }
+    __syncthreads();
+    const T* tcol = reinterpret_cast<const T*>(&tile[0][0]) + c;  // column c, row stride kL3Cols
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < kL3Rows; ++i) {
-      const int row = rg * kL3Rows + i;
-      v[i] = row < t.count ? to_f32(x[(t.src + row) * cols + c]) : 0.f;
-      amax = fmaxf(amax, fabsf(v[i]));
+      amax = fmaxf(amax, fabsf(to_f32(tcol[(q * kL3Rows + i) * kL3Cols])));
     }
-    col_max[k & 1][rg][lane] = amax;
+    col_max[q][c] = amax;
     __syncthreads();
-    amax = col_max[k & 1][0][lane];
+    amax = col_max[0][c];
 #pragma unroll
-    for (int g = 1; g < kL3Groups; ++g) amax = fmaxf(amax, col_max[k & 1][g][lane]);
+    for (int g = 1; g < kL3Quarters; ++g) amax = fmaxf(amax, col_max[g][c]);
     const float sc = tile_scale(amax), inv = reciprocal(sc);
-    Vec<uint8_t, 16> out;
 #pragma unroll
-    for (int i = 0; i < kL3Rows; ++i) out.v[i] = to_e4m3(v[i], inv);
-    *reinterpret_cast<Vec<uint8_t, 16>*>(qt + c * rp + pt * kTile + rg * kL3Rows) = out;
-    if (rg == 0) s[pt * cols + c] = sc;
+    for (int i0 = 0; i0 < kL3Rows; i0 += 16) {
+      Vec<uint8_t, 16> o;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        o.v[i] = to_e4m3(to_f32(tcol[(q * kL3Rows + i0 + i) * kL3Cols]), inv);
+      }
+      *reinterpret_cast<Vec<uint8_t, 16>*>(&out[c][q * kL3Rows + i0]) = o;
+    }
+    if (q == 0) s[pt * cols + c0 + c] = sc;
+    __syncthreads();
+    constexpr int SEGS = kTile / 16;  // 16-byte segments of an out row
+    static_assert(kL3Cols * SEGS % kThreads == 0, "whole passes over out");
+#pragma unroll
+    for (int j = 0; j < kL3Cols * SEGS / kThreads; ++j) {
+      const int i = j * kThreads + threadIdx.x, oc = i / SEGS, seg = i % SEGS;
+      *reinterpret_cast<Vec<uint8_t, 16>*>(qt + (c0 + oc) * rp + pt * kTile + seg * 16) =
+          *reinterpret_cast<const Vec<uint8_t, 16>*>(&out[oc][seg * 16]);
+    }
+    // the next chunk writes tile, col_max and out only after two more barriers
   }
 }
 
@@ -493,7 +532,7 @@ ffi::Error QuantizeRowsGroupedTImpl(cudaStream_t stream, ffi::AnyBuffer x,
     return MOE_INVALID(std::string(op) + ": s must be [Rp/128, C] float32");
   }
   if (cols == 0) return ffi::Error::Success();
-  const int64_t slice_blocks = ceil_div(cols / kL3Cols, kL3Slices);
+  const int64_t slice_blocks = ceil_div(cols / kL3Cols, kL3Chunks);
   if (rp / kTile > INT32_MAX || slice_blocks > 65535) {
     return MOE_INVALID(std::string(op) + ": x " + dims_text(x) + " is too large for the grid");
   }

@@ -72,16 +72,16 @@ _HI = jax.lax.Precision.HIGHEST
 _QUANT = "auto"
 
 
-def _nt(op, q, s_t, bq, bs, group_sizes, out_dtype):
+def _nt(q, s_t, bq, bs, group_sizes, out_dtype):
     """The FP8 NT grouped GEMM of an L1 operand (q, s_t) against bq [E, N, C] (scales
     [E, C/128, N/128]), in out_dtype."""
-    return fp8_gemm.fp8_nt(q, s_t, bq, bs, group_sizes,
-                           tile=fp8_gemm.DEFAULT_TILES[op]).astype(out_dtype)
+    tile = fp8_gemm.choose_tile(q.shape[0], bq.shape[0])
+    return fp8_gemm.fp8_nt(q, s_t, bq, bs, group_sizes, tile=tile).astype(out_dtype)
 
 
-def _cuda_nt(op, x, bq, bs, group_sizes, out_dtype):
+def _cuda_nt(x, bq, bs, group_sizes, out_dtype):
     """_nt of x's 1x128 row tiles (L1), quantized here."""
-    return _nt(op, *quantize_rows(x, backend=_QUANT), bq, bs, group_sizes, out_dtype)
+    return _nt(*quantize_rows(x, backend=_QUANT), bq, bs, group_sizes, out_dtype)
 
 
 def _cuda_wgrad(xt, xs, dy, group_sizes, rows: int, rhs_dtype):
@@ -96,7 +96,7 @@ def _cuda_wgrad(xt, xs, dy, group_sizes, rows: int, rhs_dtype):
                             group_sizes,
                             rows,
                             out_dtype=out,
-                            tile=fp8_gemm.DEFAULT_TILES["wgrad"])
+                            tile=fp8_gemm.choose_tile(rows, group_sizes.shape[0]))
     return dw.astype(rhs_dtype)
 
 
@@ -112,7 +112,7 @@ def _quantize_weight(rhs, impl):
 def _fwd_math(lhs, wq, ws, group_sizes, impl="xla", wqt=None):
     if impl == "cuda":
         wqt = jnp.swapaxes(wq, 1, 2) if wqt is None else wqt
-        return _cuda_nt("fwd", lhs, wqt, ws, group_sizes, lhs.dtype)
+        return _cuda_nt(lhs, wqt, ws, group_sizes, lhs.dtype)
     k = lhs.shape[1]
     xq, xs = quantize_tiles(lhs, axis=1)
     x = dequantize_tiles(xq, xs, axis=1)[:, :k]
@@ -126,7 +126,7 @@ def _fwd_math(lhs, wq, ws, group_sizes, impl="xla", wqt=None):
 
 def _cuda_bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype):
     dy = dy.astype(lhs.dtype)
-    dx = _cuda_nt("dgrad", dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, lhs.dtype)
+    dx = _cuda_nt(dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, lhs.dtype)
     xt, xs = quantize_rows_grouped_t(lhs, group_sizes, backend=_QUANT)
     return dx, _cuda_wgrad(xt, xs, dy, group_sizes, lhs.shape[0], rhs_dtype)
 
@@ -221,7 +221,7 @@ def _shared_fwd(lhs, q, s_t, rhss, group_sizes):
     outs, res_w = [], []
     for rhs in rhss:
         wq, wqt, ws = _quantize_weight(rhs, "cuda")
-        outs.append(_nt("fwd", q, s_t, wqt, ws, group_sizes, lhs.dtype))
+        outs.append(_nt(q, s_t, wqt, ws, group_sizes, lhs.dtype))
         res_w.append((wq, ws, jnp.zeros((0, ), rhs.dtype)))
     # not q and s_t: their (zero) cotangents need only their shapes, which lhs gives
     return tuple(outs), (lhs, group_sizes, tuple(res_w))
@@ -233,7 +233,7 @@ def _shared_bwd(res, dys):
     dx, dws = None, []
     for (wq, ws, like), dy in zip(res_w, dys):
         dy = dy.astype(lhs.dtype)
-        part = _cuda_nt("dgrad", dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, jnp.float32)
+        part = _cuda_nt(dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, jnp.float32)
         dx = part if dx is None else dx + part
         dws.append(_cuda_wgrad(xt, xs, dy, group_sizes, lhs.shape[0], like.dtype))
     (r, k), bk = lhs.shape, lhs.shape[1] // BLOCK

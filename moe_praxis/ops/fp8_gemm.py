@@ -54,10 +54,23 @@ TARGETS = {
 TILE_CONFIGS = ("coop_128x128x128_c1x2", "coop_128x128x128_c1x1", "coop_128x128x128_c2x1",
                 "pingpong_64x128x128_c1x2", "coop_128x128x128_c2x1_overlap",
                 "coop_128x128x128_c1x2_overlap")
-# The tile moe_praxis.ops.fp8's CUDA path runs for each of its GEMMs: the 2x1 cluster (two row
-# tiles share each weight tile's load) was the fastest or within noise of it at every point of
-# the sweep over the four tiles at shapes A, B, C (benchmarks/results/fp8_bench_tiles.json).
-DEFAULT_TILES = {"fwd": 2, "dgrad": 2, "wgrad": 2}
+# The tiles moe_praxis.ops.fp8's CUDA path runs (choose_tile): the overlapped-promotion tiles,
+# which were as fast as or faster than their plain twins at A (3-8%) in one run of all of them
+# (benchmarks/results/fp8_bench_overlap.json); the 2x1 cluster (two row tiles share each weight
+# tile's load) with many rows per group, the 1x2 cluster (two column tiles share the rows' load)
+# with few, where the 2x1's rounding of each group's row tiles to pairs wastes more.
+TILE_MANY_ROWS = 4  # coop_128x128x128_c2x1_overlap
+TILE_FEW_ROWS = 5  # coop_128x128x128_c1x2_overlap
+FEW_ROWS_PER_GROUP = 512
+
+
+def choose_tile(rows: int, num_groups: int) -> int:
+    """The tile for `rows` rows over `num_groups` groups (the mean decides, the sizes stay on
+    the device): TILE_FEW_ROWS at FEW_ROWS_PER_GROUP rows per group or fewer, else
+    TILE_MANY_ROWS."""
+    return TILE_FEW_ROWS if rows <= FEW_ROWS_PER_GROUP * num_groups else TILE_MANY_ROWS
+
+
 # kernels/grouped_gemm_fp8.cuh kFp8GroupArrayBytesPerGroup
 GROUP_ARRAY_BYTES_PER_GROUP = 384
 WGRAD_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
