@@ -18,13 +18,16 @@ by default; both distributions sum to M, so every row does 2*M*K*N FLOPs), times
 
 and prints a table (ms, TFLOP/s, speedup over bf16) with the issue's targets: forward >= 1.6x
 our bf16 kernel at A and B, dgrad and wgrad >= 1.4x there, judged on the kernel alone (PASS /
-FAIL; '-' where the issue sets no target). Timing: each function jitted, `--warmup` calls, then
-`--reps` calls each followed by block_until_ready; the median. Each row is printed when
-measured, in two passes (first bf16 and fp8 at every point, then the other rows; shape A with
-half the repetitions); `--time-budget` seconds (default 140) bounds the run: rows not reached
-are reported as skipped. The FP8 rows' error against the bf16 kernel (rel_err_vs_bf16) is measured on the
+FAIL; '-' where the issue sets no target). Timing, per point (shape, dist, op): every function
+jitted and called `--warmup` times, the GPU kept busy for SPIN_UP_S, then `--reps` interleaved
+rounds (one sample of each function per round, each sample at least MIN_SAMPLE_S of back-to-back
+calls); a row's time is the median of its samples. (Timed one function after another, each right
+after its compilation left the GPU idle, the short calls at B and C read up to 30% slow:
+benchmarks/results/fp8_gemm_runs.md runs 3 and 5.) Rows are printed per point;
+`--time-budget` seconds (default 140) bounds the run: points not started are reported as
+skipped. The FP8 rows' error against the bf16 kernel (rel_err_vs_bf16) is measured on the
 first CHECK_ROWS output rows (wgrad: the first expert). Options: --shapes A,B,C
---dists balanced,skewed --ops fwd,dgrad,wgrad --warmup 2 --reps 10 --time-budget 140
+--dists balanced,skewed --ops fwd,dgrad,wgrad --warmup 2 --reps 9 --time-budget 140
 --dense-f32 --tiles auto,2,3 (the first is the fp8 row; rows fp8[<tile>] for the others;
 'auto' is the tile the layer runs at that point, fp8_gemm.choose_tile)
 --out PATH.
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import statistics
 import sys
@@ -57,16 +61,37 @@ TARGETS = {(op, s): (1.6 if op == "fwd" else 1.4) for op in OPS for s in ("A", "
 CHECK_ROWS = 4096
 _CONTRACT_1 = (((1, ), (1, )), ((), ()))  # both operands contraction-major
 
+MIN_SAMPLE_S = 0.02  # seconds of back-to-back calls per sample
+SPIN_UP_S = 0.3  # GPU work before the first round, so that its clock has settled
 
-def time_median(f, *args, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+
+def time_interleaved(fns: dict, d, op: str, *, warmup: int, rounds: int):
+    """({name: median seconds per call}, {name: checked slice of its output},
+    {name: error text}) of fns (name -> jitted fn of d), timed in interleaved rounds."""
+    outs, calls, errors = {}, {}, {}
+    for name, f in fns.items():
+        try:
+            for _ in range(max(warmup, 1)):
+                jax.block_until_ready(f(d))
+            t0 = time.perf_counter()
+            outs[name] = _check_slice(jax.block_until_ready(f(d)), op)
+            calls[name] = max(1, math.ceil(MIN_SAMPLE_S / max(time.perf_counter() - t0, 1e-6)))
+        except Exception as ex:  # noqa: BLE001 - one failure must not end the run
+            errors[name] = repr(ex)[:300]
+            traceback.print_exc()
+    live = [n for n in fns if n in calls]
+    t0 = time.perf_counter()
+    while live and time.perf_counter() - t0 < SPIN_UP_S:
+        jax.block_until_ready(fns[live[0]](d))
+    samples = {n: [] for n in live}
+    for _ in range(rounds):
+        for n in live:
+            t0 = time.perf_counter()
+            for _ in range(calls[n]):
+                r = fns[n](d)
+            jax.block_until_ready(r)
+            samples[n].append((time.perf_counter() - t0) / calls[n])
+    return {n: statistics.median(v) for n, v in samples.items()}, outs, errors
 
 
 def _rows_t(x):
@@ -178,80 +203,60 @@ HEAD = (f"{'shape':5} {'dist':8} {'op':5} {'name':13} {'ms':>8} {'TFLOP/s':>8} "
         f"{'x bf16':>7} {'target':>6} {'verdict':>7} {'err/bf16':>8}")
 
 
-def measure(row, f, d, op, args, ref):
-    """Times f(d) into row (ms, TFLOP/s, speedup, error vs the bf16 output `ref`); returns
-    the checked slice of its output."""
-    flops = 2.0 * row["M"] * row["K"] * row["N"]
-    sec = time_median(lambda: f(d), warmup=args.warmup, reps=args.reps)
-    out = _check_slice(f(d), op)
-    row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
-    if ref is not None and row["name"].startswith("fp8"):
-        row["rel_err_vs_bf16"] = rel_err(out, ref)
-    return out
-
-
-FIRST_PASS = ("bf16", "fp8")  # the rows the targets judge: measured at every point first
-
-
-def reps_for(shape: str, reps: int) -> int:
-    """Shape A's calls are the longest: half the repetitions there (at least 3)."""
-    return max(3, reps // 2) if shape == "A" else reps
-
-
 def run(args) -> list[dict]:
-    """Two passes over the points (shape, dist, op): first the bf16 and fp8 rows (the targets'),
-    then the others, so that a spent --time-budget costs the secondary rows first."""
-    rows, t_start, data, state = [], time.perf_counter(), {}, {}
+    """Every point (shape, dist, op) in turn, its functions timed together
+    (time_interleaved); a spent --time-budget skips the points not started."""
+    rows, t_start, data = [], time.perf_counter(), {}
     print(HEAD, flush=True)
     points = [(s, dist, op) for s in args.shapes for dist in args.dists for op in args.ops]
-    for first in (True, False):
-        for shape, dist, op in points:
-            e, m, k, n = SHAPES[shape]
-            tiles = [fp8_gemm.choose_tile(m, e) if t == "auto" else t for t in args.tiles]
-            tiles = tuple(dict.fromkeys(tiles))  # 'auto' may name a tile also listed
-            cfg, fns = make_fns(op, m, k, n, e, args.dense_f32, tiles)
-            base, ref = state.get((shape, dist, op), (None, None))
-            for name, f in fns.items():
-                if (name in FIRST_PASS) != first:
-                    continue
-                row = {
-                    "shape": shape,
-                    "dist": dist,
-                    "op": op,
-                    "name": name,
-                    "E": e,
-                    "M": m,
-                    "K": k,
-                    "N": n
-                }
-                if name == "bf16":
-                    row["config"] = cfg
-                elif name in ("fp8", "fp8+q", "fp8_f32"):
-                    row["config"] = fp8_gemm.TILE_CONFIGS[tiles[0]]
-                if time.perf_counter() - t_start > args.time_budget:
-                    row["skipped"] = f"skipped: --time-budget {args.time_budget:g} s spent"
-                else:
-                    try:
-                        if (shape, dist) not in data:
-                            data[(shape, dist)] = prepare(e, m, k, n, dist)
-                        a = argparse.Namespace(warmup=args.warmup, reps=reps_for(shape, args.reps))
-                        out = measure(row, f, data[(shape, dist)], op, a, ref)
-                        if name == "bf16":
-                            base, ref = row["ms"], out
-                            state[(shape, dist, op)] = (base, ref)
-                    except Exception as ex:  # noqa: BLE001 - one failure must not end the run
-                        row["error"] = repr(ex)[:300]
-                        traceback.print_exc()
-                if base and "ms" in row:
-                    row["speedup_vs_bf16"] = base / row["ms"]
-                target = TARGETS.get((op, shape))
-                if name == "fp8" and target is not None and "ms" in row:
-                    row["target"] = target
-                    row["pass"] = bool(row.get("speedup_vs_bf16", 0.0) >= target)
-                rows.append(row)
-                print(_line(row), flush=True)
-    order = {p: i for i, p in enumerate(points)}
-    rows.sort(key=lambda r: order[(r["shape"], r["dist"], r["op"])])  # stable: row order kept
+    for shape, dist, op in points:
+        e, m, k, n = SHAPES[shape]
+        tiles = [fp8_gemm.choose_tile(m, e) if t == "auto" else t for t in args.tiles]
+        tiles = tuple(dict.fromkeys(tiles))  # 'auto' may name a tile also listed
+        cfg, fns = make_fns(op, m, k, n, e, args.dense_f32, tiles)
+        secs, outs, errors = {}, {}, {}
+        if time.perf_counter() - t_start > args.time_budget:
+            errors = dict.fromkeys(fns, f"skipped: --time-budget {args.time_budget:g} s spent")
+        else:
+            if (shape, dist) not in data:
+                data[(shape, dist)] = prepare(e, m, k, n, dist)
+            secs, outs, errors = time_interleaved(fns,
+                                                  data[(shape, dist)],
+                                                  op,
+                                                  warmup=args.warmup,
+                                                  rounds=args.reps)
+        base, ref = secs.get("bf16"), outs.get("bf16")
+        flops = 2.0 * m * k * n
+        for name in fns:
+            row = {
+                "shape": shape,
+                "dist": dist,
+                "op": op,
+                "name": name,
+                "E": e,
+                "M": m,
+                "K": k,
+                "N": n
+            }
+            if name == "bf16":
+                row["config"] = cfg
+            elif name in ("fp8", "fp8+q", "fp8_f32"):
+                row["config"] = fp8_gemm.TILE_CONFIGS[tiles[0]]
+            if name in secs:
+                row.update(ms=secs[name] * 1e3, tflops=flops / secs[name] / 1e12)
+                if base:
+                    row["speedup_vs_bf16"] = base / secs[name]
+                if ref is not None and name.startswith("fp8"):
+                    row["rel_err_vs_bf16"] = rel_err(outs[name], ref)
+            else:
+                why = errors.get(name, "not timed")
+                row["skipped" if why.startswith("skipped") else "error"] = why
+            target = TARGETS.get((op, shape))
+            if name == "fp8" and target is not None and "ms" in row:
+                row["target"] = target
+                row["pass"] = bool(row.get("speedup_vs_bf16", 0.0) >= target)
+            rows.append(row)
+            print(_line(row), flush=True)
     return rows
 
 
@@ -266,7 +271,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dists", default="balanced")
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=9, help="interleaved rounds")
     ap.add_argument("--time-budget", type=float, default=140.0, help="seconds of measuring")
     ap.add_argument("--dense-f32", action="store_true", help="also dense FP8 with f32 output")
     ap.add_argument("--tiles",
