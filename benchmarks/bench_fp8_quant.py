@@ -1,7 +1,7 @@
 """FP8 quantization kernel benchmark: `python -m benchmarks.bench_fp8_quant [--out FILE.json]`.
 
-Times each kernel of kernels/fp8_quant.cu against its pure-JAX reference (jitted, XLA) on one
-GPU, bf16 inputs at the Mixtral-like expert shapes (rows R = --rows, width --width, hidden
+Times each kernel of kernels/fp8_quant.cu and fp8_quant_tiles.cu against its pure-JAX reference
+(jitted, XLA) on one GPU, bf16 inputs at the Mixtral-like expert shapes (rows R = --rows, width --width, hidden
 --hidden, --experts groups), and prints a table: time per call, achieved bandwidth (the fewest
 bytes the op must move: inputs read once, outputs written once) as a fraction of the copy
 bandwidth measured here (bench_kernels.copy_bandwidth), and the speedup over XLA. Each row also

@@ -1,5 +1,5 @@
-"""The FP8 quantization kernels (kernels/fp8_quant.cu) against their references on a GPU
-(marked `gpu`; skipped elsewhere).
+"""The FP8 quantization kernels (kernels/fp8_quant.cu, kernels/fp8_quant_tiles.cu) against
+their references on a GPU (marked `gpu`; skipped elsewhere).
 
 Every output is compared BITWISE with the pure-JAX reference (moe_praxis.ops.fp8_quant) run on
 the CPU: the same float32 amax, product with f32(1/448), float32 reciprocal of the scale, product
