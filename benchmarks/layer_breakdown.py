@@ -36,8 +36,6 @@ STAGES = [  # (stage, kind, regex)
     ("FP8 quantize weights (L2)", "target", r"^moe_fp8_quantize_weight$"),
     ("FP8 quantize rows (L1)", "target", r"^moe_fp8_quantize_rows$"),
     ("FP8 quantize grouped rows (L3, wgrad)", "target", r"^moe_fp8_quantize_rows_grouped_t$"),
-    ("FP8 quantize rows + grouped rows (L1 + L3)", "target",
-     r"^moe_fp8_quantize_rows_and_grouped_t$"),
     ("SwiGLU + FP8 (L1)", "target", r"^moe_swiglu_fwd_fp8$"),
     ("permute + FP8 (L1)", "target", r"^moe_permute_fp8$"),
     ("routing kernel", "target", r"^moe_router_"),

@@ -125,26 +125,6 @@ def test_rows_past_the_groups_are_ignored():
         _same(u, v, f"seed={seed}")
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_rows_and_grouped_t_are_l1_and_l3(dtype):
-    """quantize_rows_and_grouped_t (jitted, as the layer calls it) returns L1 and L3 of the
-    same rows, rows past the groups in L1 only."""
-    seed = _seed()
-    x = _rows_input(seed, 300, 256, dtype)
-    gs = jnp.array([0, 120, 1, 150], jnp.int32)
-    (q, s_t), (qt, s) = jax.jit(fp8_quant.quantize_rows_and_grouped_t)(x, gs)
-    for got, want, what in zip(
-        (q, s_t, qt, s),
-            fp8_quant.quantize_rows(x) + fp8_quant.quantize_rows_grouped_t(x, gs),
-        ("q", "s_t", "qt", "s")):
-        _same(got, want, f"seed={seed} {what}")
-    qn, sn = ref.grouped_t(np.asarray(x, np.float32), [0, 120, 1, 150])
-    _same(qt, qn, f"seed={seed} qt vs numpy")
-    assert q.shape == (300, 256) and s_t.shape == (2, 300)
-    with pytest.raises(ValueError, match=r"group_sizes has dtype float32"):
-        fp8_quant.quantize_rows_and_grouped_t(x, gs.astype(jnp.float32))
-
-
 def test_named_errors():
     with pytest.raises(ValueError, match=r"shape \(4, 100\).*C=100 must be a multiple of 128"):
         fp8_quant.quantize_rows(jnp.zeros((4, 100)))

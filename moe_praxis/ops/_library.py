@@ -59,7 +59,6 @@ KERNELS: dict[str, str] = {
     "moe_fp8_quantize_rows": "MoeFp8QuantizeRows",
     "moe_fp8_quantize_weight": "MoeFp8QuantizeWeight",
     "moe_fp8_quantize_rows_grouped_t": "MoeFp8QuantizeRowsGroupedT",
-    "moe_fp8_quantize_rows_and_grouped_t": "MoeFp8QuantizeRowsAndGroupedT",
     "moe_swiglu_fwd_fp8": "MoeSwigluFwdFp8",
     "moe_permute_fp8": "MoePermuteFp8",
 }

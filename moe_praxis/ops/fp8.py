@@ -61,8 +61,8 @@ from moe_praxis.ops import backend as _backend
 from moe_praxis.ops import fp8_gemm
 from moe_praxis.ops.fp8_quant import (  # noqa: F401  (the recipe's quantizers, re-exported)
     BLOCK, E4M3, E4M3_MAX, check_blocks, dequantize_blocks, dequantize_rows_grouped_t,
-    dequantize_tiles, quantize_blocks, quantize_rows, quantize_rows_and_grouped_t,
-    quantize_rows_grouped_t, quantize_rows_grouped_t_reference, quantize_tiles, quantize_weight)
+    dequantize_tiles, quantize_blocks, quantize_rows, quantize_rows_grouped_t,
+    quantize_rows_grouped_t_reference, quantize_tiles, quantize_weight)
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
 
 _HI = jax.lax.Precision.HIGHEST
@@ -84,13 +84,10 @@ def _cuda_nt(x, bq, bs, group_sizes, out_dtype):
     return _nt(*quantize_rows(x, backend=_QUANT), bq, bs, group_sizes, out_dtype)
 
 
-def _cuda_dgrad_wgrad(xt, xs, dy, wq, ws, group_sizes, rows: int, rhs_dtype, dx_dtype):
-    """(dx, dw) of one weight from dy [R, N] quantized once for both (L1 for the dgrad, L3 for
-    the wgrad: one pass over dy in bf16) and the lhs's L3 operand (xt, xs). dx against wq
-    [E, K, N] (scales ws), in dx_dtype; dw written in float32 for a float32 weight, else bf16,
-    returned in the weight's dtype."""
-    (q, s_t), (dyt, dys) = quantize_rows_and_grouped_t(dy, group_sizes, backend=_QUANT)
-    dx = _nt(q, s_t, wq, jnp.swapaxes(ws, 1, 2), group_sizes, dx_dtype)
+def _cuda_wgrad(xt, xs, dy, group_sizes, rows: int, rhs_dtype):
+    """The FP8 wgrad of one weight: the lhs's L3 operand (xt, xs) against dy's, quantized here;
+    written in float32 for a float32 weight, else bf16, returned in the weight's dtype."""
+    dyt, dys = quantize_rows_grouped_t(dy, group_sizes, backend=_QUANT)
     out = jnp.float32 if jnp.dtype(rhs_dtype) == jnp.float32 else jnp.bfloat16
     dw = fp8_gemm.fp8_wgrad(xt,
                             xs,
@@ -100,7 +97,7 @@ def _cuda_dgrad_wgrad(xt, xs, dy, wq, ws, group_sizes, rows: int, rhs_dtype, dx_
                             rows,
                             out_dtype=out,
                             tile=fp8_gemm.choose_tile(rows, group_sizes.shape[0]))
-    return dx, dw.astype(rhs_dtype)
+    return dw.astype(rhs_dtype)
 
 
 def _quantize_weight(rhs, impl):
@@ -128,9 +125,10 @@ def _fwd_math(lhs, wq, ws, group_sizes, impl="xla", wqt=None):
 
 
 def _cuda_bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype):
+    dy = dy.astype(lhs.dtype)
+    dx = _cuda_nt(dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, lhs.dtype)
     xt, xs = quantize_rows_grouped_t(lhs, group_sizes, backend=_QUANT)
-    return _cuda_dgrad_wgrad(xt, xs, dy.astype(lhs.dtype), wq, ws, group_sizes, lhs.shape[0],
-                             rhs_dtype, lhs.dtype)
+    return dx, _cuda_wgrad(xt, xs, dy, group_sizes, lhs.shape[0], rhs_dtype)
 
 
 def _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype, impl="xla"):
@@ -234,10 +232,10 @@ def _shared_bwd(res, dys):
     xt, xs = quantize_rows_grouped_t(lhs, group_sizes, backend=_QUANT)
     dx, dws = None, []
     for (wq, ws, like), dy in zip(res_w, dys):
-        part, dw = _cuda_dgrad_wgrad(xt, xs, dy.astype(lhs.dtype), wq, ws, group_sizes,
-                                     lhs.shape[0], like.dtype, jnp.float32)
+        dy = dy.astype(lhs.dtype)
+        part = _cuda_nt(dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, jnp.float32)
         dx = part if dx is None else dx + part
-        dws.append(dw)
+        dws.append(_cuda_wgrad(xt, xs, dy, group_sizes, lhs.shape[0], like.dtype))
     (r, k), bk = lhs.shape, lhs.shape[1] // BLOCK
     return (dx.astype(lhs.dtype), jnp.zeros((r, k), E4M3), jnp.zeros((bk, r),
                                                                      jnp.float32), tuple(dws), None)

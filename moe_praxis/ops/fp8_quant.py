@@ -33,8 +33,7 @@ tile never mixes groups. qt is zero at every padding position and past the last 
 the tiles (all zero) have scale 1. Rows past sum(group_sizes) are ignored.
 
 Every quantizer takes `backend=` ('auto' | 'xla' | 'cuda', as ops.swiglu): 'cuda' runs its
-kernel (kernels/fp8_quant.cu, fp8_quant_weight.cu and fp8_quant_tiles.cu, bitwise equal to the
-reference here)
+kernel (kernels/fp8_quant.cu and fp8_quant_tiles.cu, bitwise equal to the reference here)
 through platform_call.
 moe_praxis.ops.fp8_fused holds the SwiGLU forward and the permute that write their output as
 L1 in the same pass.
@@ -300,35 +299,3 @@ def quantize_rows_grouped_t(x, group_sizes, *, backend: str = "auto"):
     if _backend.op_backend(backend, "fp8_quant") == "cuda":
         return platform_call(_grouped_ffi, quantize_rows_grouped_t_reference, x, gs)
     return quantize_rows_grouped_t_reference(x, gs)
-
-
-# ------------------------------------------------------ L1 and L3 of the same rows
-
-
-def quantize_rows_and_grouped_t_reference(x, group_sizes):
-    """(quantize_rows_reference(x), quantize_rows_grouped_t_reference(x, group_sizes))."""
-    return quantize_rows_reference(x), quantize_rows_grouped_t_reference(x, group_sizes)
-
-
-def _both_ffi(x, group_sizes):
-    (r, c), e = x.shape, group_sizes.shape[0]
-    rp = padded_rows(r, e)
-    out = rows_out(x) + (jax.ShapeDtypeStruct(
-        (c, rp), E4M3), jax.ShapeDtypeStruct((rp // BLOCK, c), jnp.float32))
-    q, s_t, qt, s = ffi("moe_fp8_quantize_rows_and_grouped_t", out, x, group_sizes)
-    return (q, s_t), (qt, s)
-
-
-def quantize_rows_and_grouped_t(x, group_sizes, *, backend: str = "auto"):
-    """((q, s_t), (qt, s)): L1 and L3 of the same rows x [R, C] (module doc), for a tensor that
-    one GEMM reads along C and another along its groups' rows (the backward's activation
-    gradients: dgrad and wgrad). backend 'cuda' with bfloat16 x: one kernel pass that reads x
-    once (float32 x: the L1 and L3 kernels); bitwise equal to the two references."""
-    check_rows(x, "x")
-    _check_group_sizes(group_sizes)
-    gs = group_sizes.astype(jnp.int32)
-    if _backend.op_backend(backend, "fp8_quant") != "cuda":
-        return quantize_rows_and_grouped_t_reference(x, gs)
-    if x.dtype != jnp.bfloat16:
-        return quantize_rows(x, backend="cuda"), quantize_rows_grouped_t(x, gs, backend="cuda")
-    return platform_call(_both_ffi, quantize_rows_and_grouped_t_reference, x, gs)
