@@ -38,9 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -49,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_grouped_gemm import DISTS, OPS, SHAPES, group_sizes, rel_err
+from benchmarks.bench_grouped_gemm import DISTS, OPS, SHAPES, group_sizes, rel_err, time_paired
 from moe_praxis.ops import backend, fp8_gemm, fp8_quant
 import importlib
 
@@ -67,31 +65,27 @@ SPIN_UP_S = 0.3  # GPU work before the first round, so that its clock has settle
 
 def time_interleaved(fns: dict, d, op: str, *, warmup: int, rounds: int):
     """({name: median seconds per call}, {name: checked slice of its output},
-    {name: error text}) of fns (name -> jitted fn of d), timed in interleaved rounds."""
-    outs, calls, errors = {}, {}, {}
+    {name: error text}) of fns (name -> jitted fn of d): each called `warmup` times (a failure
+    is that function's error, the others go on), then the ones that ran timed together in
+    interleaved rounds (bench_grouped_gemm.time_paired, batches of at least MIN_SAMPLE_S after
+    SPIN_UP_S of GPU work)."""
+    outs, errors = {}, {}
     for name, f in fns.items():
         try:
             for _ in range(max(warmup, 1)):
-                jax.block_until_ready(f(d))
-            t0 = time.perf_counter()
-            outs[name] = _check_slice(jax.block_until_ready(f(d)), op)
-            calls[name] = max(1, math.ceil(MIN_SAMPLE_S / max(time.perf_counter() - t0, 1e-6)))
+                out = jax.block_until_ready(f(d))
+            outs[name] = _check_slice(out, op)
         except Exception as ex:  # noqa: BLE001 - one failure must not end the run
             errors[name] = repr(ex)[:300]
             traceback.print_exc()
-    live = [n for n in fns if n in calls]
-    t0 = time.perf_counter()
-    while live and time.perf_counter() - t0 < SPIN_UP_S:
-        jax.block_until_ready(fns[live[0]](d))
-    samples = {n: [] for n in live}
-    for _ in range(rounds):
-        for n in live:
-            t0 = time.perf_counter()
-            for _ in range(calls[n]):
-                r = fns[n](d)
-            jax.block_until_ready(r)
-            samples[n].append((time.perf_counter() - t0) / calls[n])
-    return {n: statistics.median(v) for n, v in samples.items()}, outs, errors
+    live = {n: fns[n] for n in fns if n in outs}
+    secs = time_paired(live,
+                       d,
+                       target_s=0.0,
+                       reps=rounds,
+                       min_sample_s=MIN_SAMPLE_S,
+                       spin_up_s=SPIN_UP_S)
+    return secs, outs, errors
 
 
 def _rows_t(x):

@@ -59,6 +59,7 @@ import gc
 import json
 import platform
 import re
+import math
 import statistics
 import sys
 import time
@@ -164,17 +165,24 @@ def issued_tiles(config: str, op: str, sizes, k: int, n: int) -> int | None:
         for r, c in rows_cols if r > 0)
 
 
-def time_paired(fns: dict, *args, target_s=0.25, reps=7) -> dict:
+def time_paired(fns: dict, *args, target_s=0.25, reps=7, min_sample_s=0.0, spin_up_s=0.0) -> dict:
     """Median seconds per call of each function in `fns`, timed in interleaved batches (one
     batch of each per round, `reps` rounds), so that a drift of the GPU's clocks during the run
-    moves them alike and their ratios stay fair."""
+    moves them alike and their ratios stay fair. A batch is about target_s / reps long (at most
+    50 calls) and at least min_sample_s (short calls: the launch gaps of a few calls would
+    count); spin_up_s of calls of the first function run before the first round, so that the
+    clock has left its idle state."""
     iters = {}
     for name, f in fns.items():
         jax.block_until_ready(f(*args))
         t0 = time.perf_counter()
         jax.block_until_ready(f(*args))
-        one = time.perf_counter() - t0
-        iters[name] = int(max(1, min(50, target_s / reps / max(one, 1e-6))))
+        one = max(time.perf_counter() - t0, 1e-6)
+        iters[name] = max(int(max(1, min(50, target_s / reps / one))),
+                          math.ceil(min_sample_s / one))
+    t0 = time.perf_counter()
+    while fns and time.perf_counter() - t0 < spin_up_s:
+        jax.block_until_ready(next(iter(fns.values()))(*args))
     times: dict = {name: [] for name in fns}
     for _ in range(reps):
         for name, f in fns.items():

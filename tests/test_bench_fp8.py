@@ -3,12 +3,14 @@ and its interleaved timing loop, with stand-in functions (the FP8 kernels need a
 the real run is benchmarks/results/fp8_gemm_runs.md)."""
 
 import argparse
+import time
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from benchmarks import bench_fp8
+from benchmarks.bench_grouped_gemm import time_paired
 from moe_praxis.ops import fp8_gemm
 
 
@@ -74,3 +76,32 @@ def test_spent_budget_skips_points(monkeypatch):
     args.time_budget = -1.0
     rows = bench_fp8.run(args)
     assert rows and all("skipped" in r and "ms" not in r for r in rows)
+
+
+def test_time_paired_batches_reach_min_sample_and_spin_up_runs_first():
+    """The shared interleaved timer (benchmarks.bench_grouped_gemm.time_paired) with the FP8
+    benchmark's options: each batch at least min_sample_s of calls, the spin-up before."""
+    calls = {"a": 0, "b": 0}
+
+    def fn(name, secs):
+
+        def f():
+            calls[name] += 1
+            time.sleep(secs)
+            return 0.0
+
+        return f
+
+    t0 = time.perf_counter()
+    secs = time_paired({
+        "a": fn("a", 0.002),
+        "b": fn("b", 0.004)
+    },
+                       target_s=0.0,
+                       reps=3,
+                       min_sample_s=0.02,
+                       spin_up_s=0.05)
+    assert time.perf_counter() - t0 >= 0.05 + 3 * 2 * 0.02
+    assert 0.002 <= secs["a"] < 0.004 <= secs["b"] < 0.008, secs
+    # 2 calls to size the batch, >= 0.05 / 0.002 spin-up calls, 3 rounds of >= 0.02 / 0.002
+    assert calls["a"] >= 2 + 10 + 3 * 10 and 2 + 3 * 5 <= calls["b"] < 2 + 10 + 3 * 10, calls
