@@ -105,9 +105,12 @@ class MoEConfig:
         three GEMMs run the FP8 grouped GEMM kernels (moe_praxis.ops.fp8_gemm: CUTLASS sm_90a,
         blockwise scaling, bf16 GEMM outputs; the dispatch permute and the SwiGLU write the
         GEMMs' FP8 operands in their own passes, docs/kernels.md); elsewhere the pure-JAX
-        emulation of that
-        arithmetic runs (slower than bf16, and says so once). The router, the aux loss, the
-        shared experts and the combine stay in higher precision.
+        emulation of that arithmetic runs (slower than bf16, and says so once). The router,
+        the aux loss, the shared experts and the combine stay in higher precision. Measured on
+        one H200 (docs/performance.md): with few large experts a training step is faster than
+        in bf16 (Mixtral-like fwd+bwd 1.23-1.29x), with many small ones slower (Qwen3-like
+        0.86x, DeepSeek-V3-like 0.81x: every expert weight is quantized every step, and the
+        FP8 GEMMs get few rows per expert).
       fp8_quantize_before_gather: with fp8 and fsdp-sharded expert weights, each device
         quantizes its own shard and the all-gather moves e4m3 data and float32 scales (True,
         about half the bytes of bf16; bitwise the same result); False gathers the weights in
