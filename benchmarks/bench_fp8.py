@@ -47,7 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_grouped_gemm import DISTS, OPS, SHAPES, group_sizes, rel_err, time_paired
+from benchmarks.bench_grouped_gemm import DISTS, OPS, SHAPES, group_sizes
+from benchmarks.timing import rel_err, time_paired
 from moe_praxis.ops import backend, fp8_gemm, fp8_quant
 import importlib
 
@@ -67,7 +68,7 @@ def time_interleaved(fns: dict, d, op: str, *, warmup: int, rounds: int):
     """({name: median seconds per call}, {name: checked slice of its output},
     {name: error text}) of fns (name -> jitted fn of d): each called `warmup` times (a failure
     is that function's error, the others go on), then the ones that ran timed together in
-    interleaved rounds (bench_grouped_gemm.time_paired, batches of at least MIN_SAMPLE_S after
+    interleaved rounds (benchmarks.timing.time_paired, batches of at least MIN_SAMPLE_S after
     SPIN_UP_S of GPU work)."""
     outs, errors = {}, {}
     for name, f in fns.items():

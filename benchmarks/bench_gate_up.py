@@ -9,7 +9,7 @@ sizes (the same as bench_grouped_gemm), with routing weights:
   fwd:      unfused  gate = gg(x, wi_gate), up = gg(x, wi_up), act = swiglu(gate, up, w)
             fused    (gate, up, act) = gg_swiglu(x, wi_gate_up, w)   per tile in FUSED_TILES
   fwd+bwd:  jax.vjp of each (d x, d weights, d routing weights) with a random cotangent.
-Times: median seconds per call inside one jitted function (bench_grouped_gemm.time_fn).
+Times: median seconds per call inside one jitted function (benchmarks.timing.time_fn).
 Prints a table (ms, TFLOP/s of the GEMMs, fused / unfused speedup) and writes JSON.
 """
 
@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_grouped_gemm import SHAPES, group_sizes, rel_err, time_fn
+from benchmarks.bench_grouped_gemm import SHAPES, group_sizes
+from benchmarks.timing import rel_err, time_fn
 from moe_praxis import ops
 from moe_praxis.ops import gate_up
 

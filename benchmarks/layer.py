@@ -42,7 +42,7 @@ dx and the weight gradients, ||a - b|| / ||b||, bf16 tolerance 2e-2, FP8 0.08: t
 bound) on the first tokens (the full
 'xla' layer does not fit everywhere). Timing: every executable compiled once
 (jit(...).lower().compile()), warmed up, then all the methods of one (shape, load, pass) timed
-in interleaved batches (bench_grouped_gemm.time_paired: median of --reps rounds).
+in interleaved batches (benchmarks.timing.time_paired: median of --reps rounds).
 
 Columns: ms; TFLOP/s of the expert FLOPs (2 * T*k * M * H * 3, x3 for fwd+bwd); % of ideal
 (ideal ms / ms); % of roofline; x GShard (GShard cf 2.5 ms / ms, Mixtral, balanced); peak
@@ -80,7 +80,7 @@ from benchmarks import bench_kernels, layer_breakdown, layer_report
 from benchmarks import layer_cases as lc
 from benchmarks.layer_check import CHECKED, _failure, _is_oom, check_against_xla
 from benchmarks import trace
-from benchmarks.bench_grouped_gemm import time_fn, time_paired
+from benchmarks.timing import time_fn, time_paired
 from moe_praxis import ops
 from moe_praxis.ops import backend as ops_backend
 

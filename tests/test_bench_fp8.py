@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import bench_fp8
-from benchmarks.bench_grouped_gemm import time_paired
+from benchmarks.timing import time_paired
 from moe_praxis.ops import fp8_gemm
 
 
@@ -79,7 +79,7 @@ def test_spent_budget_skips_points(monkeypatch):
 
 
 def test_time_paired_batches_reach_min_sample_and_spin_up_runs_first():
-    """The shared interleaved timer (benchmarks.bench_grouped_gemm.time_paired) with the FP8
+    """The shared interleaved timer (benchmarks.timing.time_paired) with the FP8
     benchmark's options: each batch at least min_sample_s of calls, the spin-up before."""
     calls = {"a": 0, "b": 0}
 
