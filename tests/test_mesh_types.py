@@ -181,7 +181,7 @@ def test_praxis_layer_under_set_mesh_of_make_mesh_equals_single_device(constrain
     """MoEFeedForward with mesh_resources under jax.set_mesh(jax.make_mesh(...)) (Explicit
     axes), with and without the layer's own activation sharding (gsm / gs, resharded on
     Explicit axes): outputs, aux losses and summaries equal one device."""
-    from tests import test_praxis_layer as tpl_lib
+    from tests import praxis_layer_util as tpl_lib
 
     kw = dict(gating_func="top2",
               use_gated_activation=True,

@@ -18,7 +18,7 @@ from moe_praxis import moe_block
 from moe_praxis.praxis import fields
 from moe_praxis.praxis.gshard import capacity_and_groups
 from praxis import base_layer
-from tests.test_praxis_layer import E, _ctx, _init_layer, _inputs, _jit, _moe_tpl, _rel
+from tests.praxis_layer_util import E, _ctx, _init_layer, _inputs, _jit, _moe_tpl, _rel
 
 NT = base_layer.NON_TRAINABLE
 
@@ -141,7 +141,7 @@ def test_shared_expert_variables_and_their_sharding_letters():
     """shared_wi_gate / shared_wi_up [M, Hs] (letter mh), shared_wo [Hs, M] (hm), shared_gate
     [M, 1] replicated; with mesh_resources and the layer's mesh, unset mh / hm take the
     layout's specs and a set one that differs is an error naming the field and the need."""
-    from tests.test_praxis_layer import _ep_tpl, _weight_specs
+    from tests.praxis_layer_util import _ep_tpl, _weight_specs
     from moe_praxis import MeshResources, ep_bootstrap
 
     kw = dict(num_shared_experts=2, shared_expert_gate=True, use_gated_activation=True)
