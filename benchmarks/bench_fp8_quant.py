@@ -1,12 +1,13 @@
 """FP8 quantization kernel benchmark: `python -m benchmarks.bench_fp8_quant [--out FILE.json]`.
 
 Times each kernel of kernels/fp8_quant.cu and fp8_quant_tiles.cu against its pure-JAX reference
-(jitted, XLA) on one GPU, bf16 inputs at the Mixtral-like expert shapes (rows R = --rows, width --width, hidden
---hidden, --experts groups), and prints a table: time per call, achieved bandwidth (the fewest
-bytes the op must move: inputs read once, outputs written once) as a fraction of the copy
-bandwidth measured here (bench_kernels.copy_bandwidth), and the speedup over XLA. Each row also
-says whether the kernel's outputs equal the reference's bitwise (tests/test_fp8_quant_gpu.py is
-the real check; swiglu_fp8's are not expected to: its activation is the SwiGLU kernel's). Writes the numbers as JSON.
+(jitted, XLA) on one GPU, bf16 inputs at the Mixtral-like expert shapes (rows R = --rows, width
+--width, hidden --hidden, --experts groups), and prints a table: time per call, achieved bandwidth
+(the fewest bytes the op must move: inputs read once, outputs written once) as a fraction of the
+copy bandwidth measured here (bench_kernels.copy_bandwidth), and the speedup over XLA. Each row also
+says whether the kernel's outputs equal the reference's bitwise (tests/test_fp8_quant_gpu.py is the
+real check; swiglu_fp8's are not expected to: its activation is the SwiGLU kernel's). Writes the
+numbers as JSON.
 
 Timing: one jitted function applies the op to `n` independent input sets (distinct buffers),
 warmed up, called `reps` times; the median wall time divided by n.
