@@ -3,13 +3,13 @@ and its interleaved timing loop, with stand-in functions (the FP8 kernels need a
 the real run is benchmarks/results/fp8_gemm_runs.md)."""
 
 import argparse
-import time
+import itertools
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import bench_fp8
+from benchmarks import bench_fp8, timing
 from benchmarks.timing import time_paired
 from moe_praxis.ops import fp8_gemm
 
@@ -78,21 +78,36 @@ def test_spent_budget_skips_points(monkeypatch):
     assert rows and all("skipped" in r and "ms" not in r for r in rows)
 
 
-def test_time_paired_batches_reach_min_sample_and_spin_up_runs_first():
+class _FakeClock:
+    """time.perf_counter for benchmarks.timing, advanced only by the stand-in calls, so the
+    test checks the timer's batching and not this machine's scheduling (a real sleep on a
+    loaded CI machine overshoots and made the batch sizes vary)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_time_paired_batches_reach_min_sample_and_spin_up_runs_first(monkeypatch):
     """The shared interleaved timer (benchmarks.timing.time_paired) with the FP8
     benchmark's options: each batch at least min_sample_s of calls, the spin-up before."""
+    clock = _FakeClock()
+    monkeypatch.setattr(timing, "time", clock)
     calls = {"a": 0, "b": 0}
+    order = []
 
     def fn(name, secs):
 
         def f():
             calls[name] += 1
-            time.sleep(secs)
+            order.append(name)
+            clock.now += secs
             return 0.0
 
         return f
 
-    t0 = time.perf_counter()
     secs = time_paired({
         "a": fn("a", 0.002),
         "b": fn("b", 0.004)
@@ -101,7 +116,15 @@ def test_time_paired_batches_reach_min_sample_and_spin_up_runs_first():
                        reps=3,
                        min_sample_s=0.02,
                        spin_up_s=0.05)
-    assert time.perf_counter() - t0 >= 0.05 + 3 * 2 * 0.02
-    assert 0.002 <= secs["a"] < 0.004 <= secs["b"] < 0.008, secs
-    # 2 calls to size the batch, >= 0.05 / 0.002 spin-up calls, 3 rounds of >= 0.02 / 0.002
-    assert calls["a"] >= 2 + 10 + 3 * 10 and 2 + 3 * 5 <= calls["b"] < 2 + 10 + 3 * 10, calls
+    assert secs["a"] == pytest.approx(0.002) and secs["b"] == pytest.approx(0.004), secs
+    # 2 calls each to size the batch; then the spin-up's calls of a run into round 1's batch
+    assert order[:4] == ["a", "a", "b", "b"]
+    runs = [(name, len(list(group))) for name, group in itertools.groupby(order[4:])]
+    assert [name for name, _ in runs] == ["a", "b"] * 3, runs
+    batch_a, batch_b = runs[2][1], runs[1][1]
+    assert batch_a in (10, 11) and batch_b in (5, 6), runs  # ceil(0.02 / t), float rounding
+    assert runs[0][1] - batch_a in (25, 26), runs  # spin-up: 0.05 s of a
+    spun_and_first = runs[0][1]
+    want = [("a", spun_and_first)] + [("b", batch_b), ("a", batch_a)] * 2 + [("b", batch_b)]
+    assert runs == want, runs
+    assert clock.now - 1000.0 >= 0.05 + 3 * (0.02 + 0.02)
