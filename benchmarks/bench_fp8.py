@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_grouped_gemm import DISTS, OPS, SHAPES, group_sizes
+from benchmarks.grouped_gemm_cases import DISTS, OPS, SHAPES, group_sizes
 from benchmarks.timing import rel_err, time_paired
 from moe_praxis.ops import backend, fp8_gemm, fp8_quant
 import importlib

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_grouped_gemm import SHAPES, group_sizes
+from benchmarks.grouped_gemm_cases import SHAPES, group_sizes
 from benchmarks.timing import rel_err, time_fn
 from moe_praxis import ops
 from moe_praxis.ops import gate_up

@@ -1,0 +1,112 @@
+"""Experiments' model and train step: the first k dense layers (unrolled and scanned), the
+optimizer's clipping and schedules, and the mesh the MoE layer sees inside jit. In-process on
+the 8 host devices of tests/conftest.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import base, experiments, models
+from experiments import setup, steps
+from moe_praxis.praxis import compat
+from moe_praxis.praxis.stack import DenseFirstRepeated
+
+
+@pytest.mark.parametrize("repeat", [False, True], ids=["stacked", "repeated"])
+def test_first_k_dense_layers(repeat):
+    """FIRST_K_DENSE=1 on a 3-layer Tiny: layer 0 has a dense FFN (no router), layers 1 and 2
+    are MoE, unrolled (moe_layers=[1, 2]) or as 1 dense layer + 2 scanned MoE repeats
+    (DenseFirstRepeated); a train step's expert load has a NaN row for the dense layer."""
+
+    class Dense1(experiments.Tiny):
+        NUM_LAYERS, FIRST_K_DENSE, REPEAT = 3, 1, repeat
+        BATCH_SIZE, SEQ_LEN = 8, 16
+        USE_EXPERT_BIAS, EXPERT_BIAS_UPDATE_RATE = True, 0.5
+
+    cfg = Dense1().experiment_config()
+    st = cfg.model.stacked_transformer_tpl
+    assert models.num_layers(cfg.model) == 3
+    assert (st.__fn_or_cls__ is DenseFirstRepeated) == repeat
+    prep = setup.prepare(cfg)
+    fns = steps.make_step_fns(prep)
+    params = fns.abstract_state["params"]["transformer"]
+    if repeat:
+        dense, moe = params["dense"]["x_layers_0"], params["repeat"]["sub"]["x_layers_0"]
+        assert moe["ff_layer"]["router"].shape == (2, 128, 8)
+        assert "dense" not in params["repeat"]["sub"]
+    else:
+        dense, moe = params["x_layers_0"], params["x_layers_1"]
+        assert "router" in params["x_layers_2"]["ff_layer"]
+    assert "router" not in dense["ff_layer"] and "router" in moe["ff_layer"]
+    assert dense["ff_layer"]["ffn_layer1"]["linear"]["w"].shape == (128, 128)
+    with jax.set_mesh(prep.mesh):
+        state = fns.init(jax.random.key(0))
+        new, m = fns.train(state, steps.put_batch(prep.dataset.train_batch(0), fns.batch_sharding))
+    load = np.asarray(m["expert_load"])
+    assert load.shape == (3, 8) and np.all(np.isnan(load[0]))
+    np.testing.assert_allclose(load[1:].sum(1), 1.0, rtol=1e-5)
+    # every MoE layer's expert bias took one step of the rule on its own load (+-0.5 or 0)
+    nt = new["non_trainable"]["non_trainable"]["transformer"]
+    bias = np.asarray((nt["repeat"]["sub"]["x_layers_0"] if repeat else {
+        "ff_layer": {
+            "expert_bias": np.stack(
+                [nt[f"x_layers_{l}"]["ff_layer"]["expert_bias"] for l in (1, 2)])
+        }
+    })["ff_layer"]["expert_bias"])
+    assert bias.shape == (2, 8)
+    np.testing.assert_array_equal(bias, 0.5 * np.sign(load[1:].mean(1, keepdims=True) - load[1:]))
+    with pytest.raises(ValueError,
+                       match=r"first_k_dense=4 is invalid: an int in \[0, num_layers=3\]"):
+        models.transformer_lm(model_dims=8,
+                              hidden_dims=8,
+                              num_layers=3,
+                              num_heads=2,
+                              num_experts=2,
+                              first_k_dense=4)
+
+
+def test_optimizer_clips_and_schedules():
+    opt = base.OptimizerConfig(learning_rate=1.0,
+                               warmup_steps=10,
+                               schedule="cosine",
+                               end_lr_fraction=0.1,
+                               clip_norm=0.5,
+                               weight_decay=0.0)
+    _, sched = steps.make_optimizer(opt, num_steps=110)
+    assert float(sched(0)) == 0.0 and abs(float(sched(10)) - 1.0) < 1e-6
+    assert abs(float(sched(60)) - (0.1 + 0.9 * 0.5)) < 1e-5  # half way down the cosine
+    assert abs(float(sched(110)) - 0.1) < 1e-6
+    # Adam's first step is -lr * g / (|g| + eps) elementwise; with eps = 1 it depends on the
+    # scale of g, so it shows whether g was clipped to global norm 0.5 first.
+    opt = base.OptimizerConfig(learning_rate=0.5,
+                               warmup_steps=0,
+                               schedule="constant",
+                               eps=1.0,
+                               clip_norm=0.5,
+                               weight_decay=0.0)
+    tx, sched = steps.make_optimizer(opt, num_steps=10)
+    params = {"w": jnp.zeros(2)}
+    g = {"w": jnp.array([3.0, 4.0])}  # global norm 5
+    upd, _ = tx.update(g, tx.init(params), params)
+    lr0 = float(sched(0))
+    gc = np.array([3.0, 4.0]) * 0.5 / 5.0
+    np.testing.assert_allclose(np.asarray(upd["w"]), -lr0 * gc / (np.abs(gc) + 1.0), rtol=1e-5)
+    assert lr0 > 0
+
+
+def test_current_mesh_inside_jit_is_the_concrete_mesh():
+    """The trainer jits under jax.set_mesh; the MoE layer asks compat.current_mesh() while
+    traced, where jax.sharding.get_mesh() refuses to run."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    seen = []
+
+    def f(x):
+        seen.append(compat.current_mesh())
+        return x + 1
+
+    with jax.set_mesh(mesh):
+        jax.jit(f)(jnp.zeros(8))
+    assert seen[0] == mesh and isinstance(seen[0], jax.sharding.Mesh)
+    jax.jit(f)(jnp.ones(8))
+    assert seen[1] is None
