@@ -196,7 +196,7 @@ struct SwigluDef
 };
 
 // The adaptive pair (tile 4): both fused kernels, the device keeps the cheaper one per call
-// (grouped_gemm.cuh, Adaptive and moe_gg_prepare).
+// (grouped_gemm_tiles.cuh, Adaptive; grouped_gemm_prepare.cuh, moe_gg_prepare).
 template <class A, class B, int kF, int kD>
 struct SwigluDef<Adaptive<A, B, kF, kD>> : AdaptivePair<SwigluDef<A>, SwigluDef<B>, kF, kD> {};
 

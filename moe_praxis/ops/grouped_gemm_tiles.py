@@ -4,7 +4,7 @@ A configuration is a compiled tile from TILE_CONFIGS, a raster order and a swizz
 optional row split): `parse_config` / `config_name`. `choose_config` is the rule that picks one
 per GEMM (docs/grouped_gemm.md gives the measurements behind it); the environment variable
 MOE_PRAXIS_GG_TILE forces one. `workspace_bytes` sizes the workspace output buffer of one FFI
-call (kernels/grouped_gemm.cuh reads the same layout).
+call (kernels/grouped_gemm_prepare.cuh reads the same layout).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ TILE_CONFIGS = (
     "coop_128x256_c2x1",  # 2: cooperative, tile 128x256x64, cluster 2x1
     "pingpong_64x256_c2x1",  # 3: ping-pong, tile 64x256x64, cluster 2x1 (ragged small groups)
     # 4: tiles 2 or 3, chosen on the device at every call from the group sizes (the tiles each
-    # would issue; kernels/grouped_gemm.cuh, Adaptive)
+    # would issue; kernels/grouped_gemm_tiles.cuh, Adaptive)
     "adaptive_128x256_64x256",
     # 5-7: 2, 3 and 4 with 1x2 clusters (A multicast; a problem's column tiles are rounded up
     # to even counts instead of its row tiles)
@@ -54,16 +54,16 @@ RASTERS = ("along_m", "along_n")
 SWIZZLES = (1, 2, 4, 8)
 # Row split (FFI attribute `split_rows`, config suffix `/rROWS`): fwd and dgrad (and the fused
 # gate/up forward) issue each group's rows as problems of at most ROWS rows, so that a wave of
-# CTAs never streams one large group's whole row block per column band (kernels/
-# grouped_gemm.cuh, num_problems). 0: one problem per group. wgrad ignores it (its rows are the
-# contraction).
+# CTAs never streams one large group's whole row block per column band
+# (kernels/grouped_gemm_prepare.cuh, num_problems). 0: one problem per group. wgrad ignores it
+# (its rows are the contraction).
 SPLIT_ROWS_MULTIPLE = 256
 # Environment variable that forces one kernel configuration (see `parse_config`) for all three
 # GEMMs; unset: `choose_config`.
 ENV_TILE = "MOE_PRAXIS_GG_TILE"
 
 OPS = ("fwd", "dgrad", "wgrad")
-# Workspace of one FFI call: per-group arrays (kernels/grouped_gemm.cuh:
+# Workspace of one FFI call: per-group arrays (kernels/grouped_gemm_prepare.cuh:
 # kGroupArrayBytesPerGroup bytes a group, rounded up to 256) + CUTLASS's own workspace (TMA
 # descriptors, 128 bytes x a few per SM: ~70 KB on 132 SMs), bounded here; the kernel checks
 # the real size and fails with a message naming this constant if it were too small.
@@ -79,13 +79,13 @@ def _round256(n: int) -> int:
 
 def num_problems(num_groups: int, rows: int = 0, split_rows: int = 0) -> int:
     """CUTLASS problems of one call: one per group, plus at most rows // split_rows more pieces
-    with a row split (kernels/grouped_gemm.cuh, num_problems)."""
+    with a row split (kernels/grouped_gemm_prepare.cuh, num_problems)."""
     return num_groups + (rows // split_rows if split_rows > 0 else 0)
 
 
 def _choice_offset(problems: int) -> int:
     """Where the adaptive tile's int32 choice sits in the workspace: after the problem arrays
-    and the second kernel's shapes (kernels/grouped_gemm.cuh, adaptive_bytes)."""
+    and the second kernel's shapes (kernels/grouped_gemm_prepare.cuh, adaptive_bytes)."""
     return (_round256(GROUP_ARRAY_BYTES_PER_GROUP * problems) + _round256(_SHAPE_BYTES * problems))
 
 
