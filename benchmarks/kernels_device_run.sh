@@ -37,8 +37,8 @@ PYT="python3 -m pytest -v -m gpu --tb=short -rfE -p no:cacheprovider --timeout 1
 START=$(date +%s)
 timeout "$TEST_T" $PYT tests/test_kernels_gpu.py -k router "$@" > "$OUT/tests_router.log" 2>&1 &
 timeout "$TEST_T" $PYT tests/test_kernels_gpu.py -k "not router" "$@" > "$OUT/tests.log" 2>&1 &
-timeout "$TEST_T" $PYT tests/test_grouped_gemm.py tests/test_grouped_gemm_sm80.py tests/test_gate_up.py \
-  tests/test_ep.py "$@" \
+timeout "$TEST_T" $PYT tests/test_grouped_gemm_cuda.py tests/test_grouped_gemm_sm80_gpu.py \
+  tests/test_gate_up.py tests/test_gate_up_moe.py tests/test_ep_exchange.py "$@" \
   > "$OUT/tests_gg.log" 2>&1 &
 wait
 echo "tests done in $(( $(date +%s) - START )) s"

@@ -6,55 +6,31 @@ Runs use the Tiny model with a smaller batch (8 x 32 bytes) to stay within the s
 budget; the README's 200-step numbers are for the default Tiny run (`make run`)."""
 
 import json
-import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from tensorboardX.proto import event_pb2
 
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--fdl.data.batch_size=8", "--fdl.data.seq_len=32", "--no_progress"]
+from configs import experiments, meshes
+from experiments import data as data_lib
+from experiments import setup, steps
+
+from tests.main_util import ROOT, SMALL, main_env, records, run_main
 
 pytestmark = pytest.mark.slow
-
-
-def _env(devices: int) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def run_main(args, *, devices=1, check=True, timeout=300):
-    p = subprocess.run([sys.executable, "-m", "experiments.main", *args],
-                       cwd=ROOT,
-                       env=_env(devices),
-                       capture_output=True,
-                       text=True,
-                       timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
-    return p
-
-
-def records(job_dir, kind):
-    from experiments.metrics import read_metrics
-
-    return [r for r in read_metrics(Path(job_dir) / "metrics.jsonl") if r["kind"] == kind]
 
 
 def _tensorboard_tags(tb_dir):
     """(tag, kind) of every summary value in the event files (TFRecord framing: length u64,
     crc u32, Event proto, crc u32)."""
-    import struct
-
-    from tensorboardX.proto import event_pb2
-
     tags = set()
     files = list(Path(tb_dir).glob("events.out.tfevents.*"))
     assert files
@@ -174,7 +150,7 @@ def test_two_processes_of_four_devices_equal_one_of_eight(tmp_path):
             f"--process_id={i}", f"--coordinator_address=localhost:{port}", *common
         ],
                          cwd=ROOT,
-                         env=_env(4),
+                         env=main_env(4),
                          stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE,
                          text=True) for i in range(2)
@@ -211,7 +187,7 @@ def test_gpu_presets_trace_on_fake_devices():
     p = subprocess.run(
         [sys.executable, "-c", VALIDATE, "small_gpu", "mixtral_8x7b", "deepseek_v3", "qwen3_moe"],
         cwd=ROOT,
-        env=_env(256),
+        env=main_env(256),
         capture_output=True,
         text=True,
         timeout=900)
@@ -252,11 +228,6 @@ def test_gpu_presets_trace_on_fake_devices():
 def test_expert_parallel_meshes_train_like_data_parallel():
     """The same Tiny steps on dp8 and on dp2 x fsdp2 x ep2 (8 CPU devices, in-process): the
     MoE layer runs expert-parallel through MeshResources and gives the same losses."""
-    import jax
-
-    from configs import experiments, meshes
-    from experiments import data as data_lib
-    from experiments import setup, steps
 
     assert jax.device_count() == 8
 
@@ -301,8 +272,6 @@ def test_cli_errors_exit_2_with_the_message_and_write_nothing(tmp_path):
 
 
 def _wait_for_step(job, proc, step, timeout=180):
-    import time
-
     path = Path(job) / "metrics.jsonl"
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -327,7 +296,7 @@ def test_external_sigint_saves_the_step_in_flight(tmp_path):
     ]
     p = subprocess.Popen([sys.executable, "-m", "experiments.main", *args],
                          cwd=ROOT,
-                         env=_env(1),
+                         env=main_env(1),
                          stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE,
                          text=True)

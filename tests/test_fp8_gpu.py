@@ -34,7 +34,7 @@ import moe_praxis as mp
 from moe_praxis import ops
 from moe_praxis.ops import backend, fp8, fp8_gemm
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
-from tests.test_grouped_gemm import make_sizes
+from tests.grouped_gemm_util import make_sizes
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 

@@ -16,6 +16,7 @@ import pytest
 from benchmarks import layer_breakdown as lb
 from benchmarks import layer_cases as lc
 from benchmarks import layer_report
+from tests.grouped_gemm_util import _fake_device
 from tests.testutil import long_options
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +154,6 @@ def test_cuda_sm80_method_traces_its_steps_with_the_sm80_grouped_gemm(monkeypatc
 
     from benchmarks import layer
     from moe_praxis.ops import backend
-    from tests.test_grouped_gemm_sm80 import _fake_device
 
     _fake_device(monkeypatch, 90, "NVIDIA H200")
     assert lc.GROUPED_GEMM_FAMILY == {"cuda-sm80": "sm80"} and "cuda-sm80" in lc.METHODS

@@ -1,9 +1,9 @@
 """Every kind of mesh JAX users make: `jax.make_mesh` (Explicit axes, its default), Auto axes
-(`jax.sharding.Mesh`, tests/test_ep.py), a mix of both, and an AbstractMesh, for moe_block
+(`jax.sharding.Mesh`, tests/ep_util.py), a mix of both, and an AbstractMesh, for moe_block
 and MoEFeedForward, with `jax.set_mesh` and without, on plain and sharded inputs.
 
 On the 8 CPU devices of tests/conftest.py the outputs and gradients equal one-device
-moe_block (tests/test_ep.py's config matrix and reference). Tolerance: 1e-5 relative in
+moe_block (tests/ep_util.py's config matrix and reference). Tolerance: 1e-5 relative in
 float32, as in tests/test_ep.py (only summation orders differ); integer outputs are equal.
 """
 
@@ -17,15 +17,16 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_praxis as mp
-from tests import test_ep
-from tests.test_ep import matrix_case  # noqa: F401  (the shared fixture)
+from tests import ep_util
+from tests import praxis_layer_util as tpl_lib
+from tests.ep_util import matrix_case  # noqa: F401  (the shared fixture)
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 
 
 def explicit_mesh(name, types=None):
-    """tests/test_ep.py's mesh `name` built by jax.make_mesh (Explicit axes unless `types`)."""
-    shape, names, kw = test_ep.MESHES[name]
+    """tests/ep_util.py's mesh `name` built by jax.make_mesh (Explicit axes unless `types`)."""
+    shape, names, kw = ep_util.MESHES[name]
     types = types or (AxisType.Explicit, ) * len(shape)
     mesh = jax.make_mesh(shape,
                          names,
@@ -39,7 +40,7 @@ def _placed(args, mesh, res):
     specs, x and paddings over the first token axis on the batch dimension."""
     all_params, x, paddings, cot = args
     placed = []
-    for cfg, p in zip(test_ep.CONFIGS, all_params):
+    for cfg, p in zip(ep_util.CONFIGS, all_params):
         specs = mp.ep_bootstrap(mesh, res, cfg.num_experts).weight_specs
         placed.append({k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in p.items()})
     first = res.token_axes[0]
@@ -63,13 +64,13 @@ def test_explicit_mesh_matrix_equals_single_device(mesh_name, set_mesh, sharded,
     mesh, res = explicit_mesh(mesh_name)
     if sharded:
         args = _placed(args, mesh, res)
-    f = test_ep._loss_and_grads(test_ep.CONFIGS, mesh, res)
+    f = ep_util._loss_and_grads(ep_util.CONFIGS, mesh, res)
     if set_mesh:
         with jax.set_mesh(mesh):
             got = f(*args)
     else:
         got = f(*args)
-    test_ep._compare(
+    ep_util._compare(
         got, ref, f"seed={seed} mesh={mesh_name} Explicit set_mesh={set_mesh} sharded={sharded}")
     if sharded:  # y keeps x's type: its sharding on the batch dimension
         y = got[0][0].y
@@ -77,18 +78,18 @@ def test_explicit_mesh_matrix_equals_single_device(mesh_name, set_mesh, sharded,
 
 
 def _one_config():
-    cfg = mp.MoEConfig(d_model=test_ep.D_MODEL,
-                       d_ff=test_ep.D_FF,
+    cfg = mp.MoEConfig(d_model=ep_util.D_MODEL,
+                       d_ff=ep_util.D_FF,
                        num_experts=8,
                        top_k=2,
                        z_loss_coeff=1e-3,
                        capacity_factor=1.0)
     seed = _seed()
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    params = test_ep._params(cfg, k1)
-    x = jax.random.normal(k2, (test_ep.BATCH, test_ep.SEQ, test_ep.D_MODEL), jnp.float32)
+    params = ep_util._params(cfg, k1)
+    x = jax.random.normal(k2, (ep_util.BATCH, ep_util.SEQ, ep_util.D_MODEL), jnp.float32)
     cot = jax.random.normal(k3, x.shape, jnp.float32)
-    ref = test_ep._loss_and_grads([cfg])([params], x, None, cot)
+    ref = ep_util._loss_and_grads([cfg])([params], x, None, cot)
     return cfg, seed, (params, x, cot), ref
 
 
@@ -100,11 +101,11 @@ def test_mixed_axis_types_and_eager_equal_single_device():
     mixed = (AxisType.Explicit, AxisType.Auto, AxisType.Explicit)
     mesh, res = explicit_mesh("dp2xfsdp2xep2", mixed)
     with jax.set_mesh(mesh):
-        got = test_ep._loss_and_grads([cfg], mesh, res)([params], x, None, cot)
-    test_ep._compare_one(got[0], ref[0], f"seed={seed} mixed axis types")
+        got = ep_util._loss_and_grads([cfg], mesh, res)([params], x, None, cot)
+    ep_util._compare_one(got[0], ref[0], f"seed={seed} mixed axis types")
     mesh, res = explicit_mesh("dp4xep2")
     out = mp.moe_block(params, x, cfg, mesh=mesh, resources=res)
-    assert rel_err(out.y, ref[0][0].y) < test_ep.RTOL, f"seed={seed} eager"
+    assert rel_err(out.y, ref[0][0].y) < ep_util.RTOL, f"seed={seed} eager"
     np.testing.assert_array_equal(np.asarray(out.tokens_per_expert),
                                   np.asarray(ref[0][0].tokens_per_expert))
 
@@ -117,9 +118,9 @@ def test_explicit_abstract_mesh_under_set_mesh():
     mesh, res = explicit_mesh("dp2xfsdp2xep2")
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, P("dp", "fsdp"))
-        got = test_ep._fast_jit(lambda p, x: mp.moe_block(
+        got = ep_util._fast_jit(lambda p, x: mp.moe_block(
             p, x, cfg, mesh=jax.sharding.get_abstract_mesh(), resources=res))(params, xs)
-    assert rel_err(got.y, ref[0][0].y) < test_ep.RTOL, f"seed={seed}"
+    assert rel_err(got.y, ref[0][0].y) < ep_util.RTOL, f"seed={seed}"
     assert got.y.sharding.is_equivalent_to(xs.sharding, 3), got.y.sharding
 
 
@@ -143,9 +144,9 @@ def test_mesh_types_are_read_into_the_layout():
 def test_named_errors_on_explicit_meshes():
     """A role on a Manual axis, an indivisible token count and a mesh other than the one in
     scope each get their own error."""
-    cfg = mp.MoEConfig(d_model=test_ep.D_MODEL, d_ff=test_ep.D_FF, num_experts=8)
+    cfg = mp.MoEConfig(d_model=ep_util.D_MODEL, d_ff=ep_util.D_FF, num_experts=8)
     params = mp.init_moe_params(jax.random.key(0), cfg)
-    x = jnp.ones((64, test_ep.D_MODEL))
+    x = jnp.ones((64, ep_util.D_MODEL))
     mesh, res = explicit_mesh("dp2xep4")
 
     def inside(x):  # moe_block inside the user's own shard_map over 'ep'
@@ -163,7 +164,7 @@ def test_named_errors_on_explicit_meshes():
                           axis_names={"ep"},
                           check_vma=False))(x)
     with pytest.raises(ValueError, match="60 tokens .* not divisible by the 8 token shards"):
-        mp.moe_block(params, jnp.ones((60, test_ep.D_MODEL)), cfg, mesh=mesh, resources=res)
+        mp.moe_block(params, jnp.ones((60, ep_util.D_MODEL)), cfg, mesh=mesh, resources=res)
     auto, _ = explicit_mesh("dp2xep4", (AxisType.Auto, AxisType.Auto))
     with jax.set_mesh(mesh):
         with pytest.raises(ValueError,
@@ -181,8 +182,6 @@ def test_praxis_layer_under_set_mesh_of_make_mesh_equals_single_device(constrain
     """MoEFeedForward with mesh_resources under jax.set_mesh(jax.make_mesh(...)) (Explicit
     axes), with and without the layer's own activation sharding (gsm / gs, resharded on
     Explicit axes): outputs, aux losses and summaries equal one device."""
-    from tests import praxis_layer_util as tpl_lib
-
     kw = dict(gating_func="top2",
               use_gated_activation=True,
               router_z_loss_weight=0.1,

@@ -17,7 +17,7 @@ import pytest
 from configs import base
 from experiments import setup
 from experiments.checkpoints import DAMAGED_DIR, Checkpoints, NonFiniteState
-from tests.test_experiments_e2e import SMALL, records, run_main
+from tests.main_util import SMALL, records, run_main
 
 # A learning rate this large turns the parameters into ~1e30 after step 1; step 2's loss and
 # gradient norm are NaN on any initialisation.

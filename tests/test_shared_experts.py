@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import moe_praxis as mp
 from moe_praxis import params as params_lib
-from tests import test_ep
+from tests import ep_util
 from tests.moe_reference import reference_decisions
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
@@ -299,7 +299,7 @@ def _loss_and_grads(configs, mesh=None, resources=None):
             out.append((o, grads))
         return out
 
-    return test_ep._fast_jit(f)  # one fast compile per mesh (XLA:CPU compile time dominates)
+    return ep_util._fast_jit(f)  # one fast compile per mesh (XLA:CPU compile time dominates)
 
 
 @pytest.fixture(scope="module")
@@ -326,7 +326,7 @@ def test_shared_experts_mesh_matrix_equals_single_device(mesh_name, matrix_case)
     valid = np.asarray(args[2]).reshape(-1) < 0.5
     for g, r, cfg in zip(got, ref, MATRIX_CONFIGS):
         m = f"seed={seed} mesh={mesh_name} cfg={cfg}"
-        test_ep._compare_one(g, r, m)  # y, aux loss, counts, drops, dx, every weight gradient
+        ep_util._compare_one(g, r, m)  # y, aux loss, counts, drops, dx, every weight gradient
         (o, (gp, _)), (ro, (rp, _)) = g, r
         np.testing.assert_array_equal(np.asarray(o.y).reshape(-1, D_MODEL)[~valid], 0.0, m)
         assert abs(float(o.z_loss) - float(ro.z_loss)) <= RTOL * abs(float(ro.z_loss)), m
@@ -355,4 +355,4 @@ def test_shared_experts_on_explicit_axes_with_weights_placed_by_the_layout(matri
     assert placed[1]["shared_wo"].sharding.spec == P("tp", "fsdp")
     got = _loss_and_grads(MATRIX_CONFIGS, mesh, res)(placed, x, paddings, cot)
     for g, r, cfg in zip(got, ref, MATRIX_CONFIGS):
-        test_ep._compare_one(g, r, f"seed={seed} explicit ep2xtp2xfsdp2 cfg={cfg}")
+        ep_util._compare_one(g, r, f"seed={seed} explicit ep2xtp2xfsdp2 cfg={cfg}")

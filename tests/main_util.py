@@ -1,0 +1,39 @@
+"""Helpers of the tests that run `python -m experiments.main` in subprocesses
+(test_experiments_e2e.py, test_run_safety.py): the small-batch flags, the subprocess's
+environment (fake CPU devices), the run and the metrics records it wrote."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from experiments.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+# Tiny with a smaller batch (8 x 32 bytes), to stay within the suite's time budget
+SMALL = ["--fdl.data.batch_size=8", "--fdl.data.seq_len=32", "--no_progress"]
+
+
+def main_env(devices: int) -> dict:
+    """The environment of a subprocess on `devices` fake CPU devices, importing this checkout."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_main(args, *, devices=1, check=True, timeout=300):
+    p = subprocess.run([sys.executable, "-m", "experiments.main", *args],
+                       cwd=ROOT,
+                       env=main_env(devices),
+                       capture_output=True,
+                       text=True,
+                       timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
+    return p
+
+
+def records(job_dir, kind):
+    return [r for r in read_metrics(Path(job_dir) / "metrics.jsonl") if r["kind"] == kind]
