@@ -95,13 +95,11 @@ def test_time_paired_batches_reach_min_sample_and_spin_up_runs_first(monkeypatch
     benchmark's options: each batch at least min_sample_s of calls, the spin-up before."""
     clock = _FakeClock()
     monkeypatch.setattr(timing, "time", clock)
-    calls = {"a": 0, "b": 0}
     order = []
 
     def fn(name, secs):
 
         def f():
-            calls[name] += 1
             order.append(name)
             clock.now += secs
             return 0.0
