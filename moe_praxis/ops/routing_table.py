@@ -116,8 +116,8 @@ def invalid(score_func: str, pre_softmax: bool) -> Optional[tuple]:
     key = canonical(score_func, pre_softmax)
     if key not in CHOICES:
         with_it = tuple(sf for sf, pre in CHOICES if pre == key[1])
-        return "pre_softmax", (f"pre_softmax={key[1]} (top-k, then softmax over the k) only "
-                               f"exists for score_func in {with_it}, not {score_func!r}")
+        return "pre_softmax", (f"score_func={score_func!r} has no pre_softmax={key[1]} variant; "
+                               f"score_func in {with_it} have one")
     return None
 
 
