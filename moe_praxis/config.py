@@ -310,5 +310,34 @@ def markdown_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":  # python -m moe_praxis.config > table (docs/config.md)
-    print(markdown_table(), end="")
+def generated_sections() -> dict[str, str]:
+    """{name: text} of docs/config.md's generated parts, each between `<!-- BEGIN GENERATED
+    name -->` and `<!-- END GENERATED name -->`: the field table and the router-math table."""
+    return {"TABLE": markdown_table(), "ROUTER TABLE": routing_table.markdown_table()}
+
+
+def render_docs(text: str) -> str:
+    """docs/config.md's text with its generated parts made anew (tests compare it to the page)."""
+    for name, body in generated_sections().items():
+        begin, end = f"<!-- BEGIN GENERATED {name} -->\n", f"<!-- END GENERATED {name} -->"
+        if begin not in text or end not in text.split(begin, 1)[1]:
+            raise ValueError(f"docs/config.md lacks the markers {begin.strip()} ... {end}")
+        head, rest = text.split(begin, 1)
+        text = head + begin + body + end + rest.split(end, 1)[1]
+    return text
+
+
+if __name__ == "__main__":  # python -m moe_praxis.config [--write]
+    import argparse
+    import pathlib
+
+    parser = argparse.ArgumentParser(prog="python -m moe_praxis.config",
+                                     description="Print the MoEConfig field table, or (--write) "
+                                     "regenerate docs/config.md's generated tables.")
+    parser.add_argument("--write", action="store_true", help="rewrite docs/config.md in place")
+    if parser.parse_args().write:
+        page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md"
+        page.write_text(render_docs(page.read_text()))
+        print(f"wrote {page}")
+    else:
+        print(markdown_table(), end="")

@@ -70,12 +70,21 @@ def router(logits,
                 mask[g * per:(g + 1) * per] = 0.0
             sel = sel + mask
         ids[i] = _topk_ids(sel, top_k)
-    w = weights_for_ids(x, ids, score_func=score_func, pre_softmax=pre_softmax,
-                        norm_topk=norm_topk, scaling=scaling)
+    w = weights_for_ids(x,
+                        ids,
+                        score_func=score_func,
+                        pre_softmax=pre_softmax,
+                        norm_topk=norm_topk,
+                        scaling=scaling)
     return probs, ids, np.asarray(w)
 
 
-def weights_for_ids(logits, ids, *, score_func="softmax", pre_softmax=True, norm_topk=True,
+def weights_for_ids(logits,
+                    ids,
+                    *,
+                    score_func="softmax",
+                    pre_softmax=True,
+                    norm_topk=True,
                     scaling=1.0):
     """The routing weights [T, k] of fixed expert ids [T, k]: the row's weights times scaling,
     jax.numpy in the dtype of `logits` (differentiable; NumPy float64 in, float64 out)."""
@@ -110,8 +119,11 @@ def selection_scores_for(logits, cfg, bias):
 
 def weights_for_ids_for(logits, ids, cfg):
     """weights_for_ids() with the routing fields of an MoEConfig."""
-    return weights_for_ids(logits, ids, norm_topk=cfg.norm_topk,
-                           scaling=cfg.routed_scaling_factor, **_routing_fields(cfg))
+    return weights_for_ids(logits,
+                           ids,
+                           norm_topk=cfg.norm_topk,
+                           scaling=cfg.routed_scaling_factor,
+                           **_routing_fields(cfg))
 
 
 def probs_for(logits, cfg):

@@ -157,6 +157,7 @@ def test_unsupported_shapes_name_the_reason():
 
 # ------------------------------------------------- the CUDA primitives' code path on the CPU
 
+
 def test_route_logits_backend_switch_on_cpu():
     cfg = MoEConfig(d_model=8, d_ff=8, num_experts=16, top_k=2)
     logits = jax.random.normal(jax.random.key(ref.seed()), (11, 16))
