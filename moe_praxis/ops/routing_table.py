@@ -78,27 +78,43 @@ def _softmax_at_ids(logits, s, ids, norm_topk):
 
 
 _GATHERED = "`s[ids]`, divided by their sum if `norm_topk`"
-CHOICES = {
-    (c.score_func, c.pre_softmax): c
-    for c in (
-        Choice(
-            "softmax", True, jax.nn.softmax, _same, _on_scores, _scores_at_ids, 0,
-            "top-k of `s + b`, `s = softmax(logits)` over all E", _GATHERED,
-            "Switch (k=1, `norm_topk=False`), GShard top-2, Mixtral and Qwen3-MoE as Hugging Face "
-            "writes them (`norm_topk=True`), Qwen2-MoE (`norm_topk=False`)"),
-        Choice(
-            "softmax", False, jax.nn.softmax, _same, _on_logits, _softmax_at_ids, 1,
-            "top-k of `logits + b`", "`softmax(logits[ids])` over the k (sums to 1; `norm_topk` "
-            "has no effect)", "Mixtral's and Qwen3-MoE's \"top-k, then softmax\" (alias "
-            "`score_func='softmax_topk'`); without a bias the same function as `softmax` with "
-            "`norm_topk=True`"),
-        Choice(
-            "sigmoid", True, jax.nn.sigmoid, _sum_to_one, _on_scores, _scores_at_ids, 2,
-            "top-k of `s + b`, `s = sigmoid(logits)`", _GATHERED,
-            "DeepSeek-V3 (with `use_expert_bias`, 8 groups, `routed_scaling_factor=2.5`); its "
-            "load-balancing probabilities are `s` divided by its sum"),
-    )
-}
+_ROWS = (
+    Choice(score_func="softmax",
+           pre_softmax=True,
+           scores=jax.nn.softmax,
+           probs=_same,
+           selects=_on_scores,
+           weights=_scores_at_ids,
+           kernel_mode=0,
+           selection_doc="top-k of `s + b`, `s = softmax(logits)` over all E",
+           weights_doc=_GATHERED,
+           models="Switch (k=1, `norm_topk=False`), GShard top-2, Mixtral and Qwen3-MoE as "
+           "Hugging Face writes them (`norm_topk=True`), Qwen2-MoE (`norm_topk=False`)"),
+    Choice(score_func="softmax",
+           pre_softmax=False,
+           scores=jax.nn.softmax,
+           probs=_same,
+           selects=_on_logits,
+           weights=_softmax_at_ids,
+           kernel_mode=1,
+           selection_doc="top-k of `logits + b`",
+           weights_doc="`softmax(logits[ids])` over the k (sums to 1; `norm_topk` has no effect)",
+           models="Mixtral's and Qwen3-MoE's \"top-k, then softmax\" (alias "
+           "`score_func='softmax_topk'`); without a bias the same function as `softmax` with "
+           "`norm_topk=True`"),
+    Choice(score_func="sigmoid",
+           pre_softmax=True,
+           scores=jax.nn.sigmoid,
+           probs=_sum_to_one,
+           selects=_on_scores,
+           weights=_scores_at_ids,
+           kernel_mode=2,
+           selection_doc="top-k of `s + b`, `s = sigmoid(logits)`",
+           weights_doc=_GATHERED,
+           models="DeepSeek-V3 (with `use_expert_bias`, 8 groups, `routed_scaling_factor=2.5`); "
+           "its load-balancing probabilities are `s` divided by its sum"),
+)
+CHOICES = {(c.score_func, c.pre_softmax): c for c in _ROWS}
 
 # Other names for a row: {alias: (score_func, pre_softmax)}. MoEConfig rewrites an alias to
 # its row's fields; the op accepts it too.
