@@ -11,13 +11,14 @@ import dataclasses
 import math
 from typing import Optional
 
-SCORE_FUNCS = ("softmax", "sigmoid")
+from moe_praxis.ops import routing_table
+from moe_praxis.ops.backend import BACKENDS as KERNEL_BACKENDS
+from moe_praxis.ops.routing_table import ROUTER_PRECISIONS
+from moe_praxis.ops.swiglu import ACTIVATIONS
+
 AUX_LOSS_TYPES = ("switch", "sequence", "gshard")
 DROP_POLICIES = ("position", "weight")
-ACTIVATIONS = ("silu", "gelu", "relu")
-KERNEL_BACKENDS = ("auto", "xla", "cuda")
 EP_EXCHANGES = ("auto", "ragged", "padded")
-ROUTER_PRECISIONS = ("float32", "tf32", "bf16")
 FP8_RECIPES = (None, "blockwise")
 FP8_BLOCK = 128  # moe_praxis.ops.fp8.BLOCK: activation tiles 1 x 128, weight blocks 128 x 128
 
@@ -37,9 +38,11 @@ class MoEConfig:
       d_ff: H, each expert's hidden width.
       num_experts: E.
       top_k: k experts per token.
-      score_func: 'softmax' or 'sigmoid' (DeepSeek-V3) scores of the router logits.
-      pre_softmax: softmax over all E experts before top-k (True, Mixtral/GShard) or over the k
-        selected logits after top-k (False, Switch-style "top-k then softmax"). Only 'softmax'.
+      score_func: the router's score function, a row of the router-math table below (with
+        pre_softmax): the math of each, its aliases (Mixtral's "top-k, then softmax" is
+        'softmax_topk') and the models that use it.
+      pre_softmax: with 'softmax': top-k of the softmax over all E experts (True) or of the
+        logits, then softmax over the k selected (False); an alias sets it.
       norm_topk: renormalise the k selected weights to sum to 1.
       num_expert_groups: group-limited routing: experts split into this many equal groups
         (DeepSeek-V3's n_group; not Praxis's token `num_groups`). 1 = off.
@@ -158,14 +161,12 @@ class MoEConfig:
                 raise _err(name, v, "must be a positive int")
         if self.top_k > self.num_experts:
             raise _err("top_k", self.top_k, f"must be <= num_experts={self.num_experts}")
-        if self.score_func not in SCORE_FUNCS:
-            raise _err("score_func", self.score_func, f"valid: {SCORE_FUNCS}")
-        if self.score_func == "sigmoid" and not self.pre_softmax:
-            raise _err(
-                "pre_softmax",
-                self.pre_softmax,
-                "post-top-k softmax (pre_softmax=False) only exists for score_func='softmax'",
-            )
+        bad = routing_table.invalid(self.score_func, self.pre_softmax)
+        if bad:
+            raise _err(bad[0], getattr(self, bad[0]), bad[1])
+        sf, pre = routing_table.canonical(self.score_func, self.pre_softmax)
+        object.__setattr__(self, "score_func", sf)  # an alias becomes its row's fields
+        object.__setattr__(self, "pre_softmax", pre)
         if self.num_experts % self.num_expert_groups:
             raise _err(
                 "num_expert_groups",
@@ -309,5 +310,34 @@ def markdown_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":  # python -m moe_praxis.config > table (docs/config.md)
-    print(markdown_table(), end="")
+def generated_sections() -> dict[str, str]:
+    """{name: text} of docs/config.md's generated parts, each between `<!-- BEGIN GENERATED
+    name -->` and `<!-- END GENERATED name -->`: the field table and the router-math table."""
+    return {"TABLE": markdown_table(), "ROUTER TABLE": routing_table.markdown_table()}
+
+
+def render_docs(text: str) -> str:
+    """docs/config.md's text with its generated parts made anew (tests compare it to the page)."""
+    for name, body in generated_sections().items():
+        begin, end = f"<!-- BEGIN GENERATED {name} -->\n", f"<!-- END GENERATED {name} -->"
+        if begin not in text or end not in text.split(begin, 1)[1]:
+            raise ValueError(f"docs/config.md lacks the markers {begin.strip()} ... {end}")
+        head, rest = text.split(begin, 1)
+        text = head + begin + body + end + rest.split(end, 1)[1]
+    return text
+
+
+if __name__ == "__main__":  # python -m moe_praxis.config [--write]
+    import argparse
+    import pathlib
+
+    parser = argparse.ArgumentParser(prog="python -m moe_praxis.config",
+                                     description="Print the MoEConfig field table, or (--write) "
+                                     "regenerate docs/config.md's generated tables.")
+    parser.add_argument("--write", action="store_true", help="rewrite docs/config.md in place")
+    if parser.parse_args().write:
+        page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md"
+        page.write_text(render_docs(page.read_text()))
+        print(f"wrote {page}")
+    else:
+        print(markdown_table(), end="")

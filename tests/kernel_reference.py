@@ -1,22 +1,38 @@
-"""Independent float64 NumPy references for the CUDA kernels' tests (not the ops code).
+"""Float64 NumPy references for the kernels' and the block's tests (not the ops code).
 
-Written from the formulas in moe_praxis/routing.py, ops/swiglu.py, ops/permute.py and
-ops/aux_loss.py, loop by loop, so that a shared bug in the JAX reference and a kernel shows.
+Written from the formulas in ops/swiglu.py, ops/permute.py and ops/aux_loss.py, loop by loop,
+so that a shared bug in the JAX reference and a kernel shows. Routing is the one exception to
+"not the ops code": the score functions' math is read from moe_praxis.ops.routing_table (the one
+table of the router's choices), run in float64; the selection around it is written out here.
+Every test that needs routing math uses router / weights_for_ids / probs_for from this module.
 """
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from moe_praxis.ops import routing_table
+
 from tests.testutil import rel_err, seed, sum_err  # noqa: F401  (re-exported for the kernel tests)
-
-
-def _softmax(x):
-    z = np.exp(x - x.max(-1, keepdims=True))
-    return z / z.sum(-1, keepdims=True)
 
 
 def _topk_ids(v, k):
     # descending, ties to the lower index (stable sort of -v)
     return np.argsort(-v, kind="stable")[:k]
+
+
+def _row_math(fn, *arrays):
+    """A routing_table row's function on float64 arrays (jax with x64) -> NumPy float64."""
+    with jax.enable_x64(True):
+        return np.asarray(fn(*(jnp.asarray(np.asarray(a)) for a in arrays)))
+
+
+def selection_scores(logits, *, score_func="softmax", pre_softmax=True, bias=None):
+    """What top-k selects on, float64 [T, E]: the row's selection scores + bias."""
+    choice = routing_table.resolve(score_func, pre_softmax)
+    x = np.asarray(logits, np.float64)
+    sel = _row_math(lambda l: choice.selects(l, choice.scores(l)), x)
+    return sel if bias is None else sel + np.asarray(bias, np.float64)
 
 
 def router(logits,
@@ -29,23 +45,20 @@ def router(logits,
            group_topk=1,
            scaling=1.0,
            bias=None):
-    """logits [T, E] -> probs [T, E], ids [T, k], weights [T, k] (float64 math)."""
+    """logits [T, E] -> probs [T, E], ids [T, k], weights [T, k] (float64 math).
+
+    The tests' one routing reference: the score function's math is its routing_table row's
+    (an unknown name is a ValueError), run in float64; the selection (bias, group-limited
+    top-k, ties to the lower index) is written out here, loop by loop."""
+    choice = routing_table.resolve(score_func, pre_softmax)
     x = np.asarray(logits, np.float64)
     t, e = x.shape
-    b = np.zeros(e) if bias is None else np.asarray(bias, np.float64)
-    probs = np.zeros((t, e))
+    dense = _row_math(choice.scores, x)
+    probs = _row_math(choice.probs, dense)
+    sel_all = selection_scores(x, score_func=score_func, pre_softmax=pre_softmax, bias=bias)
     ids = np.zeros((t, top_k), np.int64)
-    w = np.zeros((t, top_k))
     for i in range(t):
-        if score_func == "softmax":
-            dense = _softmax(x[i])
-            probs[i] = dense
-            base = dense if pre_softmax else x[i]
-        else:
-            dense = 1.0 / (1.0 + np.exp(-x[i]))
-            probs[i] = dense / dense.sum()
-            base = dense
-        sel = base + b
+        sel = sel_all[i]
         if groups > 1:
             per = e // groups
             m = top_k // group_topk
@@ -57,28 +70,66 @@ def router(logits,
                 mask[g * per:(g + 1) * per] = 0.0
             sel = sel + mask
         ids[i] = _topk_ids(sel, top_k)
-        if score_func == "softmax" and not pre_softmax:
-            w[i] = _softmax(x[i, ids[i]])
-        else:
-            w[i] = dense[ids[i]]
-            if norm_topk and top_k == 1:
-                w[i] = 1.0
-            elif norm_topk:
-                w[i] = w[i] / (w[i].sum() + 1e-20)
-    return probs, ids, w * scaling
+    w = weights_for_ids(x,
+                        ids,
+                        score_func=score_func,
+                        pre_softmax=pre_softmax,
+                        norm_topk=norm_topk,
+                        scaling=scaling)
+    return probs, ids, np.asarray(w)
+
+
+def weights_for_ids(logits,
+                    ids,
+                    *,
+                    score_func="softmax",
+                    pre_softmax=True,
+                    norm_topk=True,
+                    scaling=1.0):
+    """The routing weights [T, k] of fixed expert ids [T, k]: the row's weights times scaling,
+    jax.numpy in the dtype of `logits` (differentiable; NumPy float64 in, float64 out)."""
+    choice = routing_table.resolve(score_func, pre_softmax)
+    if isinstance(logits, np.ndarray) and logits.dtype == np.float64:
+        return _row_math(lambda l, i: choice.weights(l, choice.scores(l), i, norm_topk) * scaling,
+                         logits, ids)
+    ids = jnp.asarray(ids)
+    return choice.weights(logits, choice.scores(logits), ids, norm_topk) * scaling
+
+
+def _routing_fields(cfg):
+    return dict(score_func=cfg.score_func, pre_softmax=cfg.pre_softmax)
 
 
 def router_for(logits, cfg, bias):
     """router() with the routing fields of an MoEConfig."""
     return router(np.asarray(logits),
                   top_k=cfg.top_k,
-                  score_func=cfg.score_func,
-                  pre_softmax=cfg.pre_softmax,
                   norm_topk=cfg.norm_topk,
                   groups=cfg.num_expert_groups,
                   group_topk=cfg.group_topk,
                   scaling=cfg.routed_scaling_factor,
-                  bias=np.asarray(bias))
+                  bias=None if bias is None else np.asarray(bias),
+                  **_routing_fields(cfg))
+
+
+def selection_scores_for(logits, cfg, bias):
+    """selection_scores() with the routing fields of an MoEConfig."""
+    return selection_scores(logits, bias=bias, **_routing_fields(cfg))
+
+
+def weights_for_ids_for(logits, ids, cfg):
+    """weights_for_ids() with the routing fields of an MoEConfig."""
+    return weights_for_ids(logits,
+                           ids,
+                           norm_topk=cfg.norm_topk,
+                           scaling=cfg.routed_scaling_factor,
+                           **_routing_fields(cfg))
+
+
+def probs_for(logits, cfg):
+    """The load-balancing loss's probabilities [T, E] of an MoEConfig's row, in logits' dtype."""
+    choice = routing_table.resolve(cfg.score_func, cfg.pre_softmax)
+    return choice.probs(choice.scores(logits))
 
 
 def swiglu(gate, up, weights=None):

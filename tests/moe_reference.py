@@ -1,7 +1,8 @@
-"""An independent per-expert loop reference of the MoE block (shares no code with moe_praxis).
+"""An independent per-expert loop reference of the MoE block.
 
 Routing decisions (which experts, which copies are dropped) are made in NumPy float64 with
-explicit loops; the differentiable part (weights, expert FFNs, losses) is dense jax.numpy in
+explicit loops (the score functions' math from tests/kernel_reference.py, the tests' one routing
+reference, which reads it from moe_praxis.ops.routing_table); the differentiable part (weights, expert FFNs, losses) is dense jax.numpy in
 float32 at HIGHEST precision: every expert processes every token and the result is masked by
 the combine weight, so gradients come from jax.grad of this reference.
 """
@@ -12,43 +13,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tests import kernel_reference
+
 HI = jax.lax.Precision.HIGHEST
 
 
-def _np_scores(logits, cfg):
-    if cfg.score_func == "softmax":
-        z = np.exp(logits - logits.max(-1, keepdims=True))
-        return z / z.sum(-1, keepdims=True)
-    return 1.0 / (1.0 + np.exp(-logits))
-
-
 def reference_decisions(x2, params, cfg, valid):
-    """NumPy float64: expert ids [T, k] and keep mask [T, k] (capacity), by explicit loops."""
+    """NumPy float64: expert ids [T, k] (kernel_reference.router, the tests' routing reference)
+    and keep mask [T, k] (capacity), by explicit loops."""
     x64 = np.asarray(x2, np.float64)
     logits = x64 @ np.asarray(params["router"], np.float64)
     if cfg.router_logit_cap > 0:
         logits = cfg.router_logit_cap * np.tanh(logits / cfg.router_logit_cap)
-    scores = _np_scores(logits, cfg)
-    base = scores if (cfg.score_func == "sigmoid" or cfg.pre_softmax) else logits
-    bias = np.asarray(params["expert_bias"], np.float64) if "expert_bias" in params else 0.0
+    bias = np.asarray(params["expert_bias"], np.float64) if "expert_bias" in params else None
     t_num, e = logits.shape
     k = cfg.top_k
-    ids = np.zeros((t_num, k), np.int64)
-    for t in range(t_num):
-        sel = base[t] + bias
-        if cfg.num_expert_groups > 1:
-            g = cfg.num_expert_groups
-            per = e // g
-            n_in_group = k // cfg.group_topk
-            gscore = [
-                np.sort(sel[i * per:(i + 1) * per])[::-1][:n_in_group].sum() for i in range(g)
-            ]
-            keep_groups = np.argsort(-np.asarray(gscore), kind="stable")[:cfg.group_topk]
-            masked = np.full(e, -np.inf)
-            for gi in keep_groups:
-                masked[gi * per:(gi + 1) * per] = sel[gi * per:(gi + 1) * per]
-            sel = masked
-        ids[t] = np.argsort(-sel, kind="stable")[:k]
+    _, ids, _ = kernel_reference.router_for(logits, cfg, bias)
     keep = np.asarray(valid, bool)[:, None].repeat(k, 1)
     if cfg.capacity_factor is not None:
         n_valid = t_num  # capacity is computed on the block's token count (rows of x)
@@ -75,21 +55,8 @@ def reference_weights(x2, params, cfg, ids):
     logits = jnp.dot(x2.astype(jnp.float32), params["router"].astype(jnp.float32), precision=HI)
     if cfg.router_logit_cap > 0:
         logits = cfg.router_logit_cap * jnp.tanh(logits / cfg.router_logit_cap)
-    ids = jnp.asarray(ids)
-    if cfg.score_func == "softmax" and not cfg.pre_softmax:
-        sel = jnp.take_along_axis(logits, ids, axis=1)
-        w = jnp.exp(sel - sel.max(1, keepdims=True))
-        w = w / w.sum(1, keepdims=True)
-    else:
-        if cfg.score_func == "softmax":
-            s = jnp.exp(logits - logits.max(1, keepdims=True))
-            s = s / s.sum(1, keepdims=True)
-        else:
-            s = 1.0 / (1.0 + jnp.exp(-logits))
-        w = jnp.take_along_axis(s, ids, axis=1)
-        if cfg.norm_topk:
-            w = jnp.ones_like(w) if w.shape[1] == 1 else w / w.sum(1, keepdims=True)
-    return w * cfg.routed_scaling_factor, logits
+    w = kernel_reference.weights_for_ids_for(logits, jnp.asarray(ids), cfg)
+    return w, logits
 
 
 def _act(name):
@@ -134,11 +101,7 @@ def reference_moe(params, x, cfg, valid=None, decisions=None):
                 counts[ids[t, j]] += 1
             counts1[ids[t, 0]] += 1
     n = max(int(vmask.sum()), 1)
-    if cfg.score_func == "softmax":
-        p = jax.nn.softmax(logits, axis=-1)
-    else:
-        sg = 1.0 / (1.0 + jnp.exp(-logits))
-        p = sg / sg.sum(-1, keepdims=True)
+    p = kernel_reference.probs_for(logits, cfg)
     p = p * jnp.asarray(vmask, jnp.float32)[:, None]
     if cfg.aux_loss_type == "switch":
         aux = cfg.aux_loss_coeff * e / (k * n * n) * jnp.sum(p.sum(0) * counts)

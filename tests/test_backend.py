@@ -2,7 +2,6 @@
 on the CPU (no GPU needed): every op family's CUDA path (`*_cuda`) runs its platform_dependent
 default branch (the reference) here, through the same custom_vjp the GPU uses."""
 
-import functools
 import importlib
 import re
 from pathlib import Path
@@ -18,13 +17,12 @@ import moe_praxis as mp
 from moe_praxis import build_kernels, ops, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.ops import backend
-from moe_praxis.ops.router import router_cuda, router_unsupported
+from moe_praxis.ops.router import router_unsupported
 from moe_praxis.ops.permute import permute_cuda, permute_unsupported, unpermute_cuda
 from moe_praxis.ops.swiglu import swiglu_cuda, swiglu_unsupported
 
 aux_loss_cuda = importlib.import_module("moe_praxis.ops.aux_loss").aux_loss_cuda
 from tests import kernel_reference as ref
-from tests.testutil import router_config
 
 REPO = Path(__file__).resolve().parent.parent
 F32_TOL = 1e-6
@@ -158,35 +156,6 @@ def test_unsupported_shapes_name_the_reason():
 
 
 # ------------------------------------------------- the CUDA primitives' code path on the CPU
-
-ROUTER_CASES = [
-    (37, 16, 4, "softmax", True, True, 4, 2, 1.0, False),
-    (29, 64, 8, "sigmoid", True, True, 8, 4, 2.5, True),
-    (23, 8, 2, "softmax", False, True, 1, 1, 1.0, True),
-    (23, 8, 1, "softmax", True, True, 1, 1, 1.0, False),
-]
-
-
-@pytest.mark.parametrize("case", ROUTER_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_fused_router_path_matches_numpy_reference(case):
-    t, e, k, sf, pre, norm, g, gk, sc, use_bias = case
-    cfg = router_config(e, k, sf, pre, norm, g, gk, sc, use_bias)
-    s = ref.seed()
-    k1, k2, k3, k4 = jax.random.split(jax.random.key(s), 4)
-    logits = jax.random.normal(k1, (t, e))
-    bias = 0.1 * jax.random.normal(k2, (e, )) if use_bias else jnp.zeros((e, ))
-    kern = functools.partial(router_cuda, **routing.router_args(cfg))
-    probs, ids, w = jax.jit(kern)(logits, bias)
-    p64, ids64, w64 = ref.router_for(logits, cfg, bias)
-    np.testing.assert_array_equal(np.asarray(ids), ids64, err_msg=f"seed={s}")
-    assert ref.rel_err(probs, p64) <= F32_TOL and ref.rel_err(w, w64) <= F32_TOL
-    # gradient of the custom_vjp (reference backward branch) == autodiff of the reference
-    dp, dw = jax.random.normal(k3, (t, e)), jax.random.normal(k4, (t, k))
-    f1 = lambda l: jnp.sum(kern(l, bias)[0] * dp) + jnp.sum(kern(l, bias)[2] * dw)
-    r_bias = bias if use_bias else None
-    f2 = lambda l: jnp.sum(routing.route_logits_reference(l, cfg, r_bias).probs * dp) + jnp.sum(
-        routing.route_logits_reference(l, cfg, r_bias).weights * dw)
-    assert ref.rel_err(jax.grad(f1)(logits), jax.grad(f2)(logits)) <= F32_TOL
 
 
 def test_route_logits_backend_switch_on_cpu():

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import moe_praxis as mp
 from moe_praxis import params as params_lib
-from tests import ep_util
+from tests import ep_util, kernel_reference
 from tests.moe_reference import reference_decisions
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
@@ -57,14 +57,8 @@ def reference_block64(params, x, cfg, valid, decisions):
     x2 = jnp.asarray(x, f64).reshape(-1, cfg.d_model)
     ids, keep = decisions
     logits = x2 @ p["router"]
-    if cfg.score_func == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-    else:
-        scores = jax.nn.sigmoid(logits)
-    w = jnp.take_along_axis(scores, jnp.asarray(ids), axis=1)
-    if cfg.norm_topk:
-        w = w / w.sum(1, keepdims=True)
-    w = w * cfg.routed_scaling_factor * jnp.asarray(keep, f64)
+    w = kernel_reference.weights_for_ids_for(logits, jnp.asarray(ids), cfg)
+    w = w * jnp.asarray(keep, f64)
     dense_w = jnp.einsum("tk,tke->te", w, jax.nn.one_hot(ids, cfg.num_experts, dtype=f64))
     act = _act64(cfg.activation)
     y = jnp.zeros_like(x2)

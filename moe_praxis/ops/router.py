@@ -1,17 +1,14 @@
 """Router op: float32 logits -> dense probabilities, top-k expert ids and combine weights.
 
 All math is float32. Letters: T tokens, E experts, k top_k. Static arguments (`RouterArgs`):
-  softmax, pre_softmax=True:  s = softmax(logits); ids = topk(s + bias); w = s[ids]
-                              (then w /= sum(w) if norm_topk)
-  softmax, pre_softmax=False: ids = topk(logits + bias); w = softmax(logits[ids])
-  sigmoid:                    s = sigmoid(logits); ids = topk(s + bias); w = s[ids]
-                              (then w /= sum(w) if norm_topk)
-  w *= scaling.
+the score function and pre_softmax pick a row of moe_praxis.ops.routing_table (its math, its
+kernel mode; the choices and the models that use them: docs/config.md#router-math), then
+  ids = topk(selection scores + bias), w = the row's weights (w /= sum(w) if norm_topk, where
+  the row takes it), w *= scaling.
 The expert bias steers selection only; weights always come from unbiased scores.
 Group-limited top-k masks all but the best `group_topk` of `num_groups` groups before the
 top-k; a group's score is the sum of its top `top_k // group_topk` selection scores. Ties go to
-the lower expert index (jax.lax.top_k's order). probs is softmax(logits) for softmax and the
-sigmoid scores normalised to sum 1 for sigmoid (the load-balancing loss's input).
+the lower expert index (jax.lax.top_k's order). probs is the row's load-balancing loss input.
 
 CUDA side (kernels/router.cu): `router_cuda`, a custom_vjp whose forward and backward are each
 a `platform_call` of the fused kernel and the reference.
@@ -27,12 +24,9 @@ import jax.numpy as jnp
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops._library import ffi, platform_call
+from moe_praxis.ops.routing_table import ROUTER_PRECISIONS, resolve
 
-SCORE_FUNCS = ("softmax", "sigmoid")
-# The router GEMM's precision (MoEConfig.router_precision): how x and w_router enter the dot.
-ROUTER_PRECISIONS = ("float32", "tf32", "bf16")
 ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_MAX_GROUPS = 512, 8, 32
-_ROUTER_MODES = {("softmax", True): 0, ("softmax", False): 1, ("sigmoid", True): 2}
 
 
 class RouterArgs(NamedTuple):
@@ -59,27 +53,17 @@ def _group_limit(sel, args: RouterArgs):
 
 
 def _reference(args: RouterArgs, logits, bias):
+    """float32 routing math; the score function's parts come from its routing_table row."""
+    choice = resolve(args.score_func, args.pre_softmax)
     logits = logits.astype(jnp.float32)
-    if args.score_func == "softmax":
-        dense = jax.nn.softmax(logits, axis=-1)
-        probs = dense
-        sel_base = dense if args.pre_softmax else logits
-    else:
-        dense = jax.nn.sigmoid(logits)
-        probs = dense / jnp.sum(dense, axis=-1, keepdims=True)
-        sel_base = dense
-    sel = sel_base if bias is None else sel_base + bias
+    dense = choice.scores(logits)
+    probs = choice.probs(dense)
+    sel = choice.selects(logits, dense)
+    sel = sel if bias is None else sel + bias
     if args.num_groups > 1:
         sel = _group_limit(sel, args)
     _, ids = jax.lax.top_k(sel, args.top_k)
-    if args.score_func == "softmax" and not args.pre_softmax:
-        weights = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
-    else:
-        weights = jnp.take_along_axis(dense, ids, axis=-1)
-        if args.norm_topk and args.top_k == 1:
-            weights = jnp.ones_like(weights)  # exactly 1, with exactly zero gradient
-        elif args.norm_topk:
-            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = choice.weights(logits, dense, ids, args.norm_topk)
     weights = weights * args.scaling
     return probs, ids.astype(jnp.int32), weights
 
@@ -137,7 +121,7 @@ def router_unsupported(num_experts: int, top_k: int, num_groups: int = 1) -> str
 
 def _attrs(args: RouterArgs) -> dict:
     return dict(top_k=args.top_k,
-                mode=_ROUTER_MODES[(args.score_func, args.pre_softmax)],
+                mode=resolve(args.score_func, args.pre_softmax).kernel_mode,
                 norm_topk=bool(args.norm_topk),
                 num_groups=args.num_groups,
                 group_topk=args.group_topk,
@@ -204,10 +188,11 @@ def route(logits, expert_bias: Optional[jax.Array] = None, *, backend: str = "au
     with a warning naming the reason.
     """
     args = RouterArgs(**static)
-    if args.score_func not in SCORE_FUNCS:
-        raise ValueError(f"score_func={args.score_func!r} is invalid; valid: {SCORE_FUNCS}")
+    choice = resolve(args.score_func, args.pre_softmax)
     if _backend.op_backend(backend, "router") == "cuda":
         why = router_unsupported(logits.shape[-1], args.top_k, args.num_groups)
+        if not why and choice.kernel_mode is None:
+            why = f"score_func={args.score_func!r} has no mode in the fused router kernel"
         if not why:
             logits = logits.astype(jnp.float32)
             bias = (jnp.zeros((logits.shape[-1], ), jnp.float32) if expert_bias is None else

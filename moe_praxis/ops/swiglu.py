@@ -23,6 +23,7 @@ _ACTS = {
     "gelu": jax.nn.gelu,
     "relu": jax.nn.relu,
 }
+ACTIVATIONS = tuple(_ACTS)  # MoEConfig.activation's valid values
 
 
 def activation(name: str):

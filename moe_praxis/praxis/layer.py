@@ -69,8 +69,7 @@ class MoEFeedForward(base_layer.BaseLayer):
 
     Routing fields, each the MoEConfig field of its name, honoured by gating_func='topk' only
     ('top2' / 'dense_top2' route with the defaults; another value is an error at setup):
-      score_func: 'softmax' or 'sigmoid' (DeepSeek-V3).
-      pre_softmax: softmax over all experts before top-k (True) or over the k selected.
+      score_func, pre_softmax: the router's score function (docs/config.md#router-math).
       norm_topk: renormalise the k weights to sum to 1.
       num_expert_groups, group_topk: DeepSeek-V3's group-limited routing (not num_groups).
       use_expert_bias: the selection-only expert bias (DeepSeek-V3's auxiliary-loss-free
