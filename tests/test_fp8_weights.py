@@ -126,11 +126,12 @@ def test_moe_block_with_fp8_weights_quantizes_no_weight(monkeypatch):
     assert len(calls) == 2  # wi_up, wo
 
 
-@pytest.mark.parametrize("fsdp_dim", ["expert", "model"])
-def test_fsdp_ep_fp8_weights_gathered_in_fp8_and_bitwise(fsdp_dim):
+def test_fsdp_ep_fp8_weights_gathered_in_fp8_and_bitwise():
     """fsdp4 x ep2: the FP8 form made from the globally sharded weights outside moe_block gives
     bitwise the step of quantizing inside (before the gather), and the lowered step's weight
-    all-gathers carry e4m3 and no bf16 weight."""
+    all-gathers carry e4m3 and no bf16 weight. fsdp on d_model (the 128x128 blocks of a shard
+    along K or N; the expert dim is the simpler case)."""
+    fsdp_dim = "model"
     seed = _seed()
     mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(4, 2), ("fsdp", "ep"))
     res = mp.MeshResources(fsdp="fsdp", ep="ep", fsdp_dim=fsdp_dim)
