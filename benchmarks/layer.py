@@ -18,6 +18,10 @@ Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
   cuda+bf16router      moe_block, 'cuda', router_precision='bf16'
   cuda+fp8             moe_block, 'cuda', fp8='blockwise' (the FP8 expert GEMM kernels, issue 19;
                        target: Mixtral-like fwd+bwd >= 1.35x 'cuda', column x cuda in the JSON)
+  cuda+fp8w, fp8-quant 'cuda+fp8' with the expert weights' FP8 form made beforehand, and that
+                       quantization alone: with --microbatches N1,N2 (default 1,8) the rows
+                       'cuda+fp8 @n' = cuda+fp8w + fp8-quant / n, weights quantized once per
+                       optimizer step of n micro-batches (benchmarks/layer_fp8w.py, issue 36)
   cuda-sm80            moe_block, 'cuda', the sm_80 grouped GEMM kernels forced while its steps
                        are traced (ops.backend.force_grouped_gemm, lc.GROUPED_GEMM_FAMILY): the
                        Ampere kernels' whole layer, on a Hopper GPU beside 'cuda'
@@ -76,7 +80,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from benchmarks import bench_kernels, layer_breakdown, layer_report
+from benchmarks import bench_kernels, layer_breakdown, layer_fp8w, layer_report
 from benchmarks import layer_cases as lc
 from benchmarks.layer_check import CHECKED, _failure, _is_oom, check_against_xla
 from benchmarks import trace
@@ -116,6 +120,7 @@ class Shape:
         self.layers = {}  # method -> (fns, variables)
         self.steps = {}
         self.failed = {}  # (method, pass) -> why it failed (OOM, an error)
+        self.fp8w = None  # the expert weights' FP8 form (layer_fp8w), made once
 
     def block_params(self, method, load):
         p = self.fused if "fuse" in method else self.params
@@ -141,10 +146,16 @@ class Shape:
         if load == "skewed":
             x = (x.astype(jnp.float32) + self.skew[1]).astype(x.dtype)
         p = self.block_params(method, load)
+        if method == layer_fp8w.QUANTIZE:
+            return (self.params, )
+        if method == layer_fp8w.PREQUANTIZED:
+            if self.fp8w is None:
+                self.fp8w = self.fns(method)["quantize"](self.params)
+            return (p, self.fp8w, x) if pass_ == "fwd" else (p, self.fp8w, x, self.cot)
         return (p, x) if pass_ == "fwd" else (p, x, self.cot)
 
     def config(self, method, **extra):
-        fields, _ = lc.BLOCK_METHODS[method]
+        fields, _ = lc.BLOCK_METHODS["cuda+fp8" if method in layer_fp8w.METHODS else method]
         fields = dict(fields, **extra)
         if fields.get("kernel_backend") == "cuda":
             fields["kernel_backend"] = self.backend
@@ -158,6 +169,10 @@ class Shape:
     def fns(self, method):
         if method == "ideal":
             return lc.ideal_fns()
+        if method in layer_fp8w.METHODS:
+            f = layer_fp8w.fns(self.config(method))
+            return f if method == layer_fp8w.PREQUANTIZED else dict.fromkeys(
+                lc.PASSES, f["quantize"])
         fields, is_layer = lc.BLOCK_METHODS[method]
         if is_layer:
             if method not in self.layers:
@@ -333,8 +348,9 @@ def main(argv=None) -> int:
                          f"{name!r} on not run")
             break
         methods = opts.methods
-        if "cuda+fp8" in methods and (shapes[name].m % 128 or shapes[name].h % 128):
-            methods = [m for m in methods if m != "cuda+fp8"]
+        fp8_methods = ("cuda+fp8", ) + layer_fp8w.METHODS
+        if set(fp8_methods) & set(methods) and (shapes[name].m % 128 or shapes[name].h % 128):
+            methods = [m for m in methods if m not in fp8_methods]
             notes.append(f"cuda+fp8 not run at {name}: FP8 needs d_model and d_ff multiples of "
                          "128 (the 128 x 128 weight blocks)")
         sh = Shape(name, shapes[name], methods, backend, jax.random.key(i))
@@ -349,6 +365,7 @@ def main(argv=None) -> int:
         for load in loads:
             for pass_ in lc.PASSES:
                 rows = time_unit(sh, opts, load, pass_)
+                rows += layer_fp8w.amortized(rows, opts.microbatches)
                 layer_report.derive(rows, sh.shape, pass_, copy_bw)
                 if load == "skewed":
                     for r in rows:

@@ -8,6 +8,7 @@ import json
 import os
 
 from benchmarks import layer_cases as lc
+from benchmarks import layer_fp8w
 
 DEFAULT_JSON = "benchmarks/results/layer_bench.json"
 GSHARD_REF = "gshard cf2.5"  # the GShard row 'x GShard' divides by (equal capacity per copy)
@@ -63,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                     type=_ints,
                     default=None,
                     help="GShard num_groups swept at Mixtral (8,32,128; 1,4 --quick)")
+    ap.add_argument("--microbatches",
+                    type=_ints,
+                    default=list(layer_fp8w.DEFAULT_MICROBATCHES),
+                    help="micro-batches per optimizer step of the rows 'cuda+fp8 @n' (1,8)")
     ap.add_argument("--time-budget",
                     type=float,
                     default=1e9,
@@ -72,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     opts = build_parser().parse_args(argv)
+    if not opts.microbatches or min(opts.microbatches) < 1:
+        build_parser().error(f"--microbatches {opts.microbatches}: need ints >= 1")
     opts.reps = opts.reps or (2 if opts.quick else 7)
     opts.gshard_groups = opts.gshard_groups or ([1, 4] if opts.quick else [8, 32, 128])
     opts.target_s = 0.01 if opts.quick else 0.25
@@ -112,6 +119,8 @@ def derive(rows: list[dict], shape: lc.Shape, pass_: str, copy_bw: float) -> Non
 def _target(r: dict, balanced_ms: float | None):
     """(text, ok) of issue 23's target for one row (issue 19's for 'cuda+fp8'), or None where
     none applies."""
+    if "microbatches" in r:
+        return layer_fp8w.target(r)
     if r["method"] == "cuda+fp8":
         if r["pass_"] != "fwd+bwd" or r["load"] != "balanced" or r["shape"] != "mixtral":
             return None

@@ -15,7 +15,7 @@ import re
 
 _REGISTRY: dict[str, type] = {}
 # Modules whose import registers the built-in experiments.
-EXPERIMENT_MODULES = ("configs.experiments", )
+EXPERIMENT_MODULES = ("configs.experiments", "configs.single_gpu")
 
 
 def register(cls: type) -> type:

@@ -18,11 +18,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import fiddle as fdl
 import jax
 import jax.numpy as jnp
 import optax
+from fiddle import daglish
 
-import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
+import moe_praxis  # Praxis shims before praxis is imported
+from moe_praxis.ops import fp8
+from moe_praxis.praxis import fp8_params
 from praxis import base_layer, py_utils
 
 from configs import base, models
@@ -39,6 +43,25 @@ def _model_inputs(batch):
     paddings = jnp.zeros(ids.shape, jnp.float32)
     labels = NestedMap(class_ids=batch["labels"], class_weights=batch["weights"])
     return ids, paddings, labels
+
+
+def fp8_layers(model_config):
+    """(fprop dtype, kernel backend) of the model's MoE layers with fp8 set, or None when none
+    has: the train step then makes their weights' FP8 form once (moe_praxis.praxis.fp8_params)."""
+    found = []
+
+    def visit(value, state):
+        if (isinstance(value, fdl.Buildable)
+                and fdl.get_callable(value) is moe_praxis.MoEFeedForward and value.fp8):
+            found.append((value.fprop_dtype, value.kernel_backend))
+        return state.map_children(value)
+
+    daglish.MemoizedTraversal.run(visit, model_config)
+    if not found:
+        return None
+    dtype, backend = found[0]
+    # a layer's fprop_dtype left unset is its parent's (Praxis copies it down at build)
+    return dtype or model_config.fprop_dtype, backend
 
 
 def make_optimizer(opt: base.OptimizerConfig, num_steps: int) -> optax.GradientTransformation:
@@ -140,9 +163,20 @@ def make_step_fns(prep: Prepared) -> StepFns:
                                             is_leaf=lambda x: isinstance(x, P))
     replicated = jax.sharding.NamedSharding(mesh, P())
 
-    def loss_fn(params, non_trainable, batch, key, do_eval):
+    fp8_moe = fp8_layers(prep.model_config)
+
+    def fp8_form(params):
+        """The FP8 form of the expert weights, made once per step (None: no FP8 layer)."""
+        if fp8_moe is None:
+            return None
+        dtype, backend = fp8_moe
+        return fp8_params.fp8_weights_tree(params, dtype, transposed=fp8.resolve(backend) == "cuda")
+
+    def loss_fn(params, non_trainable, batch, key, do_eval, fp8_tree=None):
         ids, paddings, labels = _model_inputs(batch)
         ctx = base_layer.JaxContext.HParams(do_eval=do_eval)
+        if fp8_tree:
+            params = fp8_params.merge(params, fp8_tree)
         with base_layer.JaxContext.new_context(hparams=ctx):
             out, updated = model.apply({
                 base_layer.PARAMS: params,
@@ -158,10 +192,12 @@ def make_step_fns(prep: Prepared) -> StepFns:
     def train_fn(state, batch):
         step = state["step"]
         key = jax.random.fold_in(jax.random.key(exp.train.seed + 1), step)
+        fp8_tree = fp8_form(state["params"])  # once per optimizer step
         (loss, (out, updated)), grads = jax.value_and_grad(loss_fn,
                                                            has_aux=True)(state["params"],
                                                                          state["non_trainable"],
-                                                                         batch, key, False)
+                                                                         batch, key, False,
+                                                                         fp8_tree)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         nt = {k: updated.get(k, v) for k, v in state["non_trainable"].items()}

@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 from moe_praxis import ops
 from moe_praxis.config import MoEConfig
 from moe_praxis.ops import backend as ops_backend
-from moe_praxis.ops import fp8, fp8_fused
+from moe_praxis.ops import fp8, fp8_fused, fp8_weights
 
 # Set to 1: use_cudnn_fusion=True where the fusion cannot run is an error, not a warning (for
 # jobs that must not silently run another kernel than the one asked for).
@@ -33,6 +33,35 @@ ENV_STRICT_CUDNN = "MOE_PRAXIS_STRICT_CUDNN_FUSION"
 # weights key: {name: (fsdp axes, dim)} of expert weights still fsdp-sharded, which the FP8
 # GEMMs quantize and then all-gather (MoEConfig.fp8_quantize_before_gather)
 FP8_GATHER = "fp8_gather"
+# params / weights key: {name: ops.fp8_weights.Fp8Weight} of the expert weights quantized
+# beforehand (quantize_expert_weights); the FP8 GEMMs read them instead of quantizing
+FP8_WEIGHTS = "fp8_weights"
+EXPERT_WEIGHTS = ("wi_gate", "wi_up", "wo")
+
+
+def quantize_expert_weights(params: dict, config: MoEConfig, *, transposed=None) -> dict:
+    """params with their expert weights' FP8 form added under FP8_WEIGHTS ('fp8_weights'):
+    {name: Fp8Weight(q, s, qt)} for wi_gate (gated), wi_up and wo (ops.fp8_weights: e4m3
+    values, 128x128 block scales shared by W and W^T), one pass over each weight.
+
+    Made once per optimizer step and passed to every moe_block call of that step (every
+    micro-batch), it replaces the quantization each call would do: the outputs and every
+    gradient are bitwise those of quantizing inside, the gradients still go to the master
+    weights (params' own entries) and none to the FP8 form. Works on globally sharded
+    weights (each device quantizes its blocks; under FSDP moe_block gathers the e4m3 form).
+    transposed: also write qt [E, N, K] (the CUDA forward reads it); None: where the FP8
+    kernels run (config.kernel_backend resolves to them).
+    """
+    if config.fp8 is None:
+        raise ValueError("quantize_expert_weights needs MoEConfig.fp8='blockwise'; this config "
+                         "has fp8=None")
+    if transposed is None:
+        transposed = fp8.resolve(config.kernel_backend) == "cuda"
+    fws = {
+        name: fp8_weights.quantize(params[name], transposed=transposed)
+        for name in EXPERT_WEIGHTS if name in params
+    }
+    return {**params, FP8_WEIGHTS: fws}
 
 
 def cudnn_fusion_status() -> tuple[bool, str]:
@@ -146,10 +175,26 @@ def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, 
             RuntimeWarning)
     dt = rows.dtype
     gathers = weights.get(FP8_GATHER, {})
+    given = weights.get(FP8_WEIGHTS, {})
     if impl == "cuda" and not gathers:
         return _fp8_kernel_ffn(rows, group_sizes, weights, config, row_weights, rows_fp8)
 
     def gemm(lhs, name):
+        if name in given and name in gathers:
+            axes, dim = gathers[name]
+            return fp8_weights.gathered_prequantized(lhs,
+                                                     weights[name],
+                                                     given[name],
+                                                     group_sizes,
+                                                     axes,
+                                                     dim,
+                                                     backend=impl)
+        if name in given:
+            return fp8_weights.prequantized_fp8_grouped_gemm(lhs,
+                                                             weights[name],
+                                                             given[name],
+                                                             group_sizes,
+                                                             backend=impl)
         if name in gathers:
             axes, dim = gathers[name]
             return fp8.gathered_fp8_grouped_gemm(lhs,
@@ -181,7 +226,8 @@ def _fp8_kernel_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, 
     permute's, rows_fp8, or quantized here once), the SwiGLU writing the down projection's FP8
     operand in its pass (silu; other activations quantize their output after it)."""
     names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
-    outs = fp8.fp8_gemms_shared_lhs(rows, rows_fp8, tuple(weights[n] for n in names), group_sizes)
+    outs = fp8.fp8_gemms_shared_lhs(rows, rows_fp8, tuple(weights[n] for n in names), group_sizes,
+                                    _given(weights, names))
     up = checkpoint_name(outs[-1], "moe_up")
     gate = checkpoint_name(outs[0], "moe_gate") if config.gated else None
     act_fp8 = None
@@ -190,5 +236,12 @@ def _fp8_kernel_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, 
     else:
         act = _activation_reference(gate, up, row_weights, config).astype(rows.dtype)
     act = checkpoint_name(act, "ffn1")
-    out = fp8.fp8_gemms_shared_lhs(act, act_fp8, (weights["wo"], ), group_sizes)[0]
+    out = fp8.fp8_gemms_shared_lhs(act, act_fp8, (weights["wo"], ), group_sizes,
+                                   _given(weights, ("wo", )))[0]
     return checkpoint_name(out, "ffn2")
+
+
+def _given(weights, names):
+    """The (q, qt, s) of each name's FP8 weight made beforehand (FP8_WEIGHTS), else None."""
+    given = weights.get(FP8_WEIGHTS, {})
+    return tuple((given[n].q, given[n].qt, given[n].s) if n in given else None for n in names)

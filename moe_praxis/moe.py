@@ -43,8 +43,8 @@ from jax.sharding import PartitionSpec as P
 from moe_praxis import router_stats, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.dispatch import capacity, exchange, sort
-from moe_praxis.experts import FP8_GATHER, expert_ffn, fp8_kernels
-from moe_praxis.ops import resolve_backend, vma
+from moe_praxis.experts import FP8_GATHER, FP8_WEIGHTS, expert_ffn, fp8_kernels
+from moe_praxis.ops import fp8_weights, resolve_backend, vma
 from moe_praxis.params import check_params, init_moe_params, param_shapes
 from moe_praxis.resources import EPLayout, check_mesh_in_scope, ep_bootstrap, psum
 from moe_praxis.shared import gather_shared_weights, shared_ffn
@@ -113,8 +113,11 @@ def _gather_weights(params, layout: EPLayout, config: MoEConfig):
 
     With config.fp8 and fp8_quantize_before_gather the shards stay local and the weights get
     an entry experts.FP8_GATHER {name: (fsdp axes, dim)}: the FP8 GEMM quantizes each shard and
-    gathers the e4m3 data and scales itself (ops.fp8.gathered_fp8_grouped_gemm)."""
+    gathers the e4m3 data and scales itself (ops.fp8.gathered_fp8_grouped_gemm). A weight whose
+    FP8 form came in (params[FP8_WEIGHTS], experts.quantize_expert_weights) is always gathered
+    in that form (bitwise the same as either order)."""
     out, gathers = {}, {}
+    given = params.get(FP8_WEIGHTS, {})
     for name in ("wi_gate", "wi_up", "wi_gate_up", "wo"):
         if name not in params:
             continue
@@ -124,14 +127,47 @@ def _gather_weights(params, layout: EPLayout, config: MoEConfig):
                 dim = 0
             else:
                 dim = 1 if name.startswith("wi") else 2
-            if config.fp8 is not None and config.fp8_quantize_before_gather:
+            if config.fp8 is not None and (config.fp8_quantize_before_gather or name in given):
                 gathers[name] = (layout.fsdp_axes, dim)
             else:
                 w = jax.lax.all_gather(w, layout.fsdp_axes, axis=dim, tiled=True)
         out[name] = vma.vary(w, layout.token_axes + layout.tp_axes)
     if gathers:
         out[FP8_GATHER] = gathers
+    if given:
+        axes = layout.token_axes + layout.tp_axes
+        out[FP8_WEIGHTS] = jax.tree.map(lambda a: vma.vary(a, axes), given)
     return out
+
+
+def _param_specs(layout: EPLayout, params: dict) -> dict:
+    """The PartitionSpec tree of params: layout.weight_specs, and for the FP8 form of a weight
+    of spec P(e, k, n) q and s P(e, k, n) (whole blocks per shard), qt P(e, n, k)."""
+    specs = layout.weight_specs
+    out = {name: specs[name] for name in params if name != FP8_WEIGHTS}
+    if FP8_WEIGHTS in params:
+        fws = {}
+        for name, fw in params[FP8_WEIGHTS].items():
+            e, k, n = tuple(specs[name]) + (None, ) * (3 - len(specs[name]))
+            fws[name] = fp8_weights.Fp8Weight(q=P(e, k, n),
+                                              s=P(e, k, n),
+                                              qt=None if fw.qt is None else P(e, n, k))
+        out[FP8_WEIGHTS] = fws
+    return out
+
+
+def _check_fp8_weights(params: dict, config: MoEConfig) -> None:
+    if FP8_WEIGHTS not in params:
+        return
+    if config.fp8 is None:
+        raise ValueError(f"params carry {FP8_WEIGHTS!r} (FP8 expert weights) but the config has "
+                         "fp8=None; pass the plain parameters or set fp8='blockwise'")
+    for name, fw in params[FP8_WEIGHTS].items():
+        if name not in ("wi_gate", "wi_up", "wo") or name not in params:
+            raise ValueError(
+                f"params[{FP8_WEIGHTS!r}] has {name!r}; valid: the expert weights "
+                f"of these params, {[n for n in ('wi_gate', 'wi_up', 'wo') if n in params]}")
+        fp8_weights.check_companion(params[name].shape, fw, name)
 
 
 def _regrouped_experts(rows, keys, row_weights, *, weights, config: MoEConfig, num_local: int,
@@ -261,12 +297,23 @@ def _bound_body(config: MoEConfig, layout: EPLayout, *, kind: str, seq_len, t_gl
                              backend=backend)
 
 
-def sharded_fn(config: MoEConfig, layout: EPLayout, mesh, *, kind: str, seq_len, t_global: int,
-               param_names, backend: str):
+def sharded_fn(config: MoEConfig,
+               layout: EPLayout,
+               mesh,
+               *,
+               kind: str,
+               seq_len,
+               t_global: int,
+               param_names,
+               backend: str,
+               param_specs=None):
     """block_body under one shard_map over `mesh`: (params, x2 [T, M], valid [T]) -> (y [T, M],
     aux_loss, z_loss, tokens_per_expert [E], dropped_tokens, router_entropy). `kind` is the
-    exchange, 'ragged' or 'padded'; param_names: the keys of the parameter tree."""
+    exchange, 'ragged' or 'padded'; param_names: the keys of the parameter tree; param_specs:
+    its PartitionSpec tree where it holds more than arrays (the FP8 form of weights)."""
     specs = layout.weight_specs
+    if param_specs is None:
+        param_specs = {name: specs[name] for name in param_names}
     tok = layout.token_spec
     body = _bound_body(config,
                        layout,
@@ -276,10 +323,7 @@ def sharded_fn(config: MoEConfig, layout: EPLayout, mesh, *, kind: str, seq_len,
                        backend=backend)
     return jax.shard_map(body,
                          mesh=mesh,
-                         in_specs=({
-                             name: specs[name]
-                             for name in param_names
-                         }, P(*tok, None), tok),
+                         in_specs=(param_specs, P(*tok, None), tok),
                          out_specs=(P(*tok, None), P(), P(), P(None), P(), P()),
                          check_vma=True)
 
@@ -309,13 +353,16 @@ def moe_block(params: dict,
               paddings: Optional[jax.Array] = None) -> MoEOutput:
     """The MoE feed-forward block.
 
-    params: see init_moe_params. x: [..., M]. paddings: optional x.shape[:-1], 1 = padded
+    params: see init_moe_params; optionally with the expert weights' FP8 form made beforehand
+    (quantize_expert_weights, config.fp8 set): the FP8 GEMMs then read it and quantize no
+    weight (bitwise the same results). x: [..., M]. paddings: optional x.shape[:-1], 1 = padded
     (padded tokens route nowhere, output zeros and count in no statistic).
     mesh / resources: run expert-parallel over `mesh` with the roles in `resources`
     (moe_praxis.MeshResources); both None = one device.
     Returns MoEOutput (y has x's shape and dtype).
     """
-    check_params(params, config)
+    check_params({n: w for n, w in params.items() if n != FP8_WEIGHTS}, config)
+    _check_fp8_weights(params, config)
     backend = resolve_backend(config.kernel_backend, "moe_block")
     if (mesh is None) != (resources is None):
         raise ValueError("moe_block needs both mesh and resources for expert parallelism "
@@ -332,11 +379,10 @@ def moe_block(params: dict,
     x2, valid, seq_len = _flatten(
         x, paddings, config, layout, lambda a, shape, rows: _placed(a, shape, mesh, layout,
                                                                     P(*tok, None) if rows else tok))
+    specs = _param_specs(layout, params)
     if layout.explicit_axes:
-        params = {
-            name: _placed(w, w.shape, mesh, layout, layout.weight_specs[name])
-            for name, w in params.items()
-        }
+        params = jax.tree.map(lambda w, spec: _placed(w, w.shape, mesh, layout, spec), params,
+                              specs)
     t = x2.shape[0]
     if mesh is None:
         kind = "padded"  # ep size 1: no exchange
@@ -350,7 +396,8 @@ def moe_block(params: dict,
                         seq_len=seq_len,
                         t_global=t,
                         param_names=tuple(params),
-                        backend=backend)
+                        backend=backend,
+                        param_specs=specs)
     y, aux, zl, counts, dropped, ent = fn(params, x2, valid)
     return MoEOutput(y=_unflatten(y, x, mesh, layout).astype(x.dtype),
                      aux_loss=aux,

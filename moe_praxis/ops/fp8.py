@@ -195,12 +195,14 @@ def _fp8_bwd(impl, res, dy):
 _fp8_gg.defvjp(_fp8_fwd, _fp8_bwd)
 
 
-def fp8_gemms_shared_lhs(lhs, lhs_fp8, rhss, group_sizes):
+def fp8_gemms_shared_lhs(lhs, lhs_fp8, rhss, group_sizes, rhss_fp8=None):
     """[fp8_grouped_gemm(lhs, rhs, group_sizes, backend='cuda') for rhs in rhss] with lhs's L1
     operand given (module doc): lhs [R, K] (the backward's residual, in its dtype); lhs_fp8:
     (q e4m3 [R, K], s_t float32 [K/128, R]), fp8_quant.quantize_rows of lhs as rounded, or
     None to quantize here; rhss: a tuple of [E, K, N_i] weights. Returns a tuple of [R, N_i] in
-    lhs.dtype. Gradients reach lhs (straight through its L1 operand) and every rhs."""
+    lhs.dtype. Gradients reach lhs (straight through its L1 operand) and every rhs.
+    rhss_fp8: None, or per rhs its L2 operand (q, qt, s) made beforehand (ops.fp8_weights) or
+    None to quantize here; a given one gets no gradient (rhs does)."""
     if lhs_fp8 is None:
         lhs_fp8 = quantize_rows(jax.lax.stop_gradient(lhs), backend=_QUANT)
     q, s_t = (jax.lax.stop_gradient(a) for a in lhs_fp8)
@@ -209,18 +211,20 @@ def fp8_gemms_shared_lhs(lhs, lhs_fp8, rhss, group_sizes):
             f"lhs_fp8 must be (q {tuple(lhs.shape)}, s_t "
             f"{(lhs.shape[1] // BLOCK, lhs.shape[0])}) for lhs {tuple(lhs.shape)}, got "
             f"({tuple(q.shape)}, {tuple(s_t.shape)})")
-    return _shared(lhs, q, s_t, tuple(rhss), group_sizes.astype(jnp.int32))
+    rhss_fp8 = jax.lax.stop_gradient(tuple(rhss_fp8 or (None, ) * len(rhss)))
+    return _shared(lhs, q, s_t, tuple(rhss), rhss_fp8, group_sizes.astype(jnp.int32))
 
 
 @jax.custom_vjp
-def _shared(lhs, q, s_t, rhss, group_sizes):
-    return _shared_fwd(lhs, q, s_t, rhss, group_sizes)[0]
+def _shared(lhs, q, s_t, rhss, rhss_fp8, group_sizes):
+    return _shared_fwd(lhs, q, s_t, rhss, rhss_fp8, group_sizes)[0]
 
 
-def _shared_fwd(lhs, q, s_t, rhss, group_sizes):
+def _shared_fwd(lhs, q, s_t, rhss, rhss_fp8, group_sizes):
     outs, res_w = [], []
-    for rhs in rhss:
-        wq, wqt, ws = _quantize_weight(rhs, "cuda")
+    for rhs, given in zip(rhss, rhss_fp8):
+        wq, wqt, ws = _quantize_weight(rhs, "cuda") if given is None else given
+        wqt = jnp.swapaxes(wq, 1, 2) if wqt is None else wqt
         outs.append(_nt(q, s_t, wqt, ws, group_sizes, lhs.dtype))
         res_w.append((wq, ws, jnp.zeros((0, ), rhs.dtype)))
     # not q and s_t: their (zero) cotangents need only their shapes, which lhs gives
@@ -237,8 +241,8 @@ def _shared_bwd(res, dys):
         dx = part if dx is None else dx + part
         dws.append(_cuda_wgrad(xt, xs, dy, group_sizes, lhs.shape[0], like.dtype))
     (r, k), bk = lhs.shape, lhs.shape[1] // BLOCK
-    return (dx.astype(lhs.dtype), jnp.zeros((r, k), E4M3), jnp.zeros((bk, r),
-                                                                     jnp.float32), tuple(dws), None)
+    return (dx.astype(lhs.dtype), jnp.zeros((r, k), E4M3), jnp.zeros(
+        (bk, r), jnp.float32), tuple(dws), None, None)
 
 
 _shared.defvjp(_shared_fwd, _shared_bwd)

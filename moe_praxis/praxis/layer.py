@@ -37,6 +37,7 @@ from praxis.layers import stochastics
 
 from moe_praxis import resources
 from moe_praxis.balancing import update_expert_bias
+from moe_praxis.experts import FP8_WEIGHTS
 from moe_praxis.moe import MoEOutput, moe_block, param_shapes
 from moe_praxis.praxis import compat
 from moe_praxis.praxis import fields
@@ -280,6 +281,10 @@ class MoEFeedForward(base_layer.BaseLayer):
             name: self.get_var(name) if name == "expert_bias" else self.theta[name]
             for name in param_shapes(config)
         }
+        # The FP8 form of the expert weights, when the train step made it once for all its
+        # micro-batches (moe_praxis.praxis.fp8_params): an undeclared entry of the params.
+        if config.fp8 is not None and self.has_variable(base_layer.PARAMS, FP8_WEIGHTS):
+            params[FP8_WEIGHTS] = self.get_variable(base_layer.PARAMS, FP8_WEIGHTS)
         num_tokens = int(np.prod(x.shape[:-1]))
         mesh = compat.current_mesh() if self.mesh_resources is not None else None
         groups = 1

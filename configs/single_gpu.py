@@ -1,0 +1,41 @@
+"""Single-GPU presets whose MoE layers dominate the step: the end-to-end FP8 against bf16 check
+(issue 36). Registered like configs.experiments' presets (configs.registry)."""
+
+from __future__ import annotations
+
+from configs.experiments import LanguageModel
+from configs.registry import register
+
+
+@register
+class Qwen3MoeGpu(LanguageModel):
+    """One H200, MoE-dominated: 6 Qwen3-MoE-like layers (M=2048, 128 experts of H=768, top-8,
+    16 heads of 128) on bytes, gate and up unfused (so FP8 applies); 3.7B parameters, about
+    60 GB of float32 parameters and Adam state. The bf16 baseline of Qwen3MoeGpuFp8."""
+    NUM_LAYERS = 6
+    MODEL_DIMS = 2048
+    HIDDEN_DIMS = 6144
+    MOE_HIDDEN_DIMS = 768
+    NUM_HEADS = 16
+    DIM_PER_HEAD = 128
+    NUM_EXPERTS = 128
+    TOP_K = 8
+    AUX_LOSS_COEFF = 1e-3
+    REPEAT = True
+    REMAT = True
+    FPROP_DTYPE = "bfloat16"
+    SEQ_LEN = 2048
+    BATCH_SIZE = 16
+    LEARNING_RATE = 3e-4
+    WARMUP_STEPS = 100
+    NUM_STEPS = 1000
+    EVAL_EVERY = 250
+    CHECKPOINT_EVERY = 500
+    MESH_SHAPE = (1, )
+
+
+@register
+class Qwen3MoeGpuFp8(Qwen3MoeGpu):
+    """Qwen3MoeGpu with the expert GEMMs in blockwise FP8: the same seed and data, so
+    tokens/s and the held-out loss compare the formats end to end."""
+    FP8 = "blockwise"

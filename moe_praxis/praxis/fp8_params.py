@@ -1,0 +1,59 @@
+"""The FP8 form of a model's expert weights, made once per optimizer step (issue 36).
+
+A train step calls `fp8_weights_tree(params, dtype)` once, outside its forward and backward (and
+outside any loop over micro-batches), and passes `merge(params, tree)` to the model's apply:
+every MoEFeedForward with fp8 set finds its weights' FP8 form as the undeclared params entry
+'fp8_weights' and quantizes no weight itself. Gradients are taken w.r.t. `params` alone; they
+reach the master weights as when each layer quantizes inside (bitwise the same step).
+
+An MoE layer's params are recognised by their keys (a 'router' and a 'wo' beside it, the
+moe.param_shapes contract); stacked layers (Praxis Repeat: a leading layer dimension) are
+quantized layer by layer. `dtype` is the layers' fprop_dtype: Praxis casts the weights to it
+before the layer sees them, so the form is made from the same values.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from moe_praxis.experts import EXPERT_WEIGHTS, FP8_WEIGHTS
+from moe_praxis.ops import fp8_weights
+
+
+def _quantize(w, dtype, transposed: bool):
+    fn = lambda a: fp8_weights.quantize(a.astype(dtype), transposed=transposed)
+    for _ in range(w.ndim - 3):  # stacked layers: one quantization per layer
+        fn = jax.vmap(fn)
+    return fn(w)
+
+
+def _is_moe(node) -> bool:
+    return isinstance(node, dict) and "router" in node and "wo" in node and node["wo"].ndim >= 3
+
+
+def fp8_weights_tree(params, dtype, *, transposed: bool = False) -> dict:
+    """{path...: {'fp8_weights': {name: Fp8Weight}}} for every MoE layer's params in `params`
+    (nested dicts), the expert weights cast to `dtype` and quantized once; transposed: also qt
+    (the CUDA forward reads it)."""
+    out = {}
+    for key, node in params.items():
+        if _is_moe(node):
+            out[key] = {
+                FP8_WEIGHTS: {
+                    n: _quantize(node[n], dtype, transposed)
+                    for n in EXPERT_WEIGHTS if n in node
+                }
+            }
+        elif isinstance(node, dict):
+            sub = fp8_weights_tree(node, dtype, transposed=transposed)
+            if sub:
+                out[key] = sub
+    return out
+
+
+def merge(params, tree) -> dict:
+    """params with the entries of `tree` (fp8_weights_tree) added beside the weights."""
+    out = dict(params)
+    for key, sub in tree.items():
+        out[key] = sub if key == FP8_WEIGHTS else merge(params[key], sub)
+    return out
