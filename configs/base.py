@@ -73,7 +73,8 @@ class OptimizerConfig:
     learning_rate: peak learning rate, reached after ``warmup_steps``.
     schedule: 'cosine' (to ``end_lr_fraction * learning_rate`` at ``decay_steps``),
       'linear' (same end point, linear), 'constant'.
-    decay_steps: 0 = the experiment's ``train.num_steps``.
+    decay_steps: 0 = the experiment's ``train.num_steps`` at the job's first start (resolved
+      then and recorded: ``experiments.setup.resolve_lengths``).
     clip_norm: gradients are scaled so their global L2 norm is at most this (0 = off).
     """
 

@@ -301,6 +301,7 @@ def main(argv, stop_signals=None) -> int:
     cfg, name, job_log_dir, recorded = config_and_job_dir()
     from experiments import loop, setup
 
+    setup.resolve_lengths(cfg, recorded)  # the schedule's length: fixed at the first start
     init_distributed(_NUM_PROCESSES.value, _PROCESS_ID.value, _COORDINATOR.value)
     import jax
 
