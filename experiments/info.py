@@ -24,7 +24,10 @@ def experiments_table() -> str:
             for full, cls in registry.all_experiments().items()]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
-    lines = ["Registered experiments (--exp=NAME; the full or any dotted suffix works too):"]
+    lines = [
+        "Registered experiments (--exp=NAME or --fdl_config=NAME; case, _ and - do not "
+        "count; --exp also takes the full name or a dotted suffix of it):"
+    ]
     lines += [f"  {a:<{w0}}  {b:<{w1}}  {c}".rstrip() for a, b, c in rows]
     return "\n".join(lines)
 

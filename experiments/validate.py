@@ -8,7 +8,7 @@ are traced. It reports the parameter count and the per-device bytes of the train
 (parameters + optimizer moments) implied by the shardings.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=256 \
-      python -m experiments.validate --exp=deep_seek_v3
+      python -m experiments.validate --exp=deepseek_v3
 """
 
 from __future__ import annotations
