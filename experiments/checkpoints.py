@@ -124,11 +124,12 @@ class Checkpoints:
         self.abstract_state = abstract_state
         self._finite = None
 
-    def manager(self):
-        """A new orbax CheckpointManager (close it when done)."""
+    def manager(self, create: bool = True):
+        """A new orbax CheckpointManager (close it when done); ``create=False`` (reading a
+        job) creates no directory."""
         import orbax.checkpoint as ocp
 
-        opts = ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True)
+        opts = ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=create)
         return ocp.CheckpointManager(self.ckpt_dir, options=opts)
 
     def nonfinite(self, state) -> str | None:

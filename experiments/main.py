@@ -303,6 +303,11 @@ def main(argv, stop_signals=None) -> int:
     if info.answered(config_from_flags, DEFAULT_EXP):  # --list_experiments, --fdl_help
         return 0
     cfg, name, job_log_dir, recorded = config_and_job_dir()
+    if _MODE.value != "train":  # a mode that reads a job: nothing is created
+        try:
+            jobdir.check_readable(job_log_dir)
+        except jobdir.JobDirError as e:
+            raise UsageError(str(e)) from e
     from experiments import loop, setup
 
     setup.resolve_lengths(cfg, recorded)  # the schedule's length: fixed at the first start
