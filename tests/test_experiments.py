@@ -206,6 +206,20 @@ def test_mesh_errors_come_from_ep_bootstrap():
         setup.prepare(cfg)
 
 
+def test_too_few_devices_says_how_to_get_more():
+    """EP on one CPU device names the XLA_FLAGS that gives the CPU more devices (or GPUs), and
+    the count it names is one the mesh takes."""
+    cfg = experiments.tiny()
+    experiments.use_expert_parallel(cfg, ep=4)
+    with pytest.raises(setup.ConfigError) as e:
+        setup.prepare(cfg, devices=jax.devices()[:1])
+    msg = str(e.value)
+    flag = "XLA_FLAGS=--xla_force_host_platform_device_count="
+    assert flag in msg and "GPUs" in msg, msg
+    n = int(msg.split(flag)[1].split(",")[0])
+    assert setup.prepare(cfg, devices=jax.devices()[:n]).mesh.devices.size == n
+
+
 def test_expert_parallel_mesh_annotates_the_moe_layer():
     cfg = experiments.tiny()
     experiments.use_mesh(
