@@ -31,6 +31,7 @@ import copy
 import difflib
 import json
 import re
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -128,6 +129,19 @@ def check_override_path(cfg, path: str) -> None:
         raise UsageError(f"--fdl_set path {path!r} is malformed near {path[pos:]!r}")
 
 
+def _quoting_hint(path: str, value: str) -> str:
+    """The error of a value that is not a Python literal, with flags that pass it as a string
+    when pasted into a shell (the shell removes one level of quotes)."""
+
+    def shell(arg: str) -> str:
+        flag, rest = arg.split("=", 1)
+        return f'{flag}="{rest}"' if not set(rest) & set('"$`\\!') else shlex.quote(arg)
+
+    return (f"--fdl_set={path}={value}: {value!r} is not a Python literal; a string needs "
+            f"quotes that reach Python, e.g. {shell(f'--fdl_set={path}={value!r}')} or "
+            f"{shell(f'--fdl.{path}={value!r}')}")
+
+
 def apply_overrides(cfg, assignments) -> None:
     """Applies ``path=value`` assignments with Fiddle's parser, after checking each path."""
     for assignment in assignments:
@@ -138,6 +152,8 @@ def apply_overrides(cfg, assignments) -> None:
         try:
             fdl_utils.set_value(cfg, assignment)
         except (ValueError, SyntaxError) as e:
+            if str(e).startswith("Could not parse literal value"):
+                raise UsageError(_quoting_hint(path, assignment.split("=", 1)[1])) from None
             raise UsageError(f"--fdl_set={assignment!r}: {e}") from None
     from configs import stack
 
