@@ -164,6 +164,28 @@ def test_fdl_help_prints_the_experiments_help_instead_of_running(how, monkeypatc
     assert "data.batch_size = 16" in out
 
 
+@pytest.mark.parametrize("exp,at", [("tiny", "model.stacked_transformer_tpl"),
+                                    ("deepseek_v3", "model.stacked_transformer_tpl.block")])
+def test_fdl_help_marks_the_template_fields_the_stack_sets(exp, at, monkeypatch, capsys):
+    """--fdl_help shows the MoE template's num_experts / gating_func / ... (which the stack
+    overwrites) with the value the layers get and where it is set; other fields unmarked."""
+    _no_run(monkeypatch)
+    _parse(f"--exp={exp}", "--fdl_help", f"--fdl.{at}.num_experts=4")
+    assert main.main(["main"]) == 0
+    lines = {
+        ln.split(" = ", 1)[0]: ln
+        for ln in capsys.readouterr().out.splitlines() if " = " in ln
+    }
+    tpl = f"{at}.moe_layer_tpl"
+    assert lines[f"{tpl}.num_experts"].endswith(f"# set by the stack: 4 from {at}.num_experts")
+    gating = lines[f"{tpl}.gating_func"]
+    assert "default: 'top2'" in gating and gating.endswith(
+        f"# set by the stack: 'topk' from {at}.gating_func")
+    assert "# set by the stack: " in lines[f"{tpl}.input_dims"]
+    assert "set by the stack" not in lines[f"{tpl}.num_experts_per_token"]
+    assert "set by the stack" not in lines[f"{at}.num_experts"]
+
+
 def test_list_experiments(monkeypatch, capsys):
     _no_run(monkeypatch)
     _parse("--list_experiments")
