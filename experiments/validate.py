@@ -20,6 +20,7 @@ import time
 import fiddle as fdl
 import jax
 import numpy as np
+from absl import flags, logging
 
 from experiments import setup, steps
 
@@ -75,6 +76,8 @@ def main(argv):
 
     if len(argv) > 1:
         raise main_lib.UsageError(f"unexpected positional arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # JAX's INFO lines (no libtpu, ...) are noise here
+        logging.set_verbosity(logging.WARNING)
     cfg, _ = main_lib.config_from_flags()
     print(json.dumps(validate(cfg)))
 
