@@ -110,8 +110,17 @@ def short_name(cls: type) -> str:
     return _NAMES.get(cls) or _snake(cls.__name__)
 
 
-def function_name(name: str, names) -> str | None:
-    """The one of ``names`` (functions such as ``--fdl_config``'s) that ``name`` normalizes
-    to, or None."""
-    hits = [n for n in names if normalize(n) == normalize(name)]
-    return hits[0] if len(hits) == 1 else None
+def config_functions(module) -> list[str]:
+    """The config functions of ``module`` (``--fdl_config=NAME``): its public lower-case
+    callables but the fiddlers (``use_*``)."""
+    return [
+        n for n in dir(module)
+        if not n.startswith(("_", "use_")) and callable(getattr(module, n)) and n.islower()
+    ]
+
+
+def function_name(name: str, names) -> str:
+    """The one of ``names`` that ``name`` normalizes to (``deep_seek_v3`` -> ``deepseek_v3``),
+    else ``name`` (a dotted ``module.function`` or an unknown name) unchanged."""
+    hits = [n for n in names if "." not in name and normalize(n) == normalize(name)]
+    return hits[0] if len(hits) == 1 else name

@@ -31,7 +31,6 @@ import copy
 import difflib
 import json
 import re
-import shlex
 import signal
 import sys
 from pathlib import Path
@@ -49,9 +48,8 @@ DEFAULT_EXP = "tiny"
 EXIT_NONFINITE = 3  # the run stopped at a non-finite loss, gradient norm or state
 
 _EXP = flags.DEFINE_string(
-    "exp", None, "Registered experiment: its name (tiny, small_gpu, deepseek_v3; case, _ and - do "
-    f"not count: deep_seek_v3, DeepSeekV3), module.Class or a dotted suffix. Default {DEFAULT_EXP!r} when --fdl_config and "
-    "--fdl_config_file are not given.")
+    "exp", None, "Registered experiment: its name (tiny, deepseek_v3; case, _ and - do not count), "
+    f"module.Class or a dotted suffix. Default {DEFAULT_EXP!r} without --fdl_config(_file).")
 _JOB_LOG_DIR = flags.DEFINE_string(
     "job_log_dir", None, "Where metrics.jsonl, TensorBoard events, checkpoints and the summary "
     "plot go; a run resumes from the newest checkpoint here that restores. Default "
@@ -129,19 +127,6 @@ def check_override_path(cfg, path: str) -> None:
         raise UsageError(f"--fdl_set path {path!r} is malformed near {path[pos:]!r}")
 
 
-def _quoting_hint(path: str, value: str) -> str:
-    """The error of a value that is not a Python literal, with flags that pass it as a string
-    when pasted into a shell (the shell removes one level of quotes)."""
-
-    def shell(arg: str) -> str:
-        flag, rest = arg.split("=", 1)
-        return f'{flag}="{rest}"' if not set(rest) & set('"$`\\!') else shlex.quote(arg)
-
-    return (f"--fdl_set={path}={value}: {value!r} is not a Python literal; a string needs "
-            f"quotes that reach Python, e.g. {shell(f'--fdl_set={path}={value!r}')} or "
-            f"{shell(f'--fdl.{path}={value!r}')}")
-
-
 def apply_overrides(cfg, assignments) -> None:
     """Applies ``path=value`` assignments with Fiddle's parser, after checking each path."""
     for assignment in assignments:
@@ -153,7 +138,7 @@ def apply_overrides(cfg, assignments) -> None:
             fdl_utils.set_value(cfg, assignment)
         except (ValueError, SyntaxError) as e:
             if str(e).startswith("Could not parse literal value"):
-                raise UsageError(_quoting_hint(path, assignment.split("=", 1)[1])) from None
+                raise UsageError(errors.quoting_hint(path, assignment.split("=", 1)[1])) from None
             raise UsageError(f"--fdl_set={assignment!r}: {e}") from None
     from configs import stack
 
@@ -203,13 +188,8 @@ def config_from_flags(recorded=None):
                              f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}") from e
         name = getattr(cfg, "name", None) or "experiment"
     elif fdl_base:
-        names = [
-            n for n in dir(exp_module)
-            if not n.startswith(("_", "use_")) and callable(getattr(exp_module, n)) and n.islower()
-        ]
-        typed = fv["fdl_config"].value
-        if "." not in typed and registry.function_name(typed, names):
-            fv["fdl_config"].value = registry.function_name(typed, names)  # deep_seek_v3 & co
+        names = registry.config_functions(exp_module)
+        fv["fdl_config"].value = registry.function_name(fv["fdl_config"].value, names)
         try:
             with _no_fdl_set(fv):
                 cfg = fdl_flags.create_buildable_from_flags(exp_module, allow_imports=True)

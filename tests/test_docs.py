@@ -187,3 +187,20 @@ def test_readme_commands_run_in_the_venv():
     assert not bare, [readme[i - 40:i + 40] for i in bare]
     assert ".venv/bin/python -m experiments.main" in readme
     assert "source .venv/bin/activate" in readme
+
+
+def test_readme_states_the_install_and_the_run_times_the_docs_measured():
+    """The README gives both the first `make run` on a fresh machine (the install) and the run
+    itself, and its numbers are docs/experiments.md's measurements."""
+    readme = (ROOT / "README.md").read_text()
+    table = (ROOT / "docs/experiments.md").read_text().split("## Measured", 1)[1].split("\n## ")[0]
+    install = re.search(r"^\| `make install` on a fresh machine[^|]*\| ([^|]*)\|$", table, re.M)
+    wall = re.search(r"^\| wall time of the whole command[^|]*\| ([^|]*)\|$", table, re.M)
+    assert install and wall
+    section = readme.split("## Experiments", 1)[1].split("\n## ")[0]
+    assert "first `make run`" in section and "`make install`" in section
+    times = re.findall(r"\d+ min \d+ s|\d+ s\b", section)
+    assert len(times) >= 4, times
+    for t in times:
+        assert t in install.group(1) or t in wall.group(1), f"README's {t} is not measured"
+    assert any(t in install.group(1) for t in times) and any(t in wall.group(1) for t in times)
