@@ -9,6 +9,7 @@ b + rate: compared at 1 ulp (rtol 2^-23 of the magnitude, atol 1e-7 for values n
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import moe_praxis as mp
@@ -116,8 +117,6 @@ def test_an_optax_step_over_trainable_mask_leaves_the_bias_to_update_expert_bias
     """The README's training step: AdamW under optax.multi_transform over mp.trainable_mask
     leaves expert_bias bitwise as it was (a plain AdamW over the same dict decays it), the
     weights move, and update_expert_bias alone moves the bias (by the float64 reference)."""
-    import optax
-
     config = mp.MoEConfig(d_model=16,
                           d_ff=32,
                           num_experts=8,
