@@ -73,7 +73,8 @@ class OptimizerConfig:
     learning_rate: peak learning rate, reached after ``warmup_steps``.
     schedule: 'cosine' (to ``end_lr_fraction * learning_rate`` at ``decay_steps``),
       'linear' (same end point, linear), 'constant'.
-    decay_steps: 0 = the experiment's ``train.num_steps``.
+    decay_steps: 0 = the experiment's ``train.num_steps`` at the job's first start (resolved
+      then and recorded: ``experiments.setup.resolve_lengths``).
     clip_norm: gradients are scaled so their global L2 norm is at most this (0 = off).
     """
 
@@ -166,12 +167,20 @@ class MeshConfig:
         if -1 in self.shape:
             if num_devices % fixed:
                 raise ValueError(f"MeshConfig.shape={self.shape}: {num_devices} devices are not "
-                                 f"divisible by the fixed axes' product {fixed}")
+                                 f"divisible by the fixed axes' product {fixed}"
+                                 f"{_more_devices(fixed * -(-8 // fixed))}")
             return tuple(num_devices // fixed if s == -1 else s for s in self.shape)
         if fixed != num_devices:
+            more = _more_devices(fixed) if fixed > num_devices else ""
             raise ValueError(f"MeshConfig.shape={self.shape} needs {fixed} devices; this job has "
-                             f"{num_devices} (use -1 for 'the rest')")
+                             f"{num_devices} (use -1 for 'the rest'){more}")
         return self.shape
+
+
+def _more_devices(n: int) -> str:
+    """How to give a job ``n`` devices."""
+    return (f"; for {n} devices on the CPU start the job with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n}, or run it on {n} GPUs")
 
 
 @dataclasses.dataclass(frozen=True)

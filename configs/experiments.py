@@ -238,7 +238,7 @@ class _Cluster(LanguageModel):
     DP, FSDP, EP = "data", "fsdp", "expert"
 
 
-@register
+@register(name="mixtral_8x7b")
 class Mixtral8x7B(_Cluster):
     """Mixtral-8x7B layer shapes on 64 GPUs (dp2 x fsdp4 x ep8)."""
     VOCAB_SIZE = 32000
@@ -254,7 +254,7 @@ class Mixtral8x7B(_Cluster):
     FSDP_DIM = "model"  # 8 experts cannot be split over ep8 x fsdp4: fsdp shards d_model
 
 
-@register
+@register(name="deepseek_v3")
 class DeepSeekV3(_Cluster):
     """DeepSeek-V3 on 256 GPUs (fsdp8 x ep32): its MoE layer shapes and routing (sigmoid scores,
     8 expert groups of which 4 per token, the auxiliary-loss-free expert bias updated at
@@ -327,6 +327,16 @@ def tiny() -> pax_fiddle.Config:
 def tiny_synthetic() -> pax_fiddle.Config:
     """The TinySynthetic experiment."""
     return TinySynthetic().experiment_config()
+
+
+def tiny_bf16() -> pax_fiddle.Config:
+    """The TinyBf16 experiment."""
+    return TinyBf16().experiment_config()
+
+
+def tiny_fp8() -> pax_fiddle.Config:
+    """The TinyFp8 experiment."""
+    return TinyFp8().experiment_config()
 
 
 def small_gpu() -> pax_fiddle.Config:

@@ -1,10 +1,13 @@
 """Experiments registered by name, like PaxML's ``experiment_registry``.
 
 An experiment is a class with UPPERCASE knobs and an ``experiment_config()`` method, decorated
-with ``@register``. Its full name is ``module.Class`` (``configs.experiments.Tiny``); any dotted
-suffix of it (``experiments.Tiny``, ``Tiny``) resolves too, case-insensitively, as does the
-snake_case form (``tiny``, ``small_gpu``). An unknown or ambiguous name raises ``LookupError``
-naming the close matches.
+with ``@register`` (or ``@register(name="deepseek_v3")``). Its full name is ``module.Class``
+(``configs.experiments.Tiny``); its name is the one given to ``register`` or else the class name
+in snake_case (``tiny``, ``small_gpu``): ``--list_experiments`` and the default job directory
+use it. One rule matches what users type: case, ``_`` and ``-`` do not count, so
+``deepseek_v3``, ``deep_seek_v3``, ``DeepSeekV3`` and ``deepseek-v3`` are the same name; the
+full name and any dotted suffix of it (``experiments.Tiny``) resolve too. An unknown or
+ambiguous name raises ``LookupError`` in one line listing the valid names.
 """
 
 from __future__ import annotations
@@ -14,17 +17,28 @@ import importlib
 import re
 
 _REGISTRY: dict[str, type] = {}
+_NAMES: dict[type, str] = {}  # class -> the name users see
 # Modules whose import registers the built-in experiments.
 EXPERIMENT_MODULES = ("configs.experiments", "configs.single_gpu")
 
 
-def register(cls: type) -> type:
-    """Class decorator: registers ``cls`` under ``cls.__module__ + '.' + cls.__qualname__``."""
-    name = f"{cls.__module__}.{cls.__qualname__}"
-    if name in _REGISTRY and _REGISTRY[name] is not cls:
-        raise ValueError(f"experiment {name!r} is registered twice")
-    _REGISTRY[name] = cls
+def register(cls: type | None = None, *, name: str | None = None):
+    """Class decorator: registers ``cls`` under ``cls.__module__ + '.' + cls.__qualname__``,
+    with ``name`` (default: the class name in snake_case) as the name users see."""
+    if cls is None:
+        return lambda c: register(c, name=name)
+    full = f"{cls.__module__}.{cls.__qualname__}"
+    if full in _REGISTRY and _REGISTRY[full] is not cls:
+        raise ValueError(f"experiment {full!r} is registered twice")
+    _REGISTRY[full] = cls
+    _NAMES[cls] = name or _snake(cls.__name__)
     return cls
+
+
+def normalize(name: str) -> str:
+    """The matching key of a name: lowercase, without '_' and '-' (``Deep_Seek-V3`` ->
+    ``deepseekv3``)."""
+    return re.sub(r"[_-]", "", name).lower()
 
 
 def _load_builtin():
@@ -43,21 +57,23 @@ def all_experiments() -> dict[str, type]:
 
 
 def _aliases(full: str) -> set[str]:
+    """The normalized keys that name ``full``: its dotted suffixes, each with the class part
+    also as the registered name."""
     parts = full.split(".")
-    out = set()
-    for i in range(len(parts)):
-        suffix = ".".join(parts[i:])
-        out.add(suffix.lower())
-        out.add(".".join(parts[i:-1] + [_snake(parts[-1])]).lower())
-    return out
+    names = {parts[-1], _NAMES.get(_REGISTRY.get(full), parts[-1])}
+    return {normalize(".".join(parts[i:-1] + [n])) for i in range(len(parts)) for n in names}
+
+
+def _valid(registry) -> str:
+    return ", ".join(sorted(short_name(cls) for cls in registry.values()))
 
 
 def get_experiment(name: str) -> type:
-    """The experiment class called ``name`` (full name, dotted suffix, or snake_case)."""
+    """The experiment class called ``name`` (its name, full name or a dotted suffix; case,
+    ``_`` and ``-`` do not count)."""
     registry = all_experiments()
     if not isinstance(name, str) or not name.strip():
-        raise LookupError(f"--exp={name!r} is empty; registered experiments: "
-                          f"{', '.join(registry)}")
+        raise LookupError(f"--exp={name!r} is empty; registered experiments: {_valid(registry)}")
     if name in registry:
         return registry[name]
     if "." in name and name not in registry:
@@ -69,7 +85,7 @@ def get_experiment(name: str) -> type:
                 return registry[name]
         except ImportError:
             pass
-    key = name.lower()
+    key = normalize(name)
     hits = sorted({full for full in registry if key in _aliases(full)})
     if len(hits) == 1:
         return registry[hits[0]]
@@ -78,15 +94,33 @@ def get_experiment(name: str) -> type:
                           "give more of the dotted name")
     candidates = {}
     for full in registry:
-        for alias in _aliases(full) | {full}:
+        for alias in _aliases(full):
             candidates.setdefault(alias, full)
     close = difflib.get_close_matches(key, list(candidates), n=5, cutoff=0.5)
     close_full = list(dict.fromkeys(candidates[c] for c in close))
-    hint = (f"did you mean {', '.join(close_full)}?" if close_full else "no close match")
-    raise LookupError(f"--exp={name!r} is not a registered experiment; {hint} "
-                      f"Registered: {', '.join(registry)}")
+    hint = (f"did you mean {', '.join(f'{short_name(registry[f])} ({f})' for f in close_full)}?"
+            if close_full else "no close match.")
+    raise LookupError(f"--exp={name!r} is not a registered experiment; {hint} Registered: "
+                      f"{_valid(registry)}")
 
 
 def short_name(cls: type) -> str:
-    """The snake_case name used for default job directories (``Tiny`` -> ``tiny``)."""
-    return _snake(cls.__name__)
+    """The name users see (``--list_experiments``, the default job directory): the one given
+    to ``register``, else the class name in snake_case (``Tiny`` -> ``tiny``)."""
+    return _NAMES.get(cls) or _snake(cls.__name__)
+
+
+def config_functions(module) -> list[str]:
+    """The config functions of ``module`` (``--fdl_config=NAME``): its public lower-case
+    callables but the fiddlers (``use_*``)."""
+    return [
+        n for n in dir(module)
+        if not n.startswith(("_", "use_")) and callable(getattr(module, n)) and n.islower()
+    ]
+
+
+def function_name(name: str, names) -> str:
+    """The one of ``names`` that ``name`` normalizes to (``deep_seek_v3`` -> ``deepseek_v3``),
+    else ``name`` (a dotted ``module.function`` or an unknown name) unchanged."""
+    hits = [n for n in names if "." not in name and normalize(n) == normalize(name)]
+    return hits[0] if len(hits) == 1 else name

@@ -63,6 +63,20 @@ def set_by_stack(lm, i: int) -> dict:
     return out
 
 
+def template_fields_set_by_stack(lm) -> dict:
+    """``{path: (value, where it comes from)}``: the MoE template's fields (full config paths,
+    ``model.stacked_transformer_tpl.moe_layer_tpl.num_experts``) that the stack overwrites on
+    its first MoE layer; empty without MoE layers."""
+    block = models.stack_block(lm)
+    if not block.moe_layers:
+        return {}
+    at = _stack_path(lm)
+    return {
+        f"{at}.moe_layer_tpl.{f}": v
+        for f, v in set_by_stack(lm, min(block.moe_layers)).items()
+    }
+
+
 def moe_layer_configs(lm) -> list:
     """``[(i, config)]``: each MoE layer's config as the stack makes it (unbuilt)."""
     block = models.stack_block(lm)

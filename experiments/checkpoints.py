@@ -35,16 +35,23 @@ class NonFiniteState(ValueError):
 
 _SHORT_READ = re.compile(r'file "([^"]+)": Requested byte range \[\d+, (\d+)\) is not valid '
                          r'for value of size (\d+)')
+_VALUE = re.compile(r'Error reading "([^"]+)" in OCDBT database at local file "[^"]+": $')
 
 
 def one_line(e: BaseException, limit: int = 240) -> str:
     """An exception as one short line: tensorstore's messages embed kilobytes of JSON specs and
-    pytree errors span several lines."""
+    pytree errors span several lines. orbax wraps a failed array read in an exception whose text
+    is the array's TensorStore spec (``See full TensorStore details: ...``): the reason is the
+    error it was raised from, whose text is used."""
+    while e.__cause__ is not None and "TensorStore details" in str(e):
+        e = e.__cause__
     text = " ".join(str(e).split()).split(" [tensorstore_spec")[0]
     short = _SHORT_READ.search(text)
     if short:  # the usual damage: a data file cut short (a copy or a save that did not finish)
         path, want, have = short.groups()
-        return f"data file {path} is truncated: {have} bytes, a read needs {want}"
+        value = _VALUE.search(text[:short.start()] + f'file "{path}": ')
+        what = f"array chunk {value.group(1)} in {path}" if value else f"data file {path}"
+        return f"{what} is truncated: {have} bytes, a read needs {want}"
     text = f"{type(e).__name__}: {text}"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -124,11 +131,12 @@ class Checkpoints:
         self.abstract_state = abstract_state
         self._finite = None
 
-    def manager(self):
-        """A new orbax CheckpointManager (close it when done)."""
+    def manager(self, create: bool = True):
+        """A new orbax CheckpointManager (close it when done); ``create=False`` (reading a
+        job) creates no directory."""
         import orbax.checkpoint as ocp
 
-        opts = ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True)
+        opts = ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=create)
         return ocp.CheckpointManager(self.ckpt_dir, options=opts)
 
     def nonfinite(self, state) -> str | None:

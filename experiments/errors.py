@@ -4,6 +4,7 @@ the traceback first only when asked for (``--verbose_errors``)."""
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import traceback
 
@@ -14,6 +15,19 @@ def one_line(e: BaseException) -> str:
     """The error's message with its line breaks and runs of spaces folded into single spaces
     (a message from Fiddle, Praxis or the OS may span lines)."""
     return " ".join(str(e).split())
+
+
+def quoting_hint(path: str, value: str) -> str:
+    """The error of a --fdl value that is not a Python literal, with flags that pass it as a
+    string when pasted into a shell (the shell removes one level of quotes)."""
+
+    def shell(arg: str) -> str:
+        flag, rest = arg.split("=", 1)
+        return f'{flag}="{rest}"' if not set(rest) & set('"$`\\!') else shlex.quote(arg)
+
+    return (f"--fdl_set={path}={value}: {value!r} is not a Python literal; a string needs "
+            f"quotes that reach Python, e.g. {shell(f'--fdl_set={path}={value!r}')} or "
+            f"{shell(f'--fdl.{path}={value!r}')}")
 
 
 def _unsuppressed(e: BaseException) -> BaseException:

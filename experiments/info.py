@@ -8,7 +8,7 @@ import fiddle as fdl
 from absl import flags
 from fiddle import printing as fdl_printing
 
-from configs import registry
+from configs import registry, stack
 
 
 def _summary(doc) -> str:
@@ -24,7 +24,10 @@ def experiments_table() -> str:
             for full, cls in registry.all_experiments().items()]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
-    lines = ["Registered experiments (--exp=NAME; the full or any dotted suffix works too):"]
+    lines = [
+        "Registered experiments (--exp=NAME or --fdl_config=NAME; case, _ and - do not "
+        "count; --exp also takes the full name or a dotted suffix of it):"
+    ]
     lines += [f"  {a:<{w0}}  {b:<{w1}}  {c}".rstrip() for a, b, c in rows]
     return "\n".join(lines)
 
@@ -49,10 +52,29 @@ def help_text(cfg: fdl.Buildable, name: str, cls=None) -> str:
         "",
         _flags_help("exp"), "",
         _flags_help("fdl_config"), "", "Config fields (set any with --fdl.PATH=VALUE; values are "
-        "Python literals):",
-        fdl_printing.as_str_flattened(cfg, include_types=False)
+        "Python literals; '# set by the stack' marks a field of the MoE template that the stack "
+        "overwrites, with the value the layers get and where it is set):",
+        _mark_stack_fields(cfg, fdl_printing.as_str_flattened(cfg, include_types=False))
     ]
     return "\n".join(out)
+
+
+def _mark_stack_fields(cfg, flat: str) -> str:
+    """``flat`` (one ``path = value`` a line) with each template field the stack overwrites
+    marked ``# set by the stack: VALUE from WHERE``."""
+    model = getattr(cfg, "model", None)
+    try:
+        marks = stack.template_fields_set_by_stack(model) if model is not None else {}
+    except (AttributeError, TypeError, ValueError):  # not a TransformerLm of a known stack
+        marks = {}
+    lines = []
+    for line in flat.splitlines():
+        path = line.split(" = ", 1)[0]
+        if path in marks:
+            value, where = marks[path]
+            line += f"  # set by the stack: {value!r} from {where}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def answered(config_from_flags, default_exp: str) -> bool:

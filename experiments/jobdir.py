@@ -17,6 +17,7 @@ back). A later start (resume, or ``--mode=eval``) compares its config with the r
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import tempfile
@@ -175,6 +176,22 @@ def _has_checkpoints(job_log_dir: Path) -> bool:
 
 def _nothing() -> None:
     return None
+
+
+def check_readable(job_log_dir: Path) -> None:
+    """A mode that reads a job (eval) needs its directory: a missing one is a JobDirError
+    naming the runs beside it that are close, and nothing is created."""
+    if job_log_dir.is_dir():
+        return
+    parent = job_log_dir.parent
+    runs = sorted(d.name for d in parent.iterdir()
+                  if d.is_dir() and ((d / CONFIG_FILE).is_file() or _has_checkpoints(d))) \
+        if parent.is_dir() else []
+    close = difflib.get_close_matches(job_log_dir.name, runs, n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(str(parent / c) for c in close)}? " if close else ""
+    raise JobDirError(f"--job_log_dir={str(job_log_dir)!r} does not exist, so there is no run "
+                      f"to read; {hint}Give the directory of a trained run (train first to "
+                      "make one)")
 
 
 def open_job_dir(job_log_dir, cfg, recorded, *, train: bool, chief: bool, allow_change: bool):

@@ -95,8 +95,9 @@ class Trainer:
         return {"heldout_loss": loss, "heldout_perplexity": math.exp(min(loss, 700.0))}
 
     def evaluate_latest(self) -> dict:
-        """Held-out loss and perplexity of the newest checkpoint that restores (``--mode=eval``)."""
-        mngr = self.checkpoints.manager()
+        """Held-out loss and perplexity of the newest checkpoint that restores (``--mode=eval``).
+        Writes nothing in the job directory."""
+        mngr = self.checkpoints.manager(create=False)
         try:
             with jax.set_mesh(self.prep.mesh):
                 state, step = self._restore(mngr, set_aside=False)

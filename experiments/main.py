@@ -10,7 +10,8 @@ PaxML's flag surface:
   python -m experiments.main --list_experiments               # the registered experiments
   python -m experiments.main --exp=small_gpu --fdl_help       # its flags and config fields
 
---exp names a registered experiment (``module.Class``, a dotted suffix, or snake_case);
+--exp names a registered experiment (its name, ``module.Class`` or a dotted suffix; case, ``_``
+and ``-`` do not count, so ``deepseek_v3`` and ``deep_seek_v3`` are one name);
 Fiddle's own flags (``--fdl_config`` a function of ``configs.experiments`` or a dotted
 ``module.function``, ``--fdl_config_file``, ``--fiddler``, ``--fdl_set=path=value`` and its
 alias ``--fdl.path=value``) are defined by ``fiddle.absl_flags`` and applied with its API.
@@ -47,9 +48,8 @@ DEFAULT_EXP = "tiny"
 EXIT_NONFINITE = 3  # the run stopped at a non-finite loss, gradient norm or state
 
 _EXP = flags.DEFINE_string(
-    "exp", None, "Registered experiment: module.Class, a dotted suffix (Tiny, experiments.Tiny) "
-    f"or snake_case (tiny, small_gpu). Default {DEFAULT_EXP!r} when --fdl_config and "
-    "--fdl_config_file are not given.")
+    "exp", None, "Registered experiment: its name (tiny, deepseek_v3; case, _ and - do not count), "
+    f"module.Class or a dotted suffix. Default {DEFAULT_EXP!r} without --fdl_config(_file).")
 _JOB_LOG_DIR = flags.DEFINE_string(
     "job_log_dir", None, "Where metrics.jsonl, TensorBoard events, checkpoints and the summary "
     "plot go; a run resumes from the newest checkpoint here that restores. Default "
@@ -137,6 +137,8 @@ def apply_overrides(cfg, assignments) -> None:
         try:
             fdl_utils.set_value(cfg, assignment)
         except (ValueError, SyntaxError) as e:
+            if str(e).startswith("Could not parse literal value"):
+                raise UsageError(errors.quoting_hint(path, assignment.split("=", 1)[1])) from None
             raise UsageError(f"--fdl_set={assignment!r}: {e}") from None
     from configs import stack
 
@@ -186,14 +188,12 @@ def config_from_flags(recorded=None):
                              f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}") from e
         name = getattr(cfg, "name", None) or "experiment"
     elif fdl_base:
+        names = registry.config_functions(exp_module)
+        fv["fdl_config"].value = registry.function_name(fv["fdl_config"].value, names)
         try:
             with _no_fdl_set(fv):
                 cfg = fdl_flags.create_buildable_from_flags(exp_module, allow_imports=True)
         except (ValueError, AttributeError, ModuleNotFoundError) as e:
-            names = [
-                n for n in dir(exp_module)
-                if not n.startswith("_") and callable(getattr(exp_module, n)) and n.islower()
-            ]
             close = difflib.get_close_matches(str(fv["fdl_config"].value), names, n=5, cutoff=0.5)
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             raise UsageError(f"--fdl_config={fv['fdl_config'].value!r}: {e}.{hint} Functions "
@@ -299,8 +299,14 @@ def main(argv, stop_signals=None) -> int:
     if info.answered(config_from_flags, DEFAULT_EXP):  # --list_experiments, --fdl_help
         return 0
     cfg, name, job_log_dir, recorded = config_and_job_dir()
+    if _MODE.value != "train":  # a mode that reads a job: nothing is created
+        try:
+            jobdir.check_readable(job_log_dir)
+        except jobdir.JobDirError as e:
+            raise UsageError(str(e)) from e
     from experiments import loop, setup
 
+    setup.resolve_lengths(cfg, recorded)  # the schedule's length: fixed at the first start
     init_distributed(_NUM_PROCESSES.value, _PROCESS_ID.value, _COORDINATOR.value)
     import jax
 

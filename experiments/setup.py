@@ -28,6 +28,35 @@ class ConfigError(ValueError):
     """An experiment config that cannot run; raised before anything is compiled."""
 
 
+# ------------------------------------------------------------------ lengths from num_steps
+
+
+def resolve_lengths(cfg, recorded=None) -> None:
+    """Fixes, in ``cfg``, every length derived from ``train.num_steps`` when the job starts:
+    ``optimizer.decay_steps=0`` becomes the schedule's length, ``recorded``'s (the job
+    directory's record, which keeps its first start's value) or else this start's
+    ``train.num_steps``. Training records it, so a resumed run keeps the schedule of the steps it
+    already took: raising ``train.num_steps`` continues at the schedule's end value, and a
+    different ``decay_steps`` given explicitly is a config change the job directory reports.
+    An old record whose ``decay_steps`` is still 0 is resolved the same way, in memory."""
+
+    def length(c):
+        opt, train = getattr(c, "optimizer", None), getattr(c, "train", None)
+        if isinstance(opt, fdl.Buildable) and isinstance(train, fdl.Buildable) and \
+                opt.decay_steps == 0:
+            return opt, train.num_steps
+        return opt, None
+
+    if recorded is not None:
+        opt, steps = length(recorded)
+        if steps is not None:
+            opt.decay_steps = steps
+    opt, steps = length(cfg)
+    if steps is not None:
+        rec_opt = getattr(recorded, "optimizer", None)
+        opt.decay_steps = getattr(rec_opt, "decay_steps", 0) or steps
+
+
 # ------------------------------------------------------------------------------ prepare
 
 

@@ -8,7 +8,7 @@ are traced. It reports the parameter count and the per-device bytes of the train
 (parameters + optimizer moments) implied by the shardings.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=256 \
-      python -m experiments.validate --exp=deep_seek_v3
+      python -m experiments.validate --exp=deepseek_v3
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 import fiddle as fdl
 import jax
 import numpy as np
+from absl import flags, logging
 
 from experiments import setup, steps
 
@@ -75,6 +76,8 @@ def main(argv):
 
     if len(argv) > 1:
         raise main_lib.UsageError(f"unexpected positional arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # JAX's INFO lines (no libtpu, ...) are noise here
+        logging.set_verbosity(logging.WARNING)
     cfg, _ = main_lib.config_from_flags()
     print(json.dumps(validate(cfg)))
 

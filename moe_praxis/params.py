@@ -74,6 +74,19 @@ def init_moe_params(key, config: MoEConfig, dtype=jnp.float32) -> dict:
     return params
 
 
+# Parameters that gradients do not train: the expert bias is moved by update_expert_bias only.
+NON_TRAINABLE = frozenset({"expert_bias"})
+
+
+def trainable_mask(params: dict) -> dict:
+    """``{name: bool}`` over ``params``: False for what gradients must not train
+    (``expert_bias``, moved once per step by ``moe_praxis.update_expert_bias``), True for the
+    weights. For optax: ``optax.multi_transform({True: optax.adamw(lr), False:
+    optax.set_to_zero()}, moe_praxis.trainable_mask(params))`` leaves ``expert_bias`` to the
+    bias update (no Adam step, no weight decay)."""
+    return {name: name not in NON_TRAINABLE for name in params}
+
+
 def check_params(params: dict, config: MoEConfig) -> None:
     """Raises ValueError naming any missing, unexpected or mis-shaped parameter."""
     want = param_shapes(config)

@@ -4,6 +4,7 @@ template take effect or are refused naming where to set them (item 5). In-proces
 main's ``_main`` with parsed flags; one subprocess run checks the real command line."""
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,25 @@ def test_the_command_line_error_is_one_line(tmp_path):
     assert lines == [l for l in lines if l.startswith("experiments.main: error: ")] and \
         len(lines) == 1, p.stderr
     assert "gating_func='expert_choice' is not supported" in lines[0]
+
+
+@pytest.mark.parametrize("value", ["text", "/data/my corpus", "/a/b$c"])
+def test_the_quoting_hint_works_when_pasted_into_a_shell(value):
+    """A string value without quotes: the error suggests flags that, parsed by bash (and by
+    shlex), set that string."""
+    parse(f"--fdl.data.path={value}")
+    with pytest.raises(main_lib.UsageError) as e:
+        main_lib.config_from_flags()
+    msg = str(e.value)
+    assert "\n" not in msg and "is not a Python literal" in msg
+    suggestions = msg.split(" e.g. ", 1)[1].split(" or ")
+    assert len(suggestions) == 2, msg
+    for text in suggestions:
+        bash = subprocess.run(["bash", "-c", f"printf '%s\\0' {text}"],
+                              capture_output=True,
+                              text=True,
+                              check=True).stdout.split("\0")[:-1]
+        assert bash == shlex.split(text) and len(bash) == 1, (text, bash)
+        parse(*bash)
+        cfg, _ = main_lib.config_from_flags()
+        assert cfg.data.path == value

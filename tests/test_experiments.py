@@ -25,9 +25,53 @@ def test_registry_resolves_full_suffix_and_snake_names(name):
     assert registry.get_experiment(name) is experiments.TinySynthetic
 
 
-def test_registry_snake_names():
+def test_registry_names_are_the_fdl_config_names():
     names = {registry.short_name(c) for c in registry.all_experiments().values()}
-    assert {"tiny", "tiny_synthetic", "small_gpu", "mixtral8x7b", "deep_seek_v3"} <= names
+    assert {"tiny", "tiny_synthetic", "small_gpu", "mixtral_8x7b", "deepseek_v3",
+            "qwen3_moe"} <= names
+    # every registered experiment has a --fdl_config entry point of the same name
+    for name in names:
+        assert getattr(experiments, name)().name == name
+
+
+# One rule for what users type: case, '_' and '-' do not count.
+TYPED = {
+    "deepseek_v3": experiments.DeepSeekV3,
+    "deep_seek_v3": experiments.DeepSeekV3,
+    "DeepSeek-V3": experiments.DeepSeekV3,
+    "mixtral_8x7b": experiments.Mixtral8x7B,
+    "mixtral8x7b": experiments.Mixtral8x7B,
+    "Mixtral-8x7B": experiments.Mixtral8x7B,
+    "qwen3_moe": experiments.Qwen3Moe,
+    "qwen3moe": experiments.Qwen3Moe,
+    "experiments.deep_seek_v3": experiments.DeepSeekV3,
+}
+
+
+@pytest.mark.parametrize("typed", TYPED)
+def test_the_names_users_type_resolve_for_exp_and_fdl_config(typed):
+    cls = TYPED[typed]
+    assert registry.get_experiment(typed) is cls
+    parse(f"--exp={typed}")
+    cfg, name = main_lib.config_from_flags()
+    assert name == cfg.name == registry.short_name(cls)
+    if "." not in typed:
+        parse(f"--fdl_config={typed}")
+        assert main_lib.config_from_flags()[0].name == registry.short_name(cls)
+
+
+def test_an_unknown_name_is_one_line_listing_the_valid_names():
+    with pytest.raises(LookupError) as e:
+        registry.get_experiment("gpt_oss")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.endswith(
+        "Registered: " +
+        ", ".join(sorted(registry.short_name(c) for c in registry.all_experiments().values())))
+    parse("--fdl_config=gpt_oss")
+    with pytest.raises(main_lib.UsageError) as e:
+        main_lib.config_from_flags()
+    assert "deepseek_v3, mixtral_8x7b" in str(e.value) and "use_mesh" not in str(e.value)
 
 
 @pytest.mark.parametrize("bad,expect", [("tiny_synthtic", "configs.experiments.TinySynthetic"),
@@ -113,7 +157,7 @@ def test_fdl_config_file_round_trip(tmp_path):
     ("--fdl.train.num_stepz=3", r"train has no field 'num_stepz'; did you mean num_steps"),
     ("--fdl.model.stacked_transformer_tpl.num_layer=3",
      r"model.stacked_transformer_tpl has no field 'num_layer'; did you mean num_layers"),
-    ("--fdl.train.num_steps=abc", r"train.num_steps=abc.*Could not parse"),
+    ("--fdl.train.num_steps=abc", r"train.num_steps=abc: 'abc' is not a Python literal"),
     ("--fdl.model.stacked_transformer_tpl.moe_layers[7]=1", r"moe_layers\[7\] does not exist"),
 ])
 def test_bad_override_path_or_value(arg, pattern):
@@ -160,6 +204,20 @@ def test_mesh_errors_come_from_ep_bootstrap():
     cfg.mesh.shape = (3, 4)
     with pytest.raises(setup.ConfigError, match=r"needs 12 devices; this job has 8"):
         setup.prepare(cfg)
+
+
+def test_too_few_devices_says_how_to_get_more():
+    """EP on one CPU device names the XLA_FLAGS that gives the CPU more devices (or GPUs), and
+    the count it names is one the mesh takes."""
+    cfg = experiments.tiny()
+    experiments.use_expert_parallel(cfg, ep=4)
+    with pytest.raises(setup.ConfigError) as e:
+        setup.prepare(cfg, devices=jax.devices()[:1])
+    msg = str(e.value)
+    flag = "XLA_FLAGS=--xla_force_host_platform_device_count="
+    assert flag in msg and "GPUs" in msg, msg
+    n = int(msg.split(flag)[1].split(",")[0])
+    assert setup.prepare(cfg, devices=jax.devices()[:n]).mesh.devices.size == n
 
 
 def test_expert_parallel_mesh_annotates_the_moe_layer():

@@ -9,6 +9,7 @@ b + rate: compared at 1 ulp (rtol 2^-23 of the magnitude, atol 1e-7 for values n
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import moe_praxis as mp
@@ -110,3 +111,46 @@ def test_update_rate_field():
                        use_expert_bias=True,
                        expert_bias_update_rate=1e-3)
     assert cfg.expert_bias_update_rate == 1e-3
+
+
+def test_an_optax_step_over_trainable_mask_leaves_the_bias_to_update_expert_bias():
+    """The README's training step: AdamW under optax.multi_transform over mp.trainable_mask
+    leaves expert_bias bitwise as it was (a plain AdamW over the same dict decays it), the
+    weights move, and update_expert_bias alone moves the bias (by the float64 reference)."""
+    config = mp.MoEConfig(d_model=16,
+                          d_ff=32,
+                          num_experts=8,
+                          top_k=2,
+                          score_func="sigmoid",
+                          use_expert_bias=True,
+                          expert_bias_update_rate=1e-3)
+    k0, k1, k2 = jax.random.split(jax.random.key(_seed()), 3)
+    params = mp.init_moe_params(k0, config)
+    params["expert_bias"] = jax.random.normal(k1, (8, ), jnp.float32)  # as after some updates
+    assert mp.trainable_mask(params) == {k: k != "expert_bias" for k in params}
+    x = jax.random.normal(k2, (64, config.d_model), jnp.float32)
+
+    def loss_fn(p):
+        out = mp.moe_block(p, x, config)
+        return jnp.mean((out.y - x)**2) + out.aux_loss, out.tokens_per_expert
+
+    (_, load), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    def step(tx):
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return optax.apply_updates(params, updates)
+
+    plain = step(optax.adamw(1e-2, weight_decay=0.1))
+    assert not np.array_equal(plain["expert_bias"], params["expert_bias"])  # what the mask avoids
+    masked = step(
+        optax.multi_transform(
+            {
+                True: optax.adamw(1e-2, weight_decay=0.1),
+                False: optax.set_to_zero()
+            }, mp.trainable_mask(params)))
+    np.testing.assert_array_equal(masked["expert_bias"], params["expert_bias"])
+    for name in params:
+        if name != "expert_bias":
+            assert not np.array_equal(masked[name], params[name]), name
+    new = _check(masked["expert_bias"], load, config.expert_bias_update_rate)
+    assert not np.array_equal(new, params["expert_bias"])

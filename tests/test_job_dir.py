@@ -9,7 +9,7 @@ import pytest
 from fiddle.experimental import serialization
 
 from configs import experiments
-from experiments import jobdir, loop, setup
+from experiments import jobdir, loop, setup, steps
 from experiments import main as main_lib
 from tests.flagutil import parse, reset_flags  # noqa: F401  (reset_flags: autouse)
 
@@ -56,6 +56,7 @@ def test_first_start_records_the_resolved_config(tmp_path, capsys, no_trainer):
     want = experiments.tiny()
     experiments.use_synthetic_data(want)
     want.data.seq_len = 32
+    want.optimizer.decay_steps = want.train.num_steps  # 0 = num_steps, resolved at the first start
     assert recorded == want
     first = (job / jobdir.CONFIG_FILE).read_text()
     json.loads(first)  # plain JSON, readable by anyone
@@ -187,3 +188,48 @@ def test_a_changed_config_is_recorded_only_once_the_checkpoints_restore(
     assert _start(*args) == 0
     assert (job / "config.replaced.1.json").read_text() == old
     assert serialization.load_json((job / jobdir.CONFIG_FILE).read_text()).optimizer.b1 == 0.8
+
+
+def test_the_schedule_length_is_fixed_at_the_first_start(tmp_path, capsys, no_trainer):
+    """decay_steps=0 (= train.num_steps) is resolved once and recorded: a resumed run with more
+    steps keeps the first start's schedule (its learning rate stays at the end value past it),
+    with or without --exp; a different decay_steps given explicitly is a config change."""
+    job = tmp_path / "job"
+    assert _start("--exp=tiny", f"--job_log_dir={job}", "--fdl.train.num_steps=200") == "started"
+    assert serialization.load_json((job / jobdir.CONFIG_FILE).read_text()).optimizer.decay_steps \
+        == 200
+    for args in (["--exp=tiny"], []):
+        assert _start(*args, f"--job_log_dir={job}", "--fdl.train.num_steps=230") == "started"
+        exp = no_trainer["prep"].config
+        assert exp.train.num_steps == 230 and exp.optimizer.decay_steps == 200
+    _, schedule = steps.make_optimizer(exp.optimizer, exp.train.num_steps)
+    end = exp.optimizer.learning_rate * exp.optimizer.end_lr_fraction
+    assert float(schedule(150)) > end * 1.5
+    for step in (200, 201, 229):
+        assert float(schedule(step)) == pytest.approx(end, rel=1e-6), step
+    capsys.readouterr()
+    assert _start("--exp=tiny", f"--job_log_dir={job}", "--fdl.optimizer.decay_steps=230") == 2
+    assert "optimizer.decay_steps: 200 -> 230" in _error_line(capsys)
+    # A record written before the length was resolved (decay_steps 0) means its own num_steps.
+    old = tmp_path / "old"
+    old.mkdir()
+    jobdir.record(old, experiments.tiny())
+    assert _start("--exp=tiny", f"--job_log_dir={old}", "--fdl.train.num_steps=300") == "started"
+    assert no_trainer["prep"].config.optimizer.decay_steps == 200
+
+
+def test_a_mode_that_reads_a_job_creates_nothing(tmp_path, capsys):
+    """--mode=eval of a mistyped directory is one line naming the close run and creates
+    nothing; of a directory without checkpoints (the real trainer) it writes nothing there."""
+    runs = tmp_path / "runs"
+    (runs / "tiny").mkdir(parents=True)
+    jobdir.record(runs / "tiny", experiments.tiny())
+    assert _start("--mode=eval", f"--job_log_dir={runs / 'tinyy'}") == 2
+    line = _error_line(capsys)
+    assert f"--job_log_dir='{runs / 'tinyy'}' does not exist" in line
+    assert f"did you mean {runs / 'tiny'}?" in line
+    assert sorted(p.name for p in runs.iterdir()) == ["tiny"]
+    before = sorted(p.name for p in (runs / "tiny").iterdir())
+    assert _start("--mode=eval", f"--job_log_dir={runs / 'tiny'}") == 2
+    assert "needs a checkpoint" in _error_line(capsys)
+    assert sorted(p.name for p in (runs / "tiny").iterdir()) == before

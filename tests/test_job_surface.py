@@ -4,6 +4,7 @@ line of main (at once during start-up and at a second signal, after a save other
 router statistics in the metrics and TensorBoard, a readable expert-load image, and a step-0
 loss near ln(vocab) for every preset."""
 
+import json
 import math
 import os
 import re
@@ -162,6 +163,45 @@ def test_fdl_help_prints_the_experiments_help_instead_of_running(how, monkeypatc
         assert flag in out, flag
     assert "train.num_steps = 7" in out  # the overrides applied
     assert "data.batch_size = 16" in out
+
+
+@pytest.mark.parametrize("exp,at", [("tiny", "model.stacked_transformer_tpl"),
+                                    ("deepseek_v3", "model.stacked_transformer_tpl.block")])
+def test_fdl_help_marks_the_template_fields_the_stack_sets(exp, at, monkeypatch, capsys):
+    """--fdl_help shows the MoE template's num_experts / gating_func / ... (which the stack
+    overwrites) with the value the layers get and where it is set; other fields unmarked."""
+    _no_run(monkeypatch)
+    _parse(f"--exp={exp}", "--fdl_help", f"--fdl.{at}.num_experts=4")
+    assert main.main(["main"]) == 0
+    lines = {
+        ln.split(" = ", 1)[0]: ln
+        for ln in capsys.readouterr().out.splitlines() if " = " in ln
+    }
+    tpl = f"{at}.moe_layer_tpl"
+    assert lines[f"{tpl}.num_experts"].endswith(f"# set by the stack: 4 from {at}.num_experts")
+    gating = lines[f"{tpl}.gating_func"]
+    assert "default: 'top2'" in gating and gating.endswith(
+        f"# set by the stack: 'topk' from {at}.gating_func")
+    assert "# set by the stack: " in lines[f"{tpl}.input_dims"]
+    assert "set by the stack" not in lines[f"{tpl}.num_experts_per_token"]
+    assert "set by the stack" not in lines[f"{at}.num_experts"]
+
+
+def test_validate_prints_only_its_answer():
+    """python -m experiments.validate without JAX_PLATFORMS (JAX probes for a TPU and logs at
+    INFO that libtpu is missing): stdout is the JSON report and stderr has no absl INFO line."""
+    env = _env(1)
+    env.pop("JAX_PLATFORMS", None)
+    p = subprocess.run([sys.executable, "-m", "experiments.validate", "--exp=tiny"],
+                       cwd=ROOT,
+                       env=env,
+                       capture_output=True,
+                       text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout)["experiment"] == "tiny"
+    info = [ln for ln in p.stderr.splitlines() if re.match(r"I\d{4} ", ln)]
+    assert not info, info
 
 
 def test_list_experiments(monkeypatch, capsys):

@@ -158,6 +158,33 @@ def test_resume_passes_over_damaged_and_non_finite_checkpoints(tmp_path):
     mngr.close()
 
 
+def test_a_truncated_array_chunk_is_reported_by_its_reason(tmp_path):
+    """An array large enough to be read as a chunk of its own, its data cut short: orbax wraps
+    the read's error in one whose text is the TensorStore spec; the line says the reason (the
+    chunk, its file, the sizes), not that spec's repr."""
+    import orbax.checkpoint as ocp
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data", ))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state = {"w": jnp.asarray(np.random.default_rng().standard_normal((256, 256)), jnp.float32)}
+    abstract = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=rep)}
+    ckpts = Checkpoints(tmp_path / "checkpoints", 3, abstract)
+    _save_raw(ckpts, state, 20)
+    data = max((f for f in (ckpts.ckpt_dir / "20").rglob("*") if f.parent.name == "d"),
+               key=lambda f: f.stat().st_size)
+    size = data.stat().st_size
+    with open(data, "r+b") as fh:
+        fh.truncate(size - 1000)
+    mngr = ckpts.manager()
+    with pytest.raises(Exception, match="TensorStore details"):  # what orbax raises
+        mngr.restore(20, args=ocp.args.StandardRestore(abstract))
+    state, why = ckpts._try_restore(mngr, 20)
+    mngr.close()
+    assert state is None
+    assert why.startswith(f"array chunk w/0.0 in {ckpts.ckpt_dir / '20'}") and \
+        "is truncated" in why and "bound method" not in why, why
+
+
 def test_no_checkpoint_restores_is_one_line(tmp_path):
     ckpts = _checkpoints(tmp_path)
     assert _restore(ckpts) == (None, None, [])  # no checkpoint: the caller initialises
