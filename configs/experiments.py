@@ -35,8 +35,9 @@ from configs.registry import register, short_name
 class LanguageModel:
     """Base class of the byte-level MoE language-model experiments (not registered itself)."""
 
-    # Model.
-    VOCAB_SIZE = 256
+    # Model. VOCAB_SIZE None: the tokenizer's (data.tokenizer; bytes: 256), rounded up to a
+    # multiple of 128.
+    VOCAB_SIZE: Optional[int] = None
     NUM_LAYERS = 2
     MODEL_DIMS = 128
     HIDDEN_DIMS = 128
@@ -67,8 +68,8 @@ class LanguageModel:
     # MoEFeedForward.fp8: None or 'blockwise' (FP8 expert GEMMs; MODEL_DIMS and the experts'
     # hidden dims multiples of 128).
     FP8: Optional[str] = None
-    # Data.
-    DATA_SOURCE = "pydoc"
+    # Data. DATA_SOURCE None: 'text' when DATA_PATH is set, else 'pydoc'.
+    DATA_SOURCE: Optional[str] = None
     DATA_PATH: Optional[str] = None
     SEQ_LEN = 64
     BATCH_SIZE = 16
