@@ -141,6 +141,11 @@ def load_token_dataset(config: DataConfig,
                              f"{n} tokens of {tok.name}) leaves {size} tokens in the {part} split "
                              f"(heldout_fraction={config.heldout_fraction}); one example needs "
                              f"seq_len + 2 = {need}. Use a larger corpus or a smaller seq_len.")
+    if n - cut < config.batch_size * (config.seq_len + 1):
+        raise ValueError(f"data.path={config.path!r}: the held-out split ({n - cut} tokens, "
+                         f"heldout_fraction={config.heldout_fraction}) is less than one batch of "
+                         f"batch_size x (seq_len + 1) = {config.batch_size * (config.seq_len + 1)}"
+                         " tokens; raise heldout_fraction or use a larger corpus")
     info = {
         "source": "text",
         "path": config.path,

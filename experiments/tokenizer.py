@@ -139,11 +139,18 @@ class SentencePieceTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self.sp.EncodeAsIds(text)
 
-    def encode_with_bytes(self, text):
-        proto = self.sp.EncodeAsImmutableProto(text)
+    @staticmethod
+    def _with_bytes(text, proto):
         ids = np.fromiter((p.id for p in proto.pieces), np.int32)
         ends = np.fromiter((p.end for p in proto.pieces), np.int64)
         return ids, _ends_to_counts(ends, len(text.encode("utf-8")))
+
+    def encode_with_bytes(self, text):
+        return self._with_bytes(text, self.sp.encode(text, out_type="proto"))
+
+    def encode_batch(self, texts):
+        protos = self.sp.encode(texts, out_type="proto", num_threads=os.cpu_count())
+        return [self._with_bytes(t, p) for t, p in zip(texts, protos)]
 
     def decode(self, ids) -> str:
         return self.sp.DecodeIds([int(i) for i in ids])
