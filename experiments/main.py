@@ -306,9 +306,7 @@ def main(argv, stop_signals=None) -> int:
     import jax
 
     try:
-        prep = setup.prepare(cfg,
-                             job_log_dir=job_log_dir,
-                             progress=not _NO_PROGRESS.value and jax.process_index() == 0)
+        prep = setup.prepare(cfg, job_log_dir=job_log_dir, progress=not _NO_PROGRESS.value)
     except setup.ConfigError as e:
         raise UsageError(f"invalid config: {e}") from None
     chief = jax.process_index() == 0
@@ -355,15 +353,12 @@ def main(argv, stop_signals=None) -> int:
             print(f"nothing to do: {job_log_dir} already holds step {result['start_step']} "
                   f"(train.num_steps={prep.config.train.num_steps}); use another --job_log_dir "
                   "or raise --fdl.train.num_steps")
-        if first and last:
-            print(f"held-out loss {first['heldout_loss']:.4f} at step 0 -> "
-                  f"{last['heldout_loss']:.4f} at step {result['final_step']} (perplexity "
-                  f"{last['heldout_perplexity']:.3f}, {last['heldout_bits_per_byte']:.4f} bits "
-                  "per byte)")
-        elif last:
-            print(f"held-out loss {last['heldout_loss']:.4f} at step {result['final_step']} "
+        if last:
+            print(f"held-out loss {first['heldout_loss']:.4f} at step 0 -> " if first else
+                  "held-out loss ", f"{last['heldout_loss']:.4f} at step {result['final_step']} "
                   f"(perplexity {last['heldout_perplexity']:.3f}, "
-                  f"{last['heldout_bits_per_byte']:.4f} bits per byte)")
+                  f"{last['heldout_bits_per_byte']:.4f} bits per byte)",
+                  sep="")
         if "compile_seconds" in result:
             print(f"train step compiled in {result['compile_seconds']:.1f} s")
         if result["skipped_steps"]:
