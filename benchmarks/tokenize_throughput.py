@@ -44,8 +44,12 @@ def measure(kind: str, tok, files, repeats: int) -> dict:
             c = token_cache.build_or_load(files, tok, add_eos=True, cache_dir=cache, progress=False)
             dt = time.perf_counter() - t0
         if best is None or dt < best["seconds"]:
-            best = {"seconds": dt, "bytes": c.meta["bytes"], "tokens": c.meta["tokens"],
-                    "documents": c.meta["documents"]}
+            best = {
+                "seconds": dt,
+                "bytes": c.meta["bytes"],
+                "tokens": c.meta["tokens"],
+                "documents": c.meta["documents"]
+            }
     best["mb_per_s"] = best["bytes"] / best["seconds"] / 1e6
     best["kind"] = kind
     best["vocab_size"] = tok.vocab_size

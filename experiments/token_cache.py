@@ -169,12 +169,14 @@ def build_or_load(files,
     tmp.mkdir()
     try:
         total_bytes = sum(os.stat(f).st_size for f in files)
-        bar = tqdm(total=total_bytes,
-                   unit="B",
-                   unit_scale=True,
-                   desc="tokenizing",
-                   file=sys.stderr,
-                   dynamic_ncols=True) if progress else None
+        bar = tqdm(
+            total=total_bytes,
+            unit="B",
+            unit_scale=True,
+            desc="tokenizing",
+            file=sys.stderr,
+            delay=2.0,  # a build of a few seconds draws nothing
+            dynamic_ncols=True) if progress else None
         t0 = time.perf_counter()
         workers = workers or min(len(files), os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:

@@ -58,14 +58,15 @@ def toks(corpus, tmp_path_factory):
 
 
 def _cfg(corpus, tmp_path, tok, **kw):
-    return base.DataConfig(**{
-        "path": str(corpus),
-        "tokenizer": str(tok.path),
-        "cache_dir": str(tmp_path / "cache"),
-        "seq_len": 32,
-        "batch_size": 4,
-        **kw
-    })
+    return base.DataConfig(
+        **{
+            "path": str(corpus),
+            "tokenizer": str(tok.path),
+            "cache_dir": str(tmp_path / "cache"),
+            "seq_len": 32,
+            "batch_size": 4,
+            **kw
+        })
 
 
 # ----------------------------------------------------------------------------- documents
@@ -269,8 +270,7 @@ def test_bad_data_configs(toks, corpus, tmp_path):
                                     progress=False)
     cfg = _cfg(corpus, tmp_path, toks["bpe"])
     with pytest.raises(ValueError, match="add_bos=True but the tokenizer bytes has no BOS"):
-        pipeline.load_token_dataset(base.DataConfig(path=str(corpus), add_bos=True),
-                                    progress=False)
+        pipeline.load_token_dataset(base.DataConfig(path=str(corpus), add_bos=True), progress=False)
     model = experiments.Tiny().model()
     model.vocab_size = 512
     with pytest.raises(setup.ConfigError, match="vocab_size=512 is smaller than the tokenizer"):

@@ -42,8 +42,14 @@ def test_a_document_changed_leaves_the_other_documents_logits_alone():
     rows = packing.stack_rows([packing.document_row(plan, 0, t, nb, 32) for t in (a, b)])
     batch = {k: jnp.asarray(v) for k, v in rows.items() if k != "label_bytes"}
     ids, paddings, labels = _model_inputs(batch)
-    variables = lm.init({base_layer.PARAMS: jax.random.key(0), base_layer.RANDOM: jax.random.key(1)},
-                        ids, paddings, labels=labels, **_segments(batch))
+    variables = lm.init({
+        base_layer.PARAMS: jax.random.key(0),
+        base_layer.RANDOM: jax.random.key(1)
+    },
+                        ids,
+                        paddings,
+                        labels=labels,
+                        **_segments(batch))
     out = lm.apply(variables, ids, paddings, labels=labels, **_segments(batch))
     logits = np.asarray(out.logits, np.float32)
     seg = rows["segment_ids"][0]
@@ -64,24 +70,28 @@ def folder(tmp_path_factory):
     texts = [t for f in files for t in documents.read_documents(f)]
     tok = tmp_path_factory.mktemp("tok")
     return {
-        "dir": d,
-        "bpe": tokenizer_lib.train_tokenizer(texts, "bpe", 512, tok / "tokenizer.json").path,
-        "sentencepiece": tokenizer_lib.train_tokenizer(tokenizer_lib._lines(texts),
-                                                       "sentencepiece", 512, tok / "sp.model").path,
+        "dir":
+        d,
+        "bpe":
+        tokenizer_lib.train_tokenizer(texts, "bpe", 512, tok / "tokenizer.json").path,
+        "sentencepiece":
+        tokenizer_lib.train_tokenizer(tokenizer_lib._lines(texts), "sentencepiece", 512,
+                                      tok / "sp.model").path,
     }
 
 
 def _flags(folder, kind, tmp_path, *extra):
     return [
-        "--exp=tiny", f"--fdl.data.path='{folder['dir']}'", f"--fdl.data.tokenizer='{folder[kind]}'",
-        f"--fdl.data.cache_dir='{tmp_path / 'cache'}'", "--fdl.data.packing='documents'", *SMALL,
-        *extra
+        "--exp=tiny", f"--fdl.data.path='{folder['dir']}'",
+        f"--fdl.data.tokenizer='{folder[kind]}'", f"--fdl.data.cache_dir='{tmp_path / 'cache'}'",
+        "--fdl.data.packing='documents'", *SMALL, *extra
     ]
 
 
 def test_cli_sentencepiece_kill_and_resume_is_bitwise(folder, tmp_path):
-    common = ["--fdl.train.num_steps=6", "--fdl.train.eval_every=3",
-              "--fdl.train.checkpoint_every=0"]
+    common = [
+        "--fdl.train.num_steps=6", "--fdl.train.eval_every=3", "--fdl.train.checkpoint_every=0"
+    ]
     ref, job = tmp_path / "ref", tmp_path / "job"
     p = run_main([f"--job_log_dir={ref}", *_flags(folder, "sentencepiece", tmp_path, *common)])
     assert "tokenizer sp.model (512 ids), model vocabulary 512, packing documents" in p.stdout
@@ -108,7 +118,7 @@ def test_cli_bpe_trains_evaluates_and_refuses_another_tokenizer(folder, tmp_path
     steps = ["--fdl.train.num_steps=2", "--fdl.train.eval_every=2"]
     run_main([f"--job_log_dir={job}", *_flags(folder, "bpe", tmp_path, *steps)])
     p = run_main([f"--job_log_dir={job}", "--mode=eval", "--no_progress"])
-    result = json.loads(p.stdout[p.stdout.index("{"):])
+    result = json.loads(p.stdout[p.stdout.index("\n{") + 1:])
     assert result["step"] == 2 and result["heldout_bits_per_byte"] > 0
     assert result["heldout_loss"] == pytest.approx(records(job, "eval")[-1]["heldout_loss"])
     p = run_main([f"--job_log_dir={job}", *_flags(folder, "sentencepiece", tmp_path, *steps)],
