@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence, Union
 from moe_praxis import MeshResources
 
 DATA_SOURCES = ("pydoc", "synthetic", "text")
+PACKINGS = ("concat", "documents")
 SCHEDULES = ("cosine", "constant", "linear")
 NONFINITE_POLICIES = ("stop", "skip")
 AxisRole = Union[None, str, Sequence[str]]
@@ -32,22 +33,39 @@ def _positive_int(owner, name, v):
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Byte-level language-modelling data (vocabulary: the 256 byte values).
+    """Language-modelling data: documents, a tokenizer, packing (``experiments.data``).
 
     source: 'pydoc' (the standard library's ``pydoc_data.topics`` text, offline everywhere),
       'synthetic' (a fixed random order-2 Markov chain over bytes, learnable but not trivial),
-      'text' (every file under ``path``, a file or a directory, read as bytes).
-    path: the file or directory for source='text'.
-    seq_len: S, tokens per example; an example is S+1 consecutive bytes (inputs, next bytes).
+      'text' (the documents of ``path``: ``experiments.documents``). None (the default):
+      'text' when ``path`` is set, else 'pydoc'. pydoc and synthetic are byte-level.
+    path: a file, directory or glob of .txt/.md (a document per file), .jsonl (a document per
+      line) and .parquet files (a document per row). Setting it selects source='text'.
+    text_field: the field of a .jsonl line / the column of a .parquet file holding the text.
+    tokenizer: 'bytes' (ids 0-255), a SentencePiece .model file, or a Hugging Face
+      tokenizer.json (or a directory holding one).
+    add_bos: start each document with the tokenizer's BOS.
+    add_eos: end each document with the tokenizer's EOS; None = where the tokenizer has one.
+    packing: 'concat' (windows anywhere in the documents joined one after another) or
+      'documents' (whole documents in rows, attention and positions never crossing one).
+    cache_dir: where tokenized corpora are kept (None: $XDG_CACHE_HOME or ~/.cache, then
+      moe_praxis/tokens).
+    seq_len: S, tokens per example; an example is S+1 consecutive tokens (inputs, next tokens).
     batch_size: B, the GLOBAL batch (all processes and devices together).
-    heldout_fraction: the tail of the corpus held out for evaluation.
+    heldout_fraction: the tail of the corpus (in tokens) held out for evaluation.
     seed: with the step number, fixes the batch of every step: a resumed run sees the same
       batches as an uninterrupted one.
     synthetic_bytes: corpus length of the synthetic source.
     """
 
-    source: str = "pydoc"
+    source: Optional[str] = None
     path: Optional[str] = None
+    text_field: str = "text"
+    tokenizer: str = "bytes"
+    add_bos: bool = False
+    add_eos: Optional[bool] = None
+    packing: str = "concat"
+    cache_dir: Optional[str] = None
     seq_len: int = 64
     batch_size: int = 16
     heldout_fraction: float = 0.1
@@ -55,15 +73,31 @@ class DataConfig:
     synthetic_bytes: int = 1 << 18
 
     def __post_init__(self):
-        if self.source not in DATA_SOURCES:
+        if self.source is not None and self.source not in DATA_SOURCES:
             raise _bad("DataConfig", "source", self.source, f"valid: {DATA_SOURCES}")
         if self.source == "text" and not self.path:
             raise _bad("DataConfig", "path", self.path,
                        "source='text' needs a file or directory (--fdl.data.path=...)")
+        if self.path and self.source not in (None, "text"):
+            raise _bad(
+                "DataConfig", "source", self.source,
+                f"data.path={self.path!r} reads text files; leave source unset (or "
+                "'text'), or unset path")
+        if self.packing not in PACKINGS:
+            raise _bad("DataConfig", "packing", self.packing, f"valid: {PACKINGS}")
+        if self.resolved_source != "text" and self.tokenizer != "bytes":
+            raise _bad(
+                "DataConfig", "tokenizer", self.tokenizer,
+                f"source={self.resolved_source!r} is byte-level; set data.path to text "
+                "files to use a tokenizer")
         for name in ("seq_len", "batch_size", "synthetic_bytes"):
             _positive_int("DataConfig", name, getattr(self, name))
         if not 0.0 < self.heldout_fraction < 1.0:
             raise _bad("DataConfig", "heldout_fraction", self.heldout_fraction, "must be in (0, 1)")
+
+    @property
+    def resolved_source(self) -> str:
+        return self.source or ("text" if self.path else "pydoc")
 
 
 @dataclasses.dataclass(frozen=True)

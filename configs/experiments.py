@@ -19,6 +19,11 @@ Presets:
   Qwen3Moe      Qwen3-30B-A3B's MoE (M=2048, E=128 of H=768, k=8, softmax with norm_topk,
                 no shared expert, 48 layers; plain multi-head attention stands in for its
                 GQA); 32 GPUs as fsdp4 x ep8.
+
+Data: ``data.path`` (documents) through ``data.tokenizer`` ('bytes', a SentencePiece or Hugging
+Face tokenizer file); by default every preset trains on pydoc's text as bytes. The presets
+named after real models keep their real vocabularies: give their family's tokenizer to train
+them on text.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from configs.registry import register, short_name
 
 
 class LanguageModel:
-    """Base class of the byte-level MoE language-model experiments (not registered itself)."""
+    """Base class of the MoE language-model experiments (not registered itself). They train on
+    ``data.path`` through ``data.tokenizer`` when given, else on pydoc's text as bytes."""
 
-    # Model.
-    VOCAB_SIZE = 256
+    # Model. VOCAB_SIZE None: the tokenizer's (data.tokenizer; bytes: 256), rounded up to a
+    # multiple of 128.
+    VOCAB_SIZE: Optional[int] = None
     NUM_LAYERS = 2
     MODEL_DIMS = 128
     HIDDEN_DIMS = 128
@@ -67,8 +74,8 @@ class LanguageModel:
     # MoEFeedForward.fp8: None or 'blockwise' (FP8 expert GEMMs; MODEL_DIMS and the experts'
     # hidden dims multiples of 128).
     FP8: Optional[str] = None
-    # Data.
-    DATA_SOURCE = "pydoc"
+    # Data. DATA_SOURCE None: 'text' when DATA_PATH is set, else 'pydoc'.
+    DATA_SOURCE: Optional[str] = None
     DATA_PATH: Optional[str] = None
     SEQ_LEN = 64
     BATCH_SIZE = 16
@@ -240,7 +247,8 @@ class _Cluster(LanguageModel):
 
 @register(name="mixtral_8x7b")
 class Mixtral8x7B(_Cluster):
-    """Mixtral-8x7B layer shapes on 64 GPUs (dp2 x fsdp4 x ep8)."""
+    """Mixtral-8x7B layer shapes on 64 GPUs (dp2 x fsdp4 x ep8).
+    Trains on pydoc as bytes unless given data.path and data.tokenizer (<Mixtral's SentencePiece tokenizer.model>)."""
     VOCAB_SIZE = 32000
     NUM_LAYERS = 32
     MODEL_DIMS = 4096
@@ -259,7 +267,8 @@ class DeepSeekV3(_Cluster):
     """DeepSeek-V3 on 256 GPUs (fsdp8 x ep32): its MoE layer shapes and routing (sigmoid scores,
     8 expert groups of which 4 per token, the auxiliary-loss-free expert bias updated at
     0.001 a step, routed scaling 2.5, the k weights renormalised), 1 shared expert, the first 3
-    layers dense. Plain multi-head attention stands in for its MLA."""
+    layers dense. Plain multi-head attention stands in for its MLA.
+    Trains on pydoc as bytes unless given data.path and data.tokenizer (<DeepSeek-V3's tokenizer.json>)."""
     VOCAB_SIZE = 129280
     NUM_LAYERS = 61
     MODEL_DIMS = 7168
@@ -295,7 +304,8 @@ class Qwen3Moe(_Cluster):
     """Qwen3-30B-A3B's MoE shapes and routing (128 fine-grained experts of H=768, top-8,
     softmax with the 8 weights renormalised, no shared expert, every layer MoE) on 32 GPUs
     (fsdp4 x ep8). Plain multi-head attention stands in for its grouped-query attention with
-    q/k norms."""
+    q/k norms.
+    Trains on pydoc as bytes unless given data.path and data.tokenizer (<Qwen3's tokenizer.json>)."""
     VOCAB_SIZE = 151936
     NUM_LAYERS = 48
     MODEL_DIMS = 2048

@@ -1,4 +1,5 @@
-"""Byte-level language-modelling data with a deterministic order.
+"""Language-modelling data with a deterministic order: the byte-level pydoc and synthetic
+sources here; the documents of ``data.path`` through a tokenizer in ``experiments.pipeline``.
 
 A corpus is one uint8 array split into a train part (the head) and a held-out part (the tail,
 ``heldout_fraction`` of it). The batch of training step ``s`` is ``B`` windows of ``S+1`` bytes
@@ -13,12 +14,11 @@ int32`` (the next bytes), ``weights [B, S] float32`` (1 = counts in the loss).
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 
 import numpy as np
 
 from configs.base import DataConfig
+from experiments import pipeline
 
 VOCAB_SIZE = 256  # byte values
 
@@ -49,25 +49,6 @@ def synthetic_corpus(num_bytes: int, seed: int) -> bytes:
     return alphabet[out].tobytes()
 
 
-def text_corpus(path: str) -> bytes:
-    """The bytes of ``path`` (a file) or of every text file under it (a directory: sorted
-    paths; hidden files and directories, and binary files, i.e. ones with a NUL byte, are
-    skipped), joined by blank lines."""
-    p = Path(path).expanduser()
-    if p.is_file():
-        return p.read_bytes()
-    if not p.is_dir():
-        raise FileNotFoundError(f"DataConfig.path={path!r} is neither a file nor a directory")
-    files = []
-    for root, dirs, names in os.walk(p):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        files += [Path(root) / n for n in sorted(names) if not n.startswith(".")]
-    texts = [b for b in (f.read_bytes() for f in sorted(files)) if b"\0" not in b]
-    if not texts:
-        raise FileNotFoundError(f"DataConfig.path={path!r} is a directory with no text files")
-    return b"\n\n".join(texts)
-
-
 @dataclasses.dataclass
 class ByteDataset:
     """Train / held-out byte arrays and the deterministic batch functions."""
@@ -75,6 +56,7 @@ class ByteDataset:
     config: DataConfig
     train: np.ndarray  # [N_train] uint8
     heldout: np.ndarray  # [N_heldout] uint8
+    info: dict = dataclasses.field(default_factory=dict)  # what the startup line names
 
     @property
     def seq_len(self) -> int:
@@ -94,11 +76,13 @@ class ByteDataset:
             "weights": np.ones((len(starts), s), np.float32),
         }
 
-    def train_batch(self, step: int) -> dict:
-        """The global batch of training step ``step`` (a function of (seed, step) only)."""
+    def train_batch(self, step: int, rows=None) -> dict:
+        """Rows ``rows`` = (lo, hi) (default all) of the global batch of training step
+        ``step`` (a function of (seed, step) only)."""
         rng = np.random.default_rng([self.config.seed, int(step)])
         starts = rng.integers(0, len(self.train) - self.seq_len - 1, size=self.batch_size)
-        return self._windows(self.train, starts)
+        lo, hi = rows or (0, self.batch_size)
+        return self._windows(self.train, starts[lo:hi])
 
     def eval_batches(self, num_batches: int) -> list[dict]:
         """``num_batches`` fixed global batches of evenly spaced held-out windows."""
@@ -111,15 +95,16 @@ class ByteDataset:
         ]
 
 
-def load_dataset(config: DataConfig) -> ByteDataset:
-    """Reads the corpus and splits it; raises ValueError if either part is shorter than one
-    example (S+1 bytes)."""
-    if config.source == "pydoc":
+def load_dataset(config: DataConfig, tok=None, *, progress: bool = False):
+    """Reads the corpus and splits it: the byte-level pydoc or synthetic source (a
+    ``ByteDataset``), or the documents of ``data.path`` tokenized (``experiments.pipeline``'s
+    ``TokenDataset``). Raises ValueError if either part is shorter than one example."""
+    if config.resolved_source == "text":
+        return pipeline.load_token_dataset(config, tok, progress=progress)
+    if config.resolved_source == "pydoc":
         corpus = pydoc_corpus()
-    elif config.source == "synthetic":
-        corpus = synthetic_corpus(config.synthetic_bytes, config.seed)
     else:
-        corpus = text_corpus(config.path)
+        corpus = synthetic_corpus(config.synthetic_bytes, config.seed)
     data = np.frombuffer(corpus, np.uint8)
     cut = int(round(len(data) * (1.0 - config.heldout_fraction)))
     train, heldout = data[:cut], data[cut:]
@@ -127,7 +112,17 @@ def load_dataset(config: DataConfig) -> ByteDataset:
     for part, arr in (("train", train), ("held-out", heldout)):
         if len(arr) < need:
             raise ValueError(
-                f"the {config.source} corpus ({len(data)} bytes) leaves {len(arr)} bytes in the "
+                f"the {config.resolved_source} corpus ({len(data)} bytes) leaves {len(arr)} bytes in the "
                 f"{part} split (heldout_fraction={config.heldout_fraction}); one example needs "
                 f"seq_len + 2 = {need}. Use a larger corpus or a smaller seq_len.")
-    return ByteDataset(config=config, train=train, heldout=heldout)
+    info = {
+        "source": config.resolved_source,
+        "files": 0,
+        "documents": 1,
+        "tokens": len(data),
+        "bytes": len(data),
+        "tokenizer": "bytes",
+        "tokenizer_vocab": VOCAB_SIZE,
+        "packing": "concat",
+    }
+    return ByteDataset(config=config, train=train, heldout=heldout, info=info)

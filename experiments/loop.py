@@ -29,6 +29,7 @@ import numpy as np
 from experiments import data as data_lib
 from experiments.checkpoints import Checkpoints, NonFiniteState
 from experiments.metrics import MetricsWriter, layer_scalars, plot_summary
+from experiments.pipeline import bits_per_byte, train_batches
 from experiments.setup import Prepared
 from experiments.signals import StopSignals
 from experiments.steps import make_step_fns, put_batch
@@ -89,10 +90,19 @@ class Trainer:
             return False
         return True
 
+    def _eval_batches(self) -> list[tuple[dict, dict]]:
+        """(host batch, device batch) of each held-out batch."""
+        return [(b, put_batch(b, self.fns.batch_sharding))
+                for b in self.dataset.eval_batches(self.exp.train.eval_batches)]
+
     def _evaluate(self, state, eval_batches) -> dict:
-        xs = [float(self.fns.eval(state, b)["xent"]) for b in eval_batches]
+        xs = [float(self.fns.eval(state, b)["xent"]) for _, b in eval_batches]
         loss = float(np.mean(xs))
-        return {"heldout_loss": loss, "heldout_perplexity": math.exp(min(loss, 700.0))}
+        return {
+            "heldout_loss": loss,
+            "heldout_perplexity": math.exp(min(loss, 700.0)),
+            "heldout_bits_per_byte": bits_per_byte(xs, [h for h, _ in eval_batches])
+        }
 
     def evaluate_latest(self) -> dict:
         """Held-out loss and perplexity of the newest checkpoint that restores (``--mode=eval``).
@@ -104,11 +114,7 @@ class Trainer:
                 if state is None:
                     raise FileNotFoundError(f"--mode=eval needs a checkpoint; {self.ckpt_dir} has "
                                             "none (train first, or point --job_log_dir at a run)")
-                batches = [
-                    put_batch(b, self.fns.batch_sharding)
-                    for b in self.dataset.eval_batches(self.exp.train.eval_batches)
-                ]
-                result = {"step": step, **self._evaluate(state, batches)}
+                result = {"step": step, **self._evaluate(state, self._eval_batches())}
         finally:
             mngr.close()
         return result
@@ -143,10 +149,7 @@ class Trainer:
                 start = int(jax.device_get(state["step"]))
                 result["start_step"] = start
                 result["restored_from"] = restored
-                eval_batches = [
-                    put_batch(b, self.fns.batch_sharding)
-                    for b in self.dataset.eval_batches(tr.eval_batches)
-                ]
+                eval_batches = self._eval_batches()
                 if start == 0:
                     ev = self._evaluate(state, eval_batches)
                     writer.write("eval", 0, ev)
@@ -171,12 +174,13 @@ class Trainer:
                 step = start
                 last = {}
                 in_a_row = 0  # steps skipped in a row (train.on_nonfinite='skip')
+                feed = train_batches(self.dataset, start, tr.num_steps, self.fns.batch_sharding)
                 signals.training()  # from here a signal stops after the step and saves
                 while step < tr.num_steps and signals.stop_requested is None:
                     # tokens/s of the step alone: from its batch to its metrics on the host,
                     # not the eval, checkpoint or logging that follow some steps
                     t_step = time.perf_counter()
-                    batch = put_batch(self.dataset.train_batch(step), self.fns.batch_sharding)
+                    batch = next(feed)
                     state, metrics = train_step(state, batch)
                     metrics = jax.device_get(metrics)
                     step += 1

@@ -42,6 +42,7 @@ from fiddle import absl_flags as fdl_flags  # defines --fdl_config, --fdl_set, -
 from fiddle._src.absl_flags import utils as fdl_utils
 
 from experiments import errors, info, jobdir, signals
+from experiments import tokenizer as tokenizer_lib
 
 MODES = ("train", "eval")
 DEFAULT_EXP = "tiny"
@@ -311,7 +312,7 @@ def main(argv, stop_signals=None) -> int:
     import jax
 
     try:
-        prep = setup.prepare(cfg)
+        prep = setup.prepare(cfg, job_log_dir=job_log_dir, progress=not _NO_PROGRESS.value)
     except setup.ConfigError as e:
         raise UsageError(f"invalid config: {e}") from None
     chief = jax.process_index() == 0
@@ -330,6 +331,9 @@ def main(argv, stop_signals=None) -> int:
             f"experiment {name}: {jax.device_count()} {jax.devices()[0].platform} devices in "
             f"{jax.process_count()} process(es), mesh {mesh}; job_log_dir {job_log_dir}",
             flush=True)
+        print(setup.describe_data(prep.dataset, prep.model.vocab_size), flush=True)
+        if _MODE.value == "train":  # the job keeps the tokenizer it trains with
+            tokenizer_lib.keep_in_job_dir(job_log_dir, prep.tokenizer)
     trainer = loop.Trainer(prep, job_log_dir, progress=not _NO_PROGRESS.value, signals=stop_signals)
     if _MODE.value == "eval":
         try:
@@ -355,13 +359,12 @@ def main(argv, stop_signals=None) -> int:
             print(f"nothing to do: {job_log_dir} already holds step {result['start_step']} "
                   f"(train.num_steps={prep.config.train.num_steps}); use another --job_log_dir "
                   "or raise --fdl.train.num_steps")
-        if first and last:
-            print(f"held-out loss {first['heldout_loss']:.4f} at step 0 -> "
-                  f"{last['heldout_loss']:.4f} at step {result['final_step']} (perplexity "
-                  f"{last['heldout_perplexity']:.3f})")
-        elif last:
-            print(f"held-out loss {last['heldout_loss']:.4f} at step {result['final_step']} "
-                  f"(perplexity {last['heldout_perplexity']:.3f})")
+        if last:
+            print(f"held-out loss {first['heldout_loss']:.4f} at step 0 -> " if first else
+                  "held-out loss ", f"{last['heldout_loss']:.4f} at step {result['final_step']} "
+                  f"(perplexity {last['heldout_perplexity']:.3f}, "
+                  f"{last['heldout_bits_per_byte']:.4f} bits per byte)",
+                  sep="")
         if "compile_seconds" in result:
             print(f"train step compiled in {result['compile_seconds']:.1f} s")
         if result["skipped_steps"]:

@@ -173,10 +173,19 @@ def plot_summary(metrics_path, png_path, title: str = "") -> Path:
                 "o-",
                 label="held-out loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("nats / byte")
+    ax.set_ylabel("nats / token")
     ax.set_title(f"{title} loss".strip())
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper right")
+    bpb = [r for r in ev if "heldout_bits_per_byte" in r]
+    if bpb:  # bits per byte compares across tokenizers
+        ax2 = ax.twinx()
+        ax2.plot([r["step"] for r in bpb], [r["heldout_bits_per_byte"] for r in bpb],
+                 "s--",
+                 color="tab:green",
+                 label="held-out bits per byte")
+        ax2.set_ylabel("bits / byte")
+        ax2.legend(loc="center right")
     ax = axes[1]
     if loads:
         mat = np.array(loads[-1]["load"], dtype=float)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import fiddle as fdl
@@ -22,6 +23,7 @@ from praxis import pax_fiddle
 
 from configs import base, models, sharding, stack
 from experiments import data as data_lib
+from experiments import tokenizer as tokenizer_lib
 
 
 class ConfigError(ValueError):
@@ -65,7 +67,8 @@ class Prepared:
     config: base.ExperimentConfig  # built; config.model is the (unbound) TransformerLm
     mesh: Any  # jax.sharding.Mesh or AbstractMesh
     model_config: pax_fiddle.Config  # the model config, sharded by the experiment config
-    dataset: Any = None  # experiments.data.ByteDataset, read and split
+    dataset: Any = None  # experiments.data.ByteDataset or pipeline.TokenDataset, read and split
+    tokenizer: Any = None  # experiments.tokenizer.Tokenizer
     layout: Any = None  # moe_praxis.EPLayout of the MoE layers (None: data parallel only)
 
     @property
@@ -168,9 +171,6 @@ def _validate(exp: base.ExperimentConfig, model_cfg, mesh_shape: tuple) -> None:
     lm = model_cfg
     block = models.stack_block(lm)
     nl = models.num_layers(lm)
-    if lm.vocab_size < data_lib.VOCAB_SIZE:
-        raise ConfigError(f"--fdl.model.vocab_size={lm.vocab_size} is invalid: byte-level data "
-                          f"needs at least {data_lib.VOCAB_SIZE}")
     if block.dim_per_head is None and lm.model_dims % block.num_heads:
         raise ConfigError(f"model_dims={lm.model_dims} is not divisible by num_heads="
                           f"{block.num_heads} (or set dim_per_head)")
@@ -195,12 +195,60 @@ def _validate(exp: base.ExperimentConfig, model_cfg, mesh_shape: tuple) -> None:
         raise ConfigError(f"the model has {nl} layers; it needs at least 1")
 
 
-def prepare(cfg: pax_fiddle.Config, *, devices=None) -> Prepared:
+VOCAB_MULTIPLE = 128  # a vocabulary taken from the tokenizer is rounded up to a multiple of it
+
+
+def _set_vocab(model_cfg, data_cfg: base.DataConfig, job_log_dir):
+    """The tokenizer (the job directory's copy when it keeps one, which must be the same file)
+    and the model's vocabulary: the tokenizer's rounded up to ``VOCAB_MULTIPLE`` when the
+    experiment leaves ``model.vocab_size`` unset; a set one must hold the tokenizer."""
+    spec = data_cfg.tokenizer
+    kept = tokenizer_lib.job_tokenizer_path(job_log_dir) if job_log_dir is not None else None
+    try:
+        if kept is not None and spec != tokenizer_lib.BYTES and not Path(
+                spec).expanduser().exists():
+            tok = tokenizer_lib.job_tokenizer(job_log_dir)  # the original file is gone
+        else:
+            tok = tokenizer_lib.load_tokenizer(spec)
+            if job_log_dir is not None:
+                tokenizer_lib.check_job_tokenizer(job_log_dir, tok)
+    except ValueError as e:
+        raise ConfigError(f"--fdl.data: {e}") from e
+    if model_cfg.vocab_size is None:
+        model_cfg.vocab_size = -(-tok.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        model_cfg.softmax_tpl.num_classes = model_cfg.vocab_size
+    elif model_cfg.vocab_size < tok.vocab_size:
+        raise ConfigError(f"--fdl.model.vocab_size={model_cfg.vocab_size} is smaller than the "
+                          f"tokenizer {tok.name}'s vocabulary of {tok.vocab_size}; raise it or "
+                          "leave it unset (the model then takes the tokenizer's, rounded up to a "
+                          f"multiple of {VOCAB_MULTIPLE})")
+    return tok
+
+
+def describe_data(dataset, vocab_size: int) -> str:
+    """The startup line's account of the data."""
+    i = dataset.info
+    where = f" {i['path']}" if i.get("path") else ""
+    skipped = f" ({i['skipped_files']} other files left out)" if i.get("skipped_files") else ""
+    return (f"data: source {i['source']}{where}, {i['files']} files{skipped}, "
+            f"{i['documents']:,} documents, {i['tokens']:,} tokens ({i['bytes']:,} bytes), "
+            f"tokenizer {i['tokenizer']} ({i['tokenizer_vocab']:,} ids), model vocabulary "
+            f"{vocab_size:,}, packing {i['packing']}" +
+            (f"; cache {i['cache']}" if i.get("cache") else ""))
+
+
+def prepare(cfg: pax_fiddle.Config,
+            *,
+            devices=None,
+            job_log_dir=None,
+            progress: bool = False) -> Prepared:
     """Validates and builds an experiment config and reads its data. No tracing, no
     compilation. Raises ConfigError naming the problem.
 
     devices: the devices of the mesh (default: all, over every process; fake host devices
       for ``experiments.validate``).
+    job_log_dir: the job directory; a tokenizer it keeps must be the one the config names.
+    progress: draw the tokenizing progress bar (a corpus not yet in the cache).
     """
     if not isinstance(cfg, fdl.Buildable) or cfg.__fn_or_cls__ is not base.ExperimentConfig:
         got = getattr(cfg, "__fn_or_cls__", type(cfg))
@@ -218,6 +266,7 @@ def prepare(cfg: pax_fiddle.Config, *, devices=None) -> Prepared:
     if not isinstance(model_cfg, pax_fiddle.Config):
         raise ConfigError(f"--fdl.model must be a pax_fiddle.Config of a TransformerLm, got "
                           f"{type(model_cfg).__name__}")
+    tok = _set_vocab(model_cfg, parts["data"], job_log_dir)
     try:  # what Praxis would assert or overwrite, and the MoE layers' fields, before tracing
         stack.check(model_cfg)
     except ValueError as e:
@@ -231,7 +280,12 @@ def prepare(cfg: pax_fiddle.Config, *, devices=None) -> Prepared:
         raise ConfigError(f"--fdl.model: {e}") from e
     exp = dataclasses.replace(exp_stub, model=model)
     try:
-        dataset = data_lib.load_dataset(exp.data)
+        dataset = data_lib.load_dataset(exp.data, tok, progress=progress)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--fdl.data: {e}") from e
-    return Prepared(config=exp, mesh=mesh, model_config=model_cfg, dataset=dataset, layout=layout)
+    return Prepared(config=exp,
+                    mesh=mesh,
+                    model_config=model_cfg,
+                    dataset=dataset,
+                    layout=layout,
+                    tokenizer=tok)

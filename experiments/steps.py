@@ -64,6 +64,12 @@ def fp8_layers(model_config):
     return dtype or model_config.fprop_dtype, backend
 
 
+def _segments(batch) -> dict:
+    """data.packing='documents': Praxis's segment_ids / segment_pos (attention and rotary
+    positions inside each packed document)."""
+    return {k: batch[k] for k in ("segment_ids", "segment_pos") if k in batch}
+
+
 def make_optimizer(opt: base.OptimizerConfig, num_steps: int) -> optax.GradientTransformation:
     """clip_by_global_norm(clip_norm) -> AdamW(schedule). Returns (transformation, schedule)."""
     decay = opt.decay_steps or num_steps
@@ -112,6 +118,10 @@ def make_step_fns(prep: Prepared) -> StepFns:
         "labels": jax.ShapeDtypeStruct((b, s), jnp.int32),
         "weights": jax.ShapeDtypeStruct((b, s), jnp.float32)
     }
+    if exp.data.packing == "documents":
+        fake.update(
+            {k: jax.ShapeDtypeStruct((b, s), jnp.int32)
+             for k in ("segment_ids", "segment_pos")})
 
     def init_fn(key):
         ids, paddings, labels = _model_inputs({
@@ -185,6 +195,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
                                        ids,
                                        paddings,
                                        labels=labels,
+                                       **_segments(batch),
                                        rngs={base_layer.RANDOM: key},
                                        mutable=MUTABLE)
         return out.total_loss, (out, updated)
@@ -257,8 +268,9 @@ def make_step_fns(prep: Prepared) -> StepFns:
 
 
 def put_batch(batch: dict, sharding) -> dict:
-    """Global numpy batch -> global jax arrays; each process fills only its own shards."""
+    """Global numpy batch -> global jax arrays; each process fills only its own shards (the
+    host-only ``label_bytes`` stays behind)."""
     return {
         k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
-        for k, v in batch.items()
+        for k, v in batch.items() if k != "label_bytes"
     }

@@ -175,7 +175,7 @@ def test_bad_override_path_or_value(arg, pattern):
     ("--fdl.data.batch_size=12", r"batch_size=12 is not divisible by the 8 devices"),
     ("--fdl.model.stacked_transformer_tpl.moe_layers=[0, 5]", r"indices \[5\] outside"),
     ("--fdl.model.stacked_transformer_tpl.num_heads=3", r"model_dims=128 is not divisible by "),
-    ("--fdl.model.vocab_size=100", r"vocab_size=100 is invalid: byte-level"),
+    ("--fdl.model.vocab_size=100", r"vocab_size=100 is smaller than the tokenizer bytes"),
 ])
 def test_invalid_config_stops_before_compilation(arg, pattern, monkeypatch):
     # Any compilation would go through jax.jit(...).lower / compile: make it fail loudly.
@@ -285,5 +285,5 @@ def test_mesh_override_after_the_sharding_was_written_is_refused():
 def test_missing_text_path_is_a_config_error(tmp_path):
     parse("--fdl.data.source='text'", f"--fdl.data.path='{tmp_path / 'missing'}'")
     cfg, _ = main_lib.config_from_flags()
-    with pytest.raises(setup.ConfigError, match=r"--fdl.data: .*missing' is neither a file"):
+    with pytest.raises(setup.ConfigError, match=r"--fdl.data: .*missing': no such file or dir"):
         setup.prepare(cfg)

@@ -57,20 +57,23 @@ def test_pydoc_split_is_a_disjoint_tail():
 def test_text_file_and_directory(tmp_path):
     (tmp_path / "d" / "sub").mkdir(parents=True)
     (tmp_path / "d" / "a.txt").write_bytes(b"A" * 300)
-    (tmp_path / "d" / "sub" / "b.txt").write_bytes(b"B" * 300)
-    (tmp_path / "d" / ".hidden").write_bytes(b"H" * 300)
-    (tmp_path / "d" / "sub" / "c.bin").write_bytes(b"C\0" * 300)  # binary: skipped
-    ds = data_lib.load_dataset(_cfg(source="text", path=str(tmp_path / "d"), heldout_fraction=0.5))
-    allb = ds.train.tobytes() + ds.heldout.tobytes()
-    assert allb == b"A" * 300 + b"\n\n" + b"B" * 300
-    (tmp_path / "f.txt").write_bytes(bytes(range(256)) * 2)
-    ds = data_lib.load_dataset(_cfg(source="text", path=str(tmp_path / "f.txt")))
-    assert len(ds.train) + len(ds.heldout) == 512
-    with pytest.raises(FileNotFoundError, match="neither a file nor a directory"):
-        data_lib.load_dataset(_cfg(source="text", path=str(tmp_path / "nope")))
+    (tmp_path / "d" / "sub" / "b.md").write_bytes(b"B" * 300)
+    (tmp_path / "d" / ".hidden.txt").write_bytes(b"H" * 300)
+    (tmp_path / "d" / "sub" / "c.bin").write_bytes(b"C\0" * 300)  # not a text suffix: counted
+    cfg = _cfg(path=str(tmp_path / "d"), heldout_fraction=0.5, cache_dir=str(tmp_path / "cache"))
+    assert cfg.resolved_source == "text"
+    ds = data_lib.load_dataset(cfg)
+    assert bytes(np.asarray(ds.corpus.tokens, np.uint8)) == b"A" * 300 + b"B" * 300
+    assert ds.info["documents"] == 2 and ds.info["skipped_files"] == 1
+    assert ds.info["tokenizer"] == "bytes" and ds.cut == 300
+    (tmp_path / "f.txt").write_bytes(bytes(range(256)) * 2)  # binary where text was expected
+    with pytest.raises(ValueError, match=r"f\.txt holds a NUL byte at offset 0"):
+        data_lib.load_dataset(_cfg(path=str(tmp_path / "f.txt"), cache_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="no such file or directory"):
+        data_lib.load_dataset(_cfg(path=str(tmp_path / "nope")))
     (tmp_path / "small.txt").write_bytes(b"x" * 30)
-    with pytest.raises(ValueError, match=r"leaves \d+ bytes in the held-out split"):
-        data_lib.load_dataset(_cfg(source="text", path=str(tmp_path / "small.txt")))
+    with pytest.raises(ValueError, match=r"leaves \d+ tokens in the held-out split"):
+        data_lib.load_dataset(_cfg(path=str(tmp_path / "small.txt"), cache_dir=str(tmp_path)))
 
 
 def test_synthetic_source_is_deterministic_and_low_entropy():

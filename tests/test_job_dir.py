@@ -96,13 +96,13 @@ def test_eval_and_resume_without_exp_use_the_recorded_config(tmp_path, capsys, n
     corpus.write_bytes(bytes(range(32, 127)) * 200)
     job = tmp_path / "job"
     assert _start("--exp=tiny", f"--job_log_dir={job}", "--fdl.data.source='text'",
-                  f"--fdl.data.path='{corpus}'") == "started"
+                  f"--fdl.data.path='{corpus}'",
+                  f"--fdl.data.cache_dir='{tmp_path / 'cache'}'") == "started"
     for mode in ("eval", "train"):
         assert _start(f"--mode={mode}", f"--job_log_dir={job}") == "started"
         data = no_trainer["prep"].config.data
         assert data.source == "text" and data.path == str(corpus)
-        assert no_trainer["prep"].dataset.train.size + no_trainer["prep"].dataset.heldout.size \
-            == 95 * 200
+        assert len(no_trainer["prep"].dataset.corpus.tokens) == 95 * 200
     # An override on top of the recorded config is compared with the record as well.
     assert _start(f"--job_log_dir={job}", "--fdl.data.seq_len=16") == 2
     assert "data.seq_len: 64 -> 16" in _error_line(capsys)

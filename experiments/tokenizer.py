@@ -1,0 +1,369 @@
+r"""Tokenizers: bytes, a SentencePiece ``.model`` file, a Hugging Face ``tokenizer.json``.
+
+``load_tokenizer(spec)`` takes ``"bytes"`` (the 256 byte values; no BOS or EOS), a path to a
+SentencePiece model (the ``sentencepiece`` package), or a path to a Hugging Face
+``tokenizer.json`` or a directory holding one (the ``tokenizers`` package). Every tokenizer has
+``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``bos_id`` / ``eos_id``
+(None where it has none), ``name``, ``path`` (None for bytes) and ``sha256`` (of its file).
+``encode_with_bytes`` also returns, per token, the UTF-8 bytes of ``text`` it covers (they sum
+to ``len(text.encode())``): the denominator of bits per byte.
+
+A job directory keeps the copy it trained with (``TOKENIZER_DIR``: the file and its hash);
+``job_tokenizer(job_log_dir)`` loads it.
+
+Training one offline on the same documents a run reads (``experiments.documents``):
+
+  python -m experiments.tokenizer --data corpus/ --vocab_size 8000 --kind bpe \
+      --out corpus.tokenizer.json
+  python -m experiments.tokenizer --data corpus/ --vocab_size 8000 --kind sentencepiece \
+      --out corpus.model
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import sentencepiece as spm
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from experiments import documents
+
+BYTES = "bytes"
+TOKENIZER_DIR = "tokenizer"  # in a job directory: the tokenizer file and tokenizer.sha256
+HASH_FILE = "tokenizer.sha256"
+KINDS = ("sentencepiece", "bpe")
+# special tokens of the BPE tokenizers trained here
+BPE_SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded or trained (one line, exit status 2)."""
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _ends_to_counts(ends: np.ndarray, total: int) -> np.ndarray:
+    """Per-token byte counts from each token's end offset (bytes between tokens go to the token
+    after them, the tail to the last token): they sum to ``total``."""
+    if len(ends) == 0:
+        return np.zeros(0, np.int64)
+    ends = np.maximum.accumulate(np.minimum(np.asarray(ends, np.int64), total))
+    ends[-1] = total
+    return np.diff(ends, prepend=0)
+
+
+def _char_to_byte_offsets(text: str) -> Optional[np.ndarray]:
+    """[len(text) + 1] byte offset of each character (None for ASCII text: the same)."""
+    if text.isascii():
+        return None
+    cps = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+    width = 1 + (cps >= 0x80) + (cps >= 0x800) + (cps >= 0x10000)
+    return np.concatenate([[0], np.cumsum(width)])
+
+
+class Tokenizer:
+    """What every tokenizer offers (see the module docstring)."""
+
+    name: str
+    path: Optional[Path] = None
+    sha256: Optional[str] = None
+    vocab_size: int
+    bos_id: Optional[int] = None
+    eos_id: Optional[int] = None
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def encode_with_bytes(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, bytes covered by each id) of ``text``."""
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [self.encode_with_bytes(t) for t in texts]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name}, vocab {self.vocab_size})"
+
+
+class ByteTokenizer(Tokenizer):
+    """The UTF-8 bytes of the text, ids 0-255 (today's byte-level runs)."""
+
+    name = BYTES
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_with_bytes(self, text):
+        ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+        return ids, np.ones(len(ids), np.int64)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer(Tokenizer):
+
+    def __init__(self, path: Path):
+        self.path, self.name = path, path.name
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.Load(str(path))
+        except (OSError, RuntimeError) as e:
+            raise TokenizerError(f"data.tokenizer={str(path)!r} does not load as a SentencePiece "
+                                 f"model ({' '.join(str(e).split())[:160]}); give a .model file "
+                                 "that spm_train or `python -m experiments.tokenizer` wrote") from e
+        self.vocab_size = self.sp.GetPieceSize()
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.EncodeAsIds(text)
+
+    @staticmethod
+    def _with_bytes(text, proto):
+        ids = np.fromiter((p.id for p in proto.pieces), np.int32)
+        ends = np.fromiter((p.end for p in proto.pieces), np.int64)
+        return ids, _ends_to_counts(ends, len(text.encode("utf-8")))
+
+    def encode_with_bytes(self, text):
+        return self._with_bytes(text, self.sp.encode(text, out_type="proto"))
+
+    def encode_batch(self, texts):
+        protos = self.sp.encode(texts, out_type="proto", num_threads=os.cpu_count())
+        return [self._with_bytes(t, p) for t, p in zip(texts, protos)]
+
+    def decode(self, ids) -> str:
+        return self.sp.DecodeIds([int(i) for i in ids])
+
+
+class HuggingFaceTokenizer(Tokenizer):
+
+    def __init__(self, path: Path):
+        self.path, self.name = path, path.name
+        try:
+            self.tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises its own Exception type for a bad file
+            raise TokenizerError(f"data.tokenizer={str(path)!r} does not load as a Hugging Face "
+                                 f"tokenizer.json ({' '.join(str(e).split())[:160]}); give a "
+                                 "tokenizer.json that `tokenizers` or `python -m "
+                                 "experiments.tokenizer` wrote") from e
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id = self._special(("<s>", "<|begin_of_text|>", "<bos>", "[CLS]"))
+        self.eos_id = self._special(("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]"))
+
+    def _special(self, names) -> Optional[int]:
+        for n in names:
+            i = self.tok.token_to_id(n)
+            if i is not None:
+                return i
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def _with_bytes(self, text, enc):
+        ids = np.asarray(enc.ids, np.int32)
+        ends = np.fromiter((e for _, e in enc.offsets), np.int64, len(ids))
+        char_bytes = _char_to_byte_offsets(text)
+        if char_bytes is not None:
+            ends = char_bytes[np.minimum(ends, len(text))]
+        return ids, _ends_to_counts(ends, len(text.encode("utf-8")))
+
+    def encode_with_bytes(self, text):
+        return self._with_bytes(text, self.tok.encode(text, add_special_tokens=False))
+
+    def encode_batch(self, texts):
+        encs = self.tok.encode_batch(texts, add_special_tokens=False)
+        return [self._with_bytes(t, e) for t, e in zip(texts, encs)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def tokenizer_file(spec: str) -> Optional[Path]:
+    """The file a tokenizer spec names (None for bytes); raises TokenizerError if missing."""
+    if spec == BYTES:
+        return None
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise TokenizerError(f"data.tokenizer={spec!r}: no such file; give 'bytes', a "
+                             "SentencePiece .model file, or a Hugging Face tokenizer.json (or a "
+                             "directory holding one)")
+    return p.absolute()
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """'bytes' or a path (see the module docstring). Raises TokenizerError (one line)."""
+    if not isinstance(spec, str) or not spec:
+        raise TokenizerError(f"data.tokenizer={spec!r} is invalid: 'bytes' or a tokenizer file")
+    p = tokenizer_file(spec)
+    if p is None:
+        return ByteTokenizer()
+    with open(p, "rb") as f:
+        head = f.read(1).lstrip()
+    tok = HuggingFaceTokenizer(p) if head == b"{" else SentencePieceTokenizer(p)
+    tok.sha256 = file_sha256(p)
+    return tok
+
+
+# ------------------------------------------------------------------------ job directories
+
+
+def job_tokenizer_path(job_log_dir) -> Optional[Path]:
+    """The tokenizer file a job directory keeps (None: none kept, a bytes run)."""
+    d = Path(job_log_dir) / TOKENIZER_DIR
+    files = [p for p in d.iterdir() if p.name != HASH_FILE] if d.is_dir() else []
+    return files[0] if files else None
+
+
+def job_tokenizer(job_log_dir) -> Tokenizer:
+    """The tokenizer a job was trained with: the copy in its directory (bytes when it keeps
+    none). Raises TokenizerError when the copy does not match its recorded hash."""
+    p = job_tokenizer_path(job_log_dir)
+    if p is None:
+        return ByteTokenizer()
+    tok = load_tokenizer(str(p))
+    want = (p.parent / HASH_FILE).read_text().split()[0]
+    if tok.sha256 != want:
+        raise TokenizerError(f"{p} has sha256 {tok.sha256[:12]}..., not the {want[:12]}... "
+                             f"recorded in {p.parent / HASH_FILE}: the job's tokenizer copy was "
+                             "changed; restore it")
+    return tok
+
+
+def keep_in_job_dir(job_log_dir, tok: Tokenizer) -> None:
+    """Copies the tokenizer file and its hash into ``job_log_dir/tokenizer`` (atomically: a
+    temporary directory renamed into place); nothing for bytes or when already kept."""
+    if tok.path is None or job_tokenizer_path(job_log_dir) is not None:
+        return
+    job_log_dir = Path(job_log_dir)
+    job_log_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=job_log_dir))
+    shutil.copyfile(tok.path, tmp / tok.path.name)
+    (tmp / HASH_FILE).write_text(f"{tok.sha256}  {tok.path.name}\n")
+    os.replace(tmp, job_log_dir / TOKENIZER_DIR)
+
+
+def check_job_tokenizer(job_log_dir, tok: Tokenizer) -> None:
+    """Raises TokenizerError when ``job_log_dir`` was trained with another tokenizer."""
+    kept = job_tokenizer_path(job_log_dir)
+    if kept is None:
+        return
+    want = (kept.parent / HASH_FILE).read_text().split()[0]
+    if tok.sha256 != want:
+        got = "bytes" if tok.path is None else f"{tok.path} (sha256 {tok.sha256[:12]}...)"
+        raise TokenizerError(f"--job_log_dir={str(job_log_dir)!r} was trained with the tokenizer "
+                             f"{kept} (sha256 {want[:12]}...), this run gives {got}; use the "
+                             "same tokenizer or another --job_log_dir")
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train_tokenizer(texts, kind: str, vocab_size: int, out) -> Tokenizer:
+    """Trains a ``kind`` ('sentencepiece': unigram with byte fallback; 'bpe': byte-level BPE)
+    tokenizer of ``vocab_size`` on the iterable ``texts`` and writes it to ``out``."""
+    out = Path(out)
+    if kind not in KINDS:
+        raise TokenizerError(f"--kind={kind!r} is invalid: one of {', '.join(KINDS)}")
+    if vocab_size < 260:
+        raise TokenizerError(f"--vocab_size={vocab_size} is invalid: at least 260 (the 256 "
+                             "bytes and the special tokens)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    if kind == "bpe":
+        tok = tokenizers.Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                      special_tokens=list(BPE_SPECIALS),
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=False)
+        tok.train_from_iterator(texts, trainer=trainer)
+        tok.save(str(tmp))
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            try:
+                spm.SentencePieceTrainer.Train(sentence_iterator=iter(texts),
+                                               model_prefix=f"{d}/m",
+                                               vocab_size=vocab_size,
+                                               model_type="unigram",
+                                               byte_fallback=True,
+                                               character_coverage=0.9995,
+                                               pad_id=0,
+                                               unk_id=1,
+                                               bos_id=2,
+                                               eos_id=3,
+                                               max_sentence_length=1 << 16,
+                                               num_threads=os.cpu_count() or 1,
+                                               minloglevel=2)
+            except RuntimeError as e:
+                raise TokenizerError(f"SentencePiece training failed: "
+                                     f"{' '.join(str(e).split())[:200]}") from e
+            shutil.copyfile(f"{d}/m.model", tmp)
+    os.replace(tmp, out)
+    return load_tokenizer(str(out))
+
+
+def _lines(texts):
+    """SentencePiece trains on sentences: the non-empty lines of each document."""
+    for t in texts:
+        for line in t.splitlines():
+            if line.strip():
+                yield line
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.tokenizer",
+                                 description="Train a tokenizer on the documents of --data.")
+    ap.add_argument("--data", required=True, help="a file, directory or glob (as data.path)")
+    ap.add_argument("--vocab_size", type=int, required=True)
+    ap.add_argument("--kind", choices=KINDS, required=True)
+    ap.add_argument("--out", required=True, help="the tokenizer file to write")
+    ap.add_argument("--text_field", default="text", help="the field of .jsonl / .parquet")
+    args = ap.parse_args(argv)
+    try:
+        files, _ = documents.find_files(args.data)
+        texts = (doc for f in files for doc in documents.read_documents(f, args.text_field))
+        if args.kind == "sentencepiece":
+            texts = _lines(texts)
+        tok = train_tokenizer(texts, args.kind, args.vocab_size, args.out)
+    except (TokenizerError, documents.DocumentError) as e:
+        print(f"experiments.tokenizer: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(
+        json.dumps({
+            "out": str(tok.path),
+            "kind": args.kind,
+            "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
+            "sha256": tok.sha256
+        }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
