@@ -31,8 +31,8 @@ def probe_row(monkeypatch):
     """A throwaway score function, s = softplus(logits), added to the table in-process only."""
     sum_to_one = lambda s: s / jnp.sum(s, axis=-1, keepdims=True)
     row = routing_table.Choice(PROBE, True, jax.nn.softplus, sum_to_one, lambda logits, s: s,
-                               routing_table._scores_at_ids, None,
-                               "top-k of `softplus(logits) + b`", "`s[ids]`", "a test's probe")
+                               routing_table.scores_at_ids, None, "top-k of `softplus(logits) + b`",
+                               "`s[ids]`", "a test's probe")
     monkeypatch.setitem(routing_table.CHOICES, (PROBE, True), row)
     return row
 
@@ -79,7 +79,7 @@ def test_row_without_a_kernel_mode_runs_the_reference_on_the_cuda_backend(probe_
     """No kernel mode: route(backend='cuda') warns, naming the score function, and runs the
     reference (the fused kernel is never asked for a mode it does not have)."""
     monkeypatch.setattr(backend, "op_backend", lambda b, op: "cuda")
-    monkeypatch.setattr(backend, "_warned", set())  # warn_once's memory, fresh for this test
+    backend.reset_warnings()  # warn_once's memory, fresh for this test
     logits = jax.random.normal(jax.random.key(_seed()), (5, 8))
     with pytest.warns(UserWarning, match=f"score_func='{PROBE}' has no mode"):
         got = router.route(logits, None, backend="cuda", score_func=PROBE, top_k=2)

@@ -60,7 +60,7 @@ def _on_logits(logits, s):
     return logits
 
 
-def _scores_at_ids(logits, s, ids, norm_topk):
+def scores_at_ids(logits, s, ids, norm_topk):
     """s[ids], divided by their sum if norm_topk (exactly 1, with zero gradient, for k = 1)."""
     del logits
     w = jnp.take_along_axis(s, ids, axis=-1)
@@ -84,7 +84,7 @@ _ROWS = (
            scores=jax.nn.softmax,
            probs=_same,
            selects=_on_scores,
-           weights=_scores_at_ids,
+           weights=scores_at_ids,
            kernel_mode=0,
            selection_doc="top-k of `s + b`, `s = softmax(logits)` over all E",
            weights_doc=_GATHERED,
@@ -107,7 +107,7 @@ _ROWS = (
            scores=jax.nn.sigmoid,
            probs=_sum_to_one,
            selects=_on_scores,
-           weights=_scores_at_ids,
+           weights=scores_at_ids,
            kernel_mode=2,
            selection_doc="top-k of `s + b`, `s = sigmoid(logits)`",
            weights_doc=_GATHERED,
