@@ -166,12 +166,13 @@ def _validate(exp: base.ExperimentConfig, model_cfg, mesh_shape: tuple) -> None:
         raise ConfigError(f"the model has {nl} layers; it needs at least 1")
 
 
-def prepare(cfg: pax_fiddle.Config, *, devices=None) -> Prepared:
+def prepare(cfg: pax_fiddle.Config, *, devices=None, load_data: bool = True) -> Prepared:
     """Validates and builds an experiment config and reads its data. No tracing, no
     compilation. Raises ConfigError naming the problem.
 
     devices: the devices of the mesh (default: all, over every process; fake host devices
       for ``experiments.validate``).
+    load_data: read the dataset (sampling does not need it: ``Prepared.dataset`` stays None).
     """
     if not isinstance(cfg, fdl.Buildable) or cfg.__fn_or_cls__ is not base.ExperimentConfig:
         got = getattr(cfg, "__fn_or_cls__", type(cfg))
@@ -201,6 +202,8 @@ def prepare(cfg: pax_fiddle.Config, *, devices=None) -> Prepared:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--fdl.model: {e}") from e
     exp = dataclasses.replace(exp_stub, model=model)
+    if not load_data:
+        return Prepared(config=exp, mesh=mesh, model_config=model_cfg, layout=layout)
     try:
         dataset = data_lib.load_dataset(exp.data)
     except (OSError, ValueError) as e:
