@@ -300,8 +300,11 @@ def main(argv, stop_signals=None) -> int:
         logging.set_verbosity(logging.WARNING)
     if info.answered(config_from_flags, DEFAULT_EXP):  # --list_experiments, --fdl_help
         return 0
-    if _MODE.value == "sample":
-        return _sample()
+    if _MODE.value == "sample":  # the recorded config and newest checkpoint, as they are
+        try:
+            return sample_cli.run(_job_log_dir(DEFAULT_EXP), progress=not _NO_PROGRESS.value)
+        except errors.SampleError as e:
+            raise UsageError(str(e)) from None
     cfg, name, job_log_dir, recorded = config_and_job_dir()
     from experiments import loop, setup
 
@@ -377,24 +380,6 @@ def main(argv, stop_signals=None) -> int:
     if result["stopped_by"]:
         return signals.exit_status(signal.Signals[result["stopped_by"]])
     return 0
-
-
-def _sample() -> int:
-    """--mode=sample: the job directory's recorded config and newest checkpoint, as is."""
-    fv = flags.FLAGS
-    given = [
-        f"--{k}" for k in ("exp", "fdl_config", "fdl_config_file", "fdl_set", "fiddler")
-        if fv[k].value
-    ]
-    if given:
-        raise UsageError(f"--mode=sample samples the config recorded in --job_log_dir; drop "
-                         f"{', '.join(given)}")
-    from experiments import sample
-
-    try:
-        return sample_cli.run(_job_log_dir(DEFAULT_EXP), progress=not _NO_PROGRESS.value)
-    except sample.SampleError as e:
-        raise UsageError(str(e)) from None
 
 
 def _main(argv) -> int:

@@ -70,6 +70,13 @@ def run(job_log_dir, *, progress: bool) -> int:
     (one line) for a bad flag or job directory."""
     from experiments import sample
 
+    given = [
+        f"--{k}" for k in ("exp", "fdl_config", "fdl_config_file", "fdl_set", "fiddler")
+        if flags.FLAGS[k].value
+    ]
+    if given:
+        raise sample.SampleError(f"--mode=sample samples the config recorded in --job_log_dir; "
+                                 f"drop {', '.join(given)}")
     settings = dict(max_new_tokens=_MAX_NEW_TOKENS.value,
                     temperature=_TEMPERATURE.value,
                     top_k=_TOP_K.value,

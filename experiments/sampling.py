@@ -15,8 +15,50 @@ restricted). Every setting is a traced array, so one compiled step serves them a
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
+
+from experiments.errors import SampleError
+
+
+def check_settings(*, max_new_tokens, temperature, top_k, top_p, num_samples) -> None:
+    """Raises SampleError naming the first setting out of range and what is valid."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise SampleError(f"--max_new_tokens={max_new_tokens!r} is invalid: give an int >= 1")
+    if not temperature >= 0 or not math.isfinite(temperature):
+        raise SampleError(f"--temperature={temperature!r} is invalid: give a finite value >= 0 "
+                          "(0 = greedy)")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise SampleError(f"--top_k={top_k!r} is invalid: give an int >= 0 (0 = no top-k)")
+    if not 0 < top_p <= 1:
+        raise SampleError(f"--top_p={top_p!r} is invalid: give a value in (0, 1] (1 = no "
+                          "nucleus)")
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise SampleError(f"--num_samples={num_samples!r} is invalid: give an int >= 1")
+
+
+def check_prompts(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, context: int,
+                  vocab_size: int) -> None:
+    """Raises SampleError for no prompt, an empty one, a token outside [0, vocab_size) or a
+    prompt + max_new_tokens longer than the model's context."""
+    if not prompt_ids:
+        raise SampleError("no prompt given: pass --prompt=TEXT (repeatable) or --prompts_file=F")
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) == 0:
+            raise SampleError(f"prompt {i} is empty: give at least one character")
+        bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise SampleError(f"prompt {i} holds token ids {bad[:3]} outside the vocabulary "
+                              f"[0, {vocab_size})")
+        if len(ids) + max_new_tokens > context:
+            raise SampleError(
+                f"prompt {i} is {len(ids)} tokens: with --max_new_tokens={max_new_tokens} that is "
+                f"{len(ids) + max_new_tokens}, longer than the model's context of {context} "
+                f"tokens (data.seq_len); shorten the prompt or give --max_new_tokens <= "
+                f"{context - len(ids)}")
 
 
 def restricted_log_probs(logits, temperature, top_k, top_p):

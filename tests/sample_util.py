@@ -103,3 +103,10 @@ def _with(cfg, k, v):
     moe = models.stack_block(cfg.model).moe_layer_tpl
     setattr(moe, k, v)
     return moe
+
+
+def config_json(family: str) -> str:
+    """The config.json a job of ``family`` records."""
+    from fiddle.experimental import serialization
+
+    return serialization.dump_json(FAMILIES[family]().experiment_config())
