@@ -61,19 +61,23 @@ def job_tokenizer(job_log_dir):
 # ------------------------------------------------------------------------------- restore
 
 
-def decode_config(model_cfg):
+def decode_config(model_cfg, *, dropless: bool = True):
     """A copy of a TransformerLm config whose MoE layers are dropless: gating_func 'top2'
     (GShard's capacity) becomes 'dense_top2' (the same softmax top-2, no capacity),
     ``capacity_factor`` and ``ep_buffer_factor`` None; the sequence-wise balance loss (not part
     of the output) becomes the token-wise one. Weights and routing are unchanged."""
     cfg = copy.deepcopy(model_cfg)
     block = models.stack_block(cfg)
-    if block.gating_func == "top2":
+    if dropless and block.gating_func == "top2":
         block.gating_func = "dense_top2"
+    stack = cfg.stacked_transformer_tpl
+    if hasattr(stack, "unroll_in_decode"):  # Praxis's unrolled decode drops the summaries
+        stack.unroll_in_decode = False  # (the dropped-copy counts): scan the repeats
     moe = block.moe_layer_tpl
     if moe is not None:
-        moe.capacity_factor = None
-        moe.ep_buffer_factor = None
+        if dropless:
+            moe.capacity_factor = None
+            moe.ep_buffer_factor = None
         if moe.aux_loss_type == "sequence":  # it needs whole sequences, a step has one token
             moe.aux_loss_type = "switch"  # (aux losses are not part of the output)
     return cfg
@@ -113,8 +117,7 @@ def load_sampler(job_log_dir, *, devices=None, mesh=None, dropless: bool = True)
     cfg = recorded_config(job_log_dir)
     if mesh:
         exp_configs.use_mesh(cfg, **mesh)
-    if dropless:
-        cfg.model = decode_config(cfg.model)
+    cfg.model = decode_config(cfg.model, dropless=dropless)
     try:
         prep = setup.prepare(cfg, devices=devices, load_data=False)
     except setup.ConfigError as e:
