@@ -58,13 +58,22 @@ SOFTMAX_SCALE, WEIGHT_SCALE = 4.0, 3.0  # varied, not flat, next tokens
 FAMILIES = {"tiny": TinySmall, "deepseek": DeepSeekSmall, "qwen3": Qwen3Small}
 
 
-def make_job(job_dir, family: str, *, seed: int = 0, moe_fields=None, step: int = 7) -> Path:
+def make_job(job_dir,
+             family: str,
+             *,
+             seed: int = 0,
+             moe_fields=None,
+             step: int = 7,
+             mesh=None) -> Path:
     """Writes config.json and the checkpoint of ``step`` into ``job_dir``: initialised
     parameters with the tied embedding scaled up (sharper next-token distributions than at
     initialisation) and, where the layers have one, a random expert bias (routing depends on
-    it). moe_fields: MoE layer fields set on the config (e.g. a training capacity_factor)."""
+    it). moe_fields: MoE layer fields set on the config (e.g. a training capacity_factor);
+    mesh: MeshConfig fields (configs.experiments.use_mesh), e.g. {"shape": (1, 1, 1)}."""
     job_dir = Path(job_dir)
     cfg = FAMILIES[family]().experiment_config()
+    if mesh:
+        exp.use_mesh(cfg, **mesh)
     for k, v in (moe_fields or {}).items():
         setattr(
             cfg.model.stacked_transformer_tpl.block if hasattr(
