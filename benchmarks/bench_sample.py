@@ -64,13 +64,20 @@ def main(argv=None) -> int:
         outs = [run() for _ in range(args.reps)]
         assert all(o.dropped == 0 for o in outs + [first])
         rows.append({
-            "batch": b,
-            "prompt_len": args.prompt_len,
-            "new_tokens": args.new_tokens,
-            "prefill_ms": 1e3 * statistics.median(o.prefill_seconds for o in outs),
-            "decode_tokens_per_s": statistics.median(o.decode_tokens_per_second for o in outs),
-            "ms_per_step": statistics.median(o.ms_per_token for o in outs),
-            "compile_s": first.compile_seconds,
+            "batch":
+            b,
+            "prompt_len":
+            args.prompt_len,
+            "new_tokens":
+            args.new_tokens,
+            "prefill_ms":
+            1e3 * statistics.median(o.prefill_seconds for o in outs),
+            "decode_tokens_per_s":
+            statistics.median(o.decode_tokens_per_second for o in outs),
+            "ms_per_step":
+            statistics.median(o.ms_per_token for o in outs),
+            "compile_s":
+            first.compile_seconds,
         })
     print(f"{args.exp} on {jax.device_count()} x {jax.devices()[0].device_kind}; prompt "
           f"{args.prompt_len} tokens, {args.new_tokens} new, greedy, median of {args.reps}")
