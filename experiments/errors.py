@@ -11,6 +11,10 @@ import traceback
 PREFIX = "experiments.main: error: "
 
 
+class SampleError(ValueError):
+    """A bad sampling request or job directory (``--mode=sample``: one line, exit status 2)."""
+
+
 def one_line(e: BaseException) -> str:
     """The error's message with its line breaks and runs of spaces folded into single spaces
     (a message from Fiddle, Praxis or the OS may span lines)."""

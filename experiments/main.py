@@ -7,6 +7,7 @@ PaxML's flag surface:
   python -m experiments.main --exp=configs.experiments.SmallGpu --fdl_set=data.seq_len=512
   python -m experiments.main --fdl_config=tiny_synthetic --fiddler=use_synthetic_data
   python -m experiments.main --mode=eval --job_log_dir=runs/tiny
+  python -m experiments.main --mode=sample --job_log_dir=runs/tiny --prompt="def main("
   python -m experiments.main --list_experiments               # the registered experiments
   python -m experiments.main --exp=small_gpu --fdl_help       # its flags and config fields
 
@@ -41,10 +42,10 @@ import fiddle as fdl
 from fiddle import absl_flags as fdl_flags  # defines --fdl_config, --fdl_set, --fiddler, ...
 from fiddle._src.absl_flags import utils as fdl_utils
 
-from experiments import errors, info, jobdir, signals
+from experiments import errors, info, jobdir, sample_cli, signals
 from experiments import tokenizer as tokenizer_lib
 
-MODES = ("train", "eval")
+MODES = ("train", "eval", "sample")
 DEFAULT_EXP = "tiny"
 EXIT_NONFINITE = 3  # the run stopped at a non-finite loss, gradient norm or state
 
@@ -57,7 +58,8 @@ _JOB_LOG_DIR = flags.DEFINE_string(
     "./runs/<experiment>.")
 _MODE = flags.DEFINE_enum(
     "mode", "train", MODES, "train: train (resuming if possible); "
-    "eval: held-out loss of the newest checkpoint that restores.")
+    "eval: held-out loss of the newest checkpoint that restores; "
+    "sample: continue --prompt texts with it (experiments.sample_cli's flags).")
 _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", 1, "Processes in the job (jax.distributed.initialize num_processes).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index in [0, num_processes).")
@@ -299,6 +301,11 @@ def main(argv, stop_signals=None) -> int:
         logging.set_verbosity(logging.WARNING)
     if info.answered(config_from_flags, DEFAULT_EXP):  # --list_experiments, --fdl_help
         return 0
+    if _MODE.value == "sample":  # the recorded config and newest checkpoint, as they are
+        try:
+            return sample_cli.run(_job_log_dir(DEFAULT_EXP), progress=not _NO_PROGRESS.value)
+        except errors.SampleError as e:
+            raise UsageError(str(e)) from None
     cfg, name, job_log_dir, recorded = config_and_job_dir()
     if _MODE.value != "train":  # a mode that reads a job: nothing is created
         try:

@@ -241,7 +241,8 @@ def prepare(cfg: pax_fiddle.Config,
             *,
             devices=None,
             job_log_dir=None,
-            progress: bool = False) -> Prepared:
+            progress: bool = False,
+            load_data: bool = True) -> Prepared:
     """Validates and builds an experiment config and reads its data. No tracing, no
     compilation. Raises ConfigError naming the problem.
 
@@ -249,6 +250,7 @@ def prepare(cfg: pax_fiddle.Config,
       for ``experiments.validate``).
     job_log_dir: the job directory; a tokenizer it keeps must be the one the config names.
     progress: draw the tokenizing progress bar (a corpus not yet in the cache).
+    load_data: read the dataset (sampling does not need it: ``Prepared.dataset`` stays None).
     """
     if not isinstance(cfg, fdl.Buildable) or cfg.__fn_or_cls__ is not base.ExperimentConfig:
         got = getattr(cfg, "__fn_or_cls__", type(cfg))
@@ -279,6 +281,8 @@ def prepare(cfg: pax_fiddle.Config,
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--fdl.model: {e}") from e
     exp = dataclasses.replace(exp_stub, model=model)
+    if not load_data:
+        return Prepared(config=exp, mesh=mesh, model_config=model_cfg, layout=layout, tokenizer=tok)
     try:
         dataset = data_lib.load_dataset(exp.data, tok, progress=progress)
     except (OSError, ValueError) as e:

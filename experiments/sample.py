@@ -1,0 +1,176 @@
+"""Generating text from a trained job: restore its newest checkpoint, prefill, decode.
+
+``generate(job_log_dir, prompts, max_new_tokens=...)`` is the whole thing; ``load_sampler``
+and ``Sampler.sample`` (``experiments.decoding``) are the layer below it (token ids,
+log-probabilities, timings).
+
+- The job's recorded config (``config.json``) and tokenizer are used, and its newest checkpoint
+  that restores (``experiments.checkpoints``), with the shardings of training on the job's
+  mesh: the batch is split over the token axes (data parallel), the experts stay sharded as
+  trained. Sampling writes nothing into the job directory.
+- Every MoE layer is dropless at decode whatever capacity it trained with (``decode_config``):
+  the same router, scores, groups, expert bias and shared experts, no capacity and no bound on
+  the expert-parallel buffers. The dropped copies are counted anyway (``Samples.dropped``).
+- The next token: ``experiments.sampling`` (greedy, temperature, top-k, top-p).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import jax
+
+import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
+from praxis import base_layer
+
+from configs import experiments as exp_configs
+from configs import models
+from experiments import jobdir, setup
+from experiments import tokenizer as tokenizer_lib
+from experiments.checkpoints import Checkpoints
+from experiments.decoding import Sampler, Samples  # noqa: F401  (this module's API)
+from experiments.sampling import SampleError, check_prompts, check_settings  # noqa: F401
+from experiments.steps import make_step_fns
+
+# ------------------------------------------------------------------------------ tokenizer
+
+
+class PromptTokenizer:
+    """The tokenizer a job trained with (``experiments.tokenizer.job_tokenizer``: the copy its
+    directory keeps, bytes when it keeps none), encoding prompts as the training documents
+    began: with the BOS id first when the job's data added one (``data.add_bos``)."""
+
+    def __init__(self, tokenizer, add_bos: bool):
+        self.tokenizer = tokenizer
+        self.add_bos = bool(add_bos) and tokenizer.bos_id is not None
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def encode(self, text: str) -> list[int]:
+        ids = list(self.tokenizer.encode(text))
+        return [self.tokenizer.bos_id] + ids if self.add_bos else ids
+
+
+def job_tokenizer(job_log_dir, data_config=None) -> PromptTokenizer:
+    """The tokenizer ``job_log_dir`` trained with (encode, decode, eos_id); ``data_config``: the
+    job's recorded DataConfig (its ``add_bos``)."""
+    try:
+        tok = tokenizer_lib.job_tokenizer(job_log_dir)
+    except tokenizer_lib.TokenizerError as e:
+        raise SampleError(str(e)) from None
+    return PromptTokenizer(tok, getattr(data_config, "add_bos", False))
+
+
+# ------------------------------------------------------------------------------- restore
+
+
+def decode_config(model_cfg, *, dropless: bool = True):
+    """A copy of a TransformerLm config whose MoE layers are dropless: gating_func 'top2'
+    (GShard's capacity) becomes 'dense_top2' (the same softmax top-2, no capacity),
+    ``capacity_factor`` and ``ep_buffer_factor`` None; the sequence-wise balance loss (not part
+    of the output) becomes the token-wise one. Weights and routing are unchanged."""
+    cfg = copy.deepcopy(model_cfg)
+    block = models.stack_block(cfg)
+    if dropless and block.gating_func == "top2":
+        block.gating_func = "dense_top2"
+    stack = cfg.stacked_transformer_tpl
+    if hasattr(stack, "unroll_in_decode"):  # Praxis's unrolled decode drops the summaries
+        stack.unroll_in_decode = False  # (the dropped-copy counts): scan the repeats
+    moe = block.moe_layer_tpl
+    if moe is not None:
+        if dropless:
+            moe.capacity_factor = None
+            moe.ep_buffer_factor = None
+        if moe.aux_loss_type == "sequence":  # it needs whole sequences, a step has one token
+            moe.aux_loss_type = "switch"  # (aux losses are not part of the output)
+    return cfg
+
+
+def recorded_config(job_log_dir):
+    """The experiment config recorded in ``job_log_dir``. Raises SampleError (one line) for a
+    directory without a recorded config or without a checkpoint."""
+    job_log_dir = Path(job_log_dir).absolute()
+    ckpt_dir = job_log_dir / "checkpoints"
+    try:
+        cfg = jobdir.load_recorded(job_log_dir)
+    except jobdir.JobDirError as e:
+        raise SampleError(str(e)) from None
+    if cfg is None:
+        raise SampleError(f"--job_log_dir={str(job_log_dir)!r} holds no {jobdir.CONFIG_FILE}: "
+                          "point --job_log_dir at a trained run")
+    if not ckpt_dir.is_dir() or not any(d.name.isdigit() for d in ckpt_dir.iterdir()):
+        raise SampleError(f"--job_log_dir={str(job_log_dir)!r} holds no checkpoint in "
+                          f"{ckpt_dir}: train first (python -m experiments.main "
+                          f"--job_log_dir={job_log_dir}) or point --job_log_dir at a trained run")
+    return cfg
+
+
+def load_sampler(job_log_dir, *, devices=None, mesh=None, dropless: bool = True) -> Sampler:
+    """A Sampler for the newest checkpoint of ``job_log_dir`` that restores, with the job's
+    recorded config made dropless (``decode_config``).
+
+    devices: the devices of the mesh (default: all); mesh: MeshConfig fields to sample on another
+      mesh than the job trained on (``configs.experiments.use_mesh``; the checkpoint is
+      resharded on restore), e.g. ``{"shape": (1, 1, 1)}`` on one device.
+    dropless: False keeps the training capacity (only to see what it would drop).
+    Raises SampleError (one line) for a directory without a recorded config or checkpoint.
+    """
+    job_log_dir = Path(job_log_dir).absolute()
+    ckpt_dir = job_log_dir / "checkpoints"
+    cfg = recorded_config(job_log_dir)
+    if mesh:
+        exp_configs.use_mesh(cfg, **mesh)
+    cfg.model = decode_config(cfg.model, dropless=dropless)
+    try:
+        prep = setup.prepare(cfg, devices=devices, job_log_dir=job_log_dir, load_data=False)
+    except setup.ConfigError as e:
+        raise SampleError(f"the config recorded in {job_log_dir} does not set up: {e}") from None
+    fns = make_step_fns(prep)
+    ckpts = Checkpoints(ckpt_dir, max_to_keep=None, abstract_state=fns.abstract_state)
+    mngr = ckpts.manager()
+    try:
+        with jax.set_mesh(prep.mesh):
+            state, step, notes = ckpts.restore_newest(mngr, set_aside=False)
+    except setup.ConfigError as e:
+        raise SampleError(str(e)) from None
+    finally:
+        mngr.close()
+    for note in notes:
+        print(f"experiments.sample: note: {note}", file=sys.stderr, flush=True)
+    variables = {base_layer.PARAMS: state["params"], **state["non_trainable"]}
+    del state  # the optimizer's moments are not needed
+    return Sampler(prep, variables, job_tokenizer(job_log_dir, prep.config.data), step=step)
+
+
+def generate(job_log_dir,
+             prompts: Sequence[str],
+             *,
+             max_new_tokens: int,
+             temperature: float = 0.0,
+             top_k: int = 0,
+             top_p: float = 1.0,
+             num_samples: int = 1,
+             seed: int = 0,
+             use_cache: bool = True) -> list[list[str]]:
+    """Continuations of each prompt (a list of ``num_samples`` strings per prompt) by the
+    newest checkpoint of ``job_log_dir``; settings as ``experiments.sampling`` describes."""
+    check_settings(max_new_tokens=max_new_tokens,
+                   temperature=temperature,
+                   top_k=top_k,
+                   top_p=top_p,
+                   num_samples=num_samples)
+    sampler = load_sampler(job_log_dir)
+    out = sampler.sample([sampler.tokenizer.encode(p) for p in prompts],
+                         max_new_tokens=max_new_tokens,
+                         temperature=temperature,
+                         top_k=top_k,
+                         top_p=top_p,
+                         num_samples=num_samples,
+                         seed=seed,
+                         use_cache=use_cache)
+    texts = [sampler.tokenizer.decode(t) for t in out.tokens]
+    return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
