@@ -119,8 +119,22 @@ def config_functions(module) -> list[str]:
     ]
 
 
+def builtin_config_functions() -> list[str]:
+    """``--fdl_config`` names of every built-in experiment module: those of
+    ``configs.experiments`` as they are, the others' as ``module.function``."""
+    _load_builtin()
+    names = []
+    for module in EXPERIMENT_MODULES:
+        mod = importlib.import_module(module)
+        prefix = "" if module == EXPERIMENT_MODULES[0] else module + "."
+        names += [prefix + n for n in config_functions(mod)]
+    return names
+
+
 def function_name(name: str, names) -> str:
-    """The one of ``names`` that ``name`` normalizes to (``deep_seek_v3`` -> ``deepseek_v3``),
-    else ``name`` (a dotted ``module.function`` or an unknown name) unchanged."""
-    hits = [n for n in names if "." not in name and normalize(n) == normalize(name)]
+    """The one of ``names`` whose function name ``name`` normalizes to (``deep_seek_v3`` ->
+    ``deepseek_v3``, ``qwen3_moe_gpu`` -> ``configs.single_gpu.qwen3_moe_gpu``), else ``name`` (a dotted ``module.function`` or an unknown name) unchanged."""
+    hits = [
+        n for n in names if "." not in name and normalize(n.rsplit(".", 1)[-1]) == normalize(name)
+    ]
     return hits[0] if len(hits) == 1 else name

@@ -1,7 +1,9 @@
 """Single-GPU presets whose MoE layers dominate the step: the end-to-end FP8 against bf16 check
-(issue 36). Registered like configs.experiments' presets (configs.registry)."""
+. Registered like configs.experiments' presets (configs.registry)."""
 
 from __future__ import annotations
+
+from praxis import pax_fiddle
 
 from configs.experiments import LanguageModel
 from configs.registry import register
@@ -39,3 +41,16 @@ class Qwen3MoeGpuFp8(Qwen3MoeGpu):
     """Qwen3MoeGpu with the expert GEMMs in blockwise FP8: the same seed and data, so
     tokens/s and the held-out loss compare the formats end to end."""
     FP8 = "blockwise"
+
+
+# ------------------------------------------------------------ --fdl_config=NAME entry points
+
+
+def qwen3_moe_gpu() -> pax_fiddle.Config:
+    """The Qwen3MoeGpu experiment (same as --exp=qwen3_moe_gpu)."""
+    return Qwen3MoeGpu().experiment_config()
+
+
+def qwen3_moe_gpu_fp8() -> pax_fiddle.Config:
+    """The Qwen3MoeGpuFp8 experiment."""
+    return Qwen3MoeGpuFp8().experiment_config()

@@ -11,6 +11,10 @@ import traceback
 PREFIX = "experiments.main: error: "
 
 
+class UsageError(ValueError):
+    """A bad flag or config: the job stops with this message and exit status 2."""
+
+
 class SampleError(ValueError):
     """A bad sampling request or job directory (``--mode=sample``: one line, exit status 2)."""
 

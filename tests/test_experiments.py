@@ -5,6 +5,8 @@ metrics and plot are in test_experiments_data.py, the model and train step in
 test_experiments_steps.py, the docs kept in step with the code in test_experiments_docs.py and
 the end-to-end runs in test_experiments_e2e.py."""
 
+import sys
+
 import jax
 import pytest
 from fiddle.experimental import serialization
@@ -29,9 +31,10 @@ def test_registry_names_are_the_fdl_config_names():
     names = {registry.short_name(c) for c in registry.all_experiments().values()}
     assert {"tiny", "tiny_synthetic", "small_gpu", "mixtral_8x7b", "deepseek_v3",
             "qwen3_moe"} <= names
-    # every registered experiment has a --fdl_config entry point of the same name
-    for name in names:
-        assert getattr(experiments, name)().name == name
+    # every registered experiment has a --fdl_config entry point of the same name, in its module
+    for cls in registry.all_experiments().values():
+        name = registry.short_name(cls)
+        assert getattr(sys.modules[cls.__module__], name)().name == name
 
 
 # One rule for what users type: case, '_' and '-' do not count.
