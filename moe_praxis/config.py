@@ -17,7 +17,7 @@ DROP_POLICIES = ("position", "weight")
 ACTIVATIONS = ("silu", "gelu", "relu")
 KERNEL_BACKENDS = ("auto", "xla", "cuda")
 EP_EXCHANGES = ("auto", "ragged", "padded")
-ROUTER_PRECISIONS = ("float32", "tf32", "bf16")
+ROUTER_PRECISIONS = ("float32", "tf32", "bf16", "bf16x3", "auto")
 FP8_RECIPES = (None, "blockwise")
 FP8_BLOCK = 128  # moe_praxis.ops.fp8.BLOCK: activation tiles 1 x 128, weight blocks 128 x 128
 
@@ -49,10 +49,14 @@ class MoEConfig:
         selection only; the weights come from the unbiased scores (DeepSeek-V3 aux-free).
       routed_scaling_factor: multiplies the final routing weights.
       router_precision: the router GEMM `x @ router` (logits are float32 in every case):
-        'float32' (float32 inputs and arithmetic, Precision.HIGHEST), 'tf32' (inputs rounded to
-        TF32, float32 accumulation; TF32 tensor cores on a GPU), 'bf16' (inputs cast to bf16,
-        float32 accumulation; bf16 tensor cores). Lower precisions change some top-k choices
-        (tests/test_routing.py bounds the share) for a faster GEMM.
+        'auto' ('bf16x3' on a GPU, 'float32' elsewhere: the CPU computes exactly 'float32'),
+        'float32' (float32 inputs and arithmetic, Precision.HIGHEST: CUDA cores on a GPU),
+        'bf16x3' (each float32 input split into two bf16 parts, three bf16 tensor-core GEMMs
+        with float32 accumulation, forward and backward: float32-level logits, relative error
+        near 1e-5), 'tf32' (inputs rounded to TF32, float32 accumulation; TF32 tensor cores on
+        a GPU), 'bf16' (inputs cast to bf16, float32 accumulation; bf16 tensor cores). Lower
+        precisions change some top-k choices (tests/test_routing.py bounds the share) for a
+        faster GEMM.
       router_logit_cap: soft cap `cap * tanh(logits / cap)` on the router logits (Praxis's
         `gating_logit_cap`); 0 = off.
       aux_loss_type: 'switch' (global-batch load balance), 'sequence' (the same per sequence,
@@ -129,7 +133,7 @@ class MoEConfig:
     group_topk: int = 1
     use_expert_bias: bool = False
     routed_scaling_factor: float = 1.0
-    router_precision: str = "float32"
+    router_precision: str = "auto"
     router_logit_cap: float = 0.0
     aux_loss_type: str = "switch"
     aux_loss_coeff: float = 0.01
