@@ -54,6 +54,7 @@ QUICK_SHAPES = {  # the same routing at CPU sizes (--quick)
 BLOCK_METHODS = {
     "cuda": (dict(kernel_backend="cuda"), False),
     "cuda+fuse": (dict(kernel_backend="cuda", fuse_gate_up=True), False),
+    "cuda+gather": (dict(kernel_backend="cuda", gather_combine=True), False),
     "cuda+bf16router": (dict(kernel_backend="cuda", router_precision="bf16"), False),
     "cuda-sm80": (dict(kernel_backend="cuda"), False),
     "cuda+fp8": (dict(kernel_backend="cuda", fp8="blockwise"), False),

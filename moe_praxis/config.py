@@ -77,6 +77,12 @@ class MoEConfig:
         and one grouped GEMM for both projections (ops.gate_up_swiglu); on the 'cuda' backend
         the SwiGLU and the routing weight run in that GEMM's epilogue. Same function as the
         unfused block with `interleave_gate_up(wi_gate, wi_up)`.
+      gather_combine: the combine as one gather-and-sum over each token's k rows with the
+        routing weights (ops.combine: kernels/combine.cu on 'cuda'; its backward writes the
+        rows' gradient and the weights' gradient [T, k] directly) instead of the routing weight
+        in the SwiGLU and an unpermute (False, today's path). Single-EP-rank blocks only (with
+        ep > 1 the exchange's combine is used); it keeps the down projection's output for the
+        weights' gradient (one more [T*k, M] activation).
       kernel_backend: 'auto' (CUDA kernels where built and supported, else XLA), 'xla', 'cuda'.
       use_cudnn_fusion: ask for cuDNN's fused grouped GEMM + SwiGLU (needs SM100+ and the
         optional cudnn.jax). Not implemented yet, and it has run on no hardware: where it is not
@@ -143,6 +149,7 @@ class MoEConfig:
     activation: str = "silu"
     gated: bool = True
     fuse_gate_up: bool = False
+    gather_combine: bool = False
     kernel_backend: str = "auto"
     use_cudnn_fusion: bool = False
     param_init_scale: float = 1.0

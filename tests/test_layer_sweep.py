@@ -14,7 +14,8 @@ from benchmarks import layer_report, layer_sweep
 from benchmarks import layer_cases as lc
 from moe_praxis.praxis import fields
 from praxis import base_layer
-from tests.test_layer_bench import FAST, ROOT
+from tests.main_util import ROOT
+from tests.praxis_layer_util import _FAST_COMPILE as FAST
 
 
 def test_deepseek_ep4_is_one_ep4_rank_of_deepseek():
@@ -96,7 +97,9 @@ def test_quick_sweep_end_to_end(tmp_path):
     the JSON holds the sweep summary (a subprocess: XLA's fast-compile flags, as
     test_layer_bench's quick run)."""
     out = tmp_path / "sweep.json"
-    env = dict(os.environ, XLA_FLAGS=FAST, PYTHONPATH=str(ROOT))
+    env = dict(os.environ,
+               XLA_FLAGS=" ".join(f"--{k}={str(v).lower()}" for k, v in FAST.items()),
+               PYTHONPATH=str(ROOT))
     p = subprocess.run([
         sys.executable, "-m", "benchmarks.layer", "--quick", "--shapes", "deepseek_ep4",
         "--methods", "xla,ideal", "--no-skew", "--tokens", "64,128", "--reps", "1", "--json",
