@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops._library import ffi, platform_call
-from moe_praxis.ops.vma import zero_cotangent
+from moe_praxis.ops.vma import vary_together, zero_cotangent
 
 
 def _gathered(out, pos):
@@ -109,8 +109,9 @@ def combine_cuda(out, pos, copy, w, out_dtype=None):
     """The combine kernels, forward and backward (the references where not lowered for CUDA).
     out: [R, M] f32/bf16; pos: [T, k] int32; copy: [R] int32; w: [T, k] f32 -> [T, M] in
     out_dtype (out's dtype by default; float32 for a bf16 out is allowed)."""
-    return _combine(out, pos.astype(jnp.int32), copy.astype(jnp.int32), w.astype(jnp.float32),
-                    jnp.dtype(out_dtype or out.dtype))
+    args = vary_together(out, pos.astype(jnp.int32), copy.astype(jnp.int32),
+                         w.astype(jnp.float32))  # one type in, so the cotangents match it
+    return _combine(*args, jnp.dtype(out_dtype or out.dtype))
 
 
 def combine_unsupported(out, pos, out_dtype) -> str:
