@@ -18,6 +18,7 @@ import pytest
 import moe_praxis as mp
 from moe_praxis import ops
 from moe_praxis.dispatch import sort
+from moe_praxis.ops.combine import combine_cuda
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 
@@ -116,6 +117,21 @@ def test_block_with_gather_combine_matches_todays_combine():
     b = step(params, x, dataclasses.replace(cfg, gather_combine=True))
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert rel_err(v, u) <= 1e-5, f"seed={s}"
+
+
+def test_cuda_lowering_calls_both_kernels():
+    """Lowered for CUDA (no GPU needed), the combine's forward and backward are the two FFI
+    calls, with the gradient of w shaped [T, k]."""
+    out = jnp.zeros((24, 64), jnp.bfloat16)
+    pos, copy = jnp.zeros((8, 3), jnp.int32), jnp.zeros((24, ), jnp.int32)
+
+    def f(o, w):
+        return jnp.sum(combine_cuda(o, pos, copy, w, jnp.float32)**2)
+
+    step = jax.jit(jax.grad(f, argnums=(0, 1)))
+    text = step.trace(out, jnp.ones((8, 3))).lower(lowering_platforms=("cuda", )).as_text()
+    assert "moe_combine_fwd" in text and "moe_combine_bwd" in text
+    assert step(out, jnp.ones((8, 3)))[1].shape == (8, 3)  # the reference on the CPU
 
 
 # ---------------------------------------------------------------------------------- GPU
