@@ -2,13 +2,17 @@
 
     python -m benchmarks.layer [--shapes mixtral,qwen3,deepseek] [--methods LIST]
         [--skew | --no-skew] [--breakdown] [--json PATH] [--quick] [--reps N]
-        [--gshard-groups 8,32,128] [--time-budget SECONDS]
+        [--gshard-groups 8,32,128] [--tokens 4096,...,65536] [--time-budget SECONDS]
 
 Shapes (bf16 x and expert weights, float32 router; `layer_cases.SHAPES`):
   mixtral   T=16384, M=4096, H=14336, E=8,   k=2, softmax top-k
   qwen3     T=16384, M=2048, H=768,   E=128, k=8, softmax top-k
   deepseek  T=8192,  M=7168, H=2048,  E=256, k=8, sigmoid, 8 expert groups top-4, expert bias,
             routed scaling 2.5
+  deepseek_ep4  the same with E=64: one EP-4 rank's experts (about 1024 rows per expert)
+--tokens T1,T2,...: the token-count sweep (benchmarks/layer_sweep.py): every shape at each T
+instead of its own (rows carry `tokens`); the sweep table gives each (shape, method, pass)'s
+share of ideal per T and its largest distance from the share at T=16384 (target: <= 5 points).
 Each at balanced load (a random router) and, with --skew (the default), skewed: a router column
 and an input offset make the busiest expert take 4x the mean load T*k/E (every token where that
 is more than T), read back from moe_block's tokens_per_expert and printed.
@@ -16,6 +20,8 @@ is more than T), read back from moe_block's tokens_per_expert and printed.
 Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
   cuda, cuda+fuse      moe_block, kernel_backend 'cuda', without / with fuse_gate_up
   cuda+bf16router      moe_block, 'cuda', router_precision='bf16'
+  cuda+gather          moe_block, 'cuda', gather_combine=True (issue 37: the routing weights in
+                       one gather-and-sum combine kernel, kernels/combine.cu, not in the SwiGLU)
   cuda+fp8             moe_block, 'cuda', fp8='blockwise' (the FP8 expert GEMM kernels, issue 19;
                        target: Mixtral-like fwd+bwd >= 1.35x 'cuda', column x cuda in the JSON)
   cuda+fp8w, fp8-quant 'cuda+fp8' with the expert weights' FP8 form made beforehand, and that
@@ -26,8 +32,8 @@ Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
                        are traced (ops.backend.force_grouped_gemm, lc.GROUPED_GEMM_FAMILY): the
                        Ampere kernels' whole layer, on a Hopper GPU beside 'cuda'
   xla                  moe_block, kernel_backend 'xla' (RESOURCE_EXHAUSTED is caught: 'OOM')
-  layer, layer+fuse    MoEFeedForward (layer norm + moe_block + residual), 'cuda'; its routing
-                       is softmax top-k at every shape (the layer has no sigmoid / group fields)
+  layer, layer+fuse    MoEFeedForward (layer norm + moe_block + residual), 'cuda', with each
+                       shape's own routing (lc.layer_template: the layer's routing fields)
   gshard               Praxis's TransformerFeedForwardMoe (GShard top-2, gated SiLU) at the
                        Mixtral shape, balanced load: capacity factor 2.5 in Praxis's per-token
                        convention (= 1.25 per copy) and Praxis's default 2.0, both at the
@@ -41,7 +47,7 @@ The 'cuda' methods run with kernel_backend 'xla' where CUDA is unusable (--quick
 says so). fwd = jit(moe_block) (or the layer's apply); fwd+bwd = jit(value_and_grad) of
 sum(y * cot) + aux losses w.r.t. the parameters and x.
 
-Before timing, each shape checks 'cuda', 'cuda+fuse', 'cuda-sm80' and 'cuda+fp8' against 'xla' (y,
+Before timing, each shape checks 'cuda', 'cuda+fuse', 'cuda+gather', 'cuda-sm80' and 'cuda+fp8' against 'xla' (y,
 dx and the weight gradients, ||a - b|| / ||b||, bf16 tolerance 2e-2, FP8 0.08: tests/test_fp8.py's
 bound) on the first tokens (the full
 'xla' layer does not fit everywhere). Timing: every executable compiled once
@@ -56,7 +62,7 @@ aliased); target and PASS/FAIL against issue 23 (fwd+bwd, 'cuda' and 'cuda+fuse'
 >= 95% of ideal and >= 1.25x GShard; skewed load within 15% of the balanced time. Speed is
 asserted here, in the output, never in a test.
 
---breakdown: per-stage GPU time of the balanced fwd+bwd step of 'cuda', 'cuda+fuse' and 'cuda+fp8' from a
+--breakdown: per-stage GPU time of the balanced fwd+bwd step of 'cuda', 'cuda+fuse', 'cuda+gather' and 'cuda+fp8' from a
 profiler trace (benchmarks/layer_breakdown.py: the stage table); where the trace has no GPU
 kernels (the CPU) it prints why and goes on.
 --quick: CPU sizes (layer_cases.QUICK_SHAPES), 2 rounds, small copy-bandwidth buffer: the
@@ -80,7 +86,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from benchmarks import bench_kernels, layer_breakdown, layer_fp8w, layer_report
+from benchmarks import bench_kernels, layer_breakdown, layer_fp8w, layer_report, layer_sweep
 from benchmarks import layer_cases as lc
 from benchmarks.layer_check import CHECKED, _failure, _is_oom, check_against_xla
 from benchmarks import trace
@@ -286,7 +292,8 @@ def time_unit(sh: Shape, opts, load: str, pass_: str) -> list[dict]:
             row["status"] = sh.failed[key] = _failure(ex)
             print(f"  {sh.name} {load} {pass_} {method}: {row['status']}", flush=True)
         rows.append(row)
-    if "gshard" in sh.methods and sh.name == "mixtral" and load == "balanced":
+    if "gshard" in sh.methods and layer_sweep.base_name(sh.name) == "mixtral" and \
+            load == "balanced":
         for label, (comp, args, peak, extra) in gshard_rows(sh, opts, pass_).items():
             timed[label] = (comp, args)
             rows.append(
@@ -342,19 +349,19 @@ def main(argv=None) -> int:
     shapes = lc.QUICK_SHAPES if opts.quick else lc.SHAPES
     if "gshard" in opts.methods and "mixtral" not in opts.shapes:
         notes.append("gshard runs at the Mixtral shape only: not run")
-    for i, name in enumerate(opts.shapes):
+    for i, (name, shape) in enumerate(layer_sweep.runs(opts.shapes, shapes, opts.tokens)):
         if time.time() - t0 > opts.time_budget:
             notes.append(f"--time-budget {opts.time_budget:.0f} s reached: shapes from "
                          f"{name!r} on not run")
             break
         methods = opts.methods
         fp8_methods = ("cuda+fp8", ) + layer_fp8w.METHODS
-        if set(fp8_methods) & set(methods) and (shapes[name].m % 128 or shapes[name].h % 128):
+        if set(fp8_methods) & set(methods) and (shape.m % 128 or shape.h % 128):
             methods = [m for m in methods if m not in fp8_methods]
             notes.append(f"cuda+fp8 not run at {name}: FP8 needs d_model and d_ff multiples of "
                          "128 (the 128 x 128 weight blocks)")
-        sh = Shape(name, shapes[name], methods, backend, jax.random.key(i))
-        print(f"\n== {name}: {shapes[name]}", flush=True)
+        sh = Shape(name, shape, methods, backend, jax.random.key(i))
+        print(f"\n== {name}: {shape}", flush=True)
         # the check needs no 'xla' method: it runs the 'xla' layer on a slice of its own
         if any(m in CHECKED for m in methods):
             result["checks"] += check_against_xla(sh)
@@ -367,6 +374,8 @@ def main(argv=None) -> int:
                 rows = time_unit(sh, opts, load, pass_)
                 rows += layer_fp8w.amortized(rows, opts.microbatches)
                 layer_report.derive(rows, sh.shape, pass_, copy_bw)
+                for r in rows:
+                    r["tokens"] = shape.t
                 if load == "skewed":
                     for r in rows:
                         r["skew_max_over_mean"] = result["skew"][name]["skewed"]["max_over_mean"]
@@ -380,6 +389,9 @@ def main(argv=None) -> int:
         gc.collect()  # the shape's arrays go before the next shape's are made
     result["targets"] = layer_report.targets(result["rows"])
     print("\n" + layer_report.table(result["rows"]))
+    if opts.tokens:
+        result["sweep"] = layer_sweep.summary(result["rows"])
+        print("\n" + layer_sweep.table(result["sweep"]))
     for n in notes:
         print("note:", n)
     layer_report.write(opts.json, result)
@@ -389,7 +401,7 @@ def main(argv=None) -> int:
 
 def run_breakdown(sh: Shape) -> dict:
     out = {}
-    for method in ("cuda", "cuda+fuse", "cuda+fp8"):
+    for method in ("cuda", "cuda+fuse", "cuda+gather", "cuda+fp8"):
         if (method, "fwd+bwd") not in sh.steps:
             continue
         comp, _ = sh.steps[(method, "fwd+bwd")]

@@ -40,17 +40,21 @@ SHAPES = {
     "mixtral": Shape(16384, 4096, 14336, 8, 2, {}),
     "qwen3": Shape(16384, 2048, 768, 128, 8, {}),
     "deepseek": Shape(8192, 7168, 2048, 256, 8, DEEPSEEK_ROUTING),
+    # one EP-4 rank's experts of the DeepSeek-V3-like layer: about 1024 rows per expert
+    "deepseek_ep4": Shape(8192, 7168, 2048, 64, 8, DEEPSEEK_ROUTING),
 }
 QUICK_SHAPES = {  # the same routing at CPU sizes (--quick)
     "mixtral": Shape(256, 64, 128, 8, 2, {}),
     "qwen3": Shape(256, 64, 32, 16, 4, {}),
     "deepseek": Shape(128, 64, 32, 32, 8, DEEPSEEK_ROUTING),
+    "deepseek_ep4": Shape(128, 64, 32, 16, 8, DEEPSEEK_ROUTING),
 }
 # method -> (MoEConfig fields, runs MoEFeedForward instead of moe_block). 'cuda' methods run
 # with kernel_backend 'xla' where CUDA is unusable (--quick on the CPU), said in the output.
 BLOCK_METHODS = {
     "cuda": (dict(kernel_backend="cuda"), False),
     "cuda+fuse": (dict(kernel_backend="cuda", fuse_gate_up=True), False),
+    "cuda+gather": (dict(kernel_backend="cuda", gather_combine=True), False),
     "cuda+bf16router": (dict(kernel_backend="cuda", router_precision="bf16"), False),
     "cuda-sm80": (dict(kernel_backend="cuda"), False),
     "cuda+fp8": (dict(kernel_backend="cuda", fp8="blockwise"), False),
@@ -213,25 +217,31 @@ def _variables(layer, x, big: dict) -> dict:
     return v
 
 
+def layer_template(shape: Shape, *, fuse: bool, backend: str) -> pax_fiddle.Config:
+    """MoEFeedForward (layer norm + moe_block + residual), dropless top-k with the shape's own
+    routing (score function, expert groups, expert bias, routed scaling: `shape.routing`)."""
+    return pax_fiddle.Config(mp.MoEFeedForward,
+                             name="moe",
+                             input_dims=shape.m,
+                             hidden_dims=shape.h,
+                             num_experts=shape.e,
+                             num_experts_per_token=shape.k,
+                             gating_func="topk",
+                             num_groups=1,
+                             use_gated_activation=True,
+                             activation_tpl=pax_fiddle.Config(activations.SiLU),
+                             aux_loss_type="switch",
+                             moe_load_balance_loss_weight=0.01,
+                             fuse_gate_up=fuse,
+                             kernel_backend=backend,
+                             fprop_dtype=jnp.bfloat16,
+                             **shape.routing)
+
+
 def moe_layer(shape: Shape, params: dict, x3, *, fuse: bool, backend: str):
-    """MoEFeedForward (layer norm + moe_block + residual; dropless softmax top-k: the layer has
-    no sigmoid / group routing fields) -> (fns, variables)."""
-    tpl = pax_fiddle.Config(mp.MoEFeedForward,
-                            name="moe",
-                            input_dims=shape.m,
-                            hidden_dims=shape.h,
-                            num_experts=shape.e,
-                            num_experts_per_token=shape.k,
-                            gating_func="topk",
-                            num_groups=1,
-                            use_gated_activation=True,
-                            activation_tpl=pax_fiddle.Config(activations.SiLU),
-                            aux_loss_type="switch",
-                            moe_load_balance_loss_weight=0.01,
-                            fuse_gate_up=fuse,
-                            kernel_backend=backend,
-                            fprop_dtype=jnp.bfloat16)
-    layer, fns = _layer_fns(tpl)
+    """The layer of `layer_template` on `params` -> (fns, variables). Its expert_bias is the
+    layer's own NON_TRAINABLE variable (zeros, like make_params')."""
+    layer, fns = _layer_fns(layer_template(shape, fuse=fuse, backend=backend))
     big = {n: v for n, v in params.items() if n != "expert_bias"}
     return fns, _variables(layer, x3, big)
 

@@ -52,10 +52,14 @@ class MoEConfig:
         selection only; the weights come from the unbiased scores (DeepSeek-V3 aux-free).
       routed_scaling_factor: multiplies the final routing weights.
       router_precision: the router GEMM `x @ router` (logits are float32 in every case):
-        'float32' (float32 inputs and arithmetic, Precision.HIGHEST), 'tf32' (inputs rounded to
-        TF32, float32 accumulation; TF32 tensor cores on a GPU), 'bf16' (inputs cast to bf16,
-        float32 accumulation; bf16 tensor cores). Lower precisions change some top-k choices
-        (tests/test_routing.py bounds the share) for a faster GEMM.
+        'auto' ('bf16x3' on a GPU, 'float32' elsewhere: the CPU computes exactly 'float32'),
+        'float32' (float32 inputs and arithmetic, Precision.HIGHEST: CUDA cores on a GPU),
+        'bf16x3' (each float32 input split into two bf16 parts, three bf16 tensor-core GEMMs
+        with float32 accumulation, forward and backward: float32-level logits, relative error
+        near 1e-5), 'tf32' (inputs rounded to TF32, float32 accumulation; TF32 tensor cores on
+        a GPU), 'bf16' (inputs cast to bf16, float32 accumulation; bf16 tensor cores). Lower
+        precisions change some top-k choices (tests/test_routing.py bounds the share) for a
+        faster GEMM.
       router_logit_cap: soft cap `cap * tanh(logits / cap)` on the router logits (Praxis's
         `gating_logit_cap`); 0 = off.
       aux_loss_type: 'switch' (global-batch load balance), 'sequence' (the same per sequence,
@@ -76,6 +80,12 @@ class MoEConfig:
         and one grouped GEMM for both projections (ops.gate_up_swiglu); on the 'cuda' backend
         the SwiGLU and the routing weight run in that GEMM's epilogue. Same function as the
         unfused block with `interleave_gate_up(wi_gate, wi_up)`.
+      gather_combine: the combine as one gather-and-sum over each token's k rows with the
+        routing weights (ops.combine: kernels/combine.cu on 'cuda'; its backward writes the
+        rows' gradient and the weights' gradient [T, k] directly) instead of the routing weight
+        in the SwiGLU and an unpermute (False, today's path). Single-EP-rank blocks only (with
+        ep > 1 the exchange's combine is used); it keeps the down projection's output for the
+        weights' gradient (one more [T*k, M] activation).
       kernel_backend: 'auto' (CUDA kernels where built and supported, else XLA), 'xla', 'cuda'.
       use_cudnn_fusion: ask for cuDNN's fused grouped GEMM + SwiGLU (needs SM100+ and the
         optional cudnn.jax). Not implemented yet, and it has run on no hardware: where it is not
@@ -132,7 +142,7 @@ class MoEConfig:
     group_topk: int = 1
     use_expert_bias: bool = False
     routed_scaling_factor: float = 1.0
-    router_precision: str = "float32"
+    router_precision: str = "auto"
     router_logit_cap: float = 0.0
     aux_loss_type: str = "switch"
     aux_loss_coeff: float = 0.01
@@ -142,6 +152,7 @@ class MoEConfig:
     activation: str = "silu"
     gated: bool = True
     fuse_gate_up: bool = False
+    gather_combine: bool = False
     kernel_backend: str = "auto"
     use_cudnn_fusion: bool = False
     param_init_scale: float = 1.0

@@ -246,7 +246,9 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
             # combine is a plain unpermute; with it, the partial sums over tp are added in
             # float32 after a float32 weighted combine.
             fuse = exchange.fuse_weights(layout)
-            row_w = vma.vary(w_sorted, tuple(vma.varying_axes(rows))) if fuse else None
+            gather = config.gather_combine  # the weights go into the combine instead
+            row_w = vma.vary(w_sorted, tuple(vma.varying_axes(rows))) if fuse and not gather \
+                else None
             out = expert_ffn(rows,
                              d.group_sizes,
                              weights,
@@ -254,7 +256,15 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
                              backend=backend,
                              row_weights=row_w,
                              rows_fp8=rows_fp8)
-            y = sort.combine_sorted(out, w_sorted, d.row_map, t_l, not fuse, backend=backend)
+            if gather:  # float32 where tp partial sums are added after it, as below
+                y = sort.combine_gather(out,
+                                        vma.vary(r.weights, tuple(vma.varying_axes(out))),
+                                        d,
+                                        t_l,
+                                        out.dtype if fuse else jnp.float32,
+                                        backend=backend)
+            else:
+                y = sort.combine_sorted(out, w_sorted, d.row_map, t_l, not fuse, backend=backend)
             overflow = jnp.zeros((), jnp.int32)
             shared = shared_branch()
         else:

@@ -76,7 +76,9 @@ def test_stage_table_on_the_compiled_hlo():
     stages = {n: lb.stage_of(i, n) for n, i in index.items()}
     router = [index[n]["op_name"] for n, s in stages.items() if s == "router GEMM"]
     assert any("transpose(jvp(moe_router))" in o for o in router), router
-    assert any(o.endswith("jvp(moe_router)/dot_general") for o in router), router
+    # (router_precision 'auto' puts the dot in a platform_dependent branch: .../cond/branch_0_fun)
+    assert any("jvp(moe_router)/" in o and "transpose" not in o and o.endswith("/dot_general")
+               for o in router), router
     assert "expert GEMMs (XLA)" in stages.values()
     assert "sort / capacity (XLA ops)" in stages.values()
     info = lambda target="", op_name="", gemm=False: dict(target=target, op_name=op_name, gemm=gemm)

@@ -326,7 +326,8 @@ def test_docs_list_every_field_with_its_default():
 
 
 def test_router_precision_reaches_the_config():
-    """The layer's router_precision is MoEConfig's (default float32: the logits GEMM as before)."""
-    assert fields.build_config(base_layer.instantiate(_moe_tpl())).router_precision == "float32"
+    """The layer's router_precision is MoEConfig's (default 'auto': float32 on the CPU, bf16x3
+    tensor-core GEMMs on a GPU)."""
+    assert fields.build_config(base_layer.instantiate(_moe_tpl())).router_precision == "auto"
     cfg = fields.build_config(base_layer.instantiate(_moe_tpl(router_precision="bf16")))
     assert cfg.router_precision == "bf16"

@@ -167,12 +167,13 @@ def test_router_is_float32_for_bf16_inputs():
 
 
 def test_router_precision_default_is_todays_float32_gemm_bit_for_bit():
-    """The default router_precision ('float32') computes the logits exactly as before the field
-    existed: float32 inputs, jnp.dot at Precision.HIGHEST (and so the whole route)."""
+    """The default router_precision ('auto': 'bf16x3' on a GPU) computes the logits on the CPU
+    exactly as before the field existed: float32 inputs, jnp.dot at Precision.HIGHEST (and so
+    the whole route)."""
     seed = _seed()
     kx, kw = jax.random.split(jax.random.key(seed))
     cfg = mp.MoEConfig(d_model=64, d_ff=8, num_experts=16, top_k=4)
-    assert cfg.router_precision == "float32"
+    assert cfg.router_precision == "auto"
     x = jax.random.normal(kx, (256, 64), jnp.bfloat16)
     w = jax.random.normal(kw, (64, 16), jnp.float32) / 8
     today = jax.jit(lambda x, w: jnp.dot(
@@ -198,7 +199,10 @@ def test_router_precision_effect_on_logits_and_top_k_choices():
     the router weights to 10 mantissa bits (a bf16 x is exact in TF32), measured near 2e-4,
     bounded to [2e-5, 1e-3]; 'bf16' also rounds them to 7 bits, measured near 2e-3, bounded to
     [3e-4, 1e-2]. Top-k choices that change (of T * k): 'tf32' measured 0.1-0.2%, bounded by
-    0.5%; 'bf16' measured 0.4-0.6%, bounded by 1.5% (and above 0: it does change some)."""
+    0.5%; 'bf16' measured 0.4-0.6%, bounded by 1.5% (and above 0: it does change some).
+    'bf16x3' (the GPU's default; its bf16 GEMMs run on the CPU too) keeps 16 mantissa bits of
+    the router weights: logits measured near 3e-6, bounded by 2e-5; choices changed bounded by
+    0.05%."""
     seed = _seed()
     t, m, e, k = 4096, 2048, 128, 8
     kx, kp = jax.random.split(jax.random.key(seed))
@@ -207,7 +211,7 @@ def test_router_precision_effect_on_logits_and_top_k_choices():
     w = mp.init_moe_params(kp, base)["router"]
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     got = {}
-    for prec in ("float32", "tf32", "bf16"):
+    for prec in ("float32", "tf32", "bf16", "bf16x3"):
         cfg = dataclasses.replace(base, router_precision=prec)
         r = jax.jit(lambda x, w: routing.route(x, w, cfg))(x, w)
         assert r.logits.dtype == r.weights.dtype == jnp.float32
@@ -222,6 +226,8 @@ def test_router_precision_effect_on_logits_and_top_k_choices():
     assert 3e-4 < got["bf16"][0] < 1e-2, msg
     assert _changed_choices(got["tf32"][1], got["float32"][1], e) < 0.005, msg
     assert 0 < _changed_choices(got["bf16"][1], got["float32"][1], e) < 0.015, msg
+    assert got["bf16x3"][0] < 2e-5, msg
+    assert _changed_choices(got["bf16x3"][1], got["float32"][1], e) < 0.0005, msg
 
 
 def test_router_precision_reaches_the_block_and_its_gradients():

@@ -74,6 +74,19 @@ def combine_sorted(rows, w_rows, row_map, num_tokens: int, weighted: bool, *, ba
     return ops.unpermute(rows, row_map, num_tokens, backend=backend)
 
 
+def combine_gather(rows, weights, d: Dispatch, num_tokens: int, out_dtype, *, backend: str):
+    """rows: [R, M] expert outputs (unweighted) in sorted order, weights: [T, k] float32 ->
+    [T, M] in out_dtype = sum_j w[t, j] * rows[pos(t, j)], one gather-and-sum (ops.combine);
+    pos is the inverse of d.order on the kept copies (R for the others)."""
+    t, k = weights.shape
+    r = d.order.shape[0]
+    kept = d.row_map < num_tokens
+    copy = jnp.where(kept, d.order, t * k).astype(jnp.int32)
+    pos = jnp.full((t * k, ), r,
+                   jnp.int32).at[d.order].set(jnp.where(kept, jnp.arange(r, dtype=jnp.int32), r))
+    return ops.combine(rows, pos.reshape(t, k), copy, weights, out_dtype=out_dtype, backend=backend)
+
+
 def combine_rows(y_rows, weights, d: Dispatch, num_tokens: int, *, backend: str = "auto"):
     """y_rows: [R, M] expert outputs, weights: [T, k] -> [T, M] = sum_j w[t, j] * y[copy t, j].
 

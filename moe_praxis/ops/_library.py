@@ -46,6 +46,8 @@ KERNELS: dict[str, str] = {
     "moe_swiglu_bwd_interleaved": "MoeSwigluBwdInterleaved",
     "moe_permute": "MoePermute",
     "moe_unpermute": "MoeUnpermute",
+    "moe_combine_fwd": "MoeCombineFwd",
+    "moe_combine_bwd": "MoeCombineBwd",
     "moe_grouped_gemm_fwd": "MoeGroupedGemmFwd",
     "moe_grouped_gemm_dgrad": "MoeGroupedGemmDgrad",
     "moe_grouped_gemm_wgrad": "MoeGroupedGemmWgrad",

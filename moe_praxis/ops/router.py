@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops._library import ffi, platform_call
 from moe_praxis.ops.routing_table import ROUTER_PRECISIONS, resolve
+from moe_praxis.ops.split_dot import bf16x3_dot
 
 ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K, ROUTER_MAX_GROUPS = 512, 8, 32
 
@@ -86,9 +87,19 @@ def router_gemm(x, w_router, *, precision: str = "float32"):
                  float32 sums, at the platform's default float32 precision (TF32 tensor cores
                  on Ampere and later GPUs; float32 arithmetic on the CPU, same rounded inputs).
       'bf16':    inputs cast to bfloat16, float32 accumulation (bf16 tensor cores on a GPU).
+      'bf16x3':  each float32 input split into a bf16 (hi, lo) pair, three bf16 GEMMs (two for
+                 a bf16 x) with float32 accumulation, forward and backward (ops.split_dot:
+                 XLA's bf16_3x; float32-level logits on bf16 tensor cores).
+      'auto':    'bf16x3' where lowered for a CUDA GPU, 'float32' elsewhere (the CPU's
+                 logits and gradients are bitwise those of 'float32').
 
     The GEMM is XLA's on every kernel backend (the fused router kernel takes the logits).
     """
+    if precision == "auto":
+        return platform_call(bf16x3_dot, functools.partial(router_gemm, precision="float32"), x,
+                             w_router)
+    if precision == "bf16x3":
+        return bf16x3_dot(x, w_router)
     if precision == "float32":
         return jnp.dot(x.astype(jnp.float32),
                        w_router.astype(jnp.float32),

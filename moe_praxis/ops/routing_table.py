@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 # The router GEMM's precision (MoEConfig.router_precision; ops.router.router_gemm).
-ROUTER_PRECISIONS = ("float32", "tf32", "bf16")
+ROUTER_PRECISIONS = ("float32", "tf32", "bf16", "bf16x3", "auto")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,7 +118,7 @@ class MoEFeedForward(base_layer.BaseLayer):
     aux_loss_type: str = "gshard"
     router_z_loss_weight: float = 0.0
     kernel_backend: str = "auto"
-    router_precision: str = "float32"
+    router_precision: str = "auto"
     mesh_resources: Any = None
     ep_exchange: str = "auto"
     ep_buffer_factor: Optional[float] = None
