@@ -32,7 +32,8 @@ OUTPUTS = {
     "benchmarks/results/layer_bench.json"  # benchmarks.layer's default --json
 }
 # Files of other projects the docs compare with (MaxText's, jaxlib's).
-ELSEWHERE = {"flax/moe.py", "xla/ffi/api/ffi.h"}
+# named but not ours: other projects' files, and the file name of a user's Hugging Face tokenizer
+ELSEWHERE = {"flax/moe.py", "xla/ffi/api/ffi.h", "tokenizer.json"}
 REPO_EXTENSIONS = (".py", ".md", ".sh", ".json", ".jsonl", ".cu", ".cuh", ".cfg", ".toml", ".txt",
                    ".log", ".png")
 

@@ -20,6 +20,14 @@ from tests.testutil import seed as _seed
 FP8_WEIGHTS = "fp8_weights"
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """These are CPU tests (bitwise comparisons of CPU computations): on a GPU host too they run
+    on the CPU device, where the compared programs are compiled alike."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def _assert_same(a_tree, b_tree, what):
     la, lb = jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)
     assert len(la) == len(lb) > 0, what

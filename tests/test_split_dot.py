@@ -15,6 +15,14 @@ from moe_praxis.ops.split_dot import bf16x3_dot
 from tests.testutil import seed as _seed
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """These are CPU tests (bitwise comparisons of CPU computations): on a GPU host too they run
+    on the CPU device, where the compared programs are compiled alike."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return np.linalg.norm(a - b) / np.linalg.norm(b)
