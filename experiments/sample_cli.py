@@ -90,8 +90,9 @@ def run(job_log_dir, *, progress: bool) -> int:
     cfg = sample.recorded_config(job_log_dir)
     tok = sample.job_tokenizer(job_log_dir, cfg.data)
     prompt_ids = [tok.encode(p) for p in prompts]
-    sample.check_prompts(prompt_ids, settings["max_new_tokens"], cfg.data.seq_len,
-                         cfg.model.vocab_size)
+    # a vocabulary left unset in the recorded config is the tokenizer's, rounded up at setup
+    vocab = cfg.model.vocab_size or tok.vocab_size
+    sample.check_prompts(prompt_ids, settings["max_new_tokens"], cfg.data.seq_len, vocab)
     sampler = sample.load_sampler(job_log_dir)
     out = sampler.sample(prompt_ids,
                          seed=_SEED.value,

@@ -80,7 +80,7 @@ def test_a_different_exp_or_override_is_refused_naming_dir_and_paths(tmp_path, c
     assert _start("--exp=tiny_synthetic", f"--job_log_dir={job}") == 2
     line = _error_line(capsys)
     assert str(job) in line and "experiment 'tiny'" in line
-    assert "name: 'tiny' -> 'tiny_synthetic'" in line and "data.source: 'pydoc' -> 'synthetic'" \
+    assert "name: 'tiny' -> 'tiny_synthetic'" in line and "data.source: None -> 'synthetic'" \
         in line and "--allow_config_change" in line
     assert _start("--exp=tiny", f"--job_log_dir={job}", "--fdl.optimizer.b2=0.99") == 2
     assert "optimizer.b2: 0.95 -> 0.99" in _error_line(capsys)
@@ -115,7 +115,7 @@ def test_allow_config_change_records_the_new_config_and_keeps_the_old(tmp_path, 
     capsys.readouterr()
     assert _start("--mode=eval", "--exp=tiny_synthetic", f"--job_log_dir={job}",
                   "--allow_config_change") == "started"
-    assert "data.source: 'pydoc' -> 'synthetic'" in capsys.readouterr().err
+    assert "data.source: None -> 'synthetic'" in capsys.readouterr().err
     assert (job / jobdir.CONFIG_FILE).read_text() == old  # eval writes nothing
     assert _start("--exp=tiny_synthetic", f"--job_log_dir={job}",
                   "--allow_config_change") == "started"
