@@ -260,7 +260,7 @@ def test_cli_errors_exit_2_with_the_message_and_write_nothing(tmp_path):
     p = run_main(["--exp=tiny_synthtic", f"--job_log_dir={job}"], check=False, timeout=120)
     assert p.returncode == 2
     assert "experiments.main: error: --exp='tiny_synthtic' is not a registered experiment; " \
-        "did you mean configs.experiments.TinySynthetic" in p.stderr
+        "did you mean tiny_synthetic (configs.experiments.TinySynthetic)" in p.stderr
     p = run_main(["--fdl.train.num_stepz=3", f"--job_log_dir={job}"], check=False, timeout=120)
     assert p.returncode == 2 and "did you mean num_steps" in p.stderr
     p = run_main(["--fdl.data.batch_size=12", f"--job_log_dir={job}"],

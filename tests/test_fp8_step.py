@@ -23,6 +23,7 @@ def _setup(repeat: bool, seed: int):
 
     class Fp8Lm(experiments.TinyFp8):
         REPEAT = repeat
+        VOCAB_SIZE = 256  # the bytes tokenizer's, as the runner sets it
         NUM_LAYERS = 2
         SEQ_LEN = 16
 
