@@ -25,7 +25,7 @@ run: install
 	$(PY) -m experiments.main $(ARGS)
 
 test: install
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
