@@ -39,9 +39,9 @@ def check(batch_size: int, n: int, shards: int) -> Optional[str]:
     data shards (None when they can)."""
     if batch_size % (shards * n) == 0:
         return None
-    return (f"--fdl.train.grad_accum_steps={n} must divide the per-shard batch: "
+    return (f"--fdl.train.grad_accum_steps={n} must divide the rows of each data shard: "
             f"data.batch_size={batch_size} over the {shards} devices of the token axes is "
-            f"{batch_size / shards:g} rows each")
+            f"{batch_size / shards:g} per device (use a batch_size divisible by {shards * n})")
 
 
 def bias_rule(model_config) -> Optional[tuple[float, int]]:
