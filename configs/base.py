@@ -238,6 +238,12 @@ class TrainConfig:
       goes on.
     max_skipped_steps: with on_nonfinite='skip', the run stops as 'stop' does when more than
       this many steps in a row were skipped.
+    grad_accum_steps: n, micro-batches per optimizer step (gradient accumulation): each step's
+      batch (data.batch_size, unchanged) is run as n micro-batches of batch_size / n rows, one
+      forward and backward at a time (activation memory of one micro-batch), and the gradients
+      summed in float32 before the one optimizer update; loss, metrics, the expert-bias update
+      and the expert load are the whole step's. Must divide each data shard's rows
+      (batch_size / the devices of the token axes). 1 = the whole batch at once.
     """
 
     num_steps: int = 200
@@ -250,9 +256,11 @@ class TrainConfig:
     sigterm_at_step: int = 0
     on_nonfinite: str = "stop"
     max_skipped_steps: int = 10
+    grad_accum_steps: int = 1
 
     def __post_init__(self):
-        for name in ("num_steps", "eval_every", "eval_batches", "max_checkpoints", "summary_every"):
+        for name in ("num_steps", "eval_every", "eval_batches", "max_checkpoints", "summary_every",
+                     "grad_accum_steps"):
             _positive_int("TrainConfig", name, getattr(self, name))
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise _bad("TrainConfig", "on_nonfinite", self.on_nonfinite,

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import fiddle as fdl
+from fiddle import daglish
+
 import moe_praxis  # noqa: F401  (applies the Praxis-on-current-JAX shims first)
 from praxis import base_layer, pax_fiddle
 from praxis.layers import activations, embedding_softmax, normalizations, transformer_models
@@ -193,3 +196,16 @@ def num_layers(lm: pax_fiddle.Config) -> int:
     if hasattr(st, "x_times"):
         return first_repeated_layer(lm) + st.x_times * st.block.num_layers
     return st.num_layers
+
+
+def moe_layer_configs(lm: pax_fiddle.Config) -> list:
+    """Every MoEFeedForward config inside a model config (each template once)."""
+    found = []
+
+    def visit(value, state):
+        if isinstance(value, fdl.Buildable) and fdl.get_callable(value) is moe_layer_class():
+            found.append(value)
+        return state.map_children(value)
+
+    daglish.MemoizedTraversal.run(visit, lm)
+    return found

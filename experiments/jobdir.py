@@ -9,7 +9,8 @@ back). A later start (resume, or ``--mode=eval``) compares its config with the r
   (``experiments.main.config_and_job_dir``), so ``--mode=eval --job_log_dir=D`` evaluates
   what D trained on;
 - a config that differs from the record anywhere but the loop fields of ``LOOP_FIELDS`` (how
-  long to train and how often to evaluate and save: they say when, not what) is refused with one
+  long to train and how often to evaluate and save: they say when, not what) and
+  ``EXECUTION_FIELDS`` (how a step is run: ``train.grad_accum_steps``) is refused with one
   line naming the job directory and every differing path, unless ``--allow_config_change``:
   then training records the new config once the directory's checkpoints restore into it (the
   old record is kept as ``config.replaced.<n>.json``) and eval just uses the given config.
@@ -36,6 +37,11 @@ LOOP_FIELDS = frozenset({
     "train.max_checkpoints", "train.summary_every", "train.sigterm_at_step", "train.on_nonfinite",
     "train.max_skipped_steps"
 })
+# Fields that change how a step is run, not its batch, model, optimizer or schedule: they may
+# differ between starts too (the steps after the change differ from an uninterrupted run's by
+# float rounding and, for batch-level statistics such as the 'switch' aux loss and capacity
+# drops, by the micro-batches' own statistics).
+EXECUTION_FIELDS = frozenset({"train.grad_accum_steps"})
 _MISSING = object()
 _SHOWN = 6  # differing paths named in the one-line error; the rest are counted
 
@@ -98,7 +104,7 @@ def _diff(a, b, path: str, out: list) -> None:
         out.append((path, a, b))
 
 
-def differences(recorded, cfg, *, ignore=LOOP_FIELDS) -> list[str]:
+def differences(recorded, cfg, *, ignore=LOOP_FIELDS | EXECUTION_FIELDS) -> list[str]:
     """``path: recorded -> given`` for every leaf where ``cfg`` differs from ``recorded``,
     leaving out the paths in ``ignore``. ``cfg`` is compared as it reads back from its own
     serialization, so only what the record can hold is compared."""

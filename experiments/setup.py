@@ -23,6 +23,7 @@ from praxis import pax_fiddle
 
 from configs import base, models, sharding, stack
 from experiments import data as data_lib
+from experiments import microbatch
 from experiments import tokenizer as tokenizer_lib
 
 
@@ -193,6 +194,15 @@ def _validate(exp: base.ExperimentConfig, model_cfg, mesh_shape: tuple) -> None:
                           f"{sizes}")
     if nl < 1:
         raise ConfigError(f"the model has {nl} layers; it needs at least 1")
+    n = exp.train.grad_accum_steps
+    why = microbatch.check(exp.data.batch_size, n, tokens)
+    if why:
+        raise ConfigError(why)
+    try:
+        if n > 1:
+            microbatch.bias_rule(lm)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 VOCAB_MULTIPLE = 128  # a vocabulary taken from the tokenizer is rounded up to a multiple of it

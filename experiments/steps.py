@@ -16,13 +16,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-import fiddle as fdl
 import jax
 import jax.numpy as jnp
 import optax
-from fiddle import daglish
 
 import moe_praxis  # Praxis shims before praxis is imported
 from moe_praxis.ops import fp8
@@ -30,12 +29,14 @@ from moe_praxis.praxis import fp8_params
 from praxis import base_layer, py_utils
 
 from configs import base, models
+from experiments import microbatch
 from experiments.metrics import expert_load, max_mean_load, moe_scalars
 from experiments.setup import Prepared
 
 P = jax.sharding.PartitionSpec
 NestedMap = py_utils.NestedMap
 MUTABLE = [base_layer.AUX_LOSS, base_layer.SUMMARIES, base_layer.NON_TRAINABLE]
+XENT_EPS = 1e-6  # Praxis's avg_xent = total_xent / (total_weight + 1e-6)
 
 
 def _model_inputs(batch):
@@ -48,15 +49,8 @@ def _model_inputs(batch):
 def fp8_layers(model_config):
     """(fprop dtype, kernel backend) of the model's MoE layers with fp8 set, or None when none
     has: the train step then makes their weights' FP8 form once (moe_praxis.praxis.fp8_params)."""
-    found = []
-
-    def visit(value, state):
-        if (isinstance(value, fdl.Buildable)
-                and fdl.get_callable(value) is moe_praxis.MoEFeedForward and value.fp8):
-            found.append((value.fprop_dtype, value.kernel_backend))
-        return state.map_children(value)
-
-    daglish.MemoizedTraversal.run(visit, model_config)
+    found = [(c.fprop_dtype, c.kernel_backend) for c in models.moe_layer_configs(model_config)
+             if c.fp8]
     if not found:
         return None
     dtype, backend = found[0]
@@ -174,6 +168,11 @@ def make_step_fns(prep: Prepared) -> StepFns:
     replicated = jax.sharding.NamedSharding(mesh, P())
 
     fp8_moe = fp8_layers(prep.model_config)
+    # train.grad_accum_steps: micro-batches [B/n, S] over the token axes like the batch
+    n_micro = exp.train.grad_accum_steps
+    shards = math.prod(mesh.shape[a] for a in token_axes)
+    micro_sharding = jax.sharding.NamedSharding(mesh, P(None, *batch_spec))
+    bias_rule = microbatch.bias_rule(prep.model_config) if n_micro > 1 else None
 
     def fp8_form(params):
         """The FP8 form of the expert weights, made once per step (None: no FP8 layer)."""
@@ -200,26 +199,77 @@ def make_step_fns(prep: Prepared) -> StepFns:
                                        mutable=MUTABLE)
         return out.total_loss, (out, updated)
 
-    def train_fn(state, batch):
-        step = state["step"]
-        key = jax.random.fold_in(jax.random.key(exp.train.seed + 1), step)
-        fp8_tree = fp8_form(state["params"])  # once per optimizer step
+    def whole_step(state, batch, key, fp8_tree):
+        """One forward and backward over the whole batch: (grads, loss metrics, the
+        non-trainable collections the forward updated, summaries)."""
         (loss, (out, updated)), grads = jax.value_and_grad(loss_fn,
                                                            has_aux=True)(state["params"],
                                                                          state["non_trainable"],
                                                                          batch, key, False,
                                                                          fp8_tree)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
         nt = {k: updated.get(k, v) for k, v in state["non_trainable"].items()}
-        grad_norm = optax.global_norm(grads)
-        metrics = {
+        losses = {
             "loss": loss,
             "xent": out.avg_xent,
-            "aux_loss": out.get("aux_loss", jnp.zeros(())),
-            "grad_norm": grad_norm,
-            "learning_rate": schedule(step),
+            "aux_loss": out.get("aux_loss", jnp.zeros(()))
         }
+        return grads, losses, nt, updated.get(base_layer.SUMMARIES, {})
+
+    def micro_steps(state, batch, key, fp8_tree):
+        """whole_step's results over ``n_micro`` micro-batches (experiments.microbatch), each
+        seeing the step's state and FP8 weights. The cross-entropy is summed with the whole
+        step's weights (a mean over its tokens, not a mean of micro-batch means); the rest of
+        total_loss (the aux losses), the summaries and the metrics are means over the
+        micro-batches; the expert bias moves once, on the step's summed token counts."""
+        nt0 = state["non_trainable"]
+        total_weight = jnp.sum(batch["weights"], dtype=jnp.float32)
+        micro = jax.lax.with_sharding_constraint(microbatch.split(batch, n_micro, shards),
+                                                 micro_sharding)
+
+        def objective(params, mb, k):
+            _, (out, updated) = loss_fn(params, nt0, mb, k, False, fp8_tree)
+            xent = out.total_xent / (total_weight + XENT_EPS)
+            summaries = updated.get(base_layer.SUMMARIES, {})
+            sums = {"xent": xent, "aux_loss": out.get("aux_loss", jnp.zeros(())) / n_micro}
+            if bias_rule is not None and base_layer.NON_TRAINABLE in nt0:
+                # the routed copies of a micro-batch (its tokens x k), float32 as the layer has it
+                copies = jnp.maximum(jnp.float32(b // n_micro * s), 1.0) * bias_rule[1]
+                sums["counts"] = microbatch.expert_counts(nt0[base_layer.NON_TRAINABLE], summaries,
+                                                          copies)
+            per_micro = {
+                "summaries": summaries,
+                "nt": {
+                    c: updated.get(c, v)
+                    for c, v in nt0.items()
+                }
+            }
+            return xent + (out.total_loss - out.avg_xent) / n_micro, (sums, per_micro)
+
+        grads, loss, sums, per_micro = microbatch.accumulate(
+            jax.value_and_grad(objective, has_aux=True), state["params"], micro, key,
+            state_sharding["params"])
+        nt = jax.tree.map(lambda x: x[-1], per_micro["nt"])
+        if "counts" in sums:
+            nt[base_layer.NON_TRAINABLE] = microbatch.update_biases(nt0[base_layer.NON_TRAINABLE],
+                                                                    sums["counts"], bias_rule[0])
+        summaries = jax.tree.map(lambda x: jnp.mean(x, 0), per_micro["summaries"])
+        return grads, {
+            "loss": loss,
+            "xent": sums["xent"],
+            "aux_loss": sums["aux_loss"]
+        }, nt, summaries
+
+    def train_fn(state, batch):
+        step = state["step"]
+        key = jax.random.fold_in(jax.random.key(exp.train.seed + 1), step)
+        fp8_tree = fp8_form(state["params"])  # once per optimizer step
+        run = whole_step if n_micro == 1 else micro_steps
+        grads, losses, nt, summaries = run(state, batch, key, fp8_tree)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        grad_norm = optax.global_norm(grads)
+        loss = losses["loss"]
+        metrics = {**losses, "grad_norm": grad_norm, "learning_rate": schedule(step)}
         if skip_nonfinite:
             # Not optax.apply_if_finite: it looks at the gradients only, adds counters to the
             # optimizer state (so the two policies' checkpoints would not be interchangeable)
@@ -229,7 +279,6 @@ def make_step_fns(prep: Prepared) -> StepFns:
                 lambda new, old: jnp.where(finite, new, old), (params, opt_state, nt),
                 (state["params"], state["opt_state"], state["non_trainable"]))
             metrics["skipped"] = jnp.where(finite, 0.0, 1.0)
-        summaries = updated.get(base_layer.SUMMARIES, {})
         metrics.update(moe_scalars(summaries))
         load = expert_load(summaries, nl, lpb, first_repeated)
         if load is not None:
