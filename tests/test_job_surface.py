@@ -395,6 +395,5 @@ def test_small_gpu_step0_loss_on_a_few_tokens_is_near_ln_256():
     CPU: 2 x 16 tokens through the real init and forward pass."""
     # the vocabulary is the job's tokenizer's (bytes: 256), set here as the runner would
     small_gpu = type("SmallGpuBytes", (experiments.SmallGpu, ), dict(VOCAB_SIZE=256))
-    got = _step0_loss(small_gpu().model(), 2, 16,
-                      np.random.default_rng().integers(1 << 30))
+    got = _step0_loss(small_gpu().model(), 2, 16, np.random.default_rng().integers(1 << 30))
     assert abs(got - math.log(256)) <= 0.1 * math.log(256), got
