@@ -13,11 +13,15 @@ back). A later start (resume, or ``--mode=eval``) compares its config with the r
   ``EXECUTION_FIELDS`` (how a step is run: ``train.grad_accum_steps``) is refused with one
   line naming the job directory and every differing path, unless ``--allow_config_change``:
   then training records the new config once the directory's checkpoints restore into it (the
-  old record is kept as ``config.replaced.<n>.json``) and eval just uses the given config.
+  old record is kept as ``config.replaced.<n>.json``) and eval just uses the given config;
+- a field the config leaves None for the start to resolve (``data.source``, the model's
+  vocabulary taken from the tokenizer) is no change where the record holds the value None
+  resolves to: records made before the data pipeline hold ``source='pydoc'`` and 256.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import sys
@@ -28,6 +32,8 @@ import fiddle as fdl
 from fiddle.experimental import serialization
 
 import moe_praxis  # noqa: F401  (Praxis's shims, before a record's references import praxis)
+from experiments import setup
+from experiments import tokenizer as tokenizer_lib
 
 CONFIG_FILE = "config.json"
 # Fields that may differ between starts of one run: they change when the run stops, evaluates
@@ -104,13 +110,47 @@ def _diff(a, b, path: str, out: list) -> None:
         out.append((path, a, b))
 
 
+def _vocab_from_tokenizer(cfg):
+    """The model vocabulary the job takes from its tokenizer when model.vocab_size is None
+    (experiments.setup), or _MISSING when the tokenizer does not load."""
+    try:
+        n = tokenizer_lib.load_tokenizer(cfg.data.tokenizer).vocab_size
+    except (ValueError, OSError):
+        return _MISSING
+    return -(-n // setup.VOCAB_MULTIPLE) * setup.VOCAB_MULTIPLE
+
+
+# Fields a config may leave None that the job resolves when it starts -> what None resolves to.
+# Job directories recorded before the data pipeline hold the resolved value: the same run.
+_RESOLVED_AT_START = {
+    "data.source": lambda cfg: fdl.build(copy.deepcopy(cfg.data)).resolved_source,
+    "model.vocab_size": _vocab_from_tokenizer,
+    "model.softmax_tpl.num_classes": _vocab_from_tokenizer,
+}
+
+
+def _resolved_alike(path: str, recorded_value, given_value, cfg) -> bool:
+    """True where this start leaves `path` None and the record holds what None resolves to."""
+    if given_value is not None or recorded_value is None or path not in _RESOLVED_AT_START:
+        return False
+    try:
+        resolved = _RESOLVED_AT_START[path](cfg)
+    except (AttributeError, TypeError, ValueError):  # not an experiment config: compare as is
+        return False
+    return _same_leaf(recorded_value, resolved)
+
+
 def differences(recorded, cfg, *, ignore=LOOP_FIELDS | EXECUTION_FIELDS) -> list[str]:
     """``path: recorded -> given`` for every leaf where ``cfg`` differs from ``recorded``,
-    leaving out the paths in ``ignore``. ``cfg`` is compared as it reads back from its own
-    serialization, so only what the record can hold is compared."""
+    leaving out the paths in ``ignore`` and a field ``cfg`` leaves to the start to resolve
+    (data.source, the vocabulary) where the record holds its resolved value. ``cfg`` is compared
+    as it reads back from its own serialization, so only what the record can hold is compared."""
     out = []
     _diff(recorded, serialization.load_json(serialization.dump_json(cfg)), "", out)
-    return [f"{p}: {_short(a)} -> {_short(b)}" for p, a, b in out if p not in ignore]
+    return [
+        f"{p}: {_short(a)} -> {_short(b)}" for p, a, b in out
+        if p not in ignore and not _resolved_alike(p, a, b, cfg)
+    ]
 
 
 def check_writable(job_log_dir) -> None:

@@ -20,14 +20,24 @@ constexpr int kThreads = 256;
 template <typename T, int VEC>
 using V = Vec<T, VEC>;
 
+// This thread's place in a launch over n rows of nv vectors each: i = row * nv + vector.
+struct RowVector {
+  int64_t i, row, c;
+  bool inside;  // false past the n * nv vectors
+};
+__device__ __forceinline__ RowVector row_vector(int64_t n, int64_t nv) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  const int64_t row = i / nv;
+  return {i, row, i - row * nv, i < n * nv};
+}
+
 template <typename TI, typename TO, int VEC>
 __global__ void __launch_bounds__(kThreads)
     combine_fwd_kernel(const TI* __restrict__ out, const int32_t* __restrict__ pos,
                        const float* __restrict__ w, TO* __restrict__ y, int64_t tokens,
                        int64_t rows, int k, int64_t nv) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
-  if (i >= tokens * nv) return;
-  const int64_t t = i / nv, c = i - t * nv;
+  const auto [i, t, c, inside] = row_vector(tokens, nv);
+  if (!inside) return;
   float acc[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
@@ -50,9 +60,8 @@ __global__ void __launch_bounds__(kThreads)
     combine_dout_kernel(const TO* __restrict__ dy, const int32_t* __restrict__ copy,
                         const float* __restrict__ w, TI* __restrict__ dout, int64_t rows,
                         int64_t copies, int k, int64_t nv) {
-  const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
-  if (i >= rows * nv) return;
-  const int64_t r = i / nv, c = i - r * nv;
+  const auto [i, r, c, inside] = row_vector(rows, nv);
+  if (!inside) return;
   const int64_t q = __ldg(copy + r);
   V<TI, VEC> o;
   if (q < 0 || q >= copies) {

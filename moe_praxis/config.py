@@ -123,7 +123,9 @@ class MoEConfig:
         one H200 (docs/performance.md): with few large experts a training step is faster than
         in bf16 (Mixtral-like fwd+bwd 1.23-1.29x), with many small ones slower (Qwen3-like
         0.86x, DeepSeek-V3-like 0.81x: every expert weight is quantized every step, and the
-        FP8 GEMMs get few rows per expert).
+        FP8 GEMMs get few rows per expert). moe_praxis.quantize_expert_weights(params, config)
+        makes the weights' FP8 form once per optimizer step for every call of that step to
+        reuse (bitwise the same results; experiments' train step does so for MoEFeedForward).
       fp8_quantize_before_gather: with fp8 and fsdp-sharded expert weights, each device
         quantizes its own shard and the all-gather moves e4m3 data and float32 scales (True,
         about half the bytes of bf16; bitwise the same result); False gathers the weights in

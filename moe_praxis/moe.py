@@ -19,7 +19,7 @@ no axes every collective is the identity, so the body is the single-device block
   4. ep size 1: the sorted rows go straight to the experts. Otherwise the exchange to the
      owning rank and back (dispatch.exchange), the received rows regrouped by local expert.
   5. Experts: grouped GEMMs with the expert weights all-gathered over fsdp (their gradients
-     are reduce-scattered by autodiff), tp partial sums.
+     are reduce-scattered by autodiff; moe_praxis.expert_weights), tp partial sums.
   6. Combine into [Tl, M]: a plain unpermute when the routing weights went into the
      activation (no tp), else the float32 weighted sum.
   7. Shared experts (config.num_shared_experts, moe_praxis.shared): a dense FFN of the local
@@ -40,11 +40,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_praxis import router_stats, routing
+from moe_praxis import expert_weights, router_stats, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.dispatch import capacity, exchange, sort
 from moe_praxis.experts import FP8_GATHER, FP8_WEIGHTS, expert_ffn, fp8_kernels
-from moe_praxis.ops import fp8_weights, resolve_backend, vma
+from moe_praxis.ops import resolve_backend, vma
 from moe_praxis.params import check_params, init_moe_params, param_shapes
 from moe_praxis.resources import EPLayout, check_mesh_in_scope, ep_bootstrap, psum
 from moe_praxis.shared import gather_shared_weights, shared_ffn
@@ -104,70 +104,6 @@ def _flatten(x, paddings, config: MoEConfig, layout: EPLayout, place):
     else:
         valid = place(paddings, (t, ), False) < 0.5
     return x2, valid, seq_len
-
-
-def _gather_weights(params, layout: EPLayout, config: MoEConfig):
-    """Expert weights all-gathered over fsdp: wi [El, M, H/tp], wo [El, H/tp, M], marked
-    varying over the token and tp axes like the rows they multiply (a custom_vjp grouped GEMM
-    returns per-shard weight gradients, which autodiff of the cast sums back).
-
-    With config.fp8 and fp8_quantize_before_gather the shards stay local and the weights get
-    an entry experts.FP8_GATHER {name: (fsdp axes, dim)}: the FP8 GEMM quantizes each shard and
-    gathers the e4m3 data and scales itself (ops.fp8.gathered_fp8_grouped_gemm). A weight whose
-    FP8 form came in (params[FP8_WEIGHTS], experts.quantize_expert_weights) is always gathered
-    in that form (bitwise the same as either order)."""
-    out, gathers = {}, {}
-    given = params.get(FP8_WEIGHTS, {})
-    for name in ("wi_gate", "wi_up", "wi_gate_up", "wo"):
-        if name not in params:
-            continue
-        w = params[name]
-        if layout.fsdp_axes:
-            if layout.fsdp_dim == "expert":
-                dim = 0
-            else:
-                dim = 1 if name.startswith("wi") else 2
-            if config.fp8 is not None and (config.fp8_quantize_before_gather or name in given):
-                gathers[name] = (layout.fsdp_axes, dim)
-            else:
-                w = jax.lax.all_gather(w, layout.fsdp_axes, axis=dim, tiled=True)
-        out[name] = vma.vary(w, layout.token_axes + layout.tp_axes)
-    if gathers:
-        out[FP8_GATHER] = gathers
-    if given:
-        axes = layout.token_axes + layout.tp_axes
-        out[FP8_WEIGHTS] = jax.tree.map(lambda a: vma.vary(a, axes), given)
-    return out
-
-
-def _param_specs(layout: EPLayout, params: dict) -> dict:
-    """The PartitionSpec tree of params: layout.weight_specs, and for the FP8 form of a weight
-    of spec P(e, k, n) q and s P(e, k, n) (whole blocks per shard), qt P(e, n, k)."""
-    specs = layout.weight_specs
-    out = {name: specs[name] for name in params if name != FP8_WEIGHTS}
-    if FP8_WEIGHTS in params:
-        fws = {}
-        for name, fw in params[FP8_WEIGHTS].items():
-            e, k, n = tuple(specs[name]) + (None, ) * (3 - len(specs[name]))
-            fws[name] = fp8_weights.Fp8Weight(q=P(e, k, n),
-                                              s=P(e, k, n),
-                                              qt=None if fw.qt is None else P(e, n, k))
-        out[FP8_WEIGHTS] = fws
-    return out
-
-
-def _check_fp8_weights(params: dict, config: MoEConfig) -> None:
-    if FP8_WEIGHTS not in params:
-        return
-    if config.fp8 is None:
-        raise ValueError(f"params carry {FP8_WEIGHTS!r} (FP8 expert weights) but the config has "
-                         "fp8=None; pass the plain parameters or set fp8='blockwise'")
-    for name, fw in params[FP8_WEIGHTS].items():
-        if name not in ("wi_gate", "wi_up", "wo") or name not in params:
-            raise ValueError(
-                f"params[{FP8_WEIGHTS!r}] has {name!r}; valid: the expert weights "
-                f"of these params, {[n for n in ('wi_gate', 'wi_up', 'wo') if n in params]}")
-        fp8_weights.check_companion(params[name].shape, fw, name)
 
 
 def _regrouped_experts(rows, keys, row_weights, *, weights, config: MoEConfig, num_local: int,
@@ -230,7 +166,7 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
             return shared_ffn(x, valid, shared_weights, config, backend=backend)
 
     with jax.named_scope("moe_experts"):
-        weights = _gather_weights(params, layout, config)
+        weights = expert_weights.gather_expert_weights(params, layout, config)
         if layout.ep_size == 1:
             rows_fp8 = None
             if fp8_kernels(config, backend) and FP8_GATHER not in weights:  # the permute writes
@@ -372,7 +308,7 @@ def moe_block(params: dict,
     Returns MoEOutput (y has x's shape and dtype).
     """
     check_params({n: w for n, w in params.items() if n != FP8_WEIGHTS}, config)
-    _check_fp8_weights(params, config)
+    expert_weights.check_fp8_weights(params, config)
     backend = resolve_backend(config.kernel_backend, "moe_block")
     if (mesh is None) != (resources is None):
         raise ValueError("moe_block needs both mesh and resources for expert parallelism "
@@ -389,7 +325,7 @@ def moe_block(params: dict,
     x2, valid, seq_len = _flatten(
         x, paddings, config, layout, lambda a, shape, rows: _placed(a, shape, mesh, layout,
                                                                     P(*tok, None) if rows else tok))
-    specs = _param_specs(layout, params)
+    specs = expert_weights.param_specs(layout, params)
     if layout.explicit_axes:
         params = jax.tree.map(lambda w, spec: _placed(w, w.shape, mesh, layout, spec), params,
                               specs)

@@ -13,9 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import moe_praxis as mp
 from tests import kernel_reference
 
 HI = jax.lax.Precision.HIGHEST
+
+
+def block_inputs(cfg, shape, seed, dtype=jnp.float32, param_dtype=jnp.float32):
+    """Fresh inputs of a moe_block test, drawn from `seed`: (params (init_moe_params in
+    param_dtype), x [shape] in dtype, cot [shape] float32 (a cotangent for y))."""
+    kp, kx, kc = jax.random.split(jax.random.key(seed), 3)
+    params = mp.init_moe_params(kp, cfg, param_dtype)
+    return params, jax.random.normal(kx, shape, dtype), jax.random.normal(kc, shape, jnp.float32)
 
 
 def reference_decisions(x2, params, cfg, valid):

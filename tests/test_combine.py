@@ -19,6 +19,7 @@ import moe_praxis as mp
 from moe_praxis import ops
 from moe_praxis.dispatch import sort
 from moe_praxis.ops.combine import combine_cuda
+from tests.moe_reference import block_inputs
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 
@@ -103,10 +104,7 @@ def test_block_with_gather_combine_matches_todays_combine():
                        top_k=2,
                        capacity_factor=1.0,
                        kernel_backend="xla")
-    kp, kx, kc = jax.random.split(jax.random.key(s), 3)
-    params = mp.init_moe_params(kp, cfg)
-    x = jax.random.normal(kx, (48, 32), jnp.float32)
-    cot = jax.random.normal(kc, (48, 32), jnp.float32)
+    params, x, cot = block_inputs(cfg, (48, 32), s)
 
     def loss(params, x, c):
         o = mp.moe_block(params, x, c)
@@ -185,10 +183,7 @@ def test_block_cuda_gather_combine_matches_xla(fuse):
                        fuse_gate_up=fuse,
                        kernel_backend="cuda",
                        gather_combine=True)
-    kp, kx, kc = jax.random.split(jax.random.key(s), 3)
-    params = mp.init_moe_params(kp, cfg, jnp.bfloat16)
-    x = jax.random.normal(kx, (1000, 256), jnp.bfloat16)
-    cot = jax.random.normal(kc, (1000, 256), jnp.float32)
+    params, x, cot = block_inputs(cfg, (1000, 256), s, jnp.bfloat16, jnp.bfloat16)
 
     def loss(params, x, c):
         o = mp.moe_block(params, x, c)

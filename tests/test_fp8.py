@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_praxis.ops import fp8
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
+from tests.moe_reference import block_inputs
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 
@@ -202,10 +203,7 @@ def test_moe_block_fp8_within_bound_of_float32_and_routes_the_same():
                        top_k=2,
                        kernel_backend="xla",
                        fp8="blockwise")
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    params = mp.init_moe_params(k1, base)
-    x = jax.random.normal(k2, (2, 96, 128))
-    cot = jax.random.normal(k3, x.shape)
+    params, x, cot = block_inputs(base, (2, 96, 128), seed)
 
     def run(c):
 
@@ -249,10 +247,7 @@ def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated):
                        gated=gated,
                        kernel_backend="xla",
                        fp8="blockwise")
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    params = mp.init_moe_params(k1, cfg)
-    x = jax.random.normal(k2, (2, 80, 256), jnp.bfloat16)
-    cot = jax.random.normal(k3, x.shape)
+    params, x, cot = block_inputs(cfg, (2, 80, 256), seed, jnp.bfloat16)
 
     def run():
 

@@ -148,6 +148,23 @@ def test_differences_name_every_path_and_skip_the_loop_fields():
     ]
 
 
+def test_a_record_holding_what_none_resolves_to_is_the_same_run():
+    """A record made before the data pipeline holds data.source='pydoc' and the bytes
+    vocabulary 256 where tiny now leaves them None (resolved at the start to the same): no
+    change. A record whose value is not what None resolves to still differs."""
+    old, now = experiments.tiny(), experiments.tiny()
+    assert now.data.source is None and now.model.vocab_size is None
+    old.data.source = "pydoc"
+    old.model.vocab_size = old.model.softmax_tpl.num_classes = 256
+    assert jobdir.differences(old, now) == []
+    old.data.source = "synthetic"
+    old.model.vocab_size = 512
+    assert jobdir.differences(old, now) == [
+        "model.vocab_size: 512 -> None",
+        "data.source: 'synthetic' -> None",
+    ]
+
+
 def test_a_changed_config_is_recorded_only_once_the_checkpoints_restore(
         tmp_path, capsys, monkeypatch):
     job = tmp_path / "job"

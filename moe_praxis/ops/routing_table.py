@@ -18,6 +18,7 @@ the fused kernel is to run it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -77,19 +78,20 @@ def _softmax_at_ids(logits, s, ids, norm_topk):
     return jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
 
 
-_GATHERED = "`s[ids]`, divided by their sum if `norm_topk`"
+# A row that selects on the dense scores and weights by them: the pre-softmax rows.
+_on_scores_row = functools.partial(Choice,
+                                   pre_softmax=True,
+                                   selects=_on_scores,
+                                   weights=scores_at_ids,
+                                   weights_doc="`s[ids]`, divided by their sum if `norm_topk`")
 _ROWS = (
-    Choice(score_func="softmax",
-           pre_softmax=True,
-           scores=jax.nn.softmax,
-           probs=_same,
-           selects=_on_scores,
-           weights=scores_at_ids,
-           kernel_mode=0,
-           selection_doc="top-k of `s + b`, `s = softmax(logits)` over all E",
-           weights_doc=_GATHERED,
-           models="Switch (k=1, `norm_topk=False`), GShard top-2, Mixtral and Qwen3-MoE as "
-           "Hugging Face writes them (`norm_topk=True`), Qwen2-MoE (`norm_topk=False`)"),
+    _on_scores_row(score_func="softmax",
+                   scores=jax.nn.softmax,
+                   probs=_same,
+                   kernel_mode=0,
+                   selection_doc="top-k of `s + b`, `s = softmax(logits)` over all E",
+                   models="Switch (k=1, `norm_topk=False`), GShard top-2, Mixtral and Qwen3-MoE as "
+                   "Hugging Face writes them (`norm_topk=True`), Qwen2-MoE (`norm_topk=False`)"),
     Choice(score_func="softmax",
            pre_softmax=False,
            scores=jax.nn.softmax,
@@ -102,17 +104,14 @@ _ROWS = (
            models="Mixtral's and Qwen3-MoE's \"top-k, then softmax\" (alias "
            "`score_func='softmax_topk'`); without a bias the same function as `softmax` with "
            "`norm_topk=True`"),
-    Choice(score_func="sigmoid",
-           pre_softmax=True,
-           scores=jax.nn.sigmoid,
-           probs=_sum_to_one,
-           selects=_on_scores,
-           weights=scores_at_ids,
-           kernel_mode=2,
-           selection_doc="top-k of `s + b`, `s = sigmoid(logits)`",
-           weights_doc=_GATHERED,
-           models="DeepSeek-V3 (with `use_expert_bias`, 8 groups, `routed_scaling_factor=2.5`); "
-           "its load-balancing probabilities are `s` divided by its sum"),
+    _on_scores_row(
+        score_func="sigmoid",
+        scores=jax.nn.sigmoid,
+        probs=_sum_to_one,
+        kernel_mode=2,
+        selection_doc="top-k of `s + b`, `s = sigmoid(logits)`",
+        models="DeepSeek-V3 (with `use_expert_bias`, 8 groups, `routed_scaling_factor=2.5`); "
+        "its load-balancing probabilities are `s` divided by its sum"),
 )
 CHOICES = {(c.score_func, c.pre_softmax): c for c in _ROWS}
 

@@ -9,7 +9,7 @@ validates only its own), and raises a clear error at setup for any value it cann
 docs/praxis.md lists the fields, the checkpoint names, the sharding letters and the summaries.
 The field checks and the MoEConfig mapping live in ``moe_praxis.praxis.fields``, the GShard
 capacity rule and checkpoint converter in ``moe_praxis.praxis.gshard``, the weight-sharding
-check in ``moe_praxis.praxis.sharding``.
+check in ``moe_praxis.praxis.sharding``, the summaries in ``moe_praxis.praxis.summaries``.
 
 Letters (GShard's, kept so ``TransformerLm.set_sharding_params_v1`` configures this layer):
   B batch, L length, M model dim, H hidden dim, E experts, T = B*L tokens;
@@ -43,6 +43,7 @@ from moe_praxis.praxis import compat
 from moe_praxis.praxis import fields
 from moe_praxis.praxis.gshard import capacity_and_groups, grouped_moe_block
 from moe_praxis.praxis.sharding import checked_weight_splits
+from moe_praxis.praxis.summaries import moe_summaries
 
 JTensor = base_layer.JTensor
 LayerTpl = pax_fiddle.Config[base_layer.BaseLayer]
@@ -314,21 +315,6 @@ class MoEFeedForward(base_layer.BaseLayer):
                              f"whole sequences; GShard token groups ({groups}) split them")
         return grouped_moe_block(params, x, config, groups, paddings)
 
-    def _add_summaries(self, out: MoEOutput, paddings, num_tokens: int) -> None:
-        """Scalar summaries (docs/praxis.md), from the block's own statistics."""
-        config = self.moe_config
-        n_valid = (jnp.float32(num_tokens) if paddings is None else jnp.sum(
-            (paddings < 0.5).astype(jnp.float32)))
-        copies = jnp.maximum(n_valid, 1.0) * config.top_k
-        self.add_summary("moe_aux_loss", out.aux_loss)
-        self.add_summary("moe_z_loss", out.z_loss)
-        self.add_summary("moe_router_entropy", out.router_entropy)
-        self.add_summary("moe_dropped_token_fraction",
-                         out.dropped_tokens.astype(jnp.float32) / copies)
-        load = out.tokens_per_expert.astype(jnp.float32) / copies
-        for i in range(config.num_experts):
-            self.add_summary(f"moe_expert_load_{i}", load[i])
-
     def _update_expert_bias(self, out: MoEOutput) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing, in training calls only:
         expert_bias <- moe_praxis.update_expert_bias(expert_bias, tokens_per_expert, u), float32,
@@ -379,7 +365,9 @@ class MoEFeedForward(base_layer.BaseLayer):
         x = self._shard(x, split)
         out = self._moe(x, paddings)
         y = self._shard(out.y, split)
-        self._add_summaries(out, paddings, int(np.prod(x.shape[:-1])))
+        for name, value in moe_summaries(out, paddings, int(np.prod(x.shape[:-1])),
+                                         self.moe_config.top_k).items():
+            self.add_summary(name, value)
         if self.norm_policy == "primer_hybrid":
             y = self.post_layer_norm(y)
         elif self.norm_policy == "post":
