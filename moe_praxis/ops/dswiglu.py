@@ -231,6 +231,12 @@ def swiglu_down(gate,
                                wo,
                                group_sizes,
                                backend=backend)
+    return fused_swiglu_down(gate, up, wo, group_sizes, row_weights, config=config)
+
+
+def fused_swiglu_down(gate, up, wo, group_sizes, row_weights=None, *, config=None):
+    """swiglu_down's fused op whatever the platform: the kernels where lowered for CUDA, their
+    references elsewhere (the same custom_vjp; swiglu_down decides where it runs)."""
     if row_weights is None:
         gate, up = vary_together(gate, up.astype(gate.dtype))
         w = no_weights()
@@ -305,6 +311,11 @@ def gate_up_swiglu_down(lhs,
                                     act=act,
                                     backend=backend)
         return gg.grouped_gemm(h, wo, group_sizes, backend=backend)
+    return fused_gate_up_swiglu_down(lhs, w_gate_up, wo, group_sizes, row_weights, config=config)
+
+
+def fused_gate_up_swiglu_down(lhs, w_gate_up, wo, group_sizes, row_weights=None, *, config=None):
+    """gate_up_swiglu_down's fused op whatever the platform (as fused_swiglu_down)."""
     if row_weights is None:
         w = no_weights()
     else:
