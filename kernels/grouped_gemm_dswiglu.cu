@@ -24,9 +24,7 @@
 // row's partials in column order (deterministic, no atomics) and zeroes the rows past the sum.
 #include <cub/block/block_reduce.cuh>
 
-#include "cutlass/epilogue/collective/detail.hpp"
-#include "cutlass/epilogue/thread/linear_combination.h"
-#include "grouped_gemm.cuh"
+#include "grouped_gemm_register_epilogue.cuh"
 #include "swiglu_math.cuh"
 
 namespace moe_gg {
@@ -55,60 +53,11 @@ __device__ __forceinline__ uint32_t bf16_bits(float v) {
 }
 
 template <class StrideD_>
-class DswigluEpilogueArray {
+class DswigluEpilogueArray : public RegisterEpilogueBase<StrideD_, DswigluExtra> {
  public:
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementOutput = Element;
-  using ElementAccumulator = ElementAcc;
-  using ElementCompute = ElementAcc;
-  using ElementScalar = ElementAcc;
-  using ElementC = void;
-  using StrideC = StrideD_;
-  using InternalStrideC = cute::remove_pointer_t<StrideC>;
-  using ElementD = Element;
-  using StrideD = StrideD_;
-  using InternalStrideD = cute::remove_pointer_t<StrideD>;
-  using GmemElementC = Element;
-  // Not applied (operator() below is the epilogue); GemmUniversalAdapter reads its types.
-  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<Element, 1, ElementAcc,
-                                                                        ElementAcc>;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
-
-  struct SharedStorage {};
-  using TensorMapStorage = SharedStorage;
-
-  struct Arguments {
-    Element** ptr_D = nullptr;  // per group: act's first row of the group (group arrays)
-    StrideD dD{};
-    DswigluExtra extra{};
-  };
-  using Params = Arguments;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
-                                                  void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
-                                              cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const& args) {
-    return args.extra.ld % 8 == 0;
-  }
-
-  CUTLASS_HOST_DEVICE explicit DswigluEpilogueArray(Params const& params) : params(params) {}
-
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
+  using Base = RegisterEpilogueBase<StrideD_, DswigluExtra>;
+  using typename Base::Params;
+  CUTLASS_HOST_DEVICE explicit DswigluEpilogueArray(Params const& p) : Base(p) {}
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
             class FrgLayout, class TiledMma, class ResidueMNK>
@@ -122,8 +71,8 @@ class DswigluEpilogueArray {
     const int m_size = get<0>(problem_shape_mnkl);
     const int n_size = get<1>(problem_shape_mnkl);  // H
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
-    const DswigluExtra& x = params.extra;
-    const int64_t row0 = (params.ptr_D[l_coord] - x.row_base) / x.ld;
+    const DswigluExtra& x = this->params.extra;
+    const int64_t row0 = (this->params.ptr_D[l_coord] - x.row_base) / x.ld;
     const int64_t off0 = row0 * x.ld;
     Element* act = const_cast<Element*>(x.row_base) + off0;
     const float* w = x.row_weights != nullptr ? x.row_weights + row0 : nullptr;
@@ -225,32 +174,14 @@ class DswigluEpilogueArray {
       }
     }
   }
-
- private:
-  Params params;
 };
 
-using DswigluEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-    DswigluEpilogueArray<cutlass::detail::TagToStrideC_t<cutlass::layout::RowMajor*>>>;
-
-// dgrad's operand layouts (kernels/grouped_gemm_dgrad.cu): A = dout row-major, B = rhs[e]
-// read as column-major [N, H].
+// dgrad's operand layouts (kernels/grouped_gemm_dgrad.cu): A = dout row-major, B =
+// rhs[e] read as column-major [N, H].
 template <class Config>
-struct DswigluDef : KernelFor<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Config,
-                              DswigluEpilogue> {
-  using Kernel = typename KernelFor<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor,
-                                    Config, DswigluEpilogue>::Kernel;
-
-  template <class Arrays>
-  static typename Kernel::EpilogueArguments epilogue_args(const Arrays& g,
-                                                          const DswigluExtra& extra) {
-    typename Kernel::EpilogueArguments a{};
-    a.ptr_D = g.ptr_d;
-    a.dD = g.stride_d;
-    a.extra = extra;
-    return a;
-  }
-};
+struct DswigluDef
+    : RegisterEpilogueDef<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Config,
+                          DswigluEpilogueArray> {};
 
 template <class A, class B, int kF, int kD>
 struct DswigluDef<Adaptive<A, B, kF, kD>> : AdaptivePair<DswigluDef<A>, DswigluDef<B>, kF, kD> {};
