@@ -22,6 +22,10 @@ Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
   cuda+bf16router      moe_block, 'cuda', router_precision='bf16'
   cuda+gather          moe_block, 'cuda', gather_combine=True (issue 37: the routing weights in
                        one gather-and-sum combine kernel, kernels/combine.cu, not in the SwiGLU)
+  cuda+dswiglu, cuda+fuse+dswiglu
+                       moe_block, 'cuda', fuse_swiglu_bwd=True, without / with fuse_gate_up
+                       (issue 37: dSwiGLU in the down projection's dgrad epilogue,
+                       kernels/grouped_gemm_dswiglu.cu; no SwiGLU backward kernel)
   cuda+fp8             moe_block, 'cuda', fp8='blockwise' (the FP8 expert GEMM kernels, issue 19;
                        target: Mixtral-like fwd+bwd >= 1.35x 'cuda', column x cuda in the JSON)
   cuda+fp8w, fp8-quant 'cuda+fp8' with the expert weights' FP8 form made beforehand, and that
@@ -47,7 +51,8 @@ The 'cuda' methods run with kernel_backend 'xla' where CUDA is unusable (--quick
 says so). fwd = jit(moe_block) (or the layer's apply); fwd+bwd = jit(value_and_grad) of
 sum(y * cot) + aux losses w.r.t. the parameters and x.
 
-Before timing, each shape checks 'cuda', 'cuda+fuse', 'cuda+gather', 'cuda-sm80' and 'cuda+fp8' against 'xla' (y,
+Before timing, each shape checks 'cuda', 'cuda+fuse', 'cuda+gather', 'cuda+dswiglu',
+'cuda+fuse+dswiglu', 'cuda-sm80' and 'cuda+fp8' against 'xla' (y,
 dx and the weight gradients, ||a - b|| / ||b||, bf16 tolerance 2e-2, FP8 0.08: tests/test_fp8.py's
 bound) on the first tokens (the full
 'xla' layer does not fit everywhere). Timing: every executable compiled once
@@ -62,7 +67,8 @@ aliased); target and PASS/FAIL against issue 23 (fwd+bwd, 'cuda' and 'cuda+fuse'
 >= 95% of ideal and >= 1.25x GShard; skewed load within 15% of the balanced time. Speed is
 asserted here, in the output, never in a test.
 
---breakdown: per-stage GPU time of the balanced fwd+bwd step of 'cuda', 'cuda+fuse', 'cuda+gather' and 'cuda+fp8' from a
+--breakdown: per-stage GPU time of the balanced fwd+bwd step of 'cuda', 'cuda+fuse', 'cuda+gather',
+'cuda+dswiglu', 'cuda+fuse+dswiglu' and 'cuda+fp8' from a
 profiler trace (benchmarks/layer_breakdown.py: the stage table); where the trace has no GPU
 kernels (the CPU) it prints why and goes on.
 --quick: CPU sizes (layer_cases.QUICK_SHAPES), 2 rounds, small copy-bandwidth buffer: the
@@ -118,8 +124,7 @@ class Shape:
         self.params = lc.make_params(shape, k1)
         self.x = jax.random.normal(k2, (shape.t, shape.m), jnp.bfloat16)
         self.cot = jax.random.normal(k3, (shape.t, shape.m), jnp.bfloat16)
-        self.fused = lc.fused_params(self.params) if {"cuda+fuse", "layer+fuse"} & set(methods) \
-            else None
+        self.fused = lc.fused_params(self.params) if any("fuse" in m for m in methods) else None
         self.ideal = lc.ideal_args(shape, k4) if "ideal" in methods else None
         self.skew_key = k5
         self.skew = None  # (router, offset, ratio by bisection)
@@ -401,7 +406,8 @@ def main(argv=None) -> int:
 
 def run_breakdown(sh: Shape) -> dict:
     out = {}
-    for method in ("cuda", "cuda+fuse", "cuda+gather", "cuda+fp8"):
+    for method in ("cuda", "cuda+fuse", "cuda+gather", "cuda+dswiglu", "cuda+fuse+dswiglu",
+                   "cuda+fp8"):
         if (method, "fwd+bwd") not in sh.steps:
             continue
         comp, _ = sh.steps[(method, "fwd+bwd")]

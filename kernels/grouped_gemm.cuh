@@ -85,10 +85,10 @@ namespace moe_gg {
 
 // Launches one CUTLASS kernel over the group arrays `g` with the problem shapes `shapes`;
 // `ws` / `ws_bytes`: room for CUTLASS's own workspace; *used: the bytes it took.
-template <class Def, class Arrays>
+template <class Def, class Arrays, class Extra>
 ffi::Error launch_cutlass(cudaStream_t stream, int e, UnderlyingShape* shapes, const Arrays& g,
                           uint8_t* ws, int64_t ws_bytes, Schedule sched, int device,
-                          int64_t* used, const EpilogueExtra& extra) {
+                          int64_t* used, const Extra& extra) {
   using Gemm = typename Def::Gemm;
   cutlass::KernelHardwareInfo hw = hardware_info<Def>(device);
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
@@ -136,10 +136,12 @@ void set_adaptive_slot(PrepareParams& p, int c, int sm_count) {
 // kernels of its pair, one of which finds no tiles). `sa`, `sb`, `sd` are the (constant)
 // strides of A, B, D; group arrays go at the start of `workspace`, then (adaptive) the second
 // kernel's shapes and the int32 choice, then CUTLASS's workspace(s).
-template <class Def>
+// `extra`: what a fused epilogue reads beyond the group arrays (EpilogueExtra, or the fused
+// kernel's own struct: Def::epilogue_args takes it).
+template <class Def, class Extra = EpilogueExtra>
 ffi::Error run_grouped(cudaStream_t stream, PrepareParams p, typename Def::StrideA sa,
                        typename Def::StrideB sb, typename Def::StrideD sd, uint8_t* workspace,
-                       int64_t workspace_bytes, Schedule sched, const EpilogueExtra& extra = {}) {
+                       int64_t workspace_bytes, Schedule sched, const Extra& extra = {}) {
   moe_praxis_note_stream(stream);
   p.split_rows = p.ragged_k ? 0 : sched.split_rows;  // wgrad's rows are its contraction
   const int e = num_problems(p.num_groups, p.rows, p.split_rows);  // CUTLASS's groups

@@ -12,9 +12,7 @@
 // Hopper accumulator fragment a thread holds columns n and n + 1 of a row as consecutive
 // values, so each thread has whole (gate, up) pairs; a transpose within each quad of lanes
 // turns them into 8-byte stores of gate, up (de-interleaved) and the activation.
-#include "cutlass/epilogue/collective/detail.hpp"
-#include "cutlass/epilogue/thread/linear_combination.h"
-#include "grouped_gemm.cuh"
+#include "grouped_gemm_register_epilogue.cuh"
 
 namespace moe_gg {
 namespace {
@@ -28,60 +26,11 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
 }
 
 template <class StrideD_>
-class SwigluEpilogueArray {
+class SwigluEpilogueArray : public RegisterEpilogueBase<StrideD_, EpilogueExtra> {
  public:
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementOutput = Element;
-  using ElementAccumulator = ElementAcc;
-  using ElementCompute = ElementAcc;
-  using ElementScalar = ElementAcc;
-  using ElementC = void;
-  using StrideC = StrideD_;
-  using InternalStrideC = cute::remove_pointer_t<StrideC>;
-  using ElementD = Element;
-  using StrideD = StrideD_;
-  using InternalStrideD = cute::remove_pointer_t<StrideD>;
-  using GmemElementC = Element;
-  // Not applied (operator() below is the epilogue); GemmUniversalAdapter reads its types.
-  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<Element, 1, ElementAcc,
-                                                                        ElementAcc>;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
-
-  struct SharedStorage {};
-  using TensorMapStorage = SharedStorage;
-
-  struct Arguments {
-    Element** ptr_D = nullptr;  // per group: gate's first row of the group (group arrays)
-    StrideD dD{};
-    EpilogueExtra extra{};
-  };
-  using Params = Arguments;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
-                                                  void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
-                                              cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const& args) {
-    return args.extra.ld % 8 == 0;
-  }
-
-  CUTLASS_HOST_DEVICE explicit SwigluEpilogueArray(Params const& params) : params(params) {}
-
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
+  using Base = RegisterEpilogueBase<StrideD_, EpilogueExtra>;
+  using typename Base::Params;
+  CUTLASS_HOST_DEVICE explicit SwigluEpilogueArray(Params const& p) : Base(p) {}
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
             class FrgLayout, class TiledMma, class ResidueMNK>
@@ -93,8 +42,8 @@ class SwigluEpilogueArray {
     const int m_size = get<0>(problem_shape_mnkl);
     const int n_size = get<1>(problem_shape_mnkl);  // 2H
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
-    const EpilogueExtra& x = params.extra;
-    const int64_t row0 = (params.ptr_D[l_coord] - x.row_base) / x.ld;
+    const EpilogueExtra& x = this->params.extra;
+    const int64_t row0 = (this->params.ptr_D[l_coord] - x.row_base) / x.ld;
     Element* gate = const_cast<Element*>(x.row_base) + row0 * x.ld;
     Element* up = x.up + row0 * x.ld;
     Element* act = x.act + row0 * x.ld;
@@ -170,30 +119,12 @@ class SwigluEpilogueArray {
       }
     }
   }
-
- private:
-  Params params;
 };
-
-using SwigluEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-    SwigluEpilogueArray<cutlass::detail::TagToStrideC_t<cutlass::layout::RowMajor*>>>;
 
 template <class Config>
 struct SwigluDef
-    : KernelFor<cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config, SwigluEpilogue> {
-  using Kernel = typename KernelFor<cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config,
-                                    SwigluEpilogue>::Kernel;
-
-  template <class Arrays>
-  static typename Kernel::EpilogueArguments epilogue_args(const Arrays& g,
-                                                          const EpilogueExtra& extra) {
-    typename Kernel::EpilogueArguments a{};
-    a.ptr_D = g.ptr_d;
-    a.dD = g.stride_d;
-    a.extra = extra;
-    return a;
-  }
-};
+    : RegisterEpilogueDef<cutlass::layout::RowMajor, cutlass::layout::RowMajor, Config,
+                          SwigluEpilogueArray> {};
 
 // The adaptive pair (tile 4): both fused kernels, the device keeps the cheaper one per call
 // (grouped_gemm_tiles.cuh, Adaptive; grouped_gemm_prepare.cuh, moe_gg_prepare).

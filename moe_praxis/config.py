@@ -80,6 +80,13 @@ class MoEConfig:
         and one grouped GEMM for both projections (ops.gate_up_swiglu); on the 'cuda' backend
         the SwiGLU and the routing weight run in that GEMM's epilogue. Same function as the
         unfused block with `interleave_gate_up(wi_gate, wi_up)`.
+      fuse_swiglu_bwd: gated only, not with fp8. The SwiGLU backward in the epilogue of the
+        down projection's dgrad grouped GEMM (ops.swiglu_down, ops.gate_up_swiglu_down:
+        kernels/grouped_gemm_dswiglu.cu, writing d gate, d up, the routing weights' gradient
+        and the activation the down projection's wgrad reads, so the forward keeps gate and up
+        but not the activation). Runs where kernel_backend resolves to cuda with the Hopper
+        grouped GEMM (bf16, d_ff % 8 == 0, silu); elsewhere the same function unfused. Off
+        until measured.
       gather_combine: the combine as one gather-and-sum over each token's k rows with the
         routing weights (ops.combine: kernels/combine.cu on 'cuda'; its backward writes the
         rows' gradient and the weights' gradient [T, k] directly) instead of the routing weight
@@ -154,6 +161,7 @@ class MoEConfig:
     activation: str = "silu"
     gated: bool = True
     fuse_gate_up: bool = False
+    fuse_swiglu_bwd: bool = False
     gather_combine: bool = False
     kernel_backend: str = "auto"
     use_cudnn_fusion: bool = False
@@ -232,6 +240,9 @@ class MoEConfig:
         if self.fuse_gate_up and not self.gated:
             raise _err("fuse_gate_up", self.fuse_gate_up,
                        "needs gated=True (there is no gate projection to fuse)")
+        if self.fuse_swiglu_bwd and (not self.gated or self.fp8 is not None):
+            raise _err("fuse_swiglu_bwd", self.fuse_swiglu_bwd,
+                       "needs gated=True and fp8=None (it fuses the bf16 SwiGLU backward)")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _err("kernel_backend", self.kernel_backend, f"valid: {KERNEL_BACKENDS}")
         if self.fp8 not in FP8_RECIPES:

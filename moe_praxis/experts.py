@@ -6,7 +6,10 @@ act(x @ wi_up) @ wo. Group sizes stay on the device.
 
 With config.fuse_gate_up the two projections are one grouped GEMM against wi_gate_up
 [E, M, 2H] (interleaved columns) with the activation fused (ops.gate_up_swiglu); its gate and up
-are residuals of that op, so 'moe_gate' and 'moe_up' do not exist there.
+are residuals of that op, so 'moe_gate' and 'moe_up' do not exist there. With
+config.fuse_swiglu_bwd the activation and the down projection are one op (ops.swiglu_down /
+ops.gate_up_swiglu_down: dSwiGLU in the down projection's dgrad epilogue, the activation
+recomputed there), so 'ffn1' does not exist there.
 
 Checkpoint names (for jax.checkpoint policies such as save_only_these_names):
   'moe_gate'  [R, H] x @ wi_gate          'moe_up' [R, H] x @ wi_up
@@ -136,6 +139,12 @@ def expert_ffn(rows,
         return _fp8_expert_ffn(rows, group_sizes, weights, config, row_weights, backend, rows_fp8)
     dt = rows.dtype
     wo = weights["wo"]
+    down = dict(act=config.activation, backend=backend)  # fuse_swiglu_bwd's ops' options
+    if config.fuse_gate_up and config.fuse_swiglu_bwd:
+        w_gate_up = weights["wi_gate_up"].astype(dt)
+        out = ops.gate_up_swiglu_down(rows, w_gate_up, wo.astype(dt), group_sizes, row_weights,
+                                      **down)
+        return checkpoint_name(out, "ffn2")
     if config.fuse_gate_up:
         act = ops.gate_up_swiglu(rows,
                                  weights["wi_gate_up"].astype(dt),
@@ -152,6 +161,9 @@ def expert_ffn(rows,
         gate = checkpoint_name(
             ops.grouped_gemm(rows, weights["wi_gate"].astype(dt), group_sizes, backend=backend),
             "moe_gate")
+        if config.fuse_swiglu_bwd:
+            out = ops.swiglu_down(gate, up, wo.astype(dt), group_sizes, row_weights, **down)
+            return checkpoint_name(out, "ffn2")
         act = ops.swiglu(gate, up, row_weights, act=config.activation, backend=backend)
     else:
         act = ops.activation(config.activation)(up)

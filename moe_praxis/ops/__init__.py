@@ -3,8 +3,8 @@
 1. Per op family, one public module: the pure-JAX reference (the CPU path and the test oracle)
    and the public op (a custom_vjp taking explicit static arguments), with its CUDA lowering
    (FFI calls, custom_partitioning, abstract shapes) beside it: `aux_loss`, `router`, `swiglu`,
-   `permute`, `combine`, `grouped_gemm` (+ `grouped_gemm_tiles`, its kernel configurations and rule) and
-   `gate_up`.
+   `permute`, `combine`, `grouped_gemm` (+ `grouped_gemm_tiles`, its kernel configurations and rule),
+   `gate_up` and `dswiglu` (swiglu_down: dSwiGLU in the down projection's dgrad epilogue).
 2. `backend`: the device query, each op's compute-capability requirement, 'auto' | 'xla' |
    'cuda' resolution (once per block), the one warn-once, `backend_info()`.
 3. `_library` (private): the kernel library's table, path and environment variable, loading
@@ -24,6 +24,7 @@ from moe_praxis.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moe_praxis.ops.permute import permute, permute_reference, unpermute, unpermute_reference
 from moe_praxis.ops.router import route, router_reference
 from moe_praxis.ops.swiglu import activation, swiglu, swiglu_reference
+from moe_praxis.ops.dswiglu import gate_up_swiglu_down, swiglu_down
 
 __all__ = [
     "activation",
@@ -37,6 +38,7 @@ __all__ = [
     "fp8_fused",
     "fp8_quant",
     "gate_up_swiglu",
+    "gate_up_swiglu_down",
     "grouped_gemm",
     "grouped_gemm_reference",
     "interleave_gate_up",
@@ -47,6 +49,7 @@ __all__ = [
     "router_reference",
     "split_gate_up",
     "swiglu",
+    "swiglu_down",
     "swiglu_reference",
     "unpermute",
     "unpermute_reference",

@@ -52,6 +52,8 @@ KERNELS: dict[str, str] = {
     "moe_grouped_gemm_dgrad": "MoeGroupedGemmDgrad",
     "moe_grouped_gemm_wgrad": "MoeGroupedGemmWgrad",
     "moe_grouped_gemm_swiglu_fwd": "MoeGroupedGemmSwigluFwd",
+    "moe_grouped_gemm_dswiglu": "MoeGroupedGemmDswiglu",
+    "moe_grouped_gemm_dswiglu_interleaved": "MoeGroupedGemmDswigluInterleaved",
     "moe_grouped_gemm_sm80_fwd": "MoeGroupedGemmSm80Fwd",
     "moe_grouped_gemm_sm80_dgrad": "MoeGroupedGemmSm80Dgrad",
     "moe_grouped_gemm_sm80_wgrad": "MoeGroupedGemmSm80Wgrad",

@@ -95,12 +95,19 @@ def grouped_gemm_wgrad_reference(lhs, dout, group_sizes):
 # ------------------------------------------------------------------------- CUDA kernels
 
 
-def call_kernel(target: str, results, *args, num_groups: int, config: str, tiles=None, **attrs):
+def call_kernel(target: str,
+                results,
+                *args,
+                num_groups: int,
+                config: str,
+                tiles=None,
+                extra_workspace: int = 0,
+                **attrs):
     """One grouped GEMM FFI call: `results` (ShapeDtypeStructs) plus the workspace sized for
     `num_groups` groups (and the row split's pieces of the first argument's rows) and the
-    configuration's tile, with the configuration's tile / raster / swizzle / split_rows
-    attributes and `attrs`. tiles: the tiles `target` is built for (None: all).
-    Returns the results, then the workspace."""
+    configuration's tile, plus `extra_workspace` bytes the kernel takes at its end, with the
+    configuration's tile / raster / swizzle / split_rows attributes and `attrs`. tiles: the
+    tiles `target` is built for (None: all). Returns the results, then the workspace."""
     tile, raster, swizzle, split_rows = parse_config(config)
     if tiles is not None and tile not in tiles:
         raise ValueError(f"{target}: config {config!r}: tile {TILE_CONFIGS[tile]!r} is not "
@@ -108,7 +115,7 @@ def call_kernel(target: str, results, *args, num_groups: int, config: str, tiles
     if target == TARGETS["wgrad"]:
         split_rows = 0  # wgrad's rows are its contraction: never split (the kernel ignores it)
     problems = num_problems(num_groups, args[0].shape[0], split_rows)
-    ws = jax.ShapeDtypeStruct((workspace_bytes(problems, tile), ), jnp.uint8)
+    ws = jax.ShapeDtypeStruct((workspace_bytes(problems, tile) + extra_workspace, ), jnp.uint8)
     return ffi(target,
                tuple(results) + (ws, ),
                *args,
