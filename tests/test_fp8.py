@@ -201,7 +201,8 @@ def test_moe_block_fp8_within_bound_of_float32_and_routes_the_same():
                        num_experts=4,
                        top_k=2,
                        kernel_backend="xla",
-                       fp8="blockwise")
+                       fp8="blockwise",
+                       fp8_gemms="all")
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     params = mp.init_moe_params(k1, base)
     x = jax.random.normal(k2, (2, 96, 128))
@@ -230,15 +231,17 @@ def test_moe_block_fp8_within_bound_of_float32_and_routes_the_same():
     assert rel_err(g8["router"], g32["router"]) < FP8_BOUND, f"seed={seed}"
 
 
+@pytest.mark.parametrize("gemms", ["all", "auto"])
 @pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "plain"])
-def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated):
+def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated, gemms):
     """The FP8 kernels' FFN (experts._fp8_kernel_ffn: the permute's FP8 rows shared by gate and
     up, the SwiGLU writing the down projection's FP8 operand, ops.fp8.fp8_gemms_shared_lhs),
     forced on the CPU where each kernel lowers to its reference, against the pure-JAX emulation
     of the same recipe, in bfloat16 (both paths round every GEMM output to bf16 and quantize
     the same operands): outputs and gradients equal up to float32 summation order (the kernel
     path adds the two dgrads in float32, its wgrads sum per group): bound 1e-5 norm-wise (seen:
-    0 for y and dx, 7e-8 for the weights), with every gradient nonzero. Routing unchanged."""
+    0 for y and dx, 7e-8 for the weights), with every gradient nonzero. Routing unchanged.
+    fp8_gemms='auto' (here: the forwards in FP8, dgrads and wgrads in bf16, ops.fp8_mixed) too."""
     import moe_praxis as mp
 
     seed = _seed()
@@ -248,7 +251,8 @@ def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated):
                        top_k=2,
                        gated=gated,
                        kernel_backend="xla",
-                       fp8="blockwise")
+                       fp8="blockwise",
+                       fp8_gemms=gemms)
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     params = mp.init_moe_params(k1, cfg)
     x = jax.random.normal(k2, (2, 80, 256), jnp.bfloat16)
@@ -312,7 +316,8 @@ def test_block_quantize_before_gather_bitwise_equals_gather_then_quantize(fsdp_d
                        num_experts=8,
                        top_k=2,
                        kernel_backend="xla",
-                       fp8="blockwise")
+                       fp8="blockwise",
+                       fp8_gemms="all")
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), mp.init_moe_params(k1, cfg))
     x = jax.random.normal(k2, (8, 32, m)).astype(jnp.bfloat16)

@@ -39,6 +39,7 @@ from moe_praxis import resources
 from moe_praxis.balancing import update_expert_bias
 from moe_praxis.experts import FP8_WEIGHTS
 from moe_praxis.moe import MoEOutput, moe_block, param_shapes
+from moe_praxis.ops import fp8_rule
 from moe_praxis.praxis import compat
 from moe_praxis.praxis import fields
 from moe_praxis.praxis.gshard import capacity_and_groups, grouped_moe_block
@@ -60,7 +61,7 @@ class MoEFeedForward(base_layer.BaseLayer):
       fuse_gate_up: gated only; one weight wi_gate_up [E, M, 2H] (MoEConfig.fuse_gate_up).
       num_experts_per_token: k for gating_func='topk' (top2 / dense_top2 need 2).
       aux_loss_type, kernel_backend, router_precision, ep_exchange, ep_buffer_factor, fp8,
-      fp8_quantize_before_gather, router_z_loss_weight (z_loss_coeff): MoEConfig's.
+      fp8_quantize_before_gather, fp8_gemms, router_z_loss_weight (z_loss_coeff): MoEConfig's.
       mesh_resources: a moe_praxis.MeshResources; when set and a mesh is in scope
         (jax.set_mesh or `with mesh:`), moe_block runs expert-parallel on it, and when the
         layer also has mesh_axis_names and ici_mesh_shape its weight sharding is checked
@@ -139,6 +140,7 @@ class MoEFeedForward(base_layer.BaseLayer):
     shared_expert_gate: bool = False
     fp8: Optional[str] = None  # FP8 expert GEMMs (MoEConfig.fp8, any gating_func)
     fp8_quantize_before_gather: bool = True
+    fp8_gemms: str = "auto"  # which expert GEMMs run in FP8 (MoEConfig.fp8_gemms)
 
     class WeightSharding(base_layer.BaseLayer.WeightSharding):
         """Weight sharding (mesh axis per dim).
@@ -328,6 +330,8 @@ class MoEFeedForward(base_layer.BaseLayer):
         load = out.tokens_per_expert.astype(jnp.float32) / copies
         for i in range(config.num_experts):
             self.add_summary(f"moe_expert_load_{i}", load[i])
+        for gemm, share in fp8_rule.shares(config.fp8_choices()).items():
+            self.add_summary(f"moe_fp8_{gemm}", jnp.float32(share))
 
     def _update_expert_bias(self, out: MoEOutput) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing, in training calls only:
