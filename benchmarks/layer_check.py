@@ -12,7 +12,7 @@ from benchmarks import layer_cases as lc
 from moe_praxis import ops
 
 CHECK_TOL = 2e-2
-CHECKED = ("cuda", "cuda+fuse", "cuda+gather", "cuda-sm80", "cuda+fp8"
+CHECKED = ("cuda", "cuda+fuse", "cuda+gather", "cuda-sm80", "cuda+fp8", "cuda+fp8all"
            )  # the methods checked against 'xla'
 FP8_CHECK_TOL = 0.08
 CHECK_TOKENS = 2048

@@ -173,3 +173,19 @@ def test_auto_on_fsdp_ep_mesh_equals_one_device():
     assert any("f8E4M3FN" in line for line in gathers), gathers
     for master in ("tensor<4x512x384xf32>", "tensor<4x384x512xf32>"):  # wi, wo of 4 experts
         assert any(line.endswith(master) for line in gathers), (master, gathers)
+
+
+def test_layer_benchmark_reports_the_fp8_gemms(capsys):
+    """benchmarks/layer.py's 'cuda+fp8' (fp8_gemms 'auto') and 'cuda+fp8all' name which GEMMs
+    ran in FP8, at the DeepSeek-V3-like shape (the --quick shapes are too narrow for FP8)."""
+    from benchmarks import layer_cases as lc
+    from benchmarks import layer_report
+
+    shape = lc.SHAPES["deepseek"]
+    configs = {m: lc.config(shape, **lc.BLOCK_METHODS[m][0]) for m in ("cuda+fp8", "cuda+fp8all")}
+    got = layer_report.fp8_gemms(configs)
+    assert got["cuda+fp8"]["wi_up"] == {"fwd": "fp8", "dgrad": "fp8", "wgrad": "bf16"}
+    assert got["cuda+fp8"]["wo"] == {"fwd": "fp8", "dgrad": "bf16", "wgrad": "bf16"}
+    assert set(got["cuda+fp8all"]["wo"].values()) == {"fp8"}
+    out = capsys.readouterr().out
+    assert "cuda+fp8: fp8_gemms='auto', FP8 GEMMs: wi_gate fwd+dgrad, wi_up fwd+dgrad, wo fwd" in out
