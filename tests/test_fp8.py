@@ -11,6 +11,7 @@ Tolerances:
   or nothing was quantized.
 """
 
+import dataclasses
 import warnings
 
 import ml_dtypes
@@ -303,7 +304,6 @@ def test_block_quantize_before_gather_bitwise_equals_gather_then_quantize(fsdp_d
     """moe_block with fp8='blockwise' on fsdp4 x ep2: quantizing each weight shard before the
     all-gather gives bitwise the outputs and gradients of gathering first; the lowered step's
     weight all-gathers carry e4m3 in one order and the weights' dtype in the other."""
-    import dataclasses
 
     import moe_praxis as mp
 
@@ -354,8 +354,20 @@ def test_quantize_before_gather_needs_whole_blocks_per_shard():
 
     mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(8, 1), ("fsdp", "ep"))
     res = mp.MeshResources(fsdp="fsdp", ep="ep", fsdp_dim="model")
-    cfg = mp.MoEConfig(d_model=512, d_ff=256, num_experts=8, kernel_backend="xla", fp8="blockwise")
+    cfg = mp.MoEConfig(d_model=512,
+                       d_ff=256,
+                       num_experts=8,
+                       kernel_backend="xla",
+                       fp8="blockwise",
+                       fp8_gemms="all")
     params = mp.init_moe_params(jax.random.key(0), cfg)
     x = jnp.ones((8, 4, 512))
     with pytest.raises(ValueError, match=r"shard has shape \(8, 64, 256\).*multiples of 128"):
         mp.moe_block(params, x, cfg, mesh=mesh, resources=res)
+    # with bf16 GEMMs in the rule the whole weight is gathered first: no block straddles
+    auto = dataclasses.replace(cfg, fp8_gemms="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the emulation's notice
+        y = jax.eval_shape(lambda p, x: mp.moe_block(p, x, auto, mesh=mesh, resources=res).y,
+                           params, x)
+    assert y.shape == x.shape
