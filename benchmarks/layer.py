@@ -27,7 +27,10 @@ Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
                        (issue 37: dSwiGLU in the down projection's dgrad epilogue,
                        kernels/grouped_gemm_dswiglu.cu; no SwiGLU backward kernel)
   cuda+fp8             moe_block, 'cuda', fp8='blockwise' (the FP8 expert GEMM kernels, issue 19;
-                       target: Mixtral-like fwd+bwd >= 1.35x 'cuda', column x cuda in the JSON)
+                       target: Mixtral-like fwd+bwd >= 1.35x 'cuda', column x cuda in the JSON);
+                       fp8_gemms 'auto': which GEMMs run FP8 is printed per shape and in the
+                       JSON's 'fp8_gemms' {shape: {method: {weight: {fwd|dgrad|wgrad: fp8|bf16}}}}
+  cuda+fp8all          'cuda+fp8' with fp8_gemms='all' (every expert GEMM in FP8)
   cuda+fp8w, fp8-quant 'cuda+fp8' with the expert weights' FP8 form made beforehand, and that
                        quantization alone: with --microbatches N1,N2 (default 1,8) the rows
                        'cuda+fp8 @n' = cuda+fp8w + fp8-quant / n, weights quantized once per
@@ -360,13 +363,16 @@ def main(argv=None) -> int:
                          f"{name!r} on not run")
             break
         methods = opts.methods
-        fp8_methods = ("cuda+fp8", ) + layer_fp8w.METHODS
+        fp8_methods = ("cuda+fp8", "cuda+fp8all") + layer_fp8w.METHODS
         if set(fp8_methods) & set(methods) and (shape.m % 128 or shape.h % 128):
             methods = [m for m in methods if m not in fp8_methods]
             notes.append(f"cuda+fp8 not run at {name}: FP8 needs d_model and d_ff multiples of "
                          "128 (the 128 x 128 weight blocks)")
         sh = Shape(name, shape, methods, backend, jax.random.key(i))
         print(f"\n== {name}: {shape}", flush=True)
+        result.setdefault("fp8_gemms", {})[name] = layer_report.fp8_gemms(
+            {m: sh.config(m)
+             for m in methods if m in fp8_methods})
         # the check needs no 'xla' method: it runs the 'xla' layer on a slice of its own
         if any(m in CHECKED for m in methods):
             result["checks"] += check_against_xla(sh)

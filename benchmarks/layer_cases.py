@@ -63,6 +63,7 @@ BLOCK_METHODS = {
     "cuda+bf16router": (dict(kernel_backend="cuda", router_precision="bf16"), False),
     "cuda-sm80": (dict(kernel_backend="cuda"), False),
     "cuda+fp8": (dict(kernel_backend="cuda", fp8="blockwise"), False),
+    "cuda+fp8all": (dict(kernel_backend="cuda", fp8="blockwise", fp8_gemms="all"), False),
     "xla": (dict(kernel_backend="xla"), False),
     "layer": (dict(kernel_backend="cuda"), True),
     "layer+fuse": (dict(kernel_backend="cuda", fuse_gate_up=True), True),

@@ -13,7 +13,7 @@ from moe_praxis import ops
 
 CHECK_TOL = 2e-2
 CHECKED = ("cuda", "cuda+fuse", "cuda+gather", "cuda+dswiglu", "cuda+fuse+dswiglu", "cuda-sm80",
-           "cuda+fp8")  # the methods checked against 'xla'
+           "cuda+fp8", "cuda+fp8all")  # the methods checked against 'xla'
 FP8_CHECK_TOL = 0.08
 CHECK_TOKENS = 2048
 CHECK_BYTES = 8 << 30

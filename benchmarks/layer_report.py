@@ -9,6 +9,7 @@ import os
 
 from benchmarks import layer_cases as lc
 from benchmarks import layer_fp8w, layer_sweep
+from moe_praxis.ops import fp8_rule
 
 DEFAULT_JSON = "benchmarks/results/layer_bench.json"
 GSHARD_REF = "gshard cf2.5"  # the GShard row 'x GShard' divides by (equal capacity per copy)
@@ -192,6 +193,16 @@ def table(rows: list[dict]) -> str:
                    f"{_f(r.get('pct_roofline'), '.0f')} | {_f(r.get('x_gshard'), '.2f')} | "
                    f"{peak} | {r.get('target', '-')} | {r.get('verdict', '-')} |")
     return "\n".join(out)
+
+
+def fp8_gemms(configs: dict) -> dict:
+    """{method: {weight: {'fwd' | 'dgrad' | 'wgrad': 'fp8' | 'bf16'}}} of the FP8 methods'
+    configs (MoEConfig.fp8_gemms, ops.fp8_rule), each printed on one line."""
+    out = {m: fp8_rule.describe(c.fp8_choices()) for m, c in configs.items()}
+    for m, c in configs.items():
+        ran = ", ".join(f"{w} {g.label()}" for w, g in c.fp8_choices().items())
+        print(f"{m}: fp8_gemms={c.fp8_gemms!r}, FP8 GEMMs: {ran}", flush=True)
+    return out
 
 
 def print_rows(rows: list[dict]) -> None:

@@ -12,9 +12,9 @@ axes), E experts, R stacked (scanned) layers.
   step's (``experiments.steps``: the cross-entropy summed with the step's total weight).
 - The expert bias (DeepSeek-V3's auxiliary-loss-free balancing) moves once per step, from
   the token counts of the whole step: ``expert_counts`` reads each micro-batch's counts back
-  from the MoE layers' ``moe_expert_load_{e}`` summaries (fraction of the routed copies, so
-  count = fraction x copies, rounded: exact while a micro-batch sends fewer than 2^22 copies
-  to one expert), ``update_biases`` applies ``moe_praxis.update_expert_bias`` to their sum:
+  from the MoE layers' ``moe_expert_load_{e}`` and ``moe_routed_copies`` summaries (count =
+  load x copies, rounded: the layer's own valid tokens x k, so padded tokens count nowhere;
+  exact while a micro-batch sends fewer than 2^22 copies to one expert), ``update_biases`` applies ``moe_praxis.update_expert_bias`` to their sum:
   the same float32 inputs, so the same bias as one step on the whole batch. ``optax.MultiSteps``
   does not fit: it would step the schedule per micro-batch and keep extra optimizer state.
 """
@@ -31,6 +31,7 @@ import moe_praxis
 from configs import models
 
 _LOAD = "moe_expert_load_{}_scalar"  # MoEFeedForward's summary of expert e's load
+_COPIES = "moe_routed_copies_scalar"  # its denominator: the layer's valid tokens x k
 _BIAS = "expert_bias"
 
 
@@ -44,19 +45,20 @@ def check(batch_size: int, n: int, shards: int) -> Optional[str]:
             f"{batch_size / shards:g} per device (use a batch_size divisible by {shards * n})")
 
 
-def bias_rule(model_config) -> Optional[tuple[float, int]]:
-    """(expert_bias_update_rate, top-k) of the MoE layers that move their expert bias; None
-    when none does. Raises ValueError when they do not share one rate and one k (the step
-    applies one rule to every layer's bias)."""
-    rules = {(float(c.expert_bias_update_rate), int(c.num_experts_per_token))
-             for c in models.moe_layer_configs(model_config) if c.use_expert_bias}
-    if not rules or all(rate == 0 for rate, _ in rules):
+def bias_rule(model_config) -> Optional[float]:
+    """The expert_bias_update_rate of the MoE layers that move their expert bias; None when
+    none does. Raises ValueError when they do not share one rate (the step applies one rule to
+    every layer's bias)."""
+    rates = {
+        float(c.expert_bias_update_rate)
+        for c in models.moe_layer_configs(model_config) if c.use_expert_bias
+    }
+    if not rates or all(rate == 0 for rate in rates):
         return None
-    if len(rules) > 1:
-        raise ValueError(f"train.grad_accum_steps > 1 needs one expert_bias_update_rate and one "
-                         f"num_experts_per_token over the MoE layers with use_expert_bias; got "
-                         f"(rate, k) = {sorted(rules)}")
-    return rules.pop()
+    if len(rates) > 1:
+        raise ValueError(f"train.grad_accum_steps > 1 needs one expert_bias_update_rate over the "
+                         f"MoE layers with use_expert_bias; got {sorted(rates)}")
+    return rates.pop()
 
 
 def split(batch: dict, n: int, shards: int) -> dict:
@@ -99,16 +101,19 @@ def accumulate(fn, params, micro: dict, key, grad_sharding=None):
     return grads, total, sums, stacked
 
 
-def expert_counts(non_trainable: dict, summaries, copies) -> dict:
+def expert_counts(non_trainable: dict, summaries) -> dict:
     """The token copies each expert received in one forward pass, from its layer's
-    ``moe_expert_load_{e}`` summaries (load x copies, rounded; copies: the pass's valid tokens
-    x top-k, float32 as the layer computes it): a tree mirroring ``non_trainable`` (a
-    NON_TRAINABLE collection) with an [..., E] float32 count in place of each expert bias."""
+    ``moe_expert_load_{e}`` and ``moe_routed_copies`` summaries (load x copies, rounded): a
+    tree mirroring ``non_trainable`` (a NON_TRAINABLE collection) with an [..., E] float32
+    count in place of each expert bias."""
     out = {}
     for k, v in non_trainable.items():
         if k == _BIAS:
             num_e = v.shape[-1]
-            missing = [_LOAD.format(e) for e in range(num_e) if _LOAD.format(e) not in summaries]
+            missing = [
+                name for name in [_COPIES] + [_LOAD.format(e) for e in range(num_e)]
+                if name not in summaries
+            ]
             if missing:
                 raise ValueError(f"an expert_bias [{num_e}] without its layer's load summaries "
                                  f"({missing[0]} ...): grad_accum_steps needs them")
@@ -116,9 +121,10 @@ def expert_counts(non_trainable: dict, summaries, copies) -> dict:
                 jnp.asarray(summaries[_LOAD.format(e)], jnp.float32).reshape(-1)
                 for e in range(num_e)
             ], -1)
+            copies = jnp.asarray(summaries[_COPIES], jnp.float32).reshape(v.shape[:-1] + (1, ))
             out[k] = jnp.round(loads.reshape(v.shape) * copies)
         elif hasattr(v, "items"):
-            sub = expert_counts(v, summaries.get(k, {}), copies)
+            sub = expert_counts(v, summaries.get(k, {}))
             if sub:
                 out[k] = sub
     return out

@@ -232,10 +232,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
             summaries = updated.get(base_layer.SUMMARIES, {})
             sums = {"xent": xent, "aux_loss": out.get("aux_loss", jnp.zeros(())) / n_micro}
             if bias_rule is not None and base_layer.NON_TRAINABLE in nt0:
-                # the routed copies of a micro-batch (its tokens x k), float32 as the layer has it
-                copies = jnp.maximum(jnp.float32(b // n_micro * s), 1.0) * bias_rule[1]
-                sums["counts"] = microbatch.expert_counts(nt0[base_layer.NON_TRAINABLE], summaries,
-                                                          copies)
+                sums["counts"] = microbatch.expert_counts(nt0[base_layer.NON_TRAINABLE], summaries)
             per_micro = {
                 "summaries": summaries,
                 "nt": {
@@ -251,7 +248,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
         nt = jax.tree.map(lambda x: x[-1], per_micro["nt"])
         if "counts" in sums:
             nt[base_layer.NON_TRAINABLE] = microbatch.update_biases(nt0[base_layer.NON_TRAINABLE],
-                                                                    sums["counts"], bias_rule[0])
+                                                                    sums["counts"], bias_rule)
         summaries = jax.tree.map(lambda x: jnp.mean(x, 0), per_micro["summaries"])
         return grads, {
             "loss": loss,

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from moe_praxis.ops import routing_table
+from moe_praxis.ops import fp8_rule, routing_table
 from moe_praxis.ops.backend import BACKENDS as KERNEL_BACKENDS
 from moe_praxis.ops.routing_table import ROUTER_PRECISIONS
 from moe_praxis.ops.swiglu import ACTIVATIONS
@@ -137,7 +137,14 @@ class MoEConfig:
         quantizes its own shard and the all-gather moves e4m3 data and float32 scales (True,
         about half the bytes of bf16; bitwise the same result); False gathers the weights in
         their dtype and quantizes after (for comparison). A shard split along d_model or d_ff
-        must hold whole 128-blocks (else a named error at trace time).
+        must hold whole 128-blocks (else a named error at trace time). Where fp8_gemms runs
+        some expert GEMMs in bf16, the weights are gathered in their dtype for them (and an FP8
+        form made beforehand in e4m3).
+      fp8_gemms: with fp8, which expert GEMMs run in FP8: 'auto' (the measured per-GEMM rule
+        moe_praxis.ops.fp8_rule.fp8_gemm_rule, the table below: each weight's forward, dgrad
+        and wgrad in FP8 only at the shapes where FP8 was measured faster on an H200, the
+        others in bf16 on the master weight) or 'all' (every expert GEMM in FP8).
+        backend_info(config) and the layer's summaries name the choice.
     """
 
     d_model: int
@@ -174,6 +181,7 @@ class MoEConfig:
     expert_bias_update_rate: float = 0.0
     fp8: Optional[str] = None
     fp8_quantize_before_gather: bool = True
+    fp8_gemms: str = "auto"
 
     def __post_init__(self):
         for name in ("d_model", "d_ff", "num_experts", "top_k", "num_expert_groups", "group_topk"):
@@ -258,6 +266,8 @@ class MoEConfig:
         elif not self.fp8_quantize_before_gather:
             raise _err("fp8_quantize_before_gather", self.fp8_quantize_before_gather,
                        "only applies with fp8='blockwise' (leave it True)")
+        if self.fp8_gemms not in fp8_rule.FP8_GEMMS:
+            raise _err("fp8_gemms", self.fp8_gemms, f"valid: {fp8_rule.FP8_GEMMS}")
         if not self.param_init_scale > 0:
             raise _err("param_init_scale", self.param_init_scale, "must be > 0")
         if self.ep_exchange not in EP_EXCHANGES:
@@ -289,6 +299,12 @@ class MoEConfig:
         if u > 0 and not self.use_expert_bias:
             raise _err("expert_bias_update_rate", u, "needs use_expert_bias=True (there is no "
                        "expert_bias to update)")
+
+    def fp8_choices(self) -> dict:
+        """{expert weight: ops.fp8_rule.Fp8Gemms} under fp8_gemms ({} without fp8)."""
+        if self.fp8 is None:
+            return {}
+        return fp8_rule.choose_all(self.fp8_gemms, self.d_model, self.d_ff, self.gated)
 
     @property
     def shared_hidden(self) -> int:
@@ -336,8 +352,13 @@ def markdown_table() -> str:
 
 def generated_sections() -> dict[str, str]:
     """{name: text} of docs/config.md's generated parts, each between `<!-- BEGIN GENERATED
-    name -->` and `<!-- END GENERATED name -->`: the field table and the router-math table."""
-    return {"TABLE": markdown_table(), "ROUTER TABLE": routing_table.markdown_table()}
+    name -->` and `<!-- END GENERATED name -->`: the field table, the router-math table and
+    the FP8 GEMM rule's table."""
+    return {
+        "TABLE": markdown_table(),
+        "ROUTER TABLE": routing_table.markdown_table(),
+        "FP8 GEMM TABLE": fp8_rule.markdown_table(),
+    }
 
 
 def render_docs(text: str) -> str:

@@ -46,9 +46,11 @@ def gather_expert_weights(params, layout: EPLayout, config: MoEConfig) -> dict:
     an entry experts.FP8_GATHER {name: (fsdp axes, dim)}: the FP8 GEMM quantizes each shard and
     gathers the e4m3 data and scales itself (ops.fp8.gathered_fp8_grouped_gemm). A weight whose
     FP8 form came in (params[FP8_WEIGHTS], experts.quantize_expert_weights) is always gathered
-    in that form (bitwise the same as either order)."""
+    in that form (bitwise the same as either order). Where config.fp8_gemms runs some expert
+    GEMMs in bf16, the weights are gathered in their dtype (and a given FP8 form in FP8)."""
     out, gathers = {}, {}
-    given = params.get(FP8_WEIGHTS, {})
+    given = dict(params.get(FP8_WEIGHTS, {}))
+    all_fp8 = all(c.all for c in config.fp8_choices().values())
     for name in GATHERED:
         if name not in params:
             continue
@@ -58,10 +60,15 @@ def gather_expert_weights(params, layout: EPLayout, config: MoEConfig) -> dict:
                 dim = 0
             else:
                 dim = 1 if name.startswith("wi") else 2
-            if config.fp8 is not None and (config.fp8_quantize_before_gather or name in given):
+            if all_fp8 and config.fp8 is not None and (config.fp8_quantize_before_gather
+                                                       or name in given):
                 gathers[name] = (layout.fsdp_axes, dim)
             else:
+                # some of its GEMMs in bf16 (config.fp8_gemms): the master weight gathered for
+                # them, its FP8 form, when given, gathered in FP8 for the others
                 w = jax.lax.all_gather(w, layout.fsdp_axes, axis=dim, tiled=True)
+                if name in given:
+                    given[name] = fp8_weights.all_gather(given[name], layout.fsdp_axes, dim)
         out[name] = vma.vary(w, layout.token_axes + layout.tp_axes)
     if gathers:
         out[FP8_GATHER] = gathers

@@ -22,13 +22,14 @@ from __future__ import annotations
 import importlib
 import os
 
+import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis import ops
 from moe_praxis.config import MoEConfig
 from moe_praxis.ops import backend as ops_backend
-from moe_praxis.ops import fp8, fp8_fused, fp8_weights
+from moe_praxis.ops import fp8, fp8_fused, fp8_mixed, fp8_weights
 
 # Set to 1: use_cudnn_fusion=True where the fusion cannot run is an error, not a warning (for
 # jobs that must not silently run another kernel than the one asked for).
@@ -188,6 +189,10 @@ def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, 
     dt = rows.dtype
     gathers = weights.get(FP8_GATHER, {})
     given = weights.get(FP8_WEIGHTS, {})
+    choices = config.fp8_choices()
+    if not all(c.all for c in choices.values()):
+        return _mixed_ffn(rows, group_sizes, weights, config, row_weights, backend, rows_fp8,
+                          impl == "cuda")
     if impl == "cuda" and not gathers:
         return _fp8_kernel_ffn(rows, group_sizes, weights, config, row_weights, rows_fp8)
 
@@ -221,6 +226,41 @@ def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, 
     gate = checkpoint_name(gemm(rows, "wi_gate"), "moe_gate") if config.gated else None
     act = checkpoint_name(_activation_reference(gate, up, row_weights, config).astype(dt), "ffn1")
     return checkpoint_name(gemm(act, "wo"), "ffn2")
+
+
+def _mixed_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, backend, rows_fp8,
+               kernels: bool):
+    """config.fp8_gemms where some expert GEMMs run in bf16 (ops.fp8_rule): each weight's
+    GEMMs through ops.fp8_mixed, its FP8 ones reading its FP8 form (made beforehand or here),
+    its bf16 ones the master weight (moe.py gathers it whole under FSDP). With the FP8 kernels
+    (`kernels`) the forwards read the rows' FP8 operand (the permute's, or quantized here once)
+    and the SwiGLU writes the down projection's when its forward runs in FP8."""
+    choices = config.fp8_choices()
+    given = weights.get(FP8_WEIGHTS, {})
+    dt = rows.dtype
+    if kernels and rows_fp8 is None and choices["wi_up"].fwd:
+        rows_fp8 = fp8.quantize_rows(jax.lax.stop_gradient(rows), backend="auto")
+
+    def gemm(lhs, name, lhs_fp8):
+        return fp8_mixed.mixed_grouped_gemm(lhs,
+                                            weights[name],
+                                            group_sizes,
+                                            choices[name],
+                                            fw=given.get(name),
+                                            lhs_fp8=lhs_fp8,
+                                            backend=backend)
+
+    up = checkpoint_name(gemm(rows, "wi_up", rows_fp8), "moe_up")
+    gate = checkpoint_name(gemm(rows, "wi_gate", rows_fp8), "moe_gate") if config.gated else None
+    act_fp8 = None
+    if kernels and config.gated and config.activation == "silu" and choices["wo"].fwd:
+        act, *act_fp8 = fp8_fused.swiglu_fp8(gate, up, row_weights, backend="auto")
+    elif kernels and config.gated:
+        act = ops.swiglu(gate, up, row_weights, act=config.activation, backend=backend)
+    else:
+        act = _activation_reference(gate, up, row_weights, config).astype(dt)
+    act = checkpoint_name(act, "ffn1")
+    return checkpoint_name(gemm(act, "wo", act_fp8), "ffn2")
 
 
 def _activation_reference(gate, up, row_weights, config: MoEConfig):

@@ -40,11 +40,12 @@ needs_no_gpu = pytest.mark.skipif(_has_gpu(), reason="checks the behaviour witho
 
 def test_backend_info_lists_every_backend_with_a_reason():
     info = ops.backend_info()
-    assert set(info) == {"xla", "cuda"}
+    assert set(info) == {"xla", "cuda", "fp8_gemms"}
     assert info["xla"]["usable"] is True
-    for name, entry in info.items():
-        assert isinstance(entry["usable"], bool) and entry["reason"], name
+    for name in ("xla", "cuda"):
+        assert isinstance(info[name]["usable"], bool) and info[name]["reason"], name
     assert info["cuda"]["library"] == str(backend.library_path())
+    assert info["fp8_gemms"]["rule"]["rule"].endswith("fp8_gemm_rule")
 
 
 @needs_no_gpu

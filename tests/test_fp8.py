@@ -11,6 +11,7 @@ Tolerances:
   or nothing was quantized.
 """
 
+import dataclasses
 import warnings
 
 import ml_dtypes
@@ -202,7 +203,8 @@ def test_moe_block_fp8_within_bound_of_float32_and_routes_the_same():
                        num_experts=4,
                        top_k=2,
                        kernel_backend="xla",
-                       fp8="blockwise")
+                       fp8="blockwise",
+                       fp8_gemms="all")
     params, x, cot = block_inputs(base, (2, 96, 128), seed)
 
     def run(c):
@@ -228,15 +230,17 @@ def test_moe_block_fp8_within_bound_of_float32_and_routes_the_same():
     assert rel_err(g8["router"], g32["router"]) < FP8_BOUND, f"seed={seed}"
 
 
+@pytest.mark.parametrize("gemms", ["all", "auto"])
 @pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "plain"])
-def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated):
+def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated, gemms):
     """The FP8 kernels' FFN (experts._fp8_kernel_ffn: the permute's FP8 rows shared by gate and
     up, the SwiGLU writing the down projection's FP8 operand, ops.fp8.fp8_gemms_shared_lhs),
     forced on the CPU where each kernel lowers to its reference, against the pure-JAX emulation
     of the same recipe, in bfloat16 (both paths round every GEMM output to bf16 and quantize
     the same operands): outputs and gradients equal up to float32 summation order (the kernel
     path adds the two dgrads in float32, its wgrads sum per group): bound 1e-5 norm-wise (seen:
-    0 for y and dx, 7e-8 for the weights), with every gradient nonzero. Routing unchanged."""
+    0 for y and dx, 7e-8 for the weights), with every gradient nonzero. Routing unchanged.
+    fp8_gemms='auto' (here: the forwards in FP8, dgrads and wgrads in bf16, ops.fp8_mixed) too."""
     import moe_praxis as mp
 
     seed = _seed()
@@ -246,7 +250,8 @@ def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated):
                        top_k=2,
                        gated=gated,
                        kernel_backend="xla",
-                       fp8="blockwise")
+                       fp8="blockwise",
+                       fp8_gemms=gemms)
     params, x, cot = block_inputs(cfg, (2, 80, 256), seed, jnp.bfloat16)
 
     def run():
@@ -294,7 +299,6 @@ def test_block_quantize_before_gather_bitwise_equals_gather_then_quantize(fsdp_d
     """moe_block with fp8='blockwise' on fsdp4 x ep2: quantizing each weight shard before the
     all-gather gives bitwise the outputs and gradients of gathering first; the lowered step's
     weight all-gathers carry e4m3 in one order and the weights' dtype in the other."""
-    import dataclasses
 
     import moe_praxis as mp
 
@@ -307,7 +311,8 @@ def test_block_quantize_before_gather_bitwise_equals_gather_then_quantize(fsdp_d
                        num_experts=8,
                        top_k=2,
                        kernel_backend="xla",
-                       fp8="blockwise")
+                       fp8="blockwise",
+                       fp8_gemms="all")
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), mp.init_moe_params(k1, cfg))
     x = jax.random.normal(k2, (8, 32, m)).astype(jnp.bfloat16)
@@ -344,8 +349,20 @@ def test_quantize_before_gather_needs_whole_blocks_per_shard():
 
     mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(8, 1), ("fsdp", "ep"))
     res = mp.MeshResources(fsdp="fsdp", ep="ep", fsdp_dim="model")
-    cfg = mp.MoEConfig(d_model=512, d_ff=256, num_experts=8, kernel_backend="xla", fp8="blockwise")
+    cfg = mp.MoEConfig(d_model=512,
+                       d_ff=256,
+                       num_experts=8,
+                       kernel_backend="xla",
+                       fp8="blockwise",
+                       fp8_gemms="all")
     params = mp.init_moe_params(jax.random.key(0), cfg)
     x = jnp.ones((8, 4, 512))
     with pytest.raises(ValueError, match=r"shard has shape \(8, 64, 256\).*multiples of 128"):
         mp.moe_block(params, x, cfg, mesh=mesh, resources=res)
+    # with bf16 GEMMs in the rule the whole weight is gathered first: no block straddles
+    auto = dataclasses.replace(cfg, fp8_gemms="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the emulation's notice
+        y = jax.eval_shape(lambda p, x: mp.moe_block(p, x, auto, mesh=mesh, resources=res).y,
+                           params, x)
+    assert y.shape == x.shape

@@ -70,7 +70,8 @@ def _block_setup(seed, gated=True, m=256, dtype=jnp.bfloat16, num_experts=4):
                        top_k=2,
                        gated=gated,
                        kernel_backend="xla",
-                       fp8="blockwise")
+                       fp8="blockwise",
+                       fp8_gemms="all")
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     params = jax.tree.map(lambda a: a.astype(dtype), mp.init_moe_params(k1, cfg))
     x = jax.random.normal(k2, (8, 20, m), dtype)

@@ -115,7 +115,8 @@ def test_counts_are_summed_over_micro_batches_before_the_rule():
     for c in halves:
         load = np.float32(c) / copies
         summaries = {"a": {f"moe_expert_load_{i}_scalar": np.full(3, load[i]) for i in range(e)}}
-        counts.append(microbatch.expert_counts(nt, summaries, copies))
+        summaries["a"]["moe_routed_copies_scalar"] = np.full(3, copies)
+        counts.append(microbatch.expert_counts(nt, summaries))
     np.testing.assert_array_equal(counts[0]["a"]["expert_bias"], np.tile(halves[0], (3, 1)))
     summed = jax.tree.map(lambda a, b: a + b, *counts)
     new = microbatch.update_biases(nt, summed, RATE)

@@ -36,7 +36,7 @@ import warnings
 
 import jax
 
-from moe_praxis.ops import _library
+from moe_praxis.ops import _library, fp8_rule
 from moe_praxis.ops._library import (  # noqa: F401  (the library layer's public names)
     DEFAULT_LIB, ENV_LIB, KERNELS, LIB_NAME, call_stats, ffi, library_path, library_status,
     load_library)
@@ -298,17 +298,23 @@ def op_kernels() -> dict[str, dict]:
     return out
 
 
-def backend_info() -> dict[str, dict]:
-    """Which backends are usable here and, for each unusable one, why.
+def backend_info(config=None) -> dict[str, dict]:
+    """Which backends are usable here and, for each unusable one, why; and which expert GEMMs
+    run in FP8.
 
     Returns {'xla': {'usable': True, 'reason': ...}, 'cuda': {'usable': bool, 'reason': str,
     'library': path, 'driver_version', 'runtime_version' (CUDA's integer form, e.g. 13000; None
     when unknown), 'devices': [{'name', 'compute_capability', 'sm_count',
     'shared_memory_per_block'}], 'ops': op_kernels()
-    (the kernel each op family runs here and why)}}.
+    (the kernel each op family runs here and why)}, 'fp8_gemms': {'rule': fp8_rule.info() (the
+    per-GEMM rule of MoEConfig.fp8_gemms='auto'), and with `config` (an MoEConfig with fp8 set)
+    'mode': config.fp8_gemms, 'choice': {weight: {'fwd' | 'dgrad' | 'wgrad': 'fp8' | 'bf16'}}}}.
     """
     ok, why = cuda_status()
     dev = device_query()
+    fp8_gemms = {"rule": fp8_rule.info()}
+    if config is not None and config.fp8 is not None:
+        fp8_gemms.update(mode=config.fp8_gemms, choice=fp8_rule.describe(config.fp8_choices()))
     return {
         "xla": {
             "usable": True,
@@ -323,6 +329,7 @@ def backend_info() -> dict[str, dict]:
             "devices": [dict(d) for d in dev["devices"]],
             "ops": op_kernels(),
         },
+        "fp8_gemms": fp8_gemms,
     }
 
 

@@ -124,24 +124,26 @@ def _fwd_math(lhs, wq, ws, group_sizes, impl="xla", wqt=None):
     return y.astype(lhs.dtype)
 
 
-def _cuda_bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype):
-    dy = dy.astype(lhs.dtype)
-    dx = _cuda_nt(dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, lhs.dtype)
-    xt, xs = quantize_rows_grouped_t(lhs, group_sizes, backend=_QUANT)
-    return dx, _cuda_wgrad(xt, xs, dy, group_sizes, lhs.shape[0], rhs_dtype)
-
-
-def _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype, impl="xla"):
+def _dgrad_math(dy, wq, ws, group_sizes, dtype, impl="xla"):
+    """The FP8 dgrad dx [R, K] = dy [R, N] @ w^T in `dtype` (dy quantized 1x128 along N)."""
     if impl == "cuda":
-        return _cuda_bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype)
-    gs = group_sizes.astype(jnp.int32)
-    n, rows = dy.shape[1], lhs.shape[0]
+        return _cuda_nt(dy.astype(dtype), wq, jnp.swapaxes(ws, 1, 2), group_sizes, dtype)
+    n = dy.shape[1]
     dq, ds = quantize_tiles(dy, axis=1)
-    dx = jax.lax.ragged_dot(dequantize_tiles(dq, ds, axis=1)[:, :n],
-                            jnp.swapaxes(dequantize_blocks(wq, ws), 1, 2),
-                            gs,
-                            precision=_HI,
-                            preferred_element_type=jnp.float32).astype(lhs.dtype)
+    return jax.lax.ragged_dot(dequantize_tiles(dq, ds, axis=1)[:, :n],
+                              jnp.swapaxes(dequantize_blocks(wq, ws), 1, 2),
+                              group_sizes.astype(jnp.int32),
+                              precision=_HI,
+                              preferred_element_type=jnp.float32).astype(dtype)
+
+
+def _wgrad_math(lhs, dy, group_sizes, rhs_dtype, impl="xla"):
+    """The FP8 wgrad dw [E, K, N] = lhs_g^T @ dy_g in rhs_dtype (both 128x1 along the rows)."""
+    if impl == "cuda":
+        xt, xs = quantize_rows_grouped_t(lhs, group_sizes, backend=_QUANT)
+        return _cuda_wgrad(xt, xs, dy.astype(lhs.dtype), group_sizes, lhs.shape[0], rhs_dtype)
+    gs = group_sizes.astype(jnp.int32)
+    rows = lhs.shape[0]
     # 128 x 1 tiles along the rows, the wgrad's contraction, starting at each group's first
     # row (fp8_quant's L3 layout: a tile never mixes two experts' rows)
     xq, xs = quantize_rows_grouped_t_reference(lhs, gs)
@@ -149,7 +151,12 @@ def _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype, impl="xla"):
     with jax.default_matmul_precision("highest"):
         dw = grouped_gemm_wgrad_reference(dequantize_rows_grouped_t(xq, xs, gs, rows),
                                           dequantize_rows_grouped_t(gq, gs_, gs, rows), gs)
-    return dx, dw.astype(rhs_dtype)
+    return dw.astype(rhs_dtype)
+
+
+def _bwd_math(lhs, wq, ws, group_sizes, dy, rhs_dtype, impl="xla"):
+    return (_dgrad_math(dy, wq, ws, group_sizes, lhs.dtype,
+                        impl), _wgrad_math(lhs, dy, group_sizes, rhs_dtype, impl))
 
 
 def resolve(backend: str) -> str:

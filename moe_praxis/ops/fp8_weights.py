@@ -136,3 +136,18 @@ def _gpre_bwd(axis_name, gather_dim, impl, res, dy):
 
 
 _gpre.defvjp(_gpre_fwd, _gpre_bwd)
+
+
+def all_gather(fw: Fp8Weight, axis_name, gather_dim: int) -> Fp8Weight:
+    """fw's shards all-gathered over axis_name (inside shard_map) in their own dtypes (e4m3
+    values, float32 scales): the form of the weight gathered along gather_dim of [E, K, N]
+    (qt [E, N, K] along the matching dim). No gradient flows through it."""
+    fp8.check_shard_blocks(fw.q.shape, gather_dim, "the expert weight")
+    fw = jax.lax.stop_gradient(fw)
+    dim_t = (0, 2, 1)[gather_dim]
+
+    def gather(a, dim):
+        return jax.lax.all_gather(a, axis_name, axis=dim, tiled=True)
+
+    qt = None if fw.qt is None else gather(fw.qt, dim_t)
+    return Fp8Weight(q=gather(fw.q, gather_dim), s=gather(fw.s, gather_dim), qt=qt)

@@ -56,6 +56,7 @@ CONFIG_FIELDS = {
     "shared_expert_gate": "shared_expert_gate",
     "fp8": "fp8",
     "fp8_quantize_before_gather": "fp8_quantize_before_gather",
+    "fp8_gemms": "fp8_gemms",
 }
 # The routing fields only gating_func='topk' honours, with the value 'top2' / 'dense_top2' route
 # with (GShard's softmax top-2; 'top2' takes its capacity from the GShard fields instead).
@@ -198,6 +199,7 @@ def build_config(layer) -> MoEConfig:
             shared_expert_gate=bool(layer.shared_expert_gate),
             fp8=layer.fp8,
             fp8_quantize_before_gather=bool(layer.fp8_quantize_before_gather),
+            fp8_gemms=layer.fp8_gemms,
             activation=ACTIVATIONS[layer.activation_tpl.cls],
             gated=bool(layer.use_gated_activation),
             fuse_gate_up=bool(layer.fuse_gate_up),

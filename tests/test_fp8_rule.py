@@ -1,0 +1,191 @@
+"""The per-GEMM FP8 rule (MoEConfig.fp8_gemms, ops.fp8_rule) and its mixed GEMM on the CPU.
+
+A GEMM the rule leaves in bf16 must be the bf16 grouped GEMM of the master weight and one it
+keeps in FP8 the FP8 recipe's (ops.fp8): the mixed op is compared, output and both gradients,
+with the pieces of the two reference ops (the FP8 emulation / its kernel path lowered to
+references, and ops.grouped_gemm's XLA path), on skewed groups with an empty one and rows past
+their sum. Both compute the same operations, so the bound is float32 rounding (1e-6
+norm-wise), and each compared FP8 piece differs from its bf16 twin by more than 1e-3 (the
+choice is really applied). The block on an fsdp x ep mesh under 'auto' equals one device.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+import moe_praxis as mp
+from moe_praxis import ops
+from moe_praxis.ops import fp8, fp8_rule, fp8_weights
+from moe_praxis.ops.fp8_mixed import mixed_grouped_gemm
+from moe_praxis.ops.fp8_rule import Fp8Gemms
+from tests.testutil import rel_err
+from tests.testutil import seed as _seed
+
+FP8_WEIGHTS = "fp8_weights"
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def test_rule_at_the_measured_shapes_and_its_thresholds():
+    """fwd always, dgrad K >= 4096, wgrad min(K, N) >= 4096 (pure arithmetic): the Mixtral-like
+    FFN all in FP8, the Qwen3-like forward only, the DeepSeek-V3-like gate/up fwd + dgrad."""
+    rule = fp8_rule.fp8_gemm_rule
+    assert rule(4096, 14336).all and rule(14336, 4096).all
+    assert rule(2048, 768) == Fp8Gemms(True, False, False) == rule(768, 2048)
+    assert rule(7168, 2048) == Fp8Gemms(True, True, False)
+    assert rule(2048, 7168) == Fp8Gemms(True, False, False)
+    assert rule(4095, 8192) == Fp8Gemms(True, False, False)
+    assert rule(4096, 4095) == Fp8Gemms(True, True, False)
+    cfg = mp.MoEConfig(d_model=7168, d_ff=2048, num_experts=8, fp8="blockwise")
+    assert {
+        w: c.label()
+        for w, c in cfg.fp8_choices().items()
+    } == {
+        "wi_gate": "fwd+dgrad",
+        "wi_up": "fwd+dgrad",
+        "wo": "fwd"
+    }
+    every = mp.MoEConfig(d_model=128, d_ff=128, num_experts=2, fp8="blockwise", fp8_gemms="all")
+    assert all(c.all for c in every.fp8_choices().values())
+    assert fp8_rule.shares(cfg.fp8_choices()) == {"fwd": 1.0, "dgrad": 2 / 3, "wgrad": 0.0}
+    assert mp.MoEConfig(d_model=128, d_ff=128, num_experts=2).fp8_choices() == {}
+    info = ops.backend_info(cfg)["fp8_gemms"]
+    assert info["mode"] == "auto" and info["choice"]["wo"] == {
+        "fwd": "fp8",
+        "dgrad": "bf16",
+        "wgrad": "bf16"
+    }
+    with pytest.raises(ValueError,
+                       match=r"MoEConfig.fp8_gemms='some' is invalid: valid: "
+                       r"\('auto', 'all'\)"):
+        mp.MoEConfig(d_model=128, d_ff=128, num_experts=2, fp8="blockwise", fp8_gemms="some")
+
+
+def _gemm_inputs(seed):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(k1, (300, 256), jnp.bfloat16)
+    w = jax.random.normal(k2, (4, 256, 384), jnp.float32) / 16
+    dy = jax.random.normal(k3, (300, 384), jnp.bfloat16)
+    return x, w, dy, jnp.array([0, 120, 1, 150], jnp.int32)  # 29 rows past the groups
+
+
+def _out_and_grads(f, x, w, dy):
+    y, vjp = jax.vjp(f, x, w)
+    return (y, ) + vjp(dy)
+
+
+@pytest.mark.parametrize("path", ["xla", "cuda"])
+@pytest.mark.parametrize("gemms", [
+    Fp8Gemms(True, False, False),
+    Fp8Gemms(True, True, False),
+    Fp8Gemms(False, True, True),
+    Fp8Gemms(False, False, False),
+],
+                         ids=lambda g: g.label())
+def test_mixed_gemm_is_fp8_where_chosen_and_bf16_elsewhere(monkeypatch, path, gemms):
+    seed = _seed()
+    x, w, dy, sizes = _gemm_inputs(seed)
+    f8 = _out_and_grads(lambda a, b: fp8.fp8_grouped_gemm_path(a, b, sizes, path), x, w, dy)
+    bf = _out_and_grads(lambda a, b: ops.grouped_gemm(a, b.astype(a.dtype), sizes, backend="xla"),
+                        x, w, dy)
+    monkeypatch.setattr(fp8, "resolve", lambda backend: path)
+    got = _out_and_grads(lambda a, b: mixed_grouped_gemm(a, b, sizes, gemms, backend="xla"), x, w,
+                         dy)
+    assert got[2].dtype == jnp.float32 and got[0].dtype == jnp.bfloat16
+    for i, name in enumerate(("fwd", "dgrad", "wgrad")):
+        want = f8[i] if getattr(gemms, name) else bf[i]
+        err = rel_err(got[i], want)
+        assert err < 1e-6, f"seed={seed} {name}: {err}"
+        assert rel_err(f8[i], bf[i]) > 1e-3, f"seed={seed} {name}: FP8 = bf16?"
+    np.testing.assert_array_equal(np.asarray(got[0][271:], np.float32), 0)  # past the groups
+    assert float(jnp.max(jnp.abs(got[2][0]))) == 0  # the empty group's weight gradient
+
+
+def test_mixed_gemm_with_the_fp8_form_given_is_bitwise_the_same():
+    x, w, dy, sizes = _gemm_inputs(_seed())
+    fw = fp8_weights.quantize(w, transposed=False)
+    gemms = Fp8Gemms(True, True, False)
+    a = _out_and_grads(lambda a, b: mixed_grouped_gemm(a, b, sizes, gemms, backend="xla"), x, w, dy)
+    b = _out_and_grads(lambda a, b: mixed_grouped_gemm(a, b, sizes, gemms, fw=fw, backend="xla"), x,
+                       w, dy)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
+
+
+def _block_step(cfg, cot, once, **mesh):
+
+    def loss(p, fws, x):
+        q = p if fws is None else {**p, FP8_WEIGHTS: fws}
+        o = mp.moe_block(q, x, cfg, **mesh)
+        return jnp.sum((o.y * cot).astype(jnp.float32)), o.y
+
+    grad = jax.value_and_grad(loss, argnums=(0, 2), has_aux=True)
+
+    def step(p, x):
+        fws = mp.quantize_expert_weights(p, cfg)[FP8_WEIGHTS] if once else None
+        return grad(p, fws, x)
+
+    return jax.jit(step)
+
+
+def test_auto_on_fsdp_ep_mesh_equals_one_device():
+    """fsdp4 x ep2, d_model 512 (the rule: every forward in FP8, dgrad and wgrad in bf16), the
+    FP8 form made beforehand: dx and the weight gradients equal one device's within 1e-5
+    norm-wise (float32 master weights and rows; the mesh only reorders float32 sums), loss and
+    y within 2e-3 (the SwiGLU output's last float32 bit may differ, and an e4m3 rounding of it
+    flip: one e4m3 step, 2^-4, on a few elements; the same with fp8_gemms='all'). The master
+    weights are gathered for the bf16 GEMMs, the FP8 form in e4m3."""
+    seed = _seed()
+    cfg = mp.MoEConfig(d_model=512,
+                       d_ff=384,
+                       num_experts=8,
+                       top_k=2,
+                       kernel_backend="xla",
+                       fp8="blockwise")
+    assert {c.label() for c in cfg.fp8_choices().values()} == {"fwd"}
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    params = mp.init_moe_params(k1, cfg)
+    x = jax.random.normal(k2, (8, 20, 512), jnp.float32)
+    cot = jax.random.normal(k3, x.shape, jnp.float32)
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(4, 2), ("fsdp", "ep"))
+    res = mp.MeshResources(fsdp="fsdp", ep="ep", fsdp_dim="model")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the emulation's notice
+        one = _block_step(cfg, cot, True)(params, x)
+        meshed = _block_step(cfg, cot, True, mesh=mesh, resources=res)
+        got = meshed(params, x)
+        hlo = meshed.lower(params, x).as_text()
+    for name, a, b in zip(["loss", "y", "dx"] + [f"d{n}" for n in sorted(params)],
+                          jax.tree.leaves((got[0], got[1][1], got[1][0])),
+                          jax.tree.leaves((one[0], one[1][1], one[1][0]))):
+        err = rel_err(a, b)
+        bound = 2e-3 if name in ("loss", "y") else 1e-5
+        assert err < bound and float(jnp.max(jnp.abs(a))) > 0, f"seed={seed} {name}: {err}"
+    gathers = [line for line in hlo.splitlines() if "all_gather" in line]
+    assert any("f8E4M3FN" in line for line in gathers), gathers
+    for master in ("tensor<4x512x384xf32>", "tensor<4x384x512xf32>"):  # wi, wo of 4 experts
+        assert any(line.endswith(master) for line in gathers), (master, gathers)
+
+
+def test_layer_benchmark_reports_the_fp8_gemms(capsys):
+    """benchmarks/layer.py's 'cuda+fp8' (fp8_gemms 'auto') and 'cuda+fp8all' name which GEMMs
+    ran in FP8, at the DeepSeek-V3-like shape (the --quick shapes are too narrow for FP8)."""
+    from benchmarks import layer_cases as lc
+    from benchmarks import layer_report
+
+    shape = lc.SHAPES["deepseek"]
+    configs = {m: lc.config(shape, **lc.BLOCK_METHODS[m][0]) for m in ("cuda+fp8", "cuda+fp8all")}
+    got = layer_report.fp8_gemms(configs)
+    assert got["cuda+fp8"]["wi_up"] == {"fwd": "fp8", "dgrad": "fp8", "wgrad": "bf16"}
+    assert got["cuda+fp8"]["wo"] == {"fwd": "fp8", "dgrad": "bf16", "wgrad": "bf16"}
+    assert set(got["cuda+fp8all"]["wo"].values()) == {"fp8"}
+    out = capsys.readouterr().out
+    assert "cuda+fp8: fp8_gemms='auto', FP8 GEMMs: wi_gate fwd+dgrad, wi_up fwd+dgrad, wo fwd" in out
