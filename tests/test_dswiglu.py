@@ -196,6 +196,8 @@ def test_block_flag_is_the_same_function_on_cpu():
     the default's bitwise (the unfused ops run); the flag needs a gated, non-FP8 block."""
     with pytest.raises(ValueError, match="fuse_swiglu_bwd"):
         mp.MoEConfig(d_model=8, d_ff=16, num_experts=4, gated=False, fuse_swiglu_bwd=True)
+    with pytest.raises(ValueError, match="fuse_swiglu_bwd=True is invalid.*fuse_gate_up"):
+        mp.MoEConfig(d_model=8, d_ff=16, num_experts=4, fuse_gate_up=True, fuse_swiglu_bwd=True)
     cfg = mp.MoEConfig(d_model=16, d_ff=32, num_experts=4, top_k=2, kernel_backend="xla")
     params = mp.init_moe_params(jax.random.key(_seed()), cfg)
     x = jax.random.normal(jax.random.key(1), (24, 16))
@@ -265,7 +267,7 @@ def test_cuda_dswiglu_matches_float64_and_the_unfused_kernels(kind, tile, split)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fuse_gate_up", [False, True])
+@pytest.mark.parametrize("fuse_gate_up", [False])  # True: refused by MoEConfig until it passes
 def test_cuda_block_with_fuse_swiglu_bwd_matches_the_unfused_block(fuse_gate_up):
     """moe_block (bf16, 'cuda') with fuse_swiglu_bwd: the fused kernel in the backward, no
     SwiGLU backward kernel; output and gradients against the block without it (and skewed
