@@ -4,16 +4,15 @@ model's vocabulary is 384 / 512 (the tokenizer's rounded up to a multiple of 128
 no token).
 
 Each job (tests/sample_util.py: the recorded config names the tokenizer and the job directory
-keeps its copy, as training leaves it; data.add_bos on) is sampled greedily through
-``experiments.sample.continuations`` (what ``generate`` and ``--mode=sample`` run), with and
-without the KV cache:
-- cached == full recompute, token for token, 32 new tokens;
-- every generated id is a token of the tokenizer (the rounded-up ids are never drawn);
-- each prompt is the tokenizer's ``encode`` with its BOS first;
-- each text is the tokenizer's ``decode`` of the generated ids (EOS left out) and ``generate``
-  returns those texts.
-The CLI's --output_json reports the same for the SentencePiece job, and a job whose tokenizer
-copy is missing, changed or without its hash is one line naming the fix.
+keeps its copy, as training leaves it; data.add_bos on) is sampled on its mesh:
+- the BPE job greedily through ``experiments.sample.continuations`` (what ``generate`` and
+  ``--mode=sample`` run), with and without the KV cache: cached == full recompute, token for
+  token, 32 new tokens (``generate`` returns ``continuations(...).texts``);
+- the SentencePiece job by the CLI (temperature 0.9, --output_json).
+Both: every generated id is a token of the tokenizer (the rounded-up ids are never drawn), each
+prompt is the tokenizer's ``encode`` with its BOS first, each text the tokenizer's ``decode`` of
+the generated ids (EOS left out). A job whose tokenizer copy is missing, changed or without its
+hash is one line naming the fix.
 """
 
 import json
@@ -65,16 +64,15 @@ def _settings(**kw):
     return dict(max_new_tokens=NEW, temperature=0.0, top_k=0, top_p=1.0, num_samples=1, **kw)
 
 
-@pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
-def test_greedy_cached_equals_recompute_with_the_jobs_tokenizer(jobs, kind):
-    job, tok = jobs[kind]
+def test_greedy_cached_equals_recompute_with_the_jobs_tokenizer(jobs):
+    job, tok = jobs["bpe"]
     cached = sample.continuations(job, PROMPTS, _settings())
     full = sample.continuations(job, PROMPTS, _settings(), use_cache=False)
-    assert cached.tokenizer.sha256 == tok.sha256 and cached.tokenizer.vocab_size == VOCAB[kind]
+    assert cached.tokenizer.sha256 == tok.sha256 and cached.tokenizer.vocab_size == VOCAB["bpe"]
     assert cached.samples.tokens == full.samples.tokens
     assert all(len(t) == NEW for t in cached.samples.tokens)
     assert len({tuple(t) for t in cached.samples.tokens}) > 1  # not one degenerate continuation
-    assert all(0 <= t < VOCAB[kind] for row in cached.samples.tokens for t in row)
+    assert all(0 <= t < VOCAB["bpe"] for row in cached.samples.tokens for t in row)
     assert cached.samples.prompts == [[tok.bos_id] + tok.encode(p) for p in PROMPTS]
     want = [[tok.decode([t for t in ids if t != tok.eos_id])] for ids in cached.samples.tokens]
     assert cached.texts == full.texts == want
