@@ -9,7 +9,8 @@ positions counted from each prompt's first token), in a buffer of the model's co
 whatever the prompt lengths and the number of new tokens. ``use_cache=False`` recomputes the
 whole buffer for every token (the reference). The batch is split over the mesh's token axes
 (padded with copies of the first row to a multiple of their size). The next token:
-``experiments.sampling``.
+``experiments.sampling``, from the logits of the tokenizer's ids only: a model vocabulary
+rounded up past the tokenizer's (``experiments.setup``) has ids that are no token, never drawn.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class Samples:
       stop_at_eos) and each one's log-probability (``experiments.sampling``).
     dropped: the MoE layers' fractions of dropped token copies, summed over the layers, the
       prefill and the decode steps (0: nothing dropped; dropless decoding keeps it 0).
-    logits: [rows, steps, V] float32, the logits each token was chosen from (when asked for).
+    logits: [rows, steps, V] float32, the logits each token was chosen from (when asked for;
+      V: the tokenizer's vocabulary, ``Sampler.vocab``).
     """
     prompts: list
     tokens: list
@@ -93,6 +95,7 @@ class Sampler:
         self.tokenizer = tokenizer
         self.step = step
         self.context = prep.config.data.seq_len
+        self.vocab = min(tokenizer.vocab_size, prep.model.vocab_size)  # the ids that are tokens
         block = models.stack_block(prep.model_config)
         self.top_k = block.moe_layer_tpl.num_experts_per_token if block.moe_layers else 0
         token_axes = prep.config.mesh.resources.token_axes
@@ -120,6 +123,10 @@ class Sampler:
         with base_layer.JaxContext.new_context(hparams=ctx):
             return self.model.apply(variables, *args, **kw)
 
+    def _tokens(self, logits):
+        """logits [B, model vocabulary] -> [B, self.vocab] float32: the tokenizer's ids."""
+        return logits[:, :self.vocab].astype(jnp.float32)
+
     def _prefill(self, variables, ids, pad, start):
         """Full forward of ids [B, S] up to column start (exclusive): the logits [B, V] that
         choose column start's token, the decode cache (time_step = start), dropped copies."""
@@ -131,8 +138,8 @@ class Sampler:
                                segment_pos=pos,
                                start_time_step=start,
                                mutable=[CACHE, SUMMARIES])
-        logits = jnp.take(out.logits, start - 1, axis=1).astype(jnp.float32)
-        return logits, upd[CACHE], _dropped_fraction(upd.get(SUMMARIES, {}))
+        logits = jnp.take(out.logits, start - 1, axis=1)
+        return self._tokens(logits), upd[CACHE], _dropped_fraction(upd.get(SUMMARIES, {}))
 
     def _extend(self, variables, cache, tokens, pad):
         """One cached step: tokens [B] at column cache['time_step'] -> logits [B, V] for the
@@ -145,7 +152,7 @@ class Sampler:
                                segment_pos=pos,
                                method=self.model.extend_step,
                                mutable=[CACHE, SUMMARIES])
-        return out.logits.astype(jnp.float32), upd[CACHE], _dropped_fraction(upd.get(SUMMARIES, {}))
+        return self._tokens(out.logits), upd[CACHE], _dropped_fraction(upd.get(SUMMARIES, {}))
 
     def _full(self, variables, ids, pad, t):
         """The reference: the full forward over ids [B, S] with columns >= t padding; the
@@ -157,8 +164,8 @@ class Sampler:
                                segment_ids=(1 - paddings).astype(jnp.int32),
                                segment_pos=pos,
                                mutable=[SUMMARIES])
-        logits = jnp.take(out.logits, t - 1, axis=1).astype(jnp.float32)
-        return logits, _dropped_fraction(upd.get(SUMMARIES, {}))
+        logits = jnp.take(out.logits, t - 1, axis=1)
+        return self._tokens(logits), _dropped_fraction(upd.get(SUMMARIES, {}))
 
     @staticmethod
     def _choose(logits, seed, rows, n, temperature, top_k, top_p, done, eos):
@@ -203,7 +210,7 @@ class Sampler:
                        top_k=top_k,
                        top_p=top_p,
                        num_samples=num_samples)
-        check_prompts(prompt_ids, max_new_tokens, self.context, self.model.vocab_size)
+        check_prompts(prompt_ids, max_new_tokens, self.context, self.vocab)
         eos = self.tokenizer.eos_id
         if stop_at_eos and eos is None:
             raise SampleError(f"--stop_at_eos: the job's tokenizer ({self.tokenizer.name}) has "

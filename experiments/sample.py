@@ -17,6 +17,7 @@ log-probabilities, timings).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -32,6 +33,7 @@ from experiments import jobdir, setup
 from experiments import tokenizer as tokenizer_lib
 from experiments.checkpoints import Checkpoints
 from experiments.decoding import Sampler, Samples  # noqa: F401  (this module's API)
+from experiments.errors import one_line
 from experiments.sampling import SampleError, check_prompts, check_settings  # noqa: F401
 from experiments.steps import make_step_fns
 
@@ -57,11 +59,21 @@ class PromptTokenizer:
 
 def job_tokenizer(job_log_dir, data_config=None) -> PromptTokenizer:
     """The tokenizer ``job_log_dir`` trained with (encode, decode, eos_id); ``data_config``: the
-    job's recorded DataConfig (its ``add_bos``)."""
+    job's recorded DataConfig (its ``tokenizer`` and ``add_bos``). Raises SampleError (one line)
+    when a job trained with a tokenizer file keeps no copy of it, or a copy that does not load
+    or whose content changed."""
+    kept = Path(job_log_dir) / tokenizer_lib.TOKENIZER_DIR
+    spec = getattr(data_config, "tokenizer", tokenizer_lib.BYTES)
+    fix = (f"restore {kept}/ (the file and its {tokenizer_lib.HASH_FILE}) or point "
+           "--job_log_dir at a complete job")
+    if spec != tokenizer_lib.BYTES and tokenizer_lib.job_tokenizer_path(job_log_dir) is None:
+        raise SampleError(f"--job_log_dir={str(job_log_dir)!r} was trained with "
+                          f"data.tokenizer={spec!r} but keeps no copy of it in {kept}: {fix}")
     try:
         tok = tokenizer_lib.job_tokenizer(job_log_dir)
-    except tokenizer_lib.TokenizerError as e:
-        raise SampleError(str(e)) from None
+    except (tokenizer_lib.TokenizerError, OSError) as e:
+        raise SampleError(f"the tokenizer copy of --job_log_dir={str(job_log_dir)!r} does not "
+                          f"load ({type(e).__name__}: {one_line(e)}): {fix}") from None
     return PromptTokenizer(tok, getattr(data_config, "add_bos", False))
 
 
@@ -122,6 +134,7 @@ def load_sampler(job_log_dir, *, devices=None, mesh=None, dropless: bool = True)
     job_log_dir = Path(job_log_dir).absolute()
     ckpt_dir = job_log_dir / "checkpoints"
     cfg = recorded_config(job_log_dir)
+    tokenizer = job_tokenizer(job_log_dir, cfg.data)
     if mesh:
         exp_configs.use_mesh(cfg, **mesh)
     cfg.model = decode_config(cfg.model, dropless=dropless)
@@ -143,7 +156,45 @@ def load_sampler(job_log_dir, *, devices=None, mesh=None, dropless: bool = True)
         print(f"experiments.sample: note: {note}", file=sys.stderr, flush=True)
     variables = {base_layer.PARAMS: state["params"], **state["non_trainable"]}
     del state  # the optimizer's moments are not needed
-    return Sampler(prep, variables, job_tokenizer(job_log_dir, prep.config.data), step=step)
+    return Sampler(prep, variables, tokenizer, step=step)
+
+
+@dataclasses.dataclass
+class Continuations:
+    """What ``continuations`` returns."""
+    texts: list  # per prompt, its samples' texts: tokenizer.decode of the ids, EOS left out
+    samples: Samples  # the token ids (prompts with BOS where the data added one), timings
+    tokenizer: PromptTokenizer
+    step: int  # the checkpoint's
+
+
+def continuations(job_log_dir,
+                  prompts: Sequence[str],
+                  settings: dict,
+                  *,
+                  seed: int = 0,
+                  use_cache: bool = True,
+                  stop_at_eos: bool = False,
+                  progress: bool = False) -> Continuations:
+    """``generate`` and ``--mode=sample``: the prompts encoded with the job's tokenizer and
+    continued by its newest checkpoint. settings: ``check_settings``'s keywords. Every setting
+    and prompt is checked before anything is restored (SampleError, one line)."""
+    check_settings(**settings)
+    cfg = recorded_config(job_log_dir)
+    tok = job_tokenizer(job_log_dir, cfg.data)
+    prompt_ids = [tok.encode(p) for p in prompts]
+    check_prompts(prompt_ids, settings["max_new_tokens"], cfg.data.seq_len, tok.vocab_size)
+    sampler = load_sampler(job_log_dir)
+    out = sampler.sample(prompt_ids,
+                         seed=seed,
+                         use_cache=use_cache,
+                         stop_at_eos=stop_at_eos,
+                         progress=progress,
+                         **settings)
+    texts = [tok.decode([t for t in ids if t != tok.eos_id]) for ids in out.tokens]
+    n = out.num_samples
+    return Continuations([texts[i * n:(i + 1) * n] for i in range(len(prompts))], out, tok,
+                         sampler.step)
 
 
 def generate(job_log_dir,
@@ -156,21 +207,12 @@ def generate(job_log_dir,
              num_samples: int = 1,
              seed: int = 0,
              use_cache: bool = True) -> list[list[str]]:
-    """Continuations of each prompt (a list of ``num_samples`` strings per prompt) by the
-    newest checkpoint of ``job_log_dir``; settings as ``experiments.sampling`` describes."""
-    check_settings(max_new_tokens=max_new_tokens,
-                   temperature=temperature,
-                   top_k=top_k,
-                   top_p=top_p,
-                   num_samples=num_samples)
-    sampler = load_sampler(job_log_dir)
-    out = sampler.sample([sampler.tokenizer.encode(p) for p in prompts],
-                         max_new_tokens=max_new_tokens,
-                         temperature=temperature,
-                         top_k=top_k,
-                         top_p=top_p,
-                         num_samples=num_samples,
-                         seed=seed,
-                         use_cache=use_cache)
-    texts = [sampler.tokenizer.decode(t) for t in out.tokens]
-    return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+    """Continuations of each prompt (a list of ``num_samples`` strings per prompt: the decoded
+    ids, EOS left out) by the newest checkpoint of ``job_log_dir``; settings as
+    ``experiments.sampling`` describes."""
+    settings = dict(max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    num_samples=num_samples)
+    return continuations(job_log_dir, prompts, settings, seed=seed, use_cache=use_cache).texts

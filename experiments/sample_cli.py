@@ -16,34 +16,40 @@ from pathlib import Path
 
 from absl import flags
 
-_PROMPT = flags.DEFINE_multi_string(
-    "prompt", [], "--mode=sample: a prompt to continue (repeatable; with --prompts_file, these "
-    "come first).")
-_PROMPTS_FILE = flags.DEFINE_string(
-    "prompts_file", None, "--mode=sample: a UTF-8 text file of prompts, one per line (empty "
-    "lines are an error).")
-_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64,
-                                       "--mode=sample: tokens generated per continuation.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0,
-                                  "--mode=sample: softmax temperature; 0 = greedy.")
-_TOP_K = flags.DEFINE_integer("top_k", 0,
-                              "--mode=sample: draw from the k most likely tokens only (0 = all).")
-_TOP_P = flags.DEFINE_float(
-    "top_p", 1.0, "--mode=sample: nucleus sampling, the most likely tokens up to this much "
-    "probability mass, in (0, 1] (1 = all).")
-_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "--mode=sample: continuations per prompt.")
-_SEED = flags.DEFINE_integer("seed", 0, "--mode=sample: the random seed of the draws.")
-_STOP_AT_EOS = flags.DEFINE_bool(
-    "stop_at_eos", False, "--mode=sample: end a continuation at the tokenizer's "
-    "end-of-sequence token (the job's tokenizer must have one).")
-_OUTPUT_JSON = flags.DEFINE_string(
-    "output_json", None, "--mode=sample: also write the prompts, continuations, token ids, "
-    "log-probabilities and timings to this JSON file.")
+from experiments.errors import SampleError
+
+
+def _define(define, name: str, default, help_: str):
+    """A flag of --mode=sample (its help says so)."""
+    return define(name, default, f"--mode=sample: {help_}")
+
+
+_PROMPT = _define(flags.DEFINE_multi_string, "prompt", [],
+                  "a prompt to continue (repeatable; with --prompts_file, these come first).")
+_PROMPTS_FILE = _define(flags.DEFINE_string, "prompts_file", None,
+                        "a UTF-8 text file of prompts, one per line (empty lines are an error).")
+_MAX_NEW_TOKENS = _define(flags.DEFINE_integer, "max_new_tokens", 64,
+                          "tokens generated per continuation.")
+_TEMPERATURE = _define(flags.DEFINE_float, "temperature", 0.0, "softmax temperature; 0 = greedy.")
+_TOP_K = _define(flags.DEFINE_integer, "top_k", 0,
+                 "draw from the k most likely tokens only (0 = all).")
+_TOP_P = _define(
+    flags.DEFINE_float, "top_p", 1.0,
+    "nucleus sampling, the most likely tokens up to this much probability mass, "
+    "in (0, 1] (1 = all).")
+_NUM_SAMPLES = _define(flags.DEFINE_integer, "num_samples", 1, "continuations per prompt.")
+_SEED = _define(flags.DEFINE_integer, "seed", 0, "the random seed of the draws.")
+_STOP_AT_EOS = _define(
+    flags.DEFINE_bool, "stop_at_eos", False,
+    "end a continuation at the tokenizer's end-of-sequence token (the job's "
+    "tokenizer must have one).")
+_OUTPUT_JSON = _define(
+    flags.DEFINE_string, "output_json", None,
+    "also write the prompts, continuations, token ids, log-probabilities and "
+    "timings to this JSON file.")
 
 
 def _prompts() -> list[str]:
-    from experiments.sample import SampleError
-
     prompts = list(_PROMPT.value)
     if _PROMPTS_FILE.value:
         path = Path(_PROMPTS_FILE.value)
@@ -87,23 +93,18 @@ def run(job_log_dir, *, progress: bool) -> int:
     if _OUTPUT_JSON.value and not Path(_OUTPUT_JSON.value).absolute().parent.is_dir():
         raise sample.SampleError(f"--output_json={_OUTPUT_JSON.value!r}: its directory does not "
                                  "exist; create it or give another path")
-    cfg = sample.recorded_config(job_log_dir)
-    tok = sample.job_tokenizer(job_log_dir, cfg.data)
-    prompt_ids = [tok.encode(p) for p in prompts]
-    # a vocabulary left unset in the recorded config is the tokenizer's, rounded up at setup
-    vocab = cfg.model.vocab_size or tok.vocab_size
-    sample.check_prompts(prompt_ids, settings["max_new_tokens"], cfg.data.seq_len, vocab)
-    sampler = sample.load_sampler(job_log_dir)
-    out = sampler.sample(prompt_ids,
-                         seed=_SEED.value,
-                         stop_at_eos=_STOP_AT_EOS.value,
-                         progress=progress,
-                         **settings)
+    got = sample.continuations(job_log_dir,
+                               prompts,
+                               settings,
+                               seed=_SEED.value,
+                               stop_at_eos=_STOP_AT_EOS.value,
+                               progress=progress)
+    out, tok = got.samples, got.tokenizer
     n = out.num_samples
     results = []
     for i, p in enumerate(prompts):
         rows = range(i * n, (i + 1) * n)
-        texts = [tok.decode(t for t in out.tokens[r] if t != tok.eos_id) for r in rows]
+        texts = got.texts[i]
         print(f"=== prompt {i}: {p!r}")
         for j, text in enumerate(texts):
             print(f"--- sample {j}:\n{p}{text}")
@@ -126,7 +127,7 @@ def run(job_log_dir, *, progress: bool) -> int:
         "rows": len(out.tokens),
     }
     print(
-        f"checkpoint step {sampler.step}, tokenizer {tok.name}; prefill "
+        f"checkpoint step {got.step}, tokenizer {tok.name}; prefill "
         f"{1e3 * out.prefill_seconds:.1f} ms, decode {out.decode_tokens_per_second:,.1f} "
         f"tokens/s ({out.ms_per_token:.2f} ms per token, {timing['rows']} rows), compile "
         f"{out.compile_seconds:.1f} s",
@@ -135,7 +136,7 @@ def run(job_log_dir, *, progress: bool) -> int:
         path = Path(_OUTPUT_JSON.value)
         record = {
             "job_log_dir": str(job_log_dir),
-            "checkpoint_step": sampler.step,
+            "checkpoint_step": got.step,
             "tokenizer": tok.name,
             "settings": {
                 **settings, "seed": _SEED.value,

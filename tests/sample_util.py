@@ -1,5 +1,6 @@
-"""Small jobs to sample from (test_sample*.py): a recorded config and one checkpoint written
-from initialised parameters, for each preset family at small sizes (float32)."""
+"""Small jobs to sample from (test_sample*.py): a recorded config, the tokenizer copy training
+keeps and one checkpoint written from initialised parameters, for each preset family at small
+sizes (float32)."""
 
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 
 from configs import experiments as exp
 from experiments import jobdir, setup
+from experiments import tokenizer as tokenizer_lib
 from experiments.checkpoints import Checkpoints
 from experiments.steps import make_step_fns
 
@@ -64,16 +66,21 @@ def make_job(job_dir,
              seed: int = 0,
              moe_fields=None,
              step: int = 7,
-             mesh=None) -> Path:
+             mesh=None,
+             data=None) -> Path:
     """Writes config.json and the checkpoint of ``step`` into ``job_dir``: initialised
     parameters with the tied embedding scaled up (sharper next-token distributions than at
     initialisation) and, where the layers have one, a random expert bias (routing depends on
     it). moe_fields: MoE layer fields set on the config (e.g. a training capacity_factor);
-    mesh: MeshConfig fields (configs.experiments.use_mesh), e.g. {"shape": (1, 1, 1)}."""
+    mesh: MeshConfig fields (configs.experiments.use_mesh), e.g. {"shape": (1, 1, 1)};
+    data: DataConfig fields, e.g. {"path": corpus, "tokenizer": "sp.model"} (the job keeps a copy
+    of the tokenizer, as training does)."""
     job_dir = Path(job_dir)
     cfg = FAMILIES[family]().experiment_config()
     if mesh:
         exp.use_mesh(cfg, **mesh)
+    for k, v in (data or {}).items():
+        setattr(cfg.data, k, v)
     for k, v in (moe_fields or {}).items():
         setattr(
             cfg.model.stacked_transformer_tpl.block if hasattr(
@@ -103,6 +110,7 @@ def make_job(job_dir,
         mngr.wait_until_finished()
         mngr.close()
     jobdir.record(job_dir, cfg)
+    tokenizer_lib.keep_in_job_dir(job_dir, prep.tokenizer)
     return job_dir
 
 

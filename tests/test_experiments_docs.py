@@ -29,15 +29,31 @@ def test_docs_list_every_flag_of_main():
         "no_progress", "allow_config_change", "verbose_errors"
     ]
     for name in ours:
-        assert f"`--{name}" in doc, name
-        fl = flags.FLAGS[name]
-        default = fl.default
-        row = re.search(rf"^\| `--{name}[^|]*\| ([^|]*)\|", doc, re.M)
-        assert row, f"--{name} has no row in the flag table"
-        assert row.group(1).strip() == f"`{default!r}`" if default is not None else \
-            row.group(1).strip() == "`None`", (name, row.group(1))
+        _check_row(doc, name)
     for name in ("fdl_config", "fdl_config_file", "fdl_set", "fiddler"):
         assert name in flags.FLAGS and f"`--{name}" in doc
+
+
+def test_docs_list_every_sample_flag_with_its_default():
+    """--mode=sample's flags (every flag experiments.sample_cli defines) and nothing else in
+    the table of "Generating text"."""
+    doc = _doc()
+    names = [f.name for f in flags.FLAGS.get_flags_for_module("experiments.sample_cli")]
+    assert {"prompt", "max_new_tokens", "temperature", "output_json"} <= set(names)
+    for name in names:
+        _check_row(doc, name)
+    section = doc.split("## Generating text")[1].split("\n## ")[0]
+    assert set(re.findall(r"^\| `--(\w+)`", section, re.M)) == set(names)
+
+
+def _check_row(doc, name):
+    """--name has a row in a flag table of ``doc`` whose default column is the flag's."""
+    assert f"`--{name}" in doc, name
+    default = flags.FLAGS[name].default
+    row = re.search(rf"^\| `--{name}[^|]*\| ([^|]*)\|", doc, re.M)
+    assert row, f"--{name} has no row in the flag table"
+    assert row.group(1).strip() == f"`{default!r}`" if default is not None else \
+        row.group(1).strip() == "`None`", (name, row.group(1))
 
 
 @pytest.mark.parametrize("cls",

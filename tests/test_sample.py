@@ -10,6 +10,8 @@ capacity factor 0.5), prompts of different lengths in one batch (fresh random by
 - each reported log-probability == the documented distribution of those logits at the token;
 - one compile of each function serves other prompt lengths, numbers of new tokens and settings;
 - the DeepSeek-V3 family on its 8-device mesh == one device.
+Every test samples ROWS rows from the shared one-device samplers (a compile per batch size is
+the contract, so one size keeps the module to one compile of each function per family).
 """
 
 import jax
@@ -21,9 +23,10 @@ from experiments import sample
 from tests import sample_util, testutil
 
 NEW = 32
+ROWS = 3  # rows of every batch sampled from the shared one-device samplers
 
 
-def _prompts(rng, n=3, lo=2, hi=14):
+def _prompts(rng, n=ROWS, lo=2, hi=14):
     return [list(rng.integers(32, 127, size=int(rng.integers(lo, hi)))) for _ in range(n)]
 
 
@@ -108,7 +111,7 @@ def test_left_padding_equals_each_prompt_alone(jobs):
     position 0, no left padding) at the same positions: padding, positions and masks."""
     rng = np.random.default_rng(testutil.seed())
     _, sampler = jobs("tiny")
-    prompts = _prompts(rng, n=4, lo=1, hi=20)
+    prompts = _prompts(rng, lo=1, hi=20)
     out = sampler.sample(prompts, max_new_tokens=NEW, return_logits=True)
     forward = full_logits(sampler, [p + t for p, t in zip(prompts, out.tokens)])
     for r, p in enumerate(prompts):
@@ -120,10 +123,10 @@ def test_left_padding_equals_each_prompt_alone(jobs):
 def test_mesh_equals_one_device(jobs):
     """DeepSeek-V3 family on its 8-device mesh (data 2 x fsdp 2 x expert 2: the batch split
     over the token axes, the experts over expert x fsdp) == one device, greedy, 32 tokens;
-    5 prompts (padded to 8 rows on the mesh)."""
+    3 prompts (padded to 8 rows on the mesh)."""
     rng = np.random.default_rng(testutil.seed())
     job, single = jobs("deepseek")
-    prompts = _prompts(rng, n=5)
+    prompts = _prompts(rng)
     mesh = sample.load_sampler(job)
     assert dict(zip(mesh.mesh.axis_names, mesh.mesh.devices.shape)) == {
         "data": 2,
@@ -147,7 +150,7 @@ def test_dropless_whatever_the_training_capacity(jobs):
     asserted above); the same job at its training capacity drops copies (the count can fail)."""
     rng = np.random.default_rng(testutil.seed())
     job, sampler = jobs("qwen3")
-    prompts = _prompts(rng, n=4)
+    prompts = _prompts(rng)
     assert sampler.sample(prompts, max_new_tokens=8).dropped == 0
     capped = one_device(job, "qwen3", dropless=False).sample(prompts, max_new_tokens=8)
     assert capped.dropped > 0
@@ -177,23 +180,23 @@ def test_sampling_settings(jobs):
     that position (float32 logits, 1e-4)."""
     rng = np.random.default_rng(testutil.seed())
     _, sampler = jobs("tiny")
-    prompts = _prompts(rng, n=2)
+    prompts = _prompts(rng)
     n = 16
     greedy = sampler.sample(prompts, max_new_tokens=n)
     assert sampler.sample(prompts, max_new_tokens=n, seed=5).tokens == greedy.tokens
     k1 = sampler.sample(prompts, max_new_tokens=n, temperature=1.7, top_k=1, seed=3)
     assert k1.tokens == greedy.tokens
     np.testing.assert_allclose(k1.log_probs, 0.0, atol=1e-6)  # the only token left
-    compiled = []  # choose_fn's compiles after each setting (6 rows each)
+    compiled = []  # choose_fn's compiles after each setting (ROWS rows each)
     for settings in (dict(temperature=0.9, top_k=20,
                           top_p=0.8), dict(temperature=1.3), dict(temperature=1.0, top_p=0.5)):
-        a = sampler.sample(prompts, max_new_tokens=n, num_samples=3, seed=11, **settings)
+        a = sampler.sample(prompts[:1], max_new_tokens=n, num_samples=ROWS, seed=11, **settings)
         compiled.append(sampler.compiled()["choose_fn"])
-        b = sampler.sample(prompts, max_new_tokens=n, num_samples=3, seed=11, **settings)
-        c = sampler.sample(prompts, max_new_tokens=n, num_samples=3, seed=12, **settings)
+        b = sampler.sample(prompts[:1], max_new_tokens=n, num_samples=ROWS, seed=11, **settings)
+        c = sampler.sample(prompts[:1], max_new_tokens=n, num_samples=ROWS, seed=12, **settings)
         assert a.tokens == b.tokens and a.log_probs == b.log_probs
         assert a.tokens != c.tokens
-        assert len({tuple(t) for t in a.tokens}) > 2, settings  # the samples differ
+        assert len({tuple(t) for t in a.tokens}) > 1, settings  # the samples differ
         forward = full_logits(sampler, [p + t for p, t in zip(a.prompts, a.tokens)])
         for r, (p, toks) in enumerate(zip(a.prompts, a.tokens)):
             z = forward[r, len(p) - 1:len(p) - 1 + n]
