@@ -18,12 +18,10 @@ the Hopper ones; beside the sm_80 ones gate_up runs unfused. `backend_info()['cu
 says which kernel each op runs and why. Where the grouped GEMM runs ragged_dot on a GPU,
 `warn_xla_on_gpu` names the cost (E times the useful work).
 
-The device is queried through cuda-python (`cuda.bindings.driver`): compute capability, SM
-count, driver and runtime versions, without initialising a JAX backend. Without a CUDA driver
-(or without cuda-python) the query degrades to a reason ("no GPU: ...").
-
-This module is also the library layer's public face: tests and tools read `KERNELS`, the
-environment variable, `library_state()` and `call_stats()` here.
+The device (compute capability, SM count, driver and runtime versions) is queried through
+cuda-python (`cuda.bindings.driver`) without initialising a JAX backend; without a CUDA driver
+or cuda-python the query degrades to a reason ("no GPU: ..."). Tests and tools read the library
+layer's public names here: `KERNELS`, the environment variable, `library_state()`, `call_stats()`.
 """
 
 from __future__ import annotations
@@ -306,15 +304,11 @@ def backend_info(config=None) -> dict[str, dict]:
     'library': path, 'driver_version', 'runtime_version' (CUDA's integer form, e.g. 13000; None
     when unknown), 'devices': [{'name', 'compute_capability', 'sm_count',
     'shared_memory_per_block'}], 'ops': op_kernels()
-    (the kernel each op family runs here and why)}, 'fp8_gemms': {'rule': fp8_rule.info() (the
-    per-GEMM rule of MoEConfig.fp8_gemms='auto'), and with `config` (an MoEConfig with fp8 set)
-    'mode': config.fp8_gemms, 'choice': {weight: {'fwd' | 'dgrad' | 'wgrad': 'fp8' | 'bf16'}}}}.
+    (the kernel each op family runs here and why)}, 'fp8_gemms': fp8_rule.backend_entry(config)
+    (the per-GEMM rule of MoEConfig.fp8_gemms='auto' and, for an FP8 config, its choices)}.
     """
     ok, why = cuda_status()
     dev = device_query()
-    fp8_gemms = {"rule": fp8_rule.info()}
-    if config is not None and config.fp8 is not None:
-        fp8_gemms.update(mode=config.fp8_gemms, choice=fp8_rule.describe(config.fp8_choices()))
     return {
         "xla": {
             "usable": True,
@@ -329,7 +323,7 @@ def backend_info(config=None) -> dict[str, dict]:
             "devices": [dict(d) for d in dev["devices"]],
             "ops": op_kernels(),
         },
-        "fp8_gemms": fp8_gemms,
+        "fp8_gemms": fp8_rule.backend_entry(config),
     }
 
 

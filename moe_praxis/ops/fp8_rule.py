@@ -126,6 +126,15 @@ def info() -> dict:
     }
 
 
+def backend_entry(config=None) -> dict:
+    """backend_info()'s 'fp8_gemms': {'rule': info()}, and with `config` (an MoEConfig with fp8
+    set) 'mode': config.fp8_gemms and 'choice': describe(config.fp8_choices())."""
+    out = {"rule": info()}
+    if config is not None and config.fp8 is not None:
+        out.update(mode=config.fp8_gemms, choice=describe(config.fp8_choices()))
+    return out
+
+
 def markdown_table() -> str:
     """docs/config.md's table of the rule (generated: python -m moe_praxis.config --write)."""
     i = info()
