@@ -11,8 +11,8 @@ another entry is built.
 A build writes a temporary directory ``.tmp.<key>.<pid>`` and renames it into place when
 everything is written; an interrupted build leaves only a temporary directory, which no
 reader trusts (the next build of that key removes it). Files are tokenized in parallel
-(threads: the tokenizer libraries encode outside the GIL) with a tqdm bar of documents and
-MB/s.
+(threads: the tokenizer libraries encode outside the GIL), ``ENCODE_BATCH`` documents per
+library call, with a tqdm bar of documents and MB/s.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,9 +33,9 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import documents
-from experiments.tokenizer import Tokenizer
+from experiments.tokenizer import EncodedBatch, Tokenizer
 
-FORMAT = 1  # bump when the layout changes
+FORMAT = 2  # bump when the layout changes
 ENCODE_BATCH = 256  # documents encoded per library call
 
 
@@ -84,41 +86,61 @@ def _open(path: Path, built: bool) -> TokenizedCorpus:
                            built=built)
 
 
+def _with_specials(enc: EncodedBatch, bos, eos) -> EncodedBatch:
+    """Each document of ``enc`` with ``bos`` before it and ``eos`` after it (None: none);
+    they cover no bytes of text."""
+    ids, nbytes, lens = enc
+    for tid, at_end in ((bos, False), (eos, True)):
+        if tid is not None:
+            ends = np.cumsum(lens)
+            at = ends if at_end else ends - lens
+            ids, nbytes, lens = np.insert(ids, at, tid), np.insert(nbytes, at, 0), lens + 1
+    return EncodedBatch(ids, nbytes, lens)
+
+
 def _tokenize_file(i: int, f: Path, tok: Tokenizer, text_field: str, add_bos: bool, add_eos: bool,
-                   tmp: Path, bar) -> dict:
+                   tmp: Path, progress) -> dict:
     """Writes shard ``i`` (tokens, bytes, document lengths) of file ``f`` into ``tmp``."""
-    ids, nbytes, lens = [], [], []
-    n_bytes = 0
-    pending = []
+    parts = []
+    bos, eos = tok.bos_id if add_bos else None, tok.eos_id if add_eos else None
+    docs = documents.read_documents(f, text_field)
+    while batch := list(itertools.islice(docs, ENCODE_BATCH)):
+        parts.append(_with_specials(tok.encode_batch(batch), bos, eos))
+        progress(int(parts[-1].token_bytes.sum()), len(batch))
+    empty = (np.zeros(0, np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.int64))
+    ids, nbytes, lens = (np.concatenate(field) for field in zip(*parts, empty))
+    np.save(tmp / f"{i:06d}.tokens.npy", ids)
+    np.save(tmp / f"{i:06d}.bytes.npy", nbytes)
+    np.save(tmp / f"{i:06d}.lens.npy", lens)
+    return {"documents": len(lens), "bytes": int(nbytes.sum())}
 
-    def flush():
-        nonlocal n_bytes
-        for (t, b), text in zip(tok.encode_batch(pending), pending):
-            if add_bos:
-                t, b = np.concatenate([[tok.bos_id], t]), np.concatenate([[0], b])
-            if add_eos:
-                t, b = np.concatenate([t, [tok.eos_id]]), np.concatenate([b, [0]])
-            ids.append(np.asarray(t, np.uint32))
-            nbytes.append(np.asarray(b, np.uint32))
-            lens.append(len(t))
-        size = sum(len(t.encode("utf-8")) for t in pending)
-        n_bytes += size
-        if bar is not None:
-            bar.update(size)
-            bar.set_postfix(documents=f"{len(lens):,}", refresh=False)
-        pending.clear()
 
-    for text in documents.read_documents(f, text_field):
-        pending.append(text)
-        if len(pending) >= ENCODE_BATCH:
-            flush()
-    if pending:
-        flush()
-    cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)  # noqa: E731
-    np.save(tmp / f"{i:06d}.tokens.npy", cat(ids, np.uint32))
-    np.save(tmp / f"{i:06d}.bytes.npy", cat(nbytes, np.uint32))
-    np.save(tmp / f"{i:06d}.lens.npy", np.asarray(lens, np.int64))
-    return {"documents": len(lens), "bytes": n_bytes}
+class _Progress:
+    """The tqdm bar of a build (MB/s of text, documents), updated once per encoded batch from
+    every worker thread."""
+
+    def __init__(self, total_bytes: int, show: bool):
+        self.bar = tqdm(
+            total=total_bytes,
+            unit="B",
+            unit_scale=True,
+            desc="tokenizing",
+            file=sys.stderr,
+            delay=2.0,  # a build of a few seconds draws nothing
+            dynamic_ncols=True) if show else None
+        self.documents = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, nbytes: int, ndocs: int) -> None:
+        if self.bar is not None:
+            with self.lock:
+                self.documents += ndocs
+                self.bar.update(nbytes)
+                self.bar.set_postfix(documents=f"{self.documents:,}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _merge(tmp: Path, n_files: int) -> tuple[int, int]:
@@ -168,24 +190,18 @@ def build_or_load(files,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        total_bytes = sum(os.stat(f).st_size for f in files)
-        bar = tqdm(
-            total=total_bytes,
-            unit="B",
-            unit_scale=True,
-            desc="tokenizing",
-            file=sys.stderr,
-            delay=2.0,  # a build of a few seconds draws nothing
-            dynamic_ncols=True) if progress else None
+        progress = _Progress(sum(os.stat(f).st_size for f in files), progress)
         t0 = time.perf_counter()
+        # threads: the libraries encode outside the GIL (and over the cores: sentencepiece's
+        # num_threads, tokenizers' rayon pool), so one reads and parses a file while another
+        # encodes; more threads than cores would only wait
         workers = workers or min(len(files), os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
             parts = list(
                 pool.map(
-                    lambda a: _tokenize_file(a[0], a[1], tok, text_field, add_bos, add_eos, tmp, bar
-                                             ), enumerate(files)))
-        if bar is not None:
-            bar.close()
+                    lambda a: _tokenize_file(a[0], a[1], tok, text_field, add_bos, add_eos, tmp,
+                                             progress), enumerate(files)))
+        progress.close()
         n_tokens, n_docs = _merge(tmp, len(files))
         meta = {
             "files": len(files),
