@@ -12,12 +12,16 @@ A build writes a temporary directory ``.tmp.<key>.<pid>`` and renames it into pl
 everything is written; an interrupted build leaves only a temporary directory, which no
 reader trusts (the next build of that key removes it). Files are tokenized in parallel
 (threads: the tokenizer libraries encode outside the GIL), ``ENCODE_BATCH`` documents per
-library call, with a tqdm bar of documents and MB/s.
+library call, with a tqdm bar of documents and MB/s. A build holds one batch in memory: each
+file's tokens go to a shard on disk as they are encoded, and the shards are joined through
+memory maps; a reader maps the arrays (``np.load(mmap_mode="r")``) and reads the windows and
+rows it needs.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -37,6 +41,8 @@ from experiments.tokenizer import EncodedBatch, Tokenizer
 
 FORMAT = 2  # bump when the layout changes
 ENCODE_BATCH = 256  # documents encoded per library call
+# a file's shard while building: raw arrays, appended batch by batch
+SHARD_FIELDS = (("tokens", np.uint32), ("bytes", np.uint32), ("lens", np.int64))
 
 
 def default_cache_dir() -> Path:
@@ -100,19 +106,21 @@ def _with_specials(enc: EncodedBatch, bos, eos) -> EncodedBatch:
 
 def _tokenize_file(i: int, f: Path, tok: Tokenizer, text_field: str, add_bos: bool, add_eos: bool,
                    tmp: Path, progress) -> dict:
-    """Writes shard ``i`` (tokens, bytes, document lengths) of file ``f`` into ``tmp``."""
-    parts = []
+    """Writes shard ``i`` of file ``f`` into ``tmp``: raw arrays of its tokens, their bytes and
+    the document lengths (``SHARD_FIELDS``), appended one encoded batch at a time."""
     bos, eos = tok.bos_id if add_bos else None, tok.eos_id if add_eos else None
     docs = documents.read_documents(f, text_field)
-    while batch := list(itertools.islice(docs, ENCODE_BATCH)):
-        parts.append(_with_specials(tok.encode_batch(batch), bos, eos))
-        progress(int(parts[-1].token_bytes.sum()), len(batch))
-    empty = (np.zeros(0, np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.int64))
-    ids, nbytes, lens = (np.concatenate(field) for field in zip(*parts, empty))
-    np.save(tmp / f"{i:06d}.tokens.npy", ids)
-    np.save(tmp / f"{i:06d}.bytes.npy", nbytes)
-    np.save(tmp / f"{i:06d}.lens.npy", lens)
-    return {"documents": len(lens), "bytes": int(nbytes.sum())}
+    n_docs = n_bytes = 0
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(open(tmp / f"{i:06d}.{n}", "wb")) for n, _ in SHARD_FIELDS]
+        while batch := list(itertools.islice(docs, ENCODE_BATCH)):
+            enc = _with_specials(tok.encode_batch(batch), bos, eos)
+            for a, out, (_, dtype) in zip(enc, outs, SHARD_FIELDS):
+                np.asarray(a, dtype).tofile(out)
+            nbytes = int(enc.token_bytes.sum())
+            n_docs, n_bytes = n_docs + len(batch), n_bytes + nbytes
+            progress(nbytes, len(batch))
+    return {"documents": n_docs, "bytes": n_bytes}
 
 
 class _Progress:
@@ -143,26 +151,32 @@ class _Progress:
             self.bar.close()
 
 
+def _shard(tmp: Path, i: int, name: str, dtype) -> np.ndarray:
+    p = tmp / f"{i:06d}.{name}"
+    return np.memmap(p, dtype, mode="r") if p.stat().st_size else np.zeros(0, dtype)
+
+
 def _merge(tmp: Path, n_files: int) -> tuple[int, int]:
-    """Joins the per-file shards into one memory-mappable array per field."""
-    lens = [np.load(tmp / f"{i:06d}.lens.npy") for i in range(n_files)]
-    all_lens = np.concatenate(lens) if lens else np.zeros(0, np.int64)
-    total = int(all_lens.sum())
-    starts = np.concatenate([[0], np.cumsum(all_lens)]).astype(np.int64)
-    np.save(tmp / "doc_starts.npy", starts)
+    """Joins the per-file shards into one ``.npy`` per field, copied shard by shard through
+    memory maps (no field is ever whole in memory), and removes the shards."""
+    lens = np.concatenate([np.fromfile(tmp / f"{i:06d}.lens", np.int64)
+                           for i in range(n_files)] + [np.zeros(0, np.int64)])
+    total = int(lens.sum())
+    np.save(tmp / "doc_starts.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
     for field, name in (("tokens", "tokens.npy"), ("bytes", "token_bytes.npy")):
         out = np.lib.format.open_memmap(tmp / name, mode="w+", dtype=np.uint32, shape=(total, ))
         at = 0
         for i in range(n_files):
-            part = np.load(tmp / f"{i:06d}.{field}.npy")
+            part = _shard(tmp, i, field, np.uint32)
             out[at:at + len(part)] = part
             at += len(part)
-            (tmp / f"{i:06d}.{field}.npy").unlink()
+            del part
         out.flush()
         del out
     for i in range(n_files):
-        (tmp / f"{i:06d}.lens.npy").unlink()
-    return total, len(all_lens)
+        for n, _ in SHARD_FIELDS:
+            (tmp / f"{i:06d}.{n}").unlink()
+    return total, len(lens)
 
 
 def build_or_load(files,

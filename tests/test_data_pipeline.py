@@ -208,8 +208,10 @@ def test_cache_holds_the_encoded_documents_is_reused_and_rebuilt(toks, corpus, t
     # a changed file (new content, new mtime) is another key: rebuilt
     work = tmp_path / "work"
     shutil.copytree(corpus, work)
+    (work / "none.jsonl").write_text("\n")  # a file of no documents: an empty shard
     files_w, _ = documents.find_files(str(work))
     w1 = token_cache.build_or_load(files_w, tok, cache_dir=tmp_path, progress=False)
+    assert w1.num_documents == 40 and len(w1.tokens) == len(c1.tokens) - 2 * 40  # no BOS, EOS
     files_w[3].write_text("a different document")
     os.utime(files_w[3], ns=(1, 1))
     w2 = token_cache.build_or_load(files_w, tok, cache_dir=tmp_path, progress=False)
