@@ -11,19 +11,25 @@ another entry is built.
 A build writes a temporary directory ``.tmp.<key>.<pid>`` and renames it into place when
 everything is written; an interrupted build leaves only a temporary directory, which no
 reader trusts (the next build of that key removes it). Files are tokenized in parallel
-(threads: the tokenizer libraries encode outside the GIL) with a tqdm bar of documents and
-MB/s.
+(threads: the tokenizer libraries encode outside the GIL), ``ENCODE_BATCH`` documents per
+library call, with a tqdm bar of documents and MB/s. A build holds one batch in memory: each
+file's tokens go to a shard on disk as they are encoded, and the shards are joined through
+memory maps; a reader maps the arrays (``np.load(mmap_mode="r")``) and reads the windows and
+rows it needs.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,10 +37,12 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments import documents
-from experiments.tokenizer import Tokenizer
+from experiments.tokenizer import EncodedBatch, Tokenizer
 
-FORMAT = 1  # bump when the layout changes
+FORMAT = 2  # bump when the layout changes
 ENCODE_BATCH = 256  # documents encoded per library call
+# a file's shard while building: raw arrays, appended batch by batch
+SHARD_FIELDS = (("tokens", np.uint32), ("bytes", np.uint32), ("lens", np.int64))
 
 
 def default_cache_dir() -> Path:
@@ -84,63 +92,91 @@ def _open(path: Path, built: bool) -> TokenizedCorpus:
                            built=built)
 
 
+def _with_specials(enc: EncodedBatch, bos, eos) -> EncodedBatch:
+    """Each document of ``enc`` with ``bos`` before it and ``eos`` after it (None: none);
+    they cover no bytes of text."""
+    ids, nbytes, lens = enc
+    for tid, at_end in ((bos, False), (eos, True)):
+        if tid is not None:
+            ends = np.cumsum(lens)
+            at = ends if at_end else ends - lens
+            ids, nbytes, lens = np.insert(ids, at, tid), np.insert(nbytes, at, 0), lens + 1
+    return EncodedBatch(ids, nbytes, lens)
+
+
 def _tokenize_file(i: int, f: Path, tok: Tokenizer, text_field: str, add_bos: bool, add_eos: bool,
-                   tmp: Path, bar) -> dict:
-    """Writes shard ``i`` (tokens, bytes, document lengths) of file ``f`` into ``tmp``."""
-    ids, nbytes, lens = [], [], []
-    n_bytes = 0
-    pending = []
+                   tmp: Path, progress) -> dict:
+    """Writes shard ``i`` of file ``f`` into ``tmp``: raw arrays of its tokens, their bytes and
+    the document lengths (``SHARD_FIELDS``), appended one encoded batch at a time."""
+    bos, eos = tok.bos_id if add_bos else None, tok.eos_id if add_eos else None
+    docs = documents.read_documents(f, text_field)
+    n_docs = n_bytes = 0
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(open(tmp / f"{i:06d}.{n}", "wb")) for n, _ in SHARD_FIELDS]
+        while batch := list(itertools.islice(docs, ENCODE_BATCH)):
+            enc = _with_specials(tok.encode_batch(batch), bos, eos)
+            for a, out, (_, dtype) in zip(enc, outs, SHARD_FIELDS):
+                np.asarray(a, dtype).tofile(out)
+            nbytes = int(enc.token_bytes.sum())
+            n_docs, n_bytes = n_docs + len(batch), n_bytes + nbytes
+            progress(nbytes, len(batch))
+    return {"documents": n_docs, "bytes": n_bytes}
 
-    def flush():
-        nonlocal n_bytes
-        for (t, b), text in zip(tok.encode_batch(pending), pending):
-            if add_bos:
-                t, b = np.concatenate([[tok.bos_id], t]), np.concatenate([[0], b])
-            if add_eos:
-                t, b = np.concatenate([t, [tok.eos_id]]), np.concatenate([b, [0]])
-            ids.append(np.asarray(t, np.uint32))
-            nbytes.append(np.asarray(b, np.uint32))
-            lens.append(len(t))
-        size = sum(len(t.encode("utf-8")) for t in pending)
-        n_bytes += size
-        if bar is not None:
-            bar.update(size)
-            bar.set_postfix(documents=f"{len(lens):,}", refresh=False)
-        pending.clear()
 
-    for text in documents.read_documents(f, text_field):
-        pending.append(text)
-        if len(pending) >= ENCODE_BATCH:
-            flush()
-    if pending:
-        flush()
-    cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)  # noqa: E731
-    np.save(tmp / f"{i:06d}.tokens.npy", cat(ids, np.uint32))
-    np.save(tmp / f"{i:06d}.bytes.npy", cat(nbytes, np.uint32))
-    np.save(tmp / f"{i:06d}.lens.npy", np.asarray(lens, np.int64))
-    return {"documents": len(lens), "bytes": n_bytes}
+class _Progress:
+    """The tqdm bar of a build (MB/s of text, documents), updated once per encoded batch from
+    every worker thread."""
+
+    def __init__(self, total_bytes: int, show: bool):
+        self.bar = tqdm(
+            total=total_bytes,
+            unit="B",
+            unit_scale=True,
+            desc="tokenizing",
+            file=sys.stderr,
+            delay=2.0,  # a build of a few seconds draws nothing
+            dynamic_ncols=True) if show else None
+        self.documents = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, nbytes: int, ndocs: int) -> None:
+        if self.bar is not None:
+            with self.lock:
+                self.documents += ndocs
+                self.bar.update(nbytes)
+                self.bar.set_postfix(documents=f"{self.documents:,}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _shard(tmp: Path, i: int, name: str, dtype) -> np.ndarray:
+    p = tmp / f"{i:06d}.{name}"
+    return np.memmap(p, dtype, mode="r") if p.stat().st_size else np.zeros(0, dtype)
 
 
 def _merge(tmp: Path, n_files: int) -> tuple[int, int]:
-    """Joins the per-file shards into one memory-mappable array per field."""
-    lens = [np.load(tmp / f"{i:06d}.lens.npy") for i in range(n_files)]
-    all_lens = np.concatenate(lens) if lens else np.zeros(0, np.int64)
-    total = int(all_lens.sum())
-    starts = np.concatenate([[0], np.cumsum(all_lens)]).astype(np.int64)
-    np.save(tmp / "doc_starts.npy", starts)
+    """Joins the per-file shards into one ``.npy`` per field, copied shard by shard through
+    memory maps (no field is ever whole in memory), and removes the shards."""
+    lens = np.concatenate([np.fromfile(tmp / f"{i:06d}.lens", np.int64)
+                           for i in range(n_files)] + [np.zeros(0, np.int64)])
+    total = int(lens.sum())
+    np.save(tmp / "doc_starts.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
     for field, name in (("tokens", "tokens.npy"), ("bytes", "token_bytes.npy")):
         out = np.lib.format.open_memmap(tmp / name, mode="w+", dtype=np.uint32, shape=(total, ))
         at = 0
         for i in range(n_files):
-            part = np.load(tmp / f"{i:06d}.{field}.npy")
+            part = _shard(tmp, i, field, np.uint32)
             out[at:at + len(part)] = part
             at += len(part)
-            (tmp / f"{i:06d}.{field}.npy").unlink()
+            del part
         out.flush()
         del out
     for i in range(n_files):
-        (tmp / f"{i:06d}.lens.npy").unlink()
-    return total, len(all_lens)
+        for n, _ in SHARD_FIELDS:
+            (tmp / f"{i:06d}.{n}").unlink()
+    return total, len(lens)
 
 
 def build_or_load(files,
@@ -168,24 +204,18 @@ def build_or_load(files,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        total_bytes = sum(os.stat(f).st_size for f in files)
-        bar = tqdm(
-            total=total_bytes,
-            unit="B",
-            unit_scale=True,
-            desc="tokenizing",
-            file=sys.stderr,
-            delay=2.0,  # a build of a few seconds draws nothing
-            dynamic_ncols=True) if progress else None
+        progress = _Progress(sum(os.stat(f).st_size for f in files), progress)
         t0 = time.perf_counter()
+        # threads: the libraries encode outside the GIL (and over the cores: sentencepiece's
+        # num_threads, tokenizers' rayon pool), so one reads and parses a file while another
+        # encodes; more threads than cores would only wait
         workers = workers or min(len(files), os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
             parts = list(
                 pool.map(
-                    lambda a: _tokenize_file(a[0], a[1], tok, text_field, add_bos, add_eos, tmp, bar
-                                             ), enumerate(files)))
-        if bar is not None:
-            bar.close()
+                    lambda a: _tokenize_file(a[0], a[1], tok, text_field, add_bos, add_eos, tmp,
+                                             progress), enumerate(files)))
+        progress.close()
         n_tokens, n_docs = _merge(tmp, len(files))
         meta = {
             "files": len(files),

@@ -6,7 +6,10 @@ SentencePiece model (the ``sentencepiece`` package), or a path to a Hugging Face
 ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``bos_id`` / ``eos_id``
 (None where it has none), ``name``, ``path`` (None for bytes) and ``sha256`` (of its file).
 ``encode_with_bytes`` also returns, per token, the UTF-8 bytes of ``text`` it covers (they sum
-to ``len(text.encode())``): the denominator of bits per byte.
+to ``len(text.encode())``): the denominator of bits per byte. ``encode_batch(texts)`` encodes
+many documents in one library call into flat arrays (``EncodedBatch``), the tokenized cache's
+input; for a byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3, Qwen, DeepSeek) it asks the
+library for ids only and reads each token's bytes from a table of the vocabulary.
 
 A job directory keeps the copy it trained with (``TOKENIZER_DIR``: the file and its hash);
 ``job_tokenizer(job_log_dir)`` loads it.
@@ -23,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import sentencepiece as spm
@@ -77,6 +81,23 @@ def _char_to_byte_offsets(text: str) -> Optional[np.ndarray]:
     return np.concatenate([[0], np.cumsum(width)])
 
 
+class EncodedBatch(NamedTuple):
+    """Documents encoded one after another."""
+
+    ids: np.ndarray  # [N] uint32
+    token_bytes: np.ndarray  # [N] uint32: the UTF-8 bytes of text each id covers
+    lens: np.ndarray  # [D] int64: the ids of each document
+
+
+def _flat(pairs) -> EncodedBatch:
+    """[(ids, bytes) per document] -> EncodedBatch."""
+    ids, nbytes = [p[0] for p in pairs], [p[1] for p in pairs]
+    lens = np.fromiter(map(len, ids), np.int64, len(ids))
+    cat = lambda xs: np.concatenate(xs).astype(np.uint32) if xs else np.zeros(0, np.uint32
+                                                                              )  # noqa: E731
+    return EncodedBatch(cat(ids), cat(nbytes), lens)
+
+
 class Tokenizer:
     """What every tokenizer offers (see the module docstring)."""
 
@@ -97,8 +118,8 @@ class Tokenizer:
         """(ids, bytes covered by each id) of ``text``."""
         raise NotImplementedError
 
-    def encode_batch(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-        return [self.encode_with_bytes(t) for t in texts]
+    def encode_batch(self, texts: list[str]) -> EncodedBatch:
+        return _flat([self.encode_with_bytes(t) for t in texts])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name}, vocab {self.vocab_size})"
@@ -116,6 +137,12 @@ class ByteTokenizer(Tokenizer):
     def encode_with_bytes(self, text):
         ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
         return ids, np.ones(len(ids), np.int64)
+
+    def encode_batch(self, texts):
+        data = [t.encode("utf-8") for t in texts]
+        ids = np.frombuffer(b"".join(data), np.uint8).astype(np.uint32)
+        return EncodedBatch(ids, np.ones(len(ids), np.uint32),
+                            np.fromiter(map(len, data), np.int64, len(data)))
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -150,7 +177,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode_batch(self, texts):
         protos = self.sp.encode(texts, out_type="proto", num_threads=os.cpu_count())
-        return [self._with_bytes(t, p) for t, p in zip(texts, protos)]
+        return _flat([self._with_bytes(t, p) for t, p in zip(texts, protos)])
 
     def decode(self, ids) -> str:
         return self.sp.DecodeIds([int(i) for i in ids])
@@ -170,6 +197,24 @@ class HuggingFaceTokenizer(Tokenizer):
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._special(("<s>", "<|begin_of_text|>", "<bos>", "[CLS]"))
         self.eos_id = self._special(("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]"))
+        self.byte_len = self._byte_level_lengths()
+
+    def _byte_level_lengths(self) -> Optional[np.ndarray]:
+        """[vocab] the bytes each token stands for, where the tokenizer is byte-level (its
+        decoder ByteLevel, every token's characters in the ByteLevel alphabet of 256, one per
+        byte); added tokens 0. None otherwise."""
+        decoder = json.loads(self.tok.to_str()).get("decoder") or {}
+        types = [d.get("type") for d in decoder.get("decoders", [decoder])]
+        if "ByteLevel" not in types:
+            return None
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+        table = np.zeros(self.vocab_size, np.uint32)
+        for token, i in self.tok.get_vocab(with_added_tokens=False).items():
+            if not alphabet.issuperset(token):
+                return None
+            table[i] = len(token)
+        table[list(self.tok.get_added_tokens_decoder())] = 0
+        return table
 
     def _special(self, names) -> Optional[int]:
         for n in names:
@@ -190,11 +235,28 @@ class HuggingFaceTokenizer(Tokenizer):
         return ids, _ends_to_counts(ends, len(text.encode("utf-8")))
 
     def encode_with_bytes(self, text):
-        return self._with_bytes(text, self.tok.encode(text, add_special_tokens=False))
+        enc = self.encode_batch([text])
+        return enc.ids.astype(np.int32), enc.token_bytes.astype(np.int64)
 
     def encode_batch(self, texts):
-        encs = self.tok.encode_batch(texts, add_special_tokens=False)
-        return [self._with_bytes(t, e) for t, e in zip(texts, encs)]
+        """Byte-level: ids only from the library (no offsets), each token's bytes from
+        ``byte_len``; a document whose bytes do not sum to its text (an added token matched in
+        the text, a normalizer that changed it) takes its bytes from the offsets. Otherwise
+        the offsets of every document."""
+        if self.byte_len is None:
+            encs = self.tok.encode_batch(texts, add_special_tokens=False)
+            return _flat([self._with_bytes(t, e) for t, e in zip(texts, encs)])
+        ids = [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
+        lens = np.fromiter(map(len, ids), np.int64, len(ids))
+        ids = np.fromiter(itertools.chain.from_iterable(ids), np.uint32, int(lens.sum()))
+        nbytes = self.byte_len[ids]
+        ends = np.cumsum(lens)
+        summed = np.concatenate([[0], np.cumsum(nbytes, dtype=np.int64)])
+        want = np.fromiter((len(t.encode("utf-8")) for t in texts), np.int64, len(texts))
+        for d in np.flatnonzero(summed[ends] - summed[ends - lens] != want):
+            nbytes[ends[d] - lens[d]:ends[d]] = self._with_bytes(
+                texts[d], self.tok.encode(texts[d], add_special_tokens=False))[1]
+        return EncodedBatch(ids, nbytes, lens)
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)

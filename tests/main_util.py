@@ -14,19 +14,25 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--fdl.data.batch_size=8", "--fdl.data.seq_len=32", "--no_progress"]
 
 
-def main_env(devices: int) -> dict:
-    """The environment of a subprocess on `devices` fake CPU devices, importing this checkout."""
+def main_env(devices: int, compile_cache=None) -> dict:
+    """The environment of a subprocess on `devices` fake CPU devices, importing this checkout;
+    with `compile_cache` (a directory) JAX keeps every compiled program there, so the runs of a
+    test that compile the same steps (a run, its resume, its eval) compile them once."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if compile_cache is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     return env
 
 
-def run_main(args, *, devices=1, check=True, timeout=300):
+def run_main(args, *, devices=1, check=True, timeout=300, compile_cache=None):
     p = subprocess.run([sys.executable, "-m", "experiments.main", *args],
                        cwd=ROOT,
-                       env=main_env(devices),
+                       env=main_env(devices, compile_cache),
                        capture_output=True,
                        text=True,
                        timeout=timeout)

@@ -121,6 +121,48 @@ def test_ids_equal_the_librarys_encode_and_bytes_sum_to_the_text(toks, corpus, k
     assert again.sha256 == tok.sha256 and type(again) is type(tok)
 
 
+def _gpt2_byte_of_char() -> dict:
+    """GPT-2's bytes_to_unicode, inverted: the byte each character of a byte-level token is."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+@pytest.mark.parametrize("kind", ["bpe", "sentencepiece", "bytes"])
+def test_batches_equal_the_librarys_encode_and_each_token_its_bytes(toks, corpus, kind):
+    """encode_batch (the cache's path: for byte-level BPE ids without offsets and bytes from a
+    table of the vocabulary) against the library's encode of each document; a document with a
+    special token's text in it (matched by the library as that token, which covers no bytes in
+    the table) takes its bytes from the offsets."""
+    tok = toks[kind] if kind != "bytes" else tokenizer_lib.load_tokenizer("bytes")
+    files, _ = documents.find_files(str(corpus))
+    texts = [t for f in files for t in documents.read_documents(f)]
+    rng = np.random.default_rng()
+    texts = [texts[i] for i in rng.permutation(len(texts))[:12]]
+    texts[rng.integers(12)] = "Grüße, naïve café — 東京 ✓\n"  # characters split across tokens
+    texts += ["", "a </s> in the text"]
+    enc = tok.encode_batch(texts)
+    assert enc.ids.dtype == enc.token_bytes.dtype == np.uint32 and len(enc.lens) == len(texts)
+    ends = np.cumsum(enc.lens)
+    for d, text in enumerate(texts):
+        ids = enc.ids[ends[d] - enc.lens[d]:ends[d]]
+        nb = enc.token_bytes[ends[d] - enc.lens[d]:ends[d]]
+        assert list(ids) == tok.encode(text)
+        assert int(nb.sum()) == len(text.encode("utf-8"))
+        if kind == "bpe" and "</s>" not in text:  # each token its own bytes
+            byte_of = _gpt2_byte_of_char()
+            pieces = [bytes(byte_of[c] for c in tok.tok.id_to_token(int(i))) for i in ids]
+            assert b"".join(pieces) == text.encode("utf-8")
+            np.testing.assert_array_equal(nb, [len(p) for p in pieces])
+    if kind == "bpe":
+        assert tok.byte_len is not None and tok.byte_len[tok.eos_id] == 0
+
+
 def test_bytes_tokenizer_and_bad_tokenizer_files(tmp_path):
     b = tokenizer_lib.load_tokenizer("bytes")
     assert b.encode("hé") == list("hé".encode()) and b.eos_id is None and b.vocab_size == 256
@@ -151,20 +193,25 @@ def test_job_dir_keeps_the_tokenizer_and_refuses_another(toks, tmp_path):
 def test_cache_holds_the_encoded_documents_is_reused_and_rebuilt(toks, corpus, tmp_path):
     tok = toks["bpe"]
     files, _ = documents.find_files(str(corpus))
-    c1 = token_cache.build_or_load(files, tok, add_eos=True, cache_dir=tmp_path, progress=False)
+    kw = {"add_bos": True, "add_eos": True, "cache_dir": tmp_path, "progress": False}
+    c1 = token_cache.build_or_load(files, tok, **kw)
     assert c1.built and c1.num_documents == 40
     docs = [t for f in files for t in documents.read_documents(f)]
     for i in (0, 17, 39):
         got = c1.tokens[c1.doc_starts[i]:c1.doc_starts[i + 1]]
-        assert list(got) == tok.encode(docs[i]) + [tok.eos_id]
-    assert int(c1.token_bytes.sum()) == sum(len(t.encode()) for t in docs)
-    c2 = token_cache.build_or_load(files, tok, add_eos=True, cache_dir=tmp_path, progress=False)
+        assert list(got) == [tok.bos_id] + tok.encode(docs[i]) + [tok.eos_id]
+        nb = c1.token_bytes[c1.doc_starts[i]:c1.doc_starts[i + 1]]
+        assert nb[0] == nb[-1] == 0 and int(nb.sum()) == len(docs[i].encode())
+    assert int(c1.token_bytes.sum()) == sum(len(t.encode()) for t in docs) == c1.meta["bytes"]
+    c2 = token_cache.build_or_load(files, tok, **kw)
     assert not c2.built and c2.path == c1.path
     # a changed file (new content, new mtime) is another key: rebuilt
     work = tmp_path / "work"
     shutil.copytree(corpus, work)
+    (work / "none.jsonl").write_text("\n")  # a file of no documents: an empty shard
     files_w, _ = documents.find_files(str(work))
     w1 = token_cache.build_or_load(files_w, tok, cache_dir=tmp_path, progress=False)
+    assert w1.num_documents == 40 and len(w1.tokens) == len(c1.tokens) - 2 * 40  # no BOS, EOS
     files_w[3].write_text("a different document")
     os.utime(files_w[3], ns=(1, 1))
     w2 = token_cache.build_or_load(files_w, tok, cache_dir=tmp_path, progress=False)
