@@ -42,7 +42,7 @@ from fiddle import absl_flags as fdl_flags  # defines --fdl_config, --fdl_set, -
 from experiments import errors, info, jobdir, sample_cli, signals
 from experiments.errors import UsageError
 from experiments.overrides import apply_fiddlers, apply_overrides
-from experiments import tokenizer as tokenizer_lib
+from experiments import tokenizer_copy
 
 MODES = ("train", "eval", "sample")
 DEFAULT_EXP = "tiny"
@@ -249,7 +249,7 @@ def main(argv, stop_signals=None) -> int:
             flush=True)
         print(setup.describe_data(prep.dataset, prep.model.vocab_size), flush=True)
         if _MODE.value == "train":  # the job keeps the tokenizer it trains with
-            tokenizer_lib.keep_in_job_dir(job_log_dir, prep.tokenizer)
+            tokenizer_copy.keep_in_job_dir(job_log_dir, prep.tokenizer)
     trainer = loop.Trainer(prep, job_log_dir, progress=not _NO_PROGRESS.value, signals=stop_signals)
     if _MODE.value == "eval":
         try:

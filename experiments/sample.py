@@ -31,6 +31,7 @@ from configs import experiments as exp_configs
 from configs import models
 from experiments import jobdir, setup
 from experiments import tokenizer as tokenizer_lib
+from experiments import tokenizer_copy
 from experiments.checkpoints import Checkpoints
 from experiments.decoding import Sampler, Samples  # noqa: F401  (this module's API)
 from experiments.errors import one_line
@@ -62,15 +63,15 @@ def job_tokenizer(job_log_dir, data_config=None) -> PromptTokenizer:
     job's recorded DataConfig (its ``tokenizer`` and ``add_bos``). Raises SampleError (one line)
     when a job trained with a tokenizer file keeps no copy of it, or a copy that does not load
     or whose content changed."""
-    kept = Path(job_log_dir) / tokenizer_lib.TOKENIZER_DIR
+    kept = Path(job_log_dir) / tokenizer_copy.TOKENIZER_DIR
     spec = getattr(data_config, "tokenizer", tokenizer_lib.BYTES)
-    fix = (f"restore {kept}/ (the file and its {tokenizer_lib.HASH_FILE}) or point "
+    fix = (f"restore {kept}/ (the file and its {tokenizer_copy.HASH_FILE}) or point "
            "--job_log_dir at a complete job")
-    if spec != tokenizer_lib.BYTES and tokenizer_lib.job_tokenizer_path(job_log_dir) is None:
-        raise SampleError(f"--job_log_dir={str(job_log_dir)!r} was trained with "
-                          f"data.tokenizer={spec!r} but keeps no copy of it in {kept}: {fix}")
     try:
-        tok = tokenizer_lib.job_tokenizer(job_log_dir)
+        if spec != tokenizer_lib.BYTES and tokenizer_copy.job_tokenizer_path(job_log_dir) is None:
+            raise SampleError(f"--job_log_dir={str(job_log_dir)!r} was trained with "
+                              f"data.tokenizer={spec!r} but keeps no copy of it in {kept}: {fix}")
+        tok = tokenizer_copy.job_tokenizer(job_log_dir)
     except (tokenizer_lib.TokenizerError, OSError) as e:
         raise SampleError(f"the tokenizer copy of --job_log_dir={str(job_log_dir)!r} does not "
                           f"load ({type(e).__name__}: {one_line(e)}): {fix}") from None

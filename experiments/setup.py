@@ -25,6 +25,7 @@ from configs import base, models, sharding, stack
 from experiments import data as data_lib
 from experiments import microbatch
 from experiments import tokenizer as tokenizer_lib
+from experiments import tokenizer_copy
 
 
 class ConfigError(ValueError):
@@ -213,15 +214,15 @@ def _set_vocab(model_cfg, data_cfg: base.DataConfig, job_log_dir):
     and the model's vocabulary: the tokenizer's rounded up to ``VOCAB_MULTIPLE`` when the
     experiment leaves ``model.vocab_size`` unset; a set one must hold the tokenizer."""
     spec = data_cfg.tokenizer
-    kept = tokenizer_lib.job_tokenizer_path(job_log_dir) if job_log_dir is not None else None
     try:
+        kept = tokenizer_copy.job_tokenizer_path(job_log_dir) if job_log_dir is not None else None
         if kept is not None and spec != tokenizer_lib.BYTES and not Path(
                 spec).expanduser().exists():
-            tok = tokenizer_lib.job_tokenizer(job_log_dir)  # the original file is gone
+            tok = tokenizer_copy.job_tokenizer(job_log_dir)  # the original file is gone
         else:
             tok = tokenizer_lib.load_tokenizer(spec)
             if job_log_dir is not None:
-                tokenizer_lib.check_job_tokenizer(job_log_dir, tok)
+                tokenizer_copy.check_job_tokenizer(job_log_dir, tok)
     except ValueError as e:
         raise ConfigError(f"--fdl.data: {e}") from e
     if model_cfg.vocab_size is None:

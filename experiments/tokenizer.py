@@ -43,8 +43,6 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from experiments import documents
 
 BYTES = "bytes"
-TOKENIZER_DIR = "tokenizer"  # in a job directory: the tokenizer file and tokenizer.sha256
-HASH_FILE = "tokenizer.sha256"
 KINDS = ("sentencepiece", "bpe")
 # special tokens of the BPE tokenizers trained here
 BPE_SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
@@ -288,57 +286,6 @@ def load_tokenizer(spec: str) -> Tokenizer:
     tok = HuggingFaceTokenizer(p) if head == b"{" else SentencePieceTokenizer(p)
     tok.sha256 = file_sha256(p)
     return tok
-
-
-# ------------------------------------------------------------------------ job directories
-
-
-def job_tokenizer_path(job_log_dir) -> Optional[Path]:
-    """The tokenizer file a job directory keeps (None: none kept, a bytes run)."""
-    d = Path(job_log_dir) / TOKENIZER_DIR
-    files = [p for p in d.iterdir() if p.name != HASH_FILE] if d.is_dir() else []
-    return files[0] if files else None
-
-
-def job_tokenizer(job_log_dir) -> Tokenizer:
-    """The tokenizer a job was trained with: the copy in its directory (bytes when it keeps
-    none). Raises TokenizerError when the copy does not match its recorded hash."""
-    p = job_tokenizer_path(job_log_dir)
-    if p is None:
-        return ByteTokenizer()
-    tok = load_tokenizer(str(p))
-    want = (p.parent / HASH_FILE).read_text().split()[0]
-    if tok.sha256 != want:
-        raise TokenizerError(f"{p} has sha256 {tok.sha256[:12]}..., not the {want[:12]}... "
-                             f"recorded in {p.parent / HASH_FILE}: the job's tokenizer copy was "
-                             "changed; restore it")
-    return tok
-
-
-def keep_in_job_dir(job_log_dir, tok: Tokenizer) -> None:
-    """Copies the tokenizer file and its hash into ``job_log_dir/tokenizer`` (atomically: a
-    temporary directory renamed into place); nothing for bytes or when already kept."""
-    if tok.path is None or job_tokenizer_path(job_log_dir) is not None:
-        return
-    job_log_dir = Path(job_log_dir)
-    job_log_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=job_log_dir))
-    shutil.copyfile(tok.path, tmp / tok.path.name)
-    (tmp / HASH_FILE).write_text(f"{tok.sha256}  {tok.path.name}\n")
-    os.replace(tmp, job_log_dir / TOKENIZER_DIR)
-
-
-def check_job_tokenizer(job_log_dir, tok: Tokenizer) -> None:
-    """Raises TokenizerError when ``job_log_dir`` was trained with another tokenizer."""
-    kept = job_tokenizer_path(job_log_dir)
-    if kept is None:
-        return
-    want = (kept.parent / HASH_FILE).read_text().split()[0]
-    if tok.sha256 != want:
-        got = "bytes" if tok.path is None else f"{tok.path} (sha256 {tok.sha256[:12]}...)"
-        raise TokenizerError(f"--job_log_dir={str(job_log_dir)!r} was trained with the tokenizer "
-                             f"{kept} (sha256 {want[:12]}...), this run gives {got}; use the "
-                             "same tokenizer or another --job_log_dir")
 
 
 # ----------------------------------------------------------------------------- training

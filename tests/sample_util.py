@@ -10,7 +10,7 @@ import numpy as np
 
 from configs import experiments as exp
 from experiments import jobdir, setup
-from experiments import tokenizer as tokenizer_lib
+from experiments import tokenizer_copy
 from experiments.checkpoints import Checkpoints
 from experiments.steps import make_step_fns
 
@@ -110,7 +110,7 @@ def make_job(job_dir,
         mngr.wait_until_finished()
         mngr.close()
     jobdir.record(job_dir, cfg)
-    tokenizer_lib.keep_in_job_dir(job_dir, prep.tokenizer)
+    tokenizer_copy.keep_in_job_dir(job_dir, prep.tokenizer)
     return job_dir
 
 

@@ -18,6 +18,7 @@ from pydoc_data import topics
 from configs import base, experiments
 from experiments import documents, packing, pipeline, setup, token_cache
 from experiments import tokenizer as tokenizer_lib
+from experiments import tokenizer_copy
 
 # ------------------------------------------------------------------------------ fixtures
 
@@ -178,13 +179,13 @@ def test_bytes_tokenizer_and_bad_tokenizer_files(tmp_path):
 
 def test_job_dir_keeps_the_tokenizer_and_refuses_another(toks, tmp_path):
     job = tmp_path / "job"
-    tokenizer_lib.keep_in_job_dir(job, toks["bpe"])
-    kept = tokenizer_lib.job_tokenizer(job)
+    tokenizer_copy.keep_in_job_dir(job, toks["bpe"])
+    kept = tokenizer_copy.job_tokenizer(job)
     assert kept.sha256 == toks["bpe"].sha256 and kept.path.parent == job / "tokenizer"
-    tokenizer_lib.check_job_tokenizer(job, toks["bpe"])
+    tokenizer_copy.check_job_tokenizer(job, toks["bpe"])
     with pytest.raises(tokenizer_lib.TokenizerError, match="was trained with the tokenizer"):
-        tokenizer_lib.check_job_tokenizer(job, toks["sentencepiece"])
-    assert isinstance(tokenizer_lib.job_tokenizer(tmp_path), tokenizer_lib.ByteTokenizer)
+        tokenizer_copy.check_job_tokenizer(job, toks["sentencepiece"])
+    assert isinstance(tokenizer_copy.job_tokenizer(tmp_path), tokenizer_lib.ByteTokenizer)
 
 
 # ---------------------------------------------------------------------------------- cache

@@ -24,6 +24,7 @@ import pytest
 from experiments import main as main_lib
 from experiments import sample
 from experiments import tokenizer as tokenizer_lib
+from experiments import tokenizer_copy
 from tests import sample_util, testutil
 from tests.flagutil import parse, reset_flags  # noqa: F401  (autouse fixture)
 
@@ -99,11 +100,14 @@ def test_cli_output_json_with_a_sentencepiece_job(jobs, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("damage, message", [
-    ("remove the file", r"was trained with data.tokenizer='.*tokenizer.json' but keeps no copy "
-     r"of it in .*tokenizer: restore .*tokenizer/ \(the file and its tokenizer.sha256\)"),
+    ("remove the file", r"tokenizer copy of --job_log_dir=.* does not load \(TokenizerError: "
+     r".*tokenizer lacks its tokenizer file: .*incomplete.*\): restore .*tokenizer/ \(the "
+     r"file and its tokenizer.sha256\)"),
+    ("remove the directory", r"was trained with data.tokenizer='.*tokenizer.json' but keeps no "
+     r"copy of it in .*tokenizer: restore .*tokenizer/ \(the file and its tokenizer.sha256\)"),
     ("change the file", r"tokenizer copy of --job_log_dir=.* does not load \(TokenizerError: "
      r".* has sha256 .*the job's tokenizer copy was changed.*\): restore"),
-    ("remove the hash", r"tokenizer copy of --job_log_dir=.* does not load \(FileNotFoundError: "
+    ("remove the hash", r"tokenizer copy of --job_log_dir=.* does not load \(TokenizerError: "
      r".*tokenizer.sha256.*\): restore"),
 ])
 def test_a_missing_or_changed_tokenizer_copy_is_one_line(jobs, tmp_path, damage, message):
@@ -113,10 +117,12 @@ def test_a_missing_or_changed_tokenizer_copy_is_one_line(jobs, tmp_path, damage,
     kept = job / "tokenizer" / "tokenizer.json"
     if damage == "remove the file":
         kept.unlink()
+    elif damage == "remove the directory":
+        shutil.rmtree(kept.parent)
     elif damage == "change the file":
         kept.write_text(kept.read_text().replace('"<unk>"', '"<UNK>"'))
     else:
-        (job / "tokenizer" / tokenizer_lib.HASH_FILE).unlink()
+        (job / "tokenizer" / tokenizer_copy.HASH_FILE).unlink()
     with pytest.raises(sample.SampleError, match=message):
         sample.generate(job, ["Hi"], max_new_tokens=4)
     parse("--mode=sample", f"--job_log_dir={job}", "--prompt=Hi")
