@@ -12,10 +12,11 @@ A build writes a temporary directory ``.tmp.<key>.<pid>`` and renames it into pl
 everything is written; an interrupted build leaves only a temporary directory, which no
 reader trusts (the next build of that key removes it). Files are tokenized in parallel
 (threads: the tokenizer libraries encode outside the GIL), ``ENCODE_BATCH`` documents per
-library call, with a tqdm bar of documents and MB/s. A build holds one batch in memory: each
-file's tokens go to a shard on disk as they are encoded, and the shards are joined through
-memory maps; a reader maps the arrays (``np.load(mmap_mode="r")``) and reads the windows and
-rows it needs.
+library call, with a tqdm bar of documents and MB/s; the tokenizer is first prepared with the
+first documents (``Tokenizer.prepare``: a byte-level BPE checks its tiktoken encoder on them).
+A build holds one batch in memory: each file's tokens go to a shard on disk as they are
+encoded, and the shards are joined through memory maps; a reader maps the arrays
+(``np.load(mmap_mode="r")``) and reads the windows and rows it needs.
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ from tqdm import tqdm
 from experiments import documents
 from experiments.tokenizer import EncodedBatch, Tokenizer
 
-FORMAT = 2  # bump when the layout changes
+# bump when the layout changes; not for the tokenizer's encoder: tiktoken's ids for a byte-level
+# BPE are the library's (proved from the tokenizer.json and checked on the corpus's first text
+# by tok.prepare), so an entry built either way holds the same arrays
+FORMAT = 2
 ENCODE_BATCH = 256  # documents encoded per library call
+SAMPLE_CHARS = 1 << 19  # of the first documents, for tok.prepare
 # a file's shard while building: raw arrays, appended batch by batch
 SHARD_FIELDS = (("tokens", np.uint32), ("bytes", np.uint32), ("lens", np.int64))
 
@@ -121,6 +126,17 @@ def _tokenize_file(i: int, f: Path, tok: Tokenizer, text_field: str, add_bos: bo
             n_docs, n_bytes = n_docs + len(batch), n_bytes + nbytes
             progress(nbytes, len(batch))
     return {"documents": n_docs, "bytes": n_bytes}
+
+
+def _sample(f: Path, text_field: str) -> list[str]:
+    """The first documents of ``f`` (at most ``ENCODE_BATCH``), cut to ``SAMPLE_CHARS`` in all."""
+    out, left = [], SAMPLE_CHARS
+    for doc in itertools.islice(documents.read_documents(f, text_field), ENCODE_BATCH):
+        if left <= 0:
+            break
+        out.append(doc[:left])
+        left -= len(out[-1])
+    return out
 
 
 class _Progress:
@@ -206,8 +222,10 @@ def build_or_load(files,
     try:
         progress = _Progress(sum(os.stat(f).st_size for f in files), progress)
         t0 = time.perf_counter()
+        if files:
+            tok.prepare(_sample(files[0], text_field))
         # threads: the libraries encode outside the GIL (and over the cores: sentencepiece's
-        # num_threads, tokenizers' rayon pool), so one reads and parses a file while another
+        # num_threads, tokenizers' rayon pool, tiktoken's thread per core), so one reads and parses a file while another
         # encodes; more threads than cores would only wait
         workers = workers or min(len(files), os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
