@@ -1,7 +1,8 @@
 r"""Tokenization throughput of the data pipeline's cache build (``experiments.token_cache``):
 MB/s of UTF-8 text from files to memory-mapped token arrays, with a byte-level BPE
 ``tokenizer.json`` and a SentencePiece model trained here on pydoc's topics (nothing is
-downloaded). The corpus: the topics, copied to make ``--mb`` MB, in ``--files`` .jsonl files
+downloaded). ``bpe`` is the cache's path (tiktoken, after ``Tokenizer.prepare`` found its ids
+the library's); ``bpe_library`` the same tokenizer left to ``tokenizers`` (no ``prepare``). The corpus: the topics, copied to make ``--mb`` MB, in ``--files`` .jsonl files
 (one document per topic copy). Prints a table and writes JSON: wall MB/s and MB per CPU-second
 (the process's user + system time over all its threads), since a shared machine's load lowers
 the first and barely the second; the load average before and after is in ``meta``.
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--files", type=int, default=8, help="files the corpus is written as")
     ap.add_argument("--vocab_size", type=int, default=4000)
     ap.add_argument("--repeats", type=int, default=2, help="builds per tokenizer; the best kept")
-    ap.add_argument("--kinds", default="bpe,sentencepiece")
+    ap.add_argument("--kinds", default="bpe,bpe_library,sentencepiece")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args(argv)
     rows, load_before = [], os.getloadavg()
@@ -75,9 +76,12 @@ def main(argv=None) -> int:
         files = _corpus(d, args.mb, args.files)
         texts = [topics.topics[k] for k in sorted(topics.topics)]
         for kind in args.kinds.split(","):
-            out = d / ("tokenizer.json" if kind == "bpe" else "sp.model")
-            src = texts if kind == "bpe" else tokenizer_lib._lines(texts)
-            tok = tokenizer_lib.train_tokenizer(src, kind, args.vocab_size, out)
+            bpe = kind.startswith("bpe")
+            out = d / ("tokenizer.json" if bpe else "sp.model")
+            src = texts if bpe else tokenizer_lib._lines(texts)
+            tok = tokenizer_lib.train_tokenizer(src, "bpe" if bpe else kind, args.vocab_size, out)
+            if kind == "bpe_library":
+                tok.prepare = lambda sample: None  # never switched to tiktoken
             rows.append(measure(kind, tok, files, args.repeats))
     print(f"{'tokenizer':<14} {'vocab':>6} {'MB':>7} {'docs':>7} {'tokens':>10} {'s':>7} "
           f"{'cpu s':>7} {'MB/s':>7} {'MB/cpu-s':>9}")
