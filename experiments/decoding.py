@@ -35,6 +35,13 @@ from experiments.sampling import check_prompts, check_settings, SampleError
 P = jax.sharding.PartitionSpec
 CACHE, SUMMARIES = base_layer.DECODE_CACHE, base_layer.SUMMARIES
 PROGRESS_MIN_TOKENS = 64  # a progress bar is drawn for generations at least this long
+# Decode steps the host may dispatch ahead of the devices. Unbounded, the loop queues every
+# step's programs at once, and XLA:CPU deadlocks on a multi-device mesh: a program's launch
+# waits for a per-device slot (32 in flight per device) on a thread of the same pool the queued
+# programs need to finish and free their slots, so some devices never start a program whose
+# collective the others wait in, and after 40 s the rendezvous aborts the process ("Fatal
+# Python error: Aborted"). A few steps ahead keep an accelerator's queue as full as many.
+STEPS_IN_FLIGHT = 2
 
 
 @dataclasses.dataclass
@@ -269,6 +276,8 @@ class Sampler:
                     break
                 if stop_at_eos and n % 8 == 7 and bool(np.all(jax.device_get(done)[:n_real])):
                     break
+                if n >= STEPS_IN_FLIGHT:
+                    jax.block_until_ready(tokens[n - STEPS_IN_FLIGHT])
                 fn = self.step_fn if use_cache else self.full_fn
                 before = fn._cache_size()
                 if use_cache:

@@ -9,7 +9,9 @@ capacity factor 0.5), prompts of different lengths in one batch (fresh random by
   and == the plain forward of each prompt alone (no left padding: positions and masks right);
 - each reported log-probability == the documented distribution of those logits at the token;
 - one compile of each function serves other prompt lengths, numbers of new tokens and settings;
-- the DeepSeek-V3 family on its 8-device mesh == one device.
+- the DeepSeek-V3 family on its 8-device mesh == one device;
+- on the Tiny job's 8-device mesh the host dispatches at most ``STEPS_IN_FLIGHT`` steps ahead of
+  the devices, with and without the cache (XLA:CPU deadlocked and aborted when it ran ahead).
 Every test samples ROWS rows from the shared one-device samplers (a compile per batch size is
 the contract, so one size keeps the module to one compile of each function per family).
 """
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 from praxis import base_layer
 
-from experiments import sample
+from experiments import decoding, sample
 from tests import sample_util, testutil
 
 NEW = 32
@@ -216,6 +218,40 @@ def test_generate_on_eight_devices_equals_one(jobs):
     texts = sample.generate(job, prompts, max_new_tokens=12)
     ids = single.sample([list(p.encode()) for p in prompts], max_new_tokens=12)
     assert texts == [[single.tokenizer.decode(t)] for t in ids.tokens]
+
+
+def test_the_host_stays_a_few_steps_ahead_of_a_mesh(jobs):
+    """The Tiny job on its data-parallel mesh of 8 devices, greedy with and without the cache:
+    when a step's forward is dispatched, at most ``decoding.STEPS_IN_FLIGHT`` earlier forwards
+    are unfinished. The loop used to queue every step at once; XLA:CPU then deadlocked (a
+    program's launch held a pool thread waiting for one of the device's 32 in-flight slots, held
+    by queued programs waiting for a thread) and aborted the process after 40 s in a collective
+    that some devices never reached."""
+    rng = np.random.default_rng(testutil.seed())
+    job, _ = jobs("tiny")
+    sampler = sample.load_sampler(job)
+    assert sampler.mesh.devices.size == 8
+    unfinished = []  # per dispatched forward: the earlier forwards not finished then
+
+    def spy(fn):
+        outs = []
+
+        def call(*args):
+            unfinished.append(sum(not x.is_ready() for x in outs))
+            assert unfinished[-1] <= decoding.STEPS_IN_FLIGHT, unfinished
+            out = fn(*args)
+            outs.append(out[0])
+            return out
+
+        call._cache_size = fn._cache_size
+        return call
+
+    sampler.step_fn, sampler.full_fn = spy(sampler.step_fn), spy(sampler.full_fn)
+    prompts = _prompts(rng)
+    cached = sampler.sample(prompts, max_new_tokens=NEW)
+    full = sampler.sample(prompts, max_new_tokens=NEW, use_cache=False)
+    assert cached.tokens == full.tokens
+    assert len(unfinished) == 2 * NEW  # NEW - 1 steps each; the full path's prefill twice
 
 
 @pytest.mark.parametrize("kw, fix", [
