@@ -22,7 +22,8 @@ Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
   cuda+bf16router      moe_block, 'cuda', router_precision='bf16'
   cuda+gather          moe_block, 'cuda', gather_combine=True (issue 37: the routing weights in
                        one gather-and-sum combine kernel, kernels/combine.cu, not in the SwiGLU)
-  cuda+dswiglu         moe_block, 'cuda', fuse_swiglu_bwd=True (not yet with fuse_gate_up)
+  cuda+dswiglu, cuda+fuse+dswiglu
+                       moe_block, 'cuda', fuse_swiglu_bwd=True, without / with fuse_gate_up
                        (issue 37: dSwiGLU in the down projection's dgrad epilogue,
                        kernels/grouped_gemm_dswiglu.cu; no SwiGLU backward kernel)
   cuda+fp8             moe_block, 'cuda', fp8='blockwise' (the FP8 expert GEMM kernels, issue 19;
@@ -54,7 +55,7 @@ says so). fwd = jit(moe_block) (or the layer's apply); fwd+bwd = jit(value_and_g
 sum(y * cot) + aux losses w.r.t. the parameters and x.
 
 Before timing, each shape checks 'cuda', 'cuda+fuse', 'cuda+gather', 'cuda+dswiglu',
-'cuda-sm80' and 'cuda+fp8' against 'xla' (y,
+'cuda+fuse+dswiglu', 'cuda-sm80' and 'cuda+fp8' against 'xla' (y,
 dx and the weight gradients, ||a - b|| / ||b||, bf16 tolerance 2e-2, FP8 0.08: tests/test_fp8.py's
 bound) on the first tokens (the full
 'xla' layer does not fit everywhere). Timing: every executable compiled once
@@ -70,7 +71,7 @@ aliased); target and PASS/FAIL against issue 23 (fwd+bwd, 'cuda' and 'cuda+fuse'
 asserted here, in the output, never in a test.
 
 --breakdown: per-stage GPU time of the balanced fwd+bwd step of 'cuda', 'cuda+fuse', 'cuda+gather',
-'cuda+dswiglu' and 'cuda+fp8' from a
+'cuda+dswiglu', 'cuda+fuse+dswiglu' and 'cuda+fp8' from a
 profiler trace (benchmarks/layer_breakdown.py: the stage table); where the trace has no GPU
 kernels (the CPU) it prints why and goes on.
 --quick: CPU sizes (layer_cases.QUICK_SHAPES), 2 rounds, small copy-bandwidth buffer: the
@@ -411,7 +412,8 @@ def main(argv=None) -> int:
 
 def run_breakdown(sh: Shape) -> dict:
     out = {}
-    for method in ("cuda", "cuda+fuse", "cuda+gather", "cuda+dswiglu", "cuda+fp8"):
+    for method in ("cuda", "cuda+fuse", "cuda+gather", "cuda+dswiglu", "cuda+fuse+dswiglu",
+                   "cuda+fp8"):
         if (method, "fwd+bwd") not in sh.steps:
             continue
         comp, _ = sh.steps[(method, "fwd+bwd")]

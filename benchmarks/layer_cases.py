@@ -55,9 +55,11 @@ BLOCK_METHODS = {
     "cuda": (dict(kernel_backend="cuda"), False),
     "cuda+fuse": (dict(kernel_backend="cuda", fuse_gate_up=True), False),
     "cuda+gather": (dict(kernel_backend="cuda", gather_combine=True), False),
-    # dSwiGLU in the down projection's dgrad epilogue (ops.swiglu_down); not yet with the fused
-    # gate/up in front (MoEConfig refuses it until its GPU block test passes)
+    # dSwiGLU in the down projection's dgrad epilogue (ops.swiglu_down), without / with the
+    # fused gate/up in front
     "cuda+dswiglu": (dict(kernel_backend="cuda", fuse_swiglu_bwd=True), False),
+    "cuda+fuse+dswiglu": (dict(kernel_backend="cuda", fuse_gate_up=True,
+                               fuse_swiglu_bwd=True), False),
     "cuda+bf16router": (dict(kernel_backend="cuda", router_precision="bf16"), False),
     "cuda-sm80": (dict(kernel_backend="cuda"), False),
     "cuda+fp8": (dict(kernel_backend="cuda", fp8="blockwise"), False),

@@ -12,8 +12,8 @@ from benchmarks import layer_cases as lc
 from moe_praxis import ops
 
 CHECK_TOL = 2e-2
-CHECKED = ("cuda", "cuda+fuse", "cuda+gather", "cuda+dswiglu", "cuda-sm80", "cuda+fp8",
-           "cuda+fp8all")  # the methods checked against 'xla'
+CHECKED = ("cuda", "cuda+fuse", "cuda+gather", "cuda+dswiglu", "cuda+fuse+dswiglu", "cuda-sm80",
+           "cuda+fp8", "cuda+fp8all")  # the methods checked against 'xla'
 FP8_CHECK_TOL = 0.08
 CHECK_TOKENS = 2048
 CHECK_BYTES = 8 << 30

@@ -80,7 +80,7 @@ class MoEConfig:
         and one grouped GEMM for both projections (ops.gate_up_swiglu); on the 'cuda' backend
         the SwiGLU and the routing weight run in that GEMM's epilogue. Same function as the
         unfused block with `interleave_gate_up(wi_gate, wi_up)`.
-      fuse_swiglu_bwd: gated only, not with fp8, not yet with fuse_gate_up. The SwiGLU backward in the epilogue of the
+      fuse_swiglu_bwd: gated only, not with fp8. The SwiGLU backward in the epilogue of the
         down projection's dgrad grouped GEMM (ops.swiglu_down, ops.gate_up_swiglu_down:
         kernels/grouped_gemm_dswiglu.cu, writing d gate, d up, the routing weights' gradient
         and the activation the down projection's wgrad reads, so the forward keeps gate and up
@@ -251,11 +251,6 @@ class MoEConfig:
         if self.fuse_swiglu_bwd and (not self.gated or self.fp8 is not None):
             raise _err("fuse_swiglu_bwd", self.fuse_swiglu_bwd,
                        "needs gated=True and fp8=None (it fuses the bf16 SwiGLU backward)")
-        if self.fuse_swiglu_bwd and self.fuse_gate_up:
-            raise _err(
-                "fuse_swiglu_bwd", self.fuse_swiglu_bwd,
-                "is not yet allowed with fuse_gate_up=True (the interleaved variant failed its "
-                "block test on the H200, undiagnosed); use fuse_gate_up=False with it")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _err("kernel_backend", self.kernel_backend, f"valid: {KERNEL_BACKENDS}")
         if self.fp8 not in FP8_RECIPES:

@@ -196,8 +196,6 @@ def test_block_flag_is_the_same_function_on_cpu():
     the default's bitwise (the unfused ops run); the flag needs a gated, non-FP8 block."""
     with pytest.raises(ValueError, match="fuse_swiglu_bwd"):
         mp.MoEConfig(d_model=8, d_ff=16, num_experts=4, gated=False, fuse_swiglu_bwd=True)
-    with pytest.raises(ValueError, match="fuse_swiglu_bwd=True is invalid.*fuse_gate_up"):
-        mp.MoEConfig(d_model=8, d_ff=16, num_experts=4, fuse_gate_up=True, fuse_swiglu_bwd=True)
     cfg = mp.MoEConfig(d_model=16, d_ff=32, num_experts=4, top_k=2, kernel_backend="xla")
     params = mp.init_moe_params(jax.random.key(_seed()), cfg)
     x = jax.random.normal(jax.random.key(1), (24, 16))
@@ -267,7 +265,7 @@ def test_cuda_dswiglu_matches_float64_and_the_unfused_kernels(kind, tile, split)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fuse_gate_up", [False])  # True: refused by MoEConfig until it passes
+@pytest.mark.parametrize("fuse_gate_up", [False, True])
 def test_cuda_block_with_fuse_swiglu_bwd_matches_the_unfused_block(fuse_gate_up):
     """moe_block (bf16, 'cuda') with fuse_swiglu_bwd: the fused kernel in the backward, no
     SwiGLU backward kernel; output and gradients against the block without it (and skewed
@@ -282,11 +280,8 @@ def test_cuda_block_with_fuse_swiglu_bwd_matches_the_unfused_block(fuse_gate_up)
     seed = _seed()
     params = mp.init_moe_params(jax.random.key(seed), cfg, jnp.bfloat16)
     params["router"] = params["router"].at[:, 3].add(0.5)
-    if fuse_gate_up:
-        params = {
-            k: v
-            for k, v in params.items() if k not in ("wi_gate", "wi_up")
-        } | dict(wi_gate_up=ops.interleave_gate_up(params["wi_gate"], params["wi_up"]))
+    # with fuse_gate_up init_moe_params makes wi_gate_up [E, M, 2H] itself
+    assert ("wi_gate_up" in params) == fuse_gate_up, sorted(params)
     x = jax.random.normal(jax.random.key(seed + 1), (999, 128), jnp.bfloat16)
 
     def grads(c):

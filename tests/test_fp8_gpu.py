@@ -307,9 +307,15 @@ def test_cuda_fp8_grouped_gemm_grads_match_pure_jax_paths(kind):
 def test_moe_block_fp8_cuda_matches_reference_path():
     """moe_block with fp8='blockwise' on kernel_backend='cuda' runs the FP8 kernels (no
     emulation warning), its permute and SwiGLU writing FP8 operands, and agrees with the
-    pure-JAX FP8 path."""
+    pure-JAX FP8 path. fp8_gemms='all': every GEMM in FP8 (at these widths 'auto' keeps the
+    dgrads and wgrads in bf16: the next test)."""
     _cuda_or_skip()
-    cfg = mp.MoEConfig(num_experts=8, top_k=2, d_model=256, d_ff=512, fp8="blockwise")
+    cfg = mp.MoEConfig(num_experts=8,
+                       top_k=2,
+                       d_model=256,
+                       d_ff=512,
+                       fp8="blockwise",
+                       fp8_gemms="all")
     seed = _seed()
     k1, k2 = jax.random.split(jax.random.key(seed))
     params = mp.init_moe_params(k1, cfg)
@@ -339,6 +345,50 @@ def test_moe_block_fp8_cuda_matches_reference_path():
     assert rel_err(y, y_ref) < 2e-2, f"seed={seed}"
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
         assert rel_err(a, b) < FP8_BOUND, f"seed={seed}"
+
+
+@pytest.mark.gpu
+def test_moe_block_fp8_auto_mixes_kernels_and_matches_the_reference_path():
+    """fp8_gemms='auto' (the default) at d_model 4096, d_ff 256: the rule runs every forward and
+    wi_gate / wi_up's dgrad (K = 4096) in FP8 and the other GEMMs in bf16 on the master weight;
+    the CUDA kernels' HLO has the FP8 forward and no FP8 wgrad, and output and gradients agree
+    with the pure-JAX path of the same choices and with the bf16 block."""
+    _cuda_or_skip()
+    cfg = mp.MoEConfig(num_experts=4, top_k=2, d_model=4096, d_ff=256, fp8="blockwise")
+    assert {
+        w: c.label()
+        for w, c in cfg.fp8_choices().items()
+    } == {
+        "wi_gate": "fwd+dgrad",
+        "wi_up": "fwd+dgrad",
+        "wo": "fwd"
+    }
+    seed = _seed()
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = mp.init_moe_params(k1, cfg)
+    x = jax.random.normal(k2, (2, 192, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
+
+    def run(c):
+
+        def loss(p, xx):
+            o = mp.moe_block(p, xx, c)
+            return jnp.sum(o.y.astype(jnp.float32) * jnp.sin(xx.astype(jnp.float32))), o.y
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        return fn, fn(params, x)
+
+    fn, ((_, y), grads) = run(dataclasses.replace(cfg, kernel_backend="cuda"))
+    hlo = fn.lower(params, x).as_text()
+    assert fp8_gemm.TARGETS["nt"] in hlo
+    assert fp8_gemm.TARGETS["wgrad_f32"] not in hlo and fp8_gemm.TARGETS["wgrad"] not in hlo
+    (_, y_ref), grads_ref = run(dataclasses.replace(cfg, kernel_backend="xla"))[1]
+    (_, y_bf16), grads_bf16 = run(dataclasses.replace(cfg, fp8=None, kernel_backend="cuda"))[1]
+    msg = f"seed={seed}"
+    assert rel_err(y, y_ref) < 2e-2, msg
+    assert rel_err(y, y_bf16) < FP8_BOUND and rel_err(y, y_bf16) > 1e-3, msg
+    for a, b, c in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref),
+                       jax.tree.leaves(grads_bf16)):
+        assert rel_err(a, b) < FP8_BOUND and rel_err(a, c) < FP8_BOUND, msg
 
 
 # The cooperative 128x128x128 tiles differ in cluster shape and in whether each K block's scale
