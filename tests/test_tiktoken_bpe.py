@@ -251,14 +251,15 @@ def test_prepare_keeps_the_library_where_the_first_text_differs(tmp_path, caplog
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_late_mismatch_rebuilds_the_cache_with_the_library(tmp_path, caplog, monkeypatch,
                                                              workers):
-    """The piece whose ids differ ("xabc") first appears far past the text ``prepare`` checks
-    (the first 256 documents, 512K characters) and past the first batches: the build turns
-    tiktoken off there, says so once, and starts over; every document's ids are the library's."""
+    """The piece whose ids differ (" xabc") first appears in the first file's second batch, past
+    the text ``prepare`` checks (its first 256 documents, over 512K characters), after the
+    second file's documents (workers=2) were encoded with tiktoken: the build turns tiktoken off
+    there, says so once, and starts over; every document's ids are the library's."""
     monkeypatch.setattr(tiktoken_bpe, "MAX_VERIFIED", 50)  # the set of pieces starts over too
     rng = np.random.default_rng()
     words = ["yz", "ab", "bc", "cab", "x", "a", "bcb", "zab", "cc"]  # "abc" only at a piece's start
     docs = [" ".join(rng.choice(words, rng.integers(600, 900))) for _ in range(600)]
-    late = int(rng.integers(400, 600))
+    late = int(rng.integers(token_cache.ENCODE_BATCH + 44, 450))
     docs[late] += " xabc"
     files = []
     for i, part in enumerate([docs[:450], docs[450:]]):
