@@ -2,11 +2,12 @@
 faster encoder on tiktoken.
 
 ``token_byte_lengths(tok)`` is the table of the UTF-8 bytes each token stands for (the
-denominator of bits per byte, read per id). ``tokenizers`` runs a byte-level BPE several times slower than ``tiktoken`` runs the same one, so
-the tokenized cache encodes with tiktoken where its ids are provably the library's. The
+denominator of bits per byte, read per id). ``tokenizers`` runs a byte-level BPE slower than
+``tiktoken`` runs the same one, so the tokenized cache encodes with tiktoken where its ids are the
+library's: proved from the file where its structure can, checked on the text where it cannot. The
 ``tiktoken.Encoding`` is built from the ``tokenizer.json``: each of the 256 bytes has rank = its
 value, merge i's result rank 256 + i, and ``rank_to_id`` maps ranks to the tokenizer's own ids
-(which need not follow the merges). ``from_tokenizer_json(spec, library)`` returns a
+(which need not follow the merges). ``from_tokenizer_json(spec)`` returns a
 ``TiktokenBPE``, or None and the reason where the tokenizer is not one tiktoken reproduces:
 
 - model: BPE without dropout, ``continuing_subword_prefix``, ``end_of_word_suffix`` or
@@ -25,10 +26,19 @@ value, merge i's result rank 256 + i, and ``rank_to_id`` maps ranks to the token
 
 A regex that leaves a gap between matches (tokenizers encodes the gap, tiktoken skips it) shows
 as tokens whose bytes do not sum to the text; the caller sends such a document to the library.
-What structure cannot prove (two regex engines' Unicode tables; tiktoken merges any two adjacent
-tokens whose concatenation is a token, tokenizers only the pairs of its merges) is checked on a
-sample of the corpus against the library before a cache build uses it
-(``HuggingFaceTokenizer.prepare``).
+What structure cannot prove is checked on the text. tiktoken merges any two adjacent tokens whose
+concatenation is a token, tokenizers only the pairs of its merges (with merges (b, c), (a, b),
+(ab, c) and a piece "xabc", tokenizers leaves [x, a, bc], tiktoken makes [x, abc]). Both run BPE
+on each piece of the pre-tokenizer's split alone, so ``TiktokenBPE.encode_batch`` checks every
+distinct piece of the documents it encodes against the library's BPE model the first time it
+meets it (``verify``: split with the same pattern by ``regex``, as tiktoken's
+``_encode_only_native_bpe`` does; the pieces checked are kept, up to ``MAX_VERIFIED``) and raises
+``Mismatch`` where one differs; the tokenizer then encodes with the library, says so once (the
+piece and both id lists), and a cache build starts over. What is left to a sample is the split
+itself (three regex engines, their Unicode tables): the corpus's first documents are encoded
+whole both ways before a cache build (``HuggingFaceTokenizer.prepare``). The check costs one more
+regex pass over the text (in Python, one thread at a time) and the library's BPE on each new
+piece.
 """
 
 from __future__ import annotations
@@ -37,15 +47,24 @@ import copy
 import itertools
 import json
 import os
+import threading
 import unicodedata
 from typing import Optional
 
 import numpy as np
+import regex
 import tiktoken
 import tokenizers
 
 # tokenizers' ByteLevel pre-tokenizer with use_regex=true splits with this (GPT-2's) pattern
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# pieces remembered as verified; past it the set starts empty again (re-verifying the frequent
+# pieces once more costs little; memory stays bounded: ~100 bytes a piece)
+MAX_VERIFIED = 1 << 22
+
+
+class Mismatch(ValueError):
+    """tiktoken's ids of a piece are not the library's (the message names both)."""
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -79,20 +98,29 @@ def token_byte_lengths(tok: tokenizers.Tokenizer) -> Optional[np.ndarray]:
 
 
 class TiktokenBPE:
-    """A ``tiktoken.Encoding`` and the table from its ranks to the tokenizer's ids."""
+    """A ``tiktoken.Encoding``, the table from its ranks to the tokenizer's ids, and the library's
+    BPE model alone (``model``: no normalizer, pre-tokenizer or added tokens) that every piece
+    tiktoken encodes is checked against."""
 
     def __init__(self, encoding: tiktoken.Encoding, rank_to_id: np.ndarray, n_ordinary: int,
-                 nfc: bool):
+                 nfc: bool, model: tokenizers.Tokenizer):
         self.encoding = encoding
         self.rank_to_id = rank_to_id  # [ranks] uint32: the ordinary ranks, then the added tokens'
         self.n_ordinary = n_ordinary  # ranks at or above it are added tokens
         self.nfc = nfc  # the tokenizer's normalizer is NFC
+        self.model = model
         self.threads = os.cpu_count() or 1
+        self.splitter = regex.compile(encoding._pat_str)
+        self.byte_chars = "".join(bytes_to_unicode()[b] for b in range(256))
+        self.verified: set[str] = set()  # pieces whose ids are the library's
+        self.lock = threading.Lock()
 
     def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids [N] uint32 of every document one after another, lens [D] int64, library [D] bool:
         the documents whose ids are not the library's here: an added token's text is in them,
-        or NFC changes them). tiktoken encodes outside the GIL, on ``threads`` threads."""
+        or NFC changes them). tiktoken encodes outside the GIL, on ``threads`` threads. Raises
+        Mismatch where a piece of a document it keeps has other ids than the library's
+        (``verify``)."""
         if self.encoding.special_tokens_set:
             out = self.encoding.encode_batch(texts, num_threads=self.threads, allowed_special="all")
         else:
@@ -107,7 +135,42 @@ class TiktokenBPE:
         if self.nfc:
             library |= np.fromiter((not unicodedata.is_normalized("NFC", t) for t in texts), bool,
                                    len(texts))
+        self.verify(itertools.compress(texts, ~library))
         return self.rank_to_id[ranks], lens, library
+
+    def verify(self, texts) -> None:
+        """Raises Mismatch unless tiktoken's ids of each piece the pattern splits ``texts`` into
+        are the library's BPE model's ids of that piece (its characters mapped byte by byte, as
+        ByteLevel does), for the pieces not verified before. tiktoken and tokenizers both run BPE
+        on each piece alone, so a text all of whose pieces agree has the library's ids (given
+        that the three regex engines - tiktoken's, tokenizers' and ``regex`` here - split it
+        alike)."""
+        with self.lock:  # one thread at a time: two splitting at once are slower than one
+            pieces = set(itertools.chain.from_iterable(map(self.splitter.findall, texts)))
+            new = list(pieces - self.verified - {""})
+            if not new:
+                return
+            ours = [self.encoding._encode_single_piece(p) for p in new]
+            words = [p.encode().decode("latin-1").translate(self.byte_chars) for p in new]
+            # each word alone through BPE; 4096 words a sequence (a call per word costs more)
+            encs = self.model.encode_batch_fast(
+                [words[i:i + 4096] for i in range(0, len(new), 4096)],
+                is_pretokenized=True,
+                add_special_tokens=False)
+            theirs = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), np.int64)
+            # the same tokens one after another are the same tokens per piece: a piece ends at
+            # the same byte offset in both
+            if not np.array_equal(self.rank_to_id[np.fromiter(itertools.chain(*ours), np.int64)],
+                                  theirs):
+                for p, r, w in zip(new, ours, words):
+                    ids = self.rank_to_id[r].tolist()
+                    lib = self.model.encode([w], is_pretokenized=True, add_special_tokens=False).ids
+                    if ids != lib:
+                        raise Mismatch(f"tiktoken makes {ids} of {p!r}, the library {lib}")
+                raise Mismatch(f"tiktoken's ids of {len(new)} pieces are not the library's")
+            if len(self.verified) + len(new) > MAX_VERIFIED:
+                self.verified.clear()
+            self.verified.update(new)
 
 
 def _pattern(pre: Optional[dict]) -> tuple[Optional[str], str]:
@@ -132,13 +195,18 @@ def _pattern(pre: Optional[dict]) -> tuple[Optional[str], str]:
     return split["pattern"]["Regex"], ""
 
 
-def _unreachable(spec: dict, tokens: list[str], ids: list[int]) -> list[str]:
-    """The tokens that the library's BPE model alone does not encode as themselves."""
+def _bare_model(spec: dict) -> tokenizers.Tokenizer:
+    """The library's BPE model of ``spec`` alone: a pre-tokenized word of byte-level characters
+    goes to its BPE whole."""
     bare = copy.deepcopy(spec)
-    for k in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
+    for k in ("normalizer", "pre_tokenizer", "post_processor", "decoder", "truncation", "padding"):
         bare[k] = None
     bare["added_tokens"] = []
-    model = tokenizers.Tokenizer.from_str(json.dumps(bare))
+    return tokenizers.Tokenizer.from_str(json.dumps(bare))
+
+
+def _unreachable(model: tokenizers.Tokenizer, tokens: list[str], ids: list[int]) -> list[str]:
+    """The tokens that the library's BPE model alone does not encode as themselves."""
     encs = model.encode_batch_fast([[t] for t in tokens],
                                    is_pretokenized=True,
                                    add_special_tokens=False)
@@ -180,13 +248,14 @@ def from_tokenizer_json(spec: dict) -> tuple[Optional[TiktokenBPE], str]:
         id_of_rank.append(vocab[merged])
         merged_tokens.append(merged)
     added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
+    bare = _bare_model(spec)
     if model.get("ignore_merges"):
         ranked = set(id_of_rank)
         missing = [t for t, i in vocab.items() if i not in ranked and t not in added]
         if missing:
             return None, f"ignore_merges and token {missing[0]!r} is made by no merge"
     else:
-        bad = _unreachable(spec, merged_tokens, id_of_rank[256:])
+        bad = _unreachable(bare, merged_tokens, id_of_rank[256:])
         if bad:
             return None, f"token {bad[0]!r} is not what BPE makes of its bytes (ignore_merges=false)"
     n = len(ranks)
@@ -199,4 +268,4 @@ def from_tokenizer_json(spec: dict) -> tuple[Optional[TiktokenBPE], str]:
     except ValueError as e:  # a regex tiktoken's engine does not compile
         return None, f"tiktoken refuses it ({' '.join(str(e).split())[:120]})"
     rank_to_id = np.asarray(id_of_rank + list(added.values()), np.uint32)
-    return TiktokenBPE(enc, rank_to_id, n, normalizer == "NFC"), ""
+    return TiktokenBPE(enc, rank_to_id, n, normalizer == "NFC", bare), ""

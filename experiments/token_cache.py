@@ -14,6 +14,8 @@ reader trusts (the next build of that key removes it). Files are tokenized in pa
 (threads: the tokenizer libraries encode outside the GIL), ``ENCODE_BATCH`` documents per
 library call, with a tqdm bar of documents and MB/s; the tokenizer is first prepared with the
 first documents (``Tokenizer.prepare``: a byte-level BPE checks its tiktoken encoder on them).
+Where the tokenizer changes encoder mid-build (tiktoken's ids of a piece are not the library's:
+``Tokenizer.encoder_changes``), every file is encoded again from the start.
 A build holds one batch in memory: each file's tokens go to a shard on disk as they are
 encoded, and the shards are joined through memory maps; a reader maps the arrays
 (``np.load(mmap_mode="r")``) and reads the windows and rows it needs.
@@ -41,8 +43,8 @@ from experiments import documents
 from experiments.tokenizer import EncodedBatch, Tokenizer
 
 # bump when the layout changes; not for the tokenizer's encoder: tiktoken's ids for a byte-level
-# BPE are the library's (proved from the tokenizer.json and checked on the corpus's first text
-# by tok.prepare), so an entry built either way holds the same arrays
+# BPE are the library's (proved from the tokenizer.json, every piece checked as it is encoded),
+# so an entry built either way holds the same arrays
 FORMAT = 2
 ENCODE_BATCH = 256  # documents encoded per library call
 SAMPLE_CHARS = 1 << 19  # of the first documents, for tok.prepare
@@ -110,15 +112,18 @@ def _with_specials(enc: EncodedBatch, bos, eos) -> EncodedBatch:
 
 
 def _tokenize_file(i: int, f: Path, tok: Tokenizer, text_field: str, add_bos: bool, add_eos: bool,
-                   tmp: Path, progress) -> dict:
+                   tmp: Path, progress, changes: int) -> dict:
     """Writes shard ``i`` of file ``f`` into ``tmp``: raw arrays of its tokens, their bytes and
-    the document lengths (``SHARD_FIELDS``), appended one encoded batch at a time."""
+    the document lengths (``SHARD_FIELDS``), appended one encoded batch at a time; stops early
+    where ``tok.encoder_changes`` is no longer ``changes`` (the build then starts over)."""
     bos, eos = tok.bos_id if add_bos else None, tok.eos_id if add_eos else None
     docs = documents.read_documents(f, text_field)
     n_docs = n_bytes = 0
     with contextlib.ExitStack() as stack:
         outs = [stack.enter_context(open(tmp / f"{i:06d}.{n}", "wb")) for n, _ in SHARD_FIELDS]
-        while batch := list(itertools.islice(docs, ENCODE_BATCH)):
+        for batch in iter(lambda: list(itertools.islice(docs, ENCODE_BATCH)), []):
+            if tok.encoder_changes != changes:
+                break
             enc = _with_specials(tok.encode_batch(batch), bos, eos)
             for a, out, (_, dtype) in zip(enc, outs, SHARD_FIELDS):
                 np.asarray(a, dtype).tofile(out)
@@ -161,6 +166,11 @@ class _Progress:
                 self.documents += ndocs
                 self.bar.update(nbytes)
                 self.bar.set_postfix(documents=f"{self.documents:,}", refresh=False)
+
+    def restart(self) -> None:
+        if self.bar is not None:
+            self.documents = 0
+            self.bar.reset()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -228,11 +238,15 @@ def build_or_load(files,
         # num_threads, tokenizers' rayon pool, tiktoken's thread per core), so one reads and parses a file while another
         # encodes; more threads than cores would only wait
         workers = workers or min(len(files), os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
-            parts = list(
-                pool.map(
-                    lambda a: _tokenize_file(a[0], a[1], tok, text_field, add_bos, add_eos, tmp,
-                                             progress), enumerate(files)))
+        changes = None
+        while changes != tok.encoder_changes:  # again from the start where the encoder changed
+            changes = tok.encoder_changes
+            progress.restart()
+            with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
+                parts = list(
+                    pool.map(
+                        lambda a: _tokenize_file(a[0], a[1], tok, text_field, add_bos, add_eos, tmp,
+                                                 progress, changes), enumerate(files)))
         progress.close()
         n_tokens, n_docs = _merge(tmp, len(files))
         meta = {

@@ -8,9 +8,8 @@ SentencePiece model (the ``sentencepiece`` package), or a path to a Hugging Face
 ``encode_with_bytes`` also returns, per token, the UTF-8 bytes of ``text`` it covers (they sum
 to ``len(text.encode())``): the denominator of bits per byte. ``encode_batch(texts)`` encodes
 many documents in one library call into flat arrays (``EncodedBatch``), the tokenized cache's
-input; for a byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3, Qwen, DeepSeek) it takes ids
-only (from tiktoken where ``prepare`` found it gives the library's: ``experiments.tiktoken_bpe``)
-and reads each token's bytes from a table of the vocabulary.
+input; for a byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3, Qwen, DeepSeek) ids only (from
+tiktoken where they are the library's: ``experiments.tiktoken_bpe``), bytes from a table.
 
 A job directory keeps the copy it trained with (``TOKENIZER_DIR``: the file and its hash);
 ``job_tokenizer(job_log_dir)`` loads it.
@@ -107,6 +106,7 @@ class Tokenizer:
     vocab_size: int
     bos_id: Optional[int] = None
     eos_id: Optional[int] = None
+    encoder_changes = 0  # by encode_batch, mid-corpus (tiktoken off): a cache build starts over
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -235,9 +235,17 @@ class HuggingFaceTokenizer(Tokenizer):
         if self.byte_len is None:
             encs = self.tok.encode_batch(texts, add_special_tokens=False)
             return _flat([self._with_bytes(t, e) for t, e in zip(texts, encs)])
-        if self.fast is not None:
-            ids, lens, redo = self.fast.encode_batch(texts)
-        else:
+        fast = self.fast
+        if fast is not None:
+            try:
+                ids, lens, redo = fast.encode_batch(texts)
+            except tiktoken_bpe.Mismatch as e:
+                with fast.lock:
+                    if self.fast is fast:  # one warning where several threads find one
+                        self.fast, self.encoder_changes = None, self.encoder_changes + 1
+                        logging.warning("%s: tokenizers encodes it from here on: %s", self.name, e)
+                fast = None
+        if fast is None:
             ids = [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
             lens = np.fromiter(map(len, ids), np.int64, len(ids))
             ids = np.fromiter(itertools.chain.from_iterable(ids), np.uint32, int(lens.sum()))
@@ -258,14 +266,15 @@ class HuggingFaceTokenizer(Tokenizer):
     def prepare(self, sample):
         """A byte-level BPE encodes with tiktoken from here on where it is built from this
         tokenizer.json (``tiktoken_bpe.from_tokenizer_json``) and gives the library's ids and
-        bytes on ``sample``; else the library encodes, and one warning says why."""
+        bytes on ``sample``; else the library encodes, and one warning says why. ``encode_batch``
+        checks each new piece it gives tiktoken, and turns it off (a warning) where one differs."""
         if self.byte_len is None or self.fast is not None:
             return
         fast, why = tiktoken_bpe.from_tokenizer_json(json.loads(self.tok.to_str()))
         if fast is not None:
             lib, self.fast = self.encode_batch(sample), fast
             if all(map(np.array_equal, self.encode_batch(sample), lib)):
-                return
+                return  # tiktoken, or the library where a piece differed (encode_batch warned)
             self.fast, why = None, "its ids differ from the library's on the corpus's first text"
         logging.warning("%s: tokenizers encodes it, not tiktoken: %s", self.name, why)
 

@@ -2,8 +2,10 @@
 the `tokenizers` library's own encode: BPEs trained here (ByteLevel, and a Llama-3-style Split
 regex with ignore_merges) on varied text, every document's ids compared; a tokenizer whose
 vocabulary ids do not follow its merges and added tokens in the text (a wrong rank -> id table
-fails these); tokenizers it must refuse; and the check on the corpus's first text that turns it
-off (one warning) where tiktoken's merges differ from the library's."""
+fails these); tokenizers it must refuse; and the check of every piece tiktoken encodes against
+the library's BPE that turns tiktoken off (one warning naming the piece) where its merges differ
+from the library's, in the corpus's first text or late in a cache build (which then starts over
+with the library)."""
 
 import json
 import logging
@@ -15,7 +17,7 @@ import tokenizers
 from pydoc_data import topics
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from experiments import tiktoken_bpe
+from experiments import tiktoken_bpe, token_cache
 from experiments import tokenizer as tokenizer_lib
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
@@ -138,6 +140,9 @@ def test_every_documents_ids_are_the_librarys(tokenizer_files, corpus, name):
     for d, text in enumerate(texts):
         assert enc.ids[ends[d] - enc.lens[d]:ends[d]].tolist() == lib(text)
         assert int(enc.token_bytes[ends[d] - enc.lens[d]:ends[d]].sum()) == len(text.encode())
+    # every piece was checked against the library's BPE, and none differed
+    assert tok.fast is not None and tok.encoder_changes == 0
+    assert "Grüße" in tok.fast.verified or " Grüße" in tok.fast.verified
 
 
 def test_bytes_to_unicode_is_the_librarys_byte_level_alphabet():
@@ -219,10 +224,18 @@ def test_refuses_what_tiktoken_would_encode_otherwise(tmp_path):
                                                       ]).ids.tolist() == tok.encode("abc 12")
 
 
+def _warning(tok, piece: str) -> str:
+    """The warning of a piece ending in "abc": [..., a, bc] for tokenizers, [..., abc] tiktoken."""
+    lib = tok.encode(piece)
+    assert lib[-2:] == [tok.tok.token_to_id("a"), 256]
+    return ("tokenizer.json: tokenizers encodes it from here on: tiktoken makes "
+            f"{lib[:-2] + [258]} of {piece!r}, the library {lib}")
+
+
 def test_prepare_keeps_the_library_where_the_first_text_differs(tmp_path, caplog):
     """tiktoken merges any two adjacent tokens that make a token ((a, bc) -> abc here),
     tokenizers only its merges' pairs: "xabc" is [x, abc] for one and [x, a, bc] for the other.
-    Nothing in the tokenizer.json rules it out; the check on the first text finds it."""
+    Nothing in the tokenizer.json rules it out; the check of the first text's pieces finds it."""
     tok = _handmade(tmp_path, ignore_merges=True)
     tok.prepare(["abc yz"])
     assert tok.fast is not None  # the same ids here
@@ -231,8 +244,37 @@ def test_prepare_keeps_the_library_where_the_first_text_differs(tmp_path, caplog
     with caplog.at_level(logging.WARNING):
         tok.prepare(["abc yz", "xabc"])
     assert tok.fast is None
-    assert [r.getMessage() for r in caplog.records] == [
-        "tokenizer.json: tokenizers encodes it, not tiktoken: its ids differ from the library's "
-        "on the corpus's first text"
-    ]
+    assert [r.getMessage() for r in caplog.records] == [_warning(tok, "xabc")]
     assert tok.encode_batch(["xabc"]).ids.tolist() == tok.encode("xabc")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_late_mismatch_rebuilds_the_cache_with_the_library(tmp_path, caplog, monkeypatch,
+                                                             workers):
+    """The piece whose ids differ (" xabc") first appears in the first file's second batch, past
+    the text ``prepare`` checks (its first 256 documents, over 512K characters), after the
+    second file's documents (workers=2) were encoded with tiktoken: the build turns tiktoken off
+    there, says so once, and starts over; every document's ids are the library's."""
+    monkeypatch.setattr(tiktoken_bpe, "MAX_VERIFIED", 50)  # the set of pieces starts over too
+    rng = np.random.default_rng()
+    words = ["yz", "ab", "bc", "cab", "x", "a", "bcb", "zab", "cc"]  # "abc" only at a piece's start
+    docs = [" ".join(rng.choice(words, rng.integers(600, 900))) for _ in range(600)]
+    late = int(rng.integers(token_cache.ENCODE_BATCH + 44, 450))
+    docs[late] += " xabc"
+    files = []
+    for i, part in enumerate([docs[:450], docs[450:]]):
+        files.append(tmp_path / f"{i}.jsonl")
+        files[-1].write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    assert sum(map(len, docs[:token_cache.ENCODE_BATCH])) > token_cache.SAMPLE_CHARS
+    tok = _handmade(tmp_path, ignore_merges=True)
+    with caplog.at_level(logging.WARNING):
+        c = token_cache.build_or_load(files,
+                                      tok,
+                                      cache_dir=tmp_path / "cache",
+                                      progress=False,
+                                      workers=workers)
+    assert [r.getMessage() for r in caplog.records] == [_warning(tok, " xabc")]
+    assert tok.fast is None and tok.encoder_changes == 1 and c.num_documents == len(docs)
+    for d, text in enumerate(docs):
+        assert c.tokens[c.doc_starts[d]:c.doc_starts[d + 1]].tolist() == tok.encode(text), d
+        assert int(c.token_bytes[c.doc_starts[d]:c.doc_starts[d + 1]].sum()) == len(text)
