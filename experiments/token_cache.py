@@ -12,13 +12,10 @@ A build writes a temporary directory ``.tmp.<key>.<pid>`` and renames it into pl
 everything is written; an interrupted build leaves only a temporary directory, which no
 reader trusts (the next build of that key removes it). Files are tokenized in parallel
 (threads: the tokenizer libraries encode outside the GIL), ``ENCODE_BATCH`` documents per
-library call, with a tqdm bar of documents and MB/s; the tokenizer is first prepared with the
-first documents (``Tokenizer.prepare``: a byte-level BPE checks its tiktoken encoder on them).
-Where the tokenizer changes encoder mid-build (tiktoken's ids of a piece are not the library's:
-``Tokenizer.encoder_changes``), every file is encoded again from the start.
-A build holds one batch in memory: each file's tokens go to a shard on disk as they are
-encoded, and the shards are joined through memory maps; a reader maps the arrays
-(``np.load(mmap_mode="r")``) and reads the windows and rows it needs.
+library call, with a tqdm bar of documents and MB/s. A build holds one batch in memory: each
+file's tokens go to a shard on disk as they are encoded, and the shards are joined through
+memory maps; a reader maps the arrays (``np.load(mmap_mode="r")``) and reads the windows and
+rows it needs.
 """
 
 from __future__ import annotations
@@ -42,12 +39,8 @@ from tqdm import tqdm
 from experiments import documents
 from experiments.tokenizer import EncodedBatch, Tokenizer
 
-# bump when the layout changes; not for the tokenizer's encoder: tiktoken's ids for a byte-level
-# BPE are the library's (proved from the tokenizer.json, every piece checked as it is encoded),
-# so an entry built either way holds the same arrays
-FORMAT = 2
+FORMAT = 2  # bump when the layout changes
 ENCODE_BATCH = 256  # documents encoded per library call
-SAMPLE_CHARS = 1 << 19  # of the first documents, for tok.prepare
 # a file's shard while building: raw arrays, appended batch by batch
 SHARD_FIELDS = (("tokens", np.uint32), ("bytes", np.uint32), ("lens", np.int64))
 
@@ -112,18 +105,15 @@ def _with_specials(enc: EncodedBatch, bos, eos) -> EncodedBatch:
 
 
 def _tokenize_file(i: int, f: Path, tok: Tokenizer, text_field: str, add_bos: bool, add_eos: bool,
-                   tmp: Path, progress, changes: int) -> dict:
+                   tmp: Path, progress) -> dict:
     """Writes shard ``i`` of file ``f`` into ``tmp``: raw arrays of its tokens, their bytes and
-    the document lengths (``SHARD_FIELDS``), appended one encoded batch at a time; stops early
-    where ``tok.encoder_changes`` is no longer ``changes`` (the build then starts over)."""
+    the document lengths (``SHARD_FIELDS``), appended one encoded batch at a time."""
     bos, eos = tok.bos_id if add_bos else None, tok.eos_id if add_eos else None
     docs = documents.read_documents(f, text_field)
     n_docs = n_bytes = 0
     with contextlib.ExitStack() as stack:
         outs = [stack.enter_context(open(tmp / f"{i:06d}.{n}", "wb")) for n, _ in SHARD_FIELDS]
-        for batch in iter(lambda: list(itertools.islice(docs, ENCODE_BATCH)), []):
-            if tok.encoder_changes != changes:
-                break
+        while batch := list(itertools.islice(docs, ENCODE_BATCH)):
             enc = _with_specials(tok.encode_batch(batch), bos, eos)
             for a, out, (_, dtype) in zip(enc, outs, SHARD_FIELDS):
                 np.asarray(a, dtype).tofile(out)
@@ -131,17 +121,6 @@ def _tokenize_file(i: int, f: Path, tok: Tokenizer, text_field: str, add_bos: bo
             n_docs, n_bytes = n_docs + len(batch), n_bytes + nbytes
             progress(nbytes, len(batch))
     return {"documents": n_docs, "bytes": n_bytes}
-
-
-def _sample(f: Path, text_field: str) -> list[str]:
-    """The first documents of ``f`` (at most ``ENCODE_BATCH``), cut to ``SAMPLE_CHARS`` in all."""
-    out, left = [], SAMPLE_CHARS
-    for doc in itertools.islice(documents.read_documents(f, text_field), ENCODE_BATCH):
-        if left <= 0:
-            break
-        out.append(doc[:left])
-        left -= len(out[-1])
-    return out
 
 
 class _Progress:
@@ -166,11 +145,6 @@ class _Progress:
                 self.documents += ndocs
                 self.bar.update(nbytes)
                 self.bar.set_postfix(documents=f"{self.documents:,}", refresh=False)
-
-    def restart(self) -> None:
-        if self.bar is not None:
-            self.documents = 0
-            self.bar.reset()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -232,21 +206,15 @@ def build_or_load(files,
     try:
         progress = _Progress(sum(os.stat(f).st_size for f in files), progress)
         t0 = time.perf_counter()
-        if files:
-            tok.prepare(_sample(files[0], text_field))
         # threads: the libraries encode outside the GIL (and over the cores: sentencepiece's
-        # num_threads, tokenizers' rayon pool, tiktoken's thread per core), so one reads and parses a file while another
+        # num_threads, tokenizers' rayon pool), so one reads and parses a file while another
         # encodes; more threads than cores would only wait
         workers = workers or min(len(files), os.cpu_count() or 1)
-        changes = None
-        while changes != tok.encoder_changes:  # again from the start where the encoder changed
-            changes = tok.encoder_changes
-            progress.restart()
-            with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
-                parts = list(
-                    pool.map(
-                        lambda a: _tokenize_file(a[0], a[1], tok, text_field, add_bos, add_eos, tmp,
-                                                 progress, changes), enumerate(files)))
+        with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
+            parts = list(
+                pool.map(
+                    lambda a: _tokenize_file(a[0], a[1], tok, text_field, add_bos, add_eos, tmp,
+                                             progress), enumerate(files)))
         progress.close()
         n_tokens, n_docs = _merge(tmp, len(files))
         meta = {

@@ -8,8 +8,8 @@ SentencePiece model (the ``sentencepiece`` package), or a path to a Hugging Face
 ``encode_with_bytes`` also returns, per token, the UTF-8 bytes of ``text`` it covers (they sum
 to ``len(text.encode())``): the denominator of bits per byte. ``encode_batch(texts)`` encodes
 many documents in one library call into flat arrays (``EncodedBatch``), the tokenized cache's
-input; for a byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3, Qwen, DeepSeek) ids only (from
-tiktoken where they are the library's: ``experiments.tiktoken_bpe``), bytes from a table.
+input; for a byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3, Qwen, DeepSeek) it asks the
+library for ids only and reads each token's bytes from a table of the vocabulary.
 
 A job directory keeps the copy it trained with (``TOKENIZER_DIR``: the file and its hash);
 ``job_tokenizer(job_log_dir)`` loads it.
@@ -38,10 +38,9 @@ from typing import NamedTuple, Optional
 import numpy as np
 import sentencepiece as spm
 import tokenizers
-from absl import logging
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from experiments import documents, tiktoken_bpe
+from experiments import documents
 
 BYTES = "bytes"
 KINDS = ("sentencepiece", "bpe")
@@ -106,7 +105,6 @@ class Tokenizer:
     vocab_size: int
     bos_id: Optional[int] = None
     eos_id: Optional[int] = None
-    encoder_changes = 0  # by encode_batch, mid-corpus (tiktoken off): a cache build starts over
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -120,10 +118,6 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> EncodedBatch:
         return _flat([self.encode_with_bytes(t) for t in texts])
-
-    def prepare(self, sample: list[str]) -> None:
-        """Called before a corpus is encoded, with its first documents (a faster encoder is
-        checked on them here)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name}, vocab {self.vocab_size})"
@@ -201,8 +195,24 @@ class HuggingFaceTokenizer(Tokenizer):
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._special(("<s>", "<|begin_of_text|>", "<bos>", "[CLS]"))
         self.eos_id = self._special(("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]"))
-        self.byte_len = tiktoken_bpe.token_byte_lengths(self.tok)
-        self.fast: Optional[tiktoken_bpe.TiktokenBPE] = None  # set by prepare
+        self.byte_len = self._byte_level_lengths()
+
+    def _byte_level_lengths(self) -> Optional[np.ndarray]:
+        """[vocab] the bytes each token stands for, where the tokenizer is byte-level (its
+        decoder ByteLevel, every token's characters in the ByteLevel alphabet of 256, one per
+        byte); added tokens 0. None otherwise."""
+        decoder = json.loads(self.tok.to_str()).get("decoder") or {}
+        types = [d.get("type") for d in decoder.get("decoders", [decoder])]
+        if "ByteLevel" not in types:
+            return None
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+        table = np.zeros(self.vocab_size, np.uint32)
+        for token, i in self.tok.get_vocab(with_added_tokens=False).items():
+            if not alphabet.issuperset(token):
+                return None
+            table[i] = len(token)
+        table[list(self.tok.get_added_tokens_decoder())] = 0
+        return table
 
     def _special(self, names) -> Optional[int]:
         for n in names:
@@ -227,56 +237,24 @@ class HuggingFaceTokenizer(Tokenizer):
         return enc.ids.astype(np.int32), enc.token_bytes.astype(np.int64)
 
     def encode_batch(self, texts):
-        """Byte-level: ids only (tiktoken's after ``prepare``, else the library's without
-        offsets), each token's bytes from ``byte_len``; a document whose bytes do not sum to its
-        text (an added token matched in it, a normalizer that changed it, text between the
-        regex's matches) or that tiktoken leaves to the library takes its ids and bytes from the
-        library's encode with offsets. Otherwise the offsets of every document."""
+        """Byte-level: ids only from the library (no offsets), each token's bytes from
+        ``byte_len``; a document whose bytes do not sum to its text (an added token matched in
+        the text, a normalizer that changed it) takes its bytes from the offsets. Otherwise
+        the offsets of every document."""
         if self.byte_len is None:
             encs = self.tok.encode_batch(texts, add_special_tokens=False)
             return _flat([self._with_bytes(t, e) for t, e in zip(texts, encs)])
-        fast = self.fast
-        if fast is not None:
-            try:
-                ids, lens, redo = fast.encode_batch(texts)
-            except tiktoken_bpe.Mismatch as e:
-                with fast.lock:
-                    if self.fast is fast:  # one warning where several threads find one
-                        self.fast, self.encoder_changes = None, self.encoder_changes + 1
-                        logging.warning("%s: tokenizers encodes it from here on: %s", self.name, e)
-                fast = None
-        if fast is None:
-            ids = [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
-            lens = np.fromiter(map(len, ids), np.int64, len(ids))
-            ids = np.fromiter(itertools.chain.from_iterable(ids), np.uint32, int(lens.sum()))
-            redo = np.zeros(len(texts), bool)
+        ids = [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
+        lens = np.fromiter(map(len, ids), np.int64, len(ids))
+        ids = np.fromiter(itertools.chain.from_iterable(ids), np.uint32, int(lens.sum()))
         nbytes = self.byte_len[ids]
         ends = np.cumsum(lens)
         summed = np.concatenate([[0], np.cumsum(nbytes, dtype=np.int64)])
         want = np.fromiter((len(t.encode("utf-8")) for t in texts), np.int64, len(texts))
-        redo |= summed[ends] - summed[ends - lens] != want
-        if not redo.any():
-            return EncodedBatch(ids, nbytes, lens)
-        pairs = list(zip(np.split(ids, ends[:-1]), np.split(nbytes, ends[:-1])))
-        for d in np.flatnonzero(redo):
-            pairs[d] = self._with_bytes(texts[d], self.tok.encode(texts[d],
-                                                                  add_special_tokens=False))
-        return _flat(pairs)
-
-    def prepare(self, sample):
-        """A byte-level BPE encodes with tiktoken from here on where it is built from this
-        tokenizer.json (``tiktoken_bpe.from_tokenizer_json``) and gives the library's ids and
-        bytes on ``sample``; else the library encodes, and one warning says why. ``encode_batch``
-        checks each new piece it gives tiktoken, and turns it off (a warning) where one differs."""
-        if self.byte_len is None or self.fast is not None:
-            return
-        fast, why = tiktoken_bpe.from_tokenizer_json(json.loads(self.tok.to_str()))
-        if fast is not None:
-            lib, self.fast = self.encode_batch(sample), fast
-            if all(map(np.array_equal, self.encode_batch(sample), lib)):
-                return  # tiktoken, or the library where a piece differed (encode_batch warned)
-            self.fast, why = None, "its ids differ from the library's on the corpus's first text"
-        logging.warning("%s: tokenizers encodes it, not tiktoken: %s", self.name, why)
+        for d in np.flatnonzero(summed[ends] - summed[ends - lens] != want):
+            nbytes[ends[d] - lens[d]:ends[d]] = self._with_bytes(
+                texts[d], self.tok.encode(texts[d], add_special_tokens=False))[1]
+        return EncodedBatch(ids, nbytes, lens)
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)

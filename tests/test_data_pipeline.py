@@ -16,7 +16,7 @@ import pytest
 from pydoc_data import topics
 
 from configs import base, experiments
-from experiments import documents, packing, pipeline, setup, tiktoken_bpe, token_cache
+from experiments import documents, packing, pipeline, setup, token_cache
 from experiments import tokenizer as tokenizer_lib
 from experiments import tokenizer_copy
 
@@ -122,6 +122,18 @@ def test_ids_equal_the_librarys_encode_and_bytes_sum_to_the_text(toks, corpus, k
     assert again.sha256 == tok.sha256 and type(again) is type(tok)
 
 
+def _gpt2_byte_of_char() -> dict:
+    """GPT-2's bytes_to_unicode, inverted: the byte each character of a byte-level token is."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
 @pytest.mark.parametrize("kind", ["bpe", "sentencepiece", "bytes"])
 def test_batches_equal_the_librarys_encode_and_each_token_its_bytes(toks, corpus, kind):
     """encode_batch (the cache's path: for byte-level BPE ids without offsets and bytes from a
@@ -144,7 +156,7 @@ def test_batches_equal_the_librarys_encode_and_each_token_its_bytes(toks, corpus
         assert list(ids) == tok.encode(text)
         assert int(nb.sum()) == len(text.encode("utf-8"))
         if kind == "bpe" and "</s>" not in text:  # each token its own bytes
-            byte_of = {c: b for b, c in tiktoken_bpe.bytes_to_unicode().items()}
+            byte_of = _gpt2_byte_of_char()
             pieces = [bytes(byte_of[c] for c in tok.tok.id_to_token(int(i))) for i in ids]
             assert b"".join(pieces) == text.encode("utf-8")
             np.testing.assert_array_equal(nb, [len(p) for p in pieces])
