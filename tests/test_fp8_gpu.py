@@ -33,6 +33,7 @@ import pytest
 import moe_praxis as mp
 from moe_praxis import ops
 from moe_praxis.ops import backend, fp8, fp8_gemm
+from moe_praxis.ops.fp8_rule import Fp8Gemms
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
 from tests.grouped_gemm_util import make_sizes
 from tests.testutil import rel_err
@@ -303,6 +304,18 @@ def test_cuda_fp8_grouped_gemm_grads_match_pure_jax_paths(kind):
         assert rel_err(a, c_) < (TOL_F32_KERNEL if name == "dw" else 1e-2), (name, msg)
 
 
+def _block_step(cfg, params, x):
+    """(the jitted value_and_grad of sum(moe_block(p, x).y * sin(x)) w.r.t. (params, x), with y
+    as aux; its value at (params, x))."""
+
+    def loss(p, xx):
+        o = mp.moe_block(p, xx, cfg)
+        return jnp.sum(o.y.astype(jnp.float32) * jnp.sin(xx.astype(jnp.float32))), o.y
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    return fn, fn(params, x)
+
+
 @pytest.mark.gpu
 def test_moe_block_fp8_cuda_matches_reference_path():
     """moe_block with fp8='blockwise' on kernel_backend='cuda' runs the FP8 kernels (no
@@ -322,14 +335,7 @@ def test_moe_block_fp8_cuda_matches_reference_path():
     x = jax.random.normal(k2, (4, 128, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
 
     def run(kernel_backend):
-        c = dataclasses.replace(cfg, kernel_backend=kernel_backend)
-
-        def loss(p, xx):
-            o = mp.moe_block(p, xx, c)
-            return jnp.sum(o.y.astype(jnp.float32) * jnp.sin(xx.astype(jnp.float32))), o.y
-
-        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-        return fn, fn(params, x)
+        return _block_step(dataclasses.replace(cfg, kernel_backend=kernel_backend), params, x)
 
     backend.reset_warnings()
     fn, ((_, y), grads) = run("cuda")
@@ -355,27 +361,15 @@ def test_moe_block_fp8_auto_mixes_kernels_and_matches_the_reference_path():
     with the pure-JAX path of the same choices and with the bf16 block."""
     _cuda_or_skip()
     cfg = mp.MoEConfig(num_experts=4, top_k=2, d_model=4096, d_ff=256, fp8="blockwise")
-    assert {
-        w: c.label()
-        for w, c in cfg.fp8_choices().items()
-    } == {
-        "wi_gate": "fwd+dgrad",
-        "wi_up": "fwd+dgrad",
-        "wo": "fwd"
-    }
+    wi, wo = Fp8Gemms(True, True, False), Fp8Gemms(True, False, False)  # rule: test_fp8_rule
+    assert cfg.fp8_choices() == {"wi_gate": wi, "wi_up": wi, "wo": wo}
     seed = _seed()
     k1, k2 = jax.random.split(jax.random.key(seed))
     params = mp.init_moe_params(k1, cfg)
     x = jax.random.normal(k2, (2, 192, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
 
     def run(c):
-
-        def loss(p, xx):
-            o = mp.moe_block(p, xx, c)
-            return jnp.sum(o.y.astype(jnp.float32) * jnp.sin(xx.astype(jnp.float32))), o.y
-
-        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-        return fn, fn(params, x)
+        return _block_step(c, params, x)
 
     fn, ((_, y), grads) = run(dataclasses.replace(cfg, kernel_backend="cuda"))
     hlo = fn.lower(params, x).as_text()
