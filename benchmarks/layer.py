@@ -383,7 +383,7 @@ def main(argv=None) -> int:
         for load in loads:
             for pass_ in lc.PASSES:
                 rows = time_unit(sh, opts, load, pass_)
-                rows += layer_fp8w.amortized(rows, opts.microbatches)
+                rows += layer_fp8w.amortized(rows, opts.microbatches, shape.t * shape.k / shape.e)
                 layer_report.derive(rows, sh.shape, pass_, copy_bw)
                 for r in rows:
                     r["tokens"] = shape.t

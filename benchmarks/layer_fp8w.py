@@ -6,6 +6,9 @@ micro-batch that costs
 
     cuda+fp8 @n  =  ms('cuda+fp8w') + ms('fp8-quant') / n
 
+where the form serves at least ops.fp8_rule.FORM_MIN_ROWS rows per expert in its n calls;
+below that fp8_gemms='auto' makes no form and runs the bf16 layer, so the row is ms('cuda').
+
 'cuda+fp8w' is moe_block with the FP8 form given (no weight quantization in the step),
 'fp8-quant' the quantization alone; both are timed with the other methods. The derived rows
 (method 'cuda+fp8 @n', n from --microbatches, default 1,8) carry 'x_cuda' and issue 36's
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import moe_praxis as mp
+from moe_praxis.ops import fp8_rule
 
 PREQUANTIZED = "cuda+fp8w"  # moe_block reading the FP8 form made beforehand
 QUANTIZE = "fp8-quant"  # quantize_expert_weights alone
@@ -53,9 +57,14 @@ def fns(cfg: mp.MoEConfig) -> dict[str, Callable]:
     }
 
 
-def amortized(rows: list[dict], microbatches) -> list[dict]:
+def amortized(rows: list[dict], microbatches, rows_per_expert=None) -> list[dict]:
     """The derived rows 'cuda+fp8 @n' of one (shape, load, pass) unit's timed rows (empty
-    where PREQUANTIZED or QUANTIZE did not run)."""
+    where PREQUANTIZED or QUANTIZE did not run).
+
+    rows_per_expert: one call's rows per expert (T * k / E). Where the FP8 form would serve
+    fewer than ops.fp8_rule.FORM_MIN_ROWS rows per expert in n calls, fp8_gemms='auto' makes
+    none and runs the bf16 layer (the experiments' train step, moe_block): the row is then
+    'cuda''s time, with 'fp8_form': False. None: the form is always made."""
     by = {r["method"]: r.get("ms") for r in rows}
     pre, quant, cuda = by.get(PREQUANTIZED), by.get(QUANTIZE), by.get("cuda")
     if pre is None or quant is None:
@@ -63,8 +72,16 @@ def amortized(rows: list[dict], microbatches) -> list[dict]:
     base = {k: rows[0][k] for k in ("shape", "load", "pass_")}
     out = []
     for n in microbatches:
-        ms = pre + quant / n
-        r = dict(base, method=f"cuda+fp8 @{n}", ms=ms, microbatches=n, status="computed")
+        form = rows_per_expert is None or fp8_rule.form_pays("auto", rows_per_expert * n)
+        if not form and cuda is None:
+            continue
+        ms = pre + quant / n if form else cuda
+        r = dict(base,
+                 method=f"cuda+fp8 @{n}",
+                 ms=ms,
+                 microbatches=n,
+                 status="computed",
+                 fp8_form=form)
         r["x_cuda"] = cuda / ms if cuda else None
         out.append(r)
     return out

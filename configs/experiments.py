@@ -76,6 +76,8 @@ class LanguageModel:
     # MoEFeedForward.fp8: None or 'blockwise' (FP8 expert GEMMs; MODEL_DIMS and the experts'
     # hidden dims multiples of 128).
     FP8: Optional[str] = None
+    # MoEFeedForward.fp8_gemms: 'auto' (FP8 where it pays: moe_praxis.ops.fp8_rule) or 'all'.
+    FP8_GEMMS = "auto"
     # Data. DATA_SOURCE None: 'text' when DATA_PATH is set, else 'pydoc'.
     DATA_SOURCE: Optional[str] = None
     DATA_PATH: Optional[str] = None
@@ -136,7 +138,8 @@ class LanguageModel:
                     routed_scaling_factor=self.ROUTED_SCALING_FACTOR,
                     num_shared_experts=self.NUM_SHARED_EXPERTS,
                     shared_hidden_dims=self.SHARED_HIDDEN_DIMS,
-                    fp8=self.FP8)
+                    fp8=self.FP8,
+                    fp8_gemms=self.FP8_GEMMS)
 
     def data(self) -> fdl.Config:
         return fdl.Config(base.DataConfig,
@@ -209,8 +212,10 @@ class TinyBf16(Tiny):
 @register
 class TinyFp8(TinyBf16):
     """TinyBf16 with the expert GEMMs in blockwise FP8 (MoEFeedForward.fp8='blockwise'); the
-    same seed and data, so the two held-out losses compare the number formats."""
+    same seed and data, so the two held-out losses compare the number formats. Every expert
+    GEMM in FP8 (fp8_gemms='all'): at Tiny's few rows per expert 'auto' would run bf16."""
     FP8 = "blockwise"
+    FP8_GEMMS = "all"
 
 
 @register

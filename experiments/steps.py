@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import optax
 
 import moe_praxis  # Praxis shims before praxis is imported
-from moe_praxis.ops import fp8
+from moe_praxis.ops import fp8, fp8_rule
 from moe_praxis.praxis import fp8_params
 from praxis import base_layer, py_utils
 
-from configs import base, models
+from configs import base, models, stack
 from experiments import microbatch
 from experiments.metrics import expert_load, max_mean_load, moe_scalars
 from experiments.setup import Prepared
@@ -47,15 +47,30 @@ def _model_inputs(batch):
 
 
 def fp8_layers(model_config):
-    """(fprop dtype, kernel backend) of the model's MoE layers with fp8 set, or None when none
-    has: the train step then makes their weights' FP8 form once (moe_praxis.praxis.fp8_params)."""
-    found = [(c.fprop_dtype, c.kernel_backend) for c in models.moe_layer_configs(model_config)
-             if c.fp8]
+    """(fprop dtype, kernel backend, layer config) of the model's MoE layers with fp8 set, or
+    None when none has: the train step then makes their weights' FP8 form once
+    (moe_praxis.praxis.fp8_params), where it pays (fp8_form_pays). The layer config is the
+    first FP8 layer's as the stack makes it (num_experts set)."""
+    found = [c for _, c in stack.moe_layer_configs(model_config) if c.fp8]
     if not found:
         return None
-    dtype, backend = found[0]
+    c = found[0]
     # a layer's fprop_dtype left unset is its parent's (Praxis copies it down at build)
-    return dtype or model_config.fprop_dtype, backend
+    return c.fprop_dtype or model_config.fprop_dtype, c.kernel_backend, c
+
+
+def fp8_form_pays(layer, mesh, tokens_per_step: int) -> bool:
+    """Whether the FP8 form of an MoE layer's expert weights, made once per optimizer step,
+    serves enough rows per local expert to pay (moe_praxis.ops.fp8_rule.form_pays under the
+    layer's fp8_gemms): the step's tokens over the token shards, times top-k, over the experts
+    of one EP rank. Where it does not, no form is made and each call runs the bf16 layer
+    (its own rows are fewer still: moe_praxis.expert_weights.fp8_for_call)."""
+    resources = layer.mesh_resources
+    layout = moe_praxis.ep_bootstrap(mesh if resources is not None else None, resources,
+                                     layer.num_experts)
+    rows = (tokens_per_step / layout.num_token_shards * layer.num_experts_per_token /
+            layout.experts_per_rank)
+    return fp8_rule.form_pays(layer.fp8_gemms, rows)
 
 
 def _segments(batch) -> dict:
@@ -174,11 +189,14 @@ def make_step_fns(prep: Prepared) -> StepFns:
     micro_sharding = jax.sharding.NamedSharding(mesh, P(None, *batch_spec))
     bias_rule = microbatch.bias_rule(prep.model_config) if n_micro > 1 else None
 
-    def fp8_form(params):
-        """The FP8 form of the expert weights, made once per step (None: no FP8 layer)."""
+    def fp8_form(params, batch):
+        """The FP8 form of the expert weights, made once per step (None: no FP8 layer, or too
+        few rows per expert in the step for it to pay)."""
         if fp8_moe is None:
             return None
-        dtype, backend = fp8_moe
+        dtype, backend, layer = fp8_moe
+        if not fp8_form_pays(layer, mesh, math.prod(batch["ids"].shape)):
+            return None
         return fp8_params.fp8_weights_tree(params, dtype, transposed=fp8.resolve(backend) == "cuda")
 
     def loss_fn(params, non_trainable, batch, key, do_eval, fp8_tree=None):
@@ -259,7 +277,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
     def train_fn(state, batch):
         step = state["step"]
         key = jax.random.fold_in(jax.random.key(exp.train.seed + 1), step)
-        fp8_tree = fp8_form(state["params"])  # once per optimizer step
+        fp8_tree = fp8_form(state["params"], batch)  # once per optimizer step
         run = whole_step if n_micro == 1 else micro_steps
         grads, losses, nt, summaries = run(state, batch, key, fp8_tree)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])

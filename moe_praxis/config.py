@@ -143,8 +143,10 @@ class MoEConfig:
       fp8_gemms: with fp8, which expert GEMMs run in FP8: 'auto' (the measured per-GEMM rule
         moe_praxis.ops.fp8_rule.fp8_gemm_rule, the table below: each weight's forward, dgrad
         and wgrad in FP8 only at the shapes where FP8 was measured faster on an H200, the
-        others in bf16 on the master weight) or 'all' (every expert GEMM in FP8).
-        backend_info(config) and the layer's summaries name the choice.
+        others in bf16 on the master weight; and a call whose weights' FP8 form would serve
+        fewer than 2048 rows per expert per quantization runs the bf16 layer, its form costing
+        more than FP8 saves: ops.fp8_rule.form_pays) or 'all' (every expert GEMM in FP8, at
+        any rows). backend_info(config) and the layer's summaries name the choice.
     """
 
     d_model: int

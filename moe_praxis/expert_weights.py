@@ -9,12 +9,14 @@ shapes are moe_praxis.params'; where each weight lives is resources.EPLayout.wei
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax.sharding import PartitionSpec as P
 
 from moe_praxis.config import MoEConfig
 from moe_praxis.experts import EXPERT_WEIGHTS, FP8_GATHER, FP8_WEIGHTS
-from moe_praxis.ops import fp8_weights, vma
+from moe_praxis.ops import fp8_rule, fp8_weights, vma
 from moe_praxis.resources import EPLayout
 
 # The routed experts' parameters, in the order they are gathered (wi_gate_up: fuse_gate_up).
@@ -91,3 +93,25 @@ def check_fp8_weights(params: dict, config: MoEConfig) -> None:
             raise ValueError(f"params[{FP8_WEIGHTS!r}] has {name!r}; valid: the expert weights "
                              f"of these params, {[n for n in EXPERT_WEIGHTS if n in params]}")
         fp8_weights.check_companion(params[name].shape, fw, name)
+
+
+def rows_per_local_expert(num_tokens: int, layout: EPLayout, config: MoEConfig) -> float:
+    """The rows one device's experts get on average in a call of num_tokens (global) tokens:
+    its T / token shards tokens times top_k, over its E / ep experts."""
+    return num_tokens / layout.num_token_shards * config.top_k / layout.experts_per_rank
+
+
+def fp8_for_call(config: MoEConfig, params: dict, rows_per_expert: float) -> tuple[MoEConfig, dict]:
+    """(the config a moe_block call runs, {expert weight: ops.fp8_rule.Fp8Gemms} of the GEMMs
+    it runs in FP8; {} without config.fp8).
+
+    Where the call quantizes its own weights (no FP8 form in params) and the form would serve
+    too few rows per expert to pay (ops.fp8_rule.form_pays under config.fp8_gemms), the call
+    runs the bf16 layer: fp8=None, every GEMM NONE. A form passed in is used (the caller chose
+    to make it; moe_block cannot see how many calls share it)."""
+    if config.fp8 is None:
+        return config, {}
+    choices = config.fp8_choices()
+    if FP8_WEIGHTS in params or fp8_rule.form_pays(config.fp8_gemms, rows_per_expert):
+        return config, choices
+    return dataclasses.replace(config, fp8=None), dict.fromkeys(choices, fp8_rule.NONE)

@@ -64,6 +64,9 @@ class MoEOutput:
     tokens_per_expert: jax.Array  # [E] int32 token copies the router assigned (before drops)
     dropped_tokens: jax.Array  # [] int32 copies dropped by the capacity or an EP buffer bound
     router_entropy: jax.Array  # [] float32 mean entropy of softmax(logits), no gradient
+    # static: ((expert weight, ops.fp8_rule.Fp8Gemms), ...) of the GEMMs this call ran in FP8
+    # (expert_weights.fp8_for_call; () without config.fp8)
+    fp8_gemms: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
 
 def _placed(a, shape, mesh, layout: EPLayout, spec):
@@ -330,6 +333,8 @@ def moe_block(params: dict,
         params = jax.tree.map(lambda w, spec: _placed(w, w.shape, mesh, layout, spec), params,
                               specs)
     t = x2.shape[0]
+    config, fp8_gemms = expert_weights.fp8_for_call(
+        config, params, expert_weights.rows_per_local_expert(t, layout, config))
     if mesh is None:
         kind = "padded"  # ep size 1: no exchange
         fn = _bound_body(config, layout, kind=kind, seq_len=seq_len, t_global=t, backend=backend)
@@ -350,4 +355,5 @@ def moe_block(params: dict,
                      z_loss=zl,
                      tokens_per_expert=counts,
                      dropped_tokens=dropped,
-                     router_entropy=ent)
+                     router_entropy=ent,
+                     fp8_gemms=tuple(fp8_gemms.items()))

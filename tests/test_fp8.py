@@ -242,7 +242,9 @@ def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated, gemms):
     the same operands): outputs and gradients equal up to float32 summation order (the kernel
     path adds the two dgrads in float32, its wgrads sum per group): bound 1e-5 norm-wise (seen:
     0 for y and dx, 7e-8 for the weights), with every gradient nonzero. Routing unchanged.
-    fp8_gemms='auto' (here: the forwards in FP8, dgrads and wgrads in bf16, ops.fp8_mixed) too."""
+    fp8_gemms='auto' (here: the forwards in FP8, dgrads and wgrads in bf16, ops.fp8_mixed) too,
+    with the weights' FP8 form given (at these 80 rows per expert 'auto' quantizing its own
+    weights would run the bf16 layer: test_fp8_rows_rule)."""
     import moe_praxis as mp
 
     seed = _seed()
@@ -257,12 +259,13 @@ def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated, gemms):
     params, x, cot = block_inputs(cfg, (2, 80, 256), seed, jnp.bfloat16)
 
     def run():
+        fws = mp.quantize_expert_weights(params, cfg)["fp8_weights"] if gemms == "auto" else None
 
-        def loss(p, x):
-            o = mp.moe_block(p, x, cfg)
+        def loss(p, f, x):
+            o = mp.moe_block(p if f is None else {**p, "fp8_weights": f}, x, cfg)
             return jnp.sum(o.y * cot), o
 
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True))(params, fws, x)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the emulation's (once per process)
@@ -272,6 +275,8 @@ def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated, gemms):
     np.testing.assert_array_equal(np.asarray(ok.tokens_per_expert),
                                   np.asarray(oe.tokens_per_expert))
     names = ("wi_gate", "wi_up", "wo") if gated else ("wi_up", "wo")
+    want = {"all": {"fwd+dgrad+wgrad"}, "auto": {"fwd"}}[gemms]
+    assert {c.label() for _, c in ok.fp8_gemms} == want == {c.label() for _, c in oe.fp8_gemms}
     for name, a, b in [("y", ok.y, oe.y),
                        ("dx", dxk, dxe)] + [("d" + n, gk[n], ge[n]) for n in names]:
         err = rel_err(a, b)

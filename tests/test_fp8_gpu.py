@@ -366,7 +366,10 @@ def test_moe_block_fp8_auto_mixes_kernels_and_matches_the_reference_path():
     seed = _seed()
     k1, k2 = jax.random.split(jax.random.key(seed))
     params = mp.init_moe_params(k1, cfg)
-    x = jax.random.normal(k2, (2, 192, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
+    # 4096 tokens, top-2 of 4: 2048 rows per expert, where the weights' FP8 form pays
+    x = jax.random.normal(k2, (2, 2048, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
+    out = jax.eval_shape(lambda p, xx: mp.moe_block(p, xx, cfg), params, x)
+    assert dict(out.fp8_gemms) == cfg.fp8_choices()
 
     def run(c):
         return _block_step(c, params, x)

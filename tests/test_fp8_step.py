@@ -64,7 +64,7 @@ def test_step_fp8_weights_once_bitwise_equals_per_layer_quantization(monkeypatch
     repeat = True
     seed = _seed()
     cfg, params, loss = _setup(repeat, seed)
-    dtype, backend = steps.fp8_layers(cfg)
+    dtype, backend, _ = steps.fp8_layers(cfg)
     assert jnp.dtype(dtype) == jnp.bfloat16 and steps.fp8_layers(
         experiments.TinyBf16().model()) is None
     made, inside = [], []

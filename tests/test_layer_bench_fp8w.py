@@ -31,6 +31,20 @@ def test_amortized_rows_add_the_quantization_once_per_step():
     assert layer_fp8w.amortized(_unit("qwen3", cuda, pre, None), [1]) == []
 
 
+def test_below_the_rows_per_expert_the_row_is_the_bf16_layer():
+    """fp8_gemms='auto' makes no FP8 form where it would serve fewer than FORM_MIN_ROWS rows per
+    expert: 1024 rows a call, so @1 is 'cuda''s time (x1.0) and @2 (2048 rows) the amortized
+    FP8 step; at 4096 rows a call both are FP8."""
+    rnd = random.Random(_seed())
+    cuda, pre, quant = (rnd.uniform(1, 50) for _ in range(3))
+    unit = _unit("qwen3", cuda, pre, quant)
+    one, two = layer_fp8w.amortized(unit, [1, 2], rows_per_expert=1024)
+    assert (one["ms"], one["x_cuda"], one["fp8_form"]) == (cuda, 1.0, False)
+    assert two["ms"] == pytest.approx(pre + quant / 2, rel=1e-12) and two["fp8_form"]
+    rows = layer_fp8w.amortized(unit, [1, 2], rows_per_expert=4096)
+    assert [r["fp8_form"] for r in rows] == [True, True]
+
+
 @pytest.mark.parametrize("shape,n,least", [("mixtral", 1, 1.35), ("qwen3", 1, 1.0),
                                            ("deepseek", 1, 1.0), ("deepseek", 8, 1.25),
                                            ("qwen3", 8, 1.10)])

@@ -273,27 +273,31 @@ def test_fp8_field_reaches_moe_block_and_changes_the_output(gating_func):
     """MoEFeedForward(fp8='blockwise') = x + moe_block(layer_norm(x)) with config.fp8 set (1e-6,
     as the other options), and that output differs from the layer without fp8 by the FP8
     rounding (above 1e-3 relative, below 0.1: e4m3's 2^-4 relative step on both operands of
-    three GEMMs), so the field is not silently dropped; the summaries say which GEMMs ran FP8."""
+    three GEMMs), so the field is not silently dropped; the summaries say which GEMMs ran FP8:
+    with fp8_gemms='all' every one; with 'auto' at these few rows per expert none (the layer's
+    output is then the bf16 layer's, bitwise: the weights' FP8 form would not pay)."""
     m = h = 128  # whole 128 x 128 weight blocks
     x = jax.random.normal(jax.random.PRNGKey(41), (2, 16, m), jnp.float32)
     pad = jnp.zeros((2, 16), jnp.float32)
     kw = dict(gating_func=gating_func, input_dims=m, hidden_dims=h, use_gated_activation=True)
-    tpl = _moe_tpl(fp8="blockwise", **kw)
+    tpl = _moe_tpl(fp8="blockwise", fp8_gemms="all", **kw)
     variables = _init_layer(tpl, x, pad, seed=42)
     y, config, out, upd = _layer_and_block(tpl, variables, x, pad)
     assert config.fp8 == "blockwise" and config.fp8_quantize_before_gather
-    # the summaries name the FP8 GEMMs: at 128 x 128 the rule's forwards only
-    summ = {k: float(v) for k, v in upd[base_layer.SUMMARIES].items() if "fp8" in k}
-    assert summ == {
-        "moe_fp8_fwd_scalar": 1.0,
-        "moe_fp8_dgrad_scalar": 0.0,
-        "moe_fp8_wgrad_scalar": 0.0
-    }, summ
+    fp8_summaries = lambda u: {
+        k: float(v)
+        for k, v in u[base_layer.SUMMARIES].items() if "fp8" in k
+    }
+    names = ("moe_fp8_fwd_scalar", "moe_fp8_dgrad_scalar", "moe_fp8_wgrad_scalar")
+    assert fp8_summaries(upd) == dict.fromkeys(names, 1.0), fp8_summaries(upd)
     assert _rel(y, x + out.y) < 1e-6
     y_ref, config_ref, _, _ = _layer_and_block(_moe_tpl(**kw), variables, x, pad)
     assert config_ref.fp8 is None
     d = _rel(y - x, y_ref - x)
     assert 1e-3 < d < 0.1, d
+    y_auto, _, _, upd = _layer_and_block(_moe_tpl(fp8="blockwise", **kw), variables, x, pad)
+    assert fp8_summaries(upd) == dict.fromkeys(names, 0.0), fp8_summaries(upd)
+    np.testing.assert_array_equal(np.asarray(y_auto), np.asarray(y_ref))
 
 
 def test_fp8_field_with_bad_dims_is_a_named_error():

@@ -34,13 +34,29 @@ off the H200 measurements named beside it.
                               Qwen3-like layer 2.65 against 1.86 (0.70x)
                               (layer_breakdown_fp8_overlap.json)
 
-The weight's own quantization (L2, once per optimizer step: quantize_expert_weights) is not in
-the rule: its cost per step is fixed, so it pays with enough rows per expert per step; at one
-micro-batch per step with few rows per expert it exceeds what the FP8 forward saves
-(layer_bench_fp8_once_deepseek.json `cuda+fp8 @1` fwd 0.51x at 256 rows per expert, against
-1.13x at 8 micro-batches).
+The weight's own quantization (L2: quantize_expert_weights, once per optimizer step in the
+runner, else in every moe_block call) costs about 1.3 ps per weight element at every shape (it
+reads the bf16 weight and writes q, qt and the scales): a fixed cost per quantization, which
+the FP8 GEMMs repay in proportion to the rows it serves. So under 'auto' a layer runs FP8 only
+when its weights' FP8 form serves at least FORM_MIN_ROWS rows per (local) expert: the rows per
+expert of one call times the calls that share one quantization (`form_pays`); below that the
+whole layer runs bf16 (its wgrad too: a wgrad in FP8 pays only at K, N >= 4096, where layers
+have plenty of rows). Measured on the H200, layer_bench_fp8_microbatches.json, fwd+bwd, FP8
+('auto') over bf16 with the form made once per n calls of T rows (`cuda+fp8 @n`), and the
+rows per expert where the two break even (quantization ms / the FP8 form's gain per call):
 
-MoEConfig.fp8_gemms: 'auto' (this rule, the default) or 'all' (every expert GEMM in FP8).
+    shape (rows per expert at n=1)    @1     @2     @4     @8     break-even rows per expert
+    qwen3 (1024)                      0.95x  0.99x  1.01x  1.02x  2680
+    deepseek_ep4 (1024)               0.96x  1.02x  1.05x  1.07x  1530
+    mixtral (4096)                    1.29x  1.32x  1.34x  1.34x   510
+    deepseek (256)                    0.83x  0.97x  1.06x  1.11x   610
+
+At FORM_MIN_ROWS = 2048 no measured point runs slower than bf16 by more than qwen3 @2's 1%,
+and one gain is given up (deepseek @4, 1.06x, runs bf16). A form given to moe_block (made by
+the caller, whose rows per quantization moe_block cannot see) is used: its cost is spent.
+
+MoEConfig.fp8_gemms: 'auto' (this rule, the default) or 'all' (every expert GEMM in FP8, at
+any rows).
 """
 
 from __future__ import annotations
@@ -52,6 +68,7 @@ GEMMS = ("fwd", "dgrad", "wgrad")
 # The rule's thresholds (module doc: the rows that set each)
 DGRAD_MIN_K = 4096
 WGRAD_MIN_KN = 4096
+FORM_MIN_ROWS = 2048  # rows per expert per quantization of the weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +93,22 @@ class Fp8Gemms:
 
 
 ALL = Fp8Gemms()
+NONE = Fp8Gemms(fwd=False, dgrad=False, wgrad=False)
 
 
 def fp8_gemm_rule(k: int, n: int) -> Fp8Gemms:
     """The measured rule (module doc) for a weight [E, K, N]: forward always, dgrad when
     K >= DGRAD_MIN_K, wgrad when min(K, N) >= WGRAD_MIN_KN."""
     return Fp8Gemms(fwd=True, dgrad=k >= DGRAD_MIN_K, wgrad=min(k, n) >= WGRAD_MIN_KN)
+
+
+def form_pays(mode: str, rows_per_form: float) -> bool:
+    """Whether a layer runs FP8 under mode when its weights' FP8 form serves `rows_per_form`
+    rows per (local) expert per quantization (module doc): 'all' always, 'auto' at
+    rows_per_form >= FORM_MIN_ROWS."""
+    if mode not in FP8_GEMMS:
+        raise ValueError(f"fp8_gemms={mode!r} is invalid; valid: {FP8_GEMMS}")
+    return mode == "all" or rows_per_form >= FORM_MIN_ROWS
 
 
 def choose(mode: str, k: int, n: int) -> Fp8Gemms:
@@ -118,11 +145,18 @@ def shares(choices: dict[str, Fp8Gemms]) -> dict[str, float]:
 def info() -> dict:
     """The rule itself, for backend_info(): its name, the modes and the thresholds."""
     return {
-        "rule": "moe_praxis.ops.fp8_rule.fp8_gemm_rule",
-        "modes": FP8_GEMMS,
-        "fwd": "always",
-        "dgrad": f"K >= {DGRAD_MIN_K}",
-        "wgrad": f"min(K, N) >= {WGRAD_MIN_KN}",
+        "rule":
+        "moe_praxis.ops.fp8_rule.fp8_gemm_rule",
+        "modes":
+        FP8_GEMMS,
+        "fwd":
+        "always",
+        "dgrad":
+        f"K >= {DGRAD_MIN_K}",
+        "wgrad":
+        f"min(K, N) >= {WGRAD_MIN_KN}",
+        "layer": (f"FP8 when its weights' FP8 form serves >= {FORM_MIN_ROWS} rows per expert "
+                  "per quantization, else bf16"),
     }
 
 

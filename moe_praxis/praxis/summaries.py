@@ -23,8 +23,8 @@ def moe_summaries(out: MoEOutput, paddings: Optional[jax.Array], num_tokens: int
     tokens * k (the load's denominator: load * copies gives back the integer counts),
     moe_dropped_token_fraction = dropped copies / (valid tokens * k), moe_expert_load_{e} =
     copies the router sent to expert e / (valid tokens * k), before drops, and with config.fp8
-    moe_fp8_{fwd,dgrad,wgrad} (the share of the expert weights whose GEMM of that kind runs in
-    FP8 under config.fp8_gemms).
+    moe_fp8_{fwd,dgrad,wgrad} (the share of the expert weights whose GEMM of that kind ran in
+    FP8 in this call, out.fp8_gemms: 0 where 'auto' ran the bf16 layer).
 
     paddings: the layer's paddings (1 = padded) or None (all num_tokens tokens valid)."""
     n_valid = (jnp.float32(num_tokens) if paddings is None else jnp.sum(
@@ -40,6 +40,6 @@ def moe_summaries(out: MoEOutput, paddings: Optional[jax.Array], num_tokens: int
     load = out.tokens_per_expert.astype(jnp.float32) / copies
     for e in range(load.shape[0]):
         out_summaries[f"moe_expert_load_{e}"] = load[e]
-    for gemm, share in fp8_rule.shares(config.fp8_choices()).items():
+    for gemm, share in fp8_rule.shares(dict(out.fp8_gemms)).items():
         out_summaries[f"moe_fp8_{gemm}"] = jnp.float32(share)
     return out_summaries
