@@ -43,6 +43,40 @@ class Qwen3MoeGpuFp8(Qwen3MoeGpu):
     FP8 = "blockwise"
 
 
+@register
+class MixtralMoeGpu(LanguageModel):
+    """One H200, MoE-dominated at Mixtral-8x7B's layer shapes: 2 layers of M=4096, 8 experts of
+    H=14336, top-2, 32 heads of 128, on bytes; 16384 tokens a step, 4096 rows per expert; 3.0B
+    parameters, about 47 GB of float32 parameters, gradients and Adam state. The bf16
+    baseline of MixtralMoeGpuFp8."""
+    NUM_LAYERS = 2
+    MODEL_DIMS = 4096
+    HIDDEN_DIMS = 14336
+    MOE_HIDDEN_DIMS = 14336
+    NUM_HEADS = 32
+    DIM_PER_HEAD = 128
+    NUM_EXPERTS = 8
+    TOP_K = 2
+    REPEAT = True
+    REMAT = True
+    FPROP_DTYPE = "bfloat16"
+    SEQ_LEN = 2048
+    BATCH_SIZE = 8
+    LEARNING_RATE = 3e-4
+    WARMUP_STEPS = 100
+    NUM_STEPS = 1000
+    EVAL_EVERY = 250
+    CHECKPOINT_EVERY = 500
+    MESH_SHAPE = (1, )
+
+
+@register
+class MixtralMoeGpuFp8(MixtralMoeGpu):
+    """MixtralMoeGpu with the expert GEMMs in blockwise FP8 (fp8_gemms 'auto': at these widths
+    every GEMM of the three weights): the same seed and data."""
+    FP8 = "blockwise"
+
+
 # ------------------------------------------------------------ --fdl_config=NAME entry points
 
 
@@ -54,3 +88,13 @@ def qwen3_moe_gpu() -> pax_fiddle.Config:
 def qwen3_moe_gpu_fp8() -> pax_fiddle.Config:
     """The Qwen3MoeGpuFp8 experiment."""
     return Qwen3MoeGpuFp8().experiment_config()
+
+
+def mixtral_moe_gpu() -> pax_fiddle.Config:
+    """The MixtralMoeGpu experiment."""
+    return MixtralMoeGpu().experiment_config()
+
+
+def mixtral_moe_gpu_fp8() -> pax_fiddle.Config:
+    """The MixtralMoeGpuFp8 experiment."""
+    return MixtralMoeGpuFp8().experiment_config()
