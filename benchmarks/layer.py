@@ -372,7 +372,7 @@ def main(argv=None) -> int:
         print(f"\n== {name}: {shape}", flush=True)
         result.setdefault("fp8_gemms", {})[name] = layer_report.fp8_gemms(
             {m: sh.config(m)
-             for m in methods if m in fp8_methods})
+             for m in methods if m in fp8_methods}, shape.t * shape.k / shape.e)
         # the check needs no 'xla' method: it runs the 'xla' layer on a slice of its own
         if any(m in CHECKED for m in methods):
             result["checks"] += check_against_xla(sh)

@@ -9,6 +9,7 @@ import os
 
 from benchmarks import layer_cases as lc
 from benchmarks import layer_fp8w, layer_sweep
+from moe_praxis import expert_weights
 from moe_praxis.ops import fp8_rule
 
 DEFAULT_JSON = "benchmarks/results/layer_bench.json"
@@ -195,13 +196,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def fp8_gemms(configs: dict) -> dict:
+def fp8_gemms(configs: dict, rows_per_expert=None) -> dict:
     """{method: {weight: {'fwd' | 'dgrad' | 'wgrad': 'fp8' | 'bf16'}}} of the FP8 methods'
-    configs (MoEConfig.fp8_gemms, ops.fp8_rule), each printed on one line."""
-    out = {m: fp8_rule.describe(c.fp8_choices()) for m, c in configs.items()}
+    configs (MoEConfig.fp8_gemms, ops.fp8_rule), each printed on one line. rows_per_expert: one
+    call's (T * k / E): a method that quantizes its own weights runs the bf16 layer below
+    FORM_MIN_ROWS (moe_praxis.expert_weights.fp8_for_call); 'cuda+fp8w' is given the form."""
+    out = {}
     for m, c in configs.items():
-        ran = ", ".join(f"{w} {g.label()}" for w, g in c.fp8_choices().items())
-        print(f"{m}: fp8_gemms={c.fp8_gemms!r}, FP8 GEMMs: {ran}", flush=True)
+        choices = c.fp8_choices()
+        why = ""
+        if rows_per_expert is not None and m != layer_fp8w.PREQUANTIZED:
+            choices = expert_weights.fp8_for_call(c, {}, rows_per_expert)[1]
+            if not any(g.any for g in choices.values()):
+                why = (f" (the weights' FP8 form would serve {rows_per_expert:g} rows per expert, "
+                       f"under {fp8_rule.FORM_MIN_ROWS}: the bf16 layer)")
+        out[m] = fp8_rule.describe(choices)
+        ran = ", ".join(f"{w} {g.label()}" for w, g in choices.items())
+        print(f"{m}: fp8_gemms={c.fp8_gemms!r}, FP8 GEMMs: {ran}{why}", flush=True)
     return out
 
 

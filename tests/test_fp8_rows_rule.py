@@ -158,3 +158,17 @@ def test_the_train_step_makes_no_form_where_it_would_not_pay(monkeypatch):
     at = fp8_rule.FORM_MIN_ROWS * e // k
     assert steps.fp8_form_pays(layer, prep.mesh, at)
     assert not steps.fp8_form_pays(layer, prep.mesh, at - e // k)
+
+
+def test_the_docs_state_the_threshold_the_code_reads():
+    """docs/config.md, docs/performance.md and MoEConfig's fp8_gemms doc name FORM_MIN_ROWS's
+    value, so changing the constant without them fails here."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    want = f"fewer than {fp8_rule.FORM_MIN_ROWS} rows per expert"
+    config_doc = " ".join(mp.MoEConfig.__doc__.split())
+    for name, text in (("docs/config.md", (root / "docs/config.md").read_text()),
+                       ("docs/performance.md", (root / "docs/performance.md").read_text()),
+                       ("MoEConfig's docstring", config_doc)):
+        assert want in " ".join(text.split()), name

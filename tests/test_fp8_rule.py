@@ -189,3 +189,13 @@ def test_layer_benchmark_reports_the_fp8_gemms(capsys):
     assert set(got["cuda+fp8all"]["wo"].values()) == {"fp8"}
     out = capsys.readouterr().out
     assert "cuda+fp8: fp8_gemms='auto', FP8 GEMMs: wi_gate fwd+dgrad, wi_up fwd+dgrad, wo fwd" in out
+    # at the shape's 256 rows per expert a call quantizing its own weights runs the bf16 layer;
+    # given the form ('cuda+fp8w') the rule's GEMMs run FP8; 'all' at any rows
+    configs["cuda+fp8w"] = configs["cuda+fp8"]
+    got = layer_report.fp8_gemms(configs, shape.t * shape.k / shape.e)
+    assert set(got["cuda+fp8"]["wi_up"].values()) == {"bf16"}
+    assert got["cuda+fp8w"]["wi_up"] == {"fwd": "fp8", "dgrad": "fp8", "wgrad": "bf16"}
+    assert set(got["cuda+fp8all"]["wo"].values()) == {"fp8"}
+    assert ("cuda+fp8: fp8_gemms='auto', FP8 GEMMs: wi_gate none, wi_up none, wo none (the "
+            "weights' FP8 form would serve 256 rows per expert, under 2048: the bf16 layer)"
+            in capsys.readouterr().out)
