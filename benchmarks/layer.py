@@ -98,7 +98,7 @@ import jaxlib
 from benchmarks import bench_kernels, layer_breakdown, layer_fp8w, layer_report, layer_sweep
 from benchmarks import layer_cases as lc
 from benchmarks.layer_check import CHECKED, _failure, _is_oom, check_against_xla
-from benchmarks import trace
+from benchmarks import gpu_clocks, trace
 from benchmarks.timing import time_fn, time_paired
 from moe_praxis import ops
 from moe_praxis.ops import backend as ops_backend
@@ -307,24 +307,39 @@ def time_unit(sh: Shape, opts, load: str, pass_: str) -> list[dict]:
             rows.append(
                 dict(shape=sh.name, load=load, pass_=pass_, method=label, peak_bytes=peak, **extra))
     fns = {m: (lambda c=c, a=a: c(*a)) for m, (c, a) in timed.items()}
-    try:
-        secs = time_paired(fns, target_s=opts.target_s, reps=opts.reps)
-    except Exception as ex:  # noqa: BLE001 - e.g. out of memory with all of them live
-        print(f"  interleaved timing failed ({_failure(ex)}): timing each alone", flush=True)
-        secs = {}
-        for m, f in fns.items():
-            try:
-                secs[m] = time_fn(f, target_s=opts.target_s, reps=opts.reps)
-            except Exception as ex2:  # noqa: BLE001
-                secs[m] = None
-                for r in rows:
-                    if r["method"] == m:
-                        r["status"] = _failure(ex2)
+    with gpu_clocks.Sampler() as clocks:
+        secs = _timed(fns, rows, opts)
+    if clocks.summary():
+        c = clocks.summary()
+        print(
+            f"  {sh.name} {load} {pass_}: SM {c['sm_mhz'][0]:.0f}-{c['sm_mhz'][2]:.0f} MHz "
+            f"(median {c['sm_mhz'][1]:.0f}), {c['power_w'][1]:.0f} W median",
+            flush=True)
     for r in rows:
         if secs.get(r["method"]) is not None:
             r["ms"] = secs[r["method"]] * 1e3
             r.setdefault("status", "ok")
+            r["gpu_clocks"] = clocks.summary()  # the unit's SM MHz and W (None: not sampled)
     return rows
+
+
+def _timed(fns, rows, opts) -> dict:
+    """{method: seconds or None}: fns timed interleaved, or each alone where that fails (a
+    method failing alone gets its row's status)."""
+    try:
+        return time_paired(fns, target_s=opts.target_s, reps=opts.reps)
+    except Exception as ex:  # noqa: BLE001 - e.g. out of memory with all of them live
+        print(f"  interleaved timing failed ({_failure(ex)}): timing each alone", flush=True)
+    secs = {}
+    for m, f in fns.items():
+        try:
+            secs[m] = time_fn(f, target_s=opts.target_s, reps=opts.reps)
+        except Exception as ex2:  # noqa: BLE001
+            secs[m] = None
+            for r in rows:
+                if r["method"] == m:
+                    r["status"] = _failure(ex2)
+    return secs
 
 
 def main(argv=None) -> int:
