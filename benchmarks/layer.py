@@ -307,10 +307,10 @@ def time_unit(sh: Shape, opts, load: str, pass_: str) -> list[dict]:
             rows.append(
                 dict(shape=sh.name, load=load, pass_=pass_, method=label, peak_bytes=peak, **extra))
     fns = {m: (lambda c=c, a=a: c(*a)) for m, (c, a) in timed.items()}
-    with gpu_clocks.Sampler() as clocks:
+    with gpu_clocks.Sampler() as sampler:
         secs = _timed(fns, rows, opts)
-    if clocks.summary():
-        c = clocks.summary()
+    c = sampler.summary()  # the unit's SM MHz and W (None: not sampled)
+    if c:
         print(
             f"  {sh.name} {load} {pass_}: SM {c['sm_mhz'][0]:.0f}-{c['sm_mhz'][2]:.0f} MHz "
             f"(median {c['sm_mhz'][1]:.0f}), {c['power_w'][1]:.0f} W median",
@@ -319,7 +319,7 @@ def time_unit(sh: Shape, opts, load: str, pass_: str) -> list[dict]:
         if secs.get(r["method"]) is not None:
             r["ms"] = secs[r["method"]] * 1e3
             r.setdefault("status", "ok")
-            r["gpu_clocks"] = clocks.summary()  # the unit's SM MHz and W (None: not sampled)
+            r["gpu_clocks"] = c
     return rows
 
 
@@ -385,9 +385,10 @@ def main(argv=None) -> int:
                          "128 (the 128 x 128 weight blocks)")
         sh = Shape(name, shape, methods, backend, jax.random.key(i))
         print(f"\n== {name}: {shape}", flush=True)
+        rows_per_expert = shape.t * shape.k / shape.e  # one call's
         result.setdefault("fp8_gemms", {})[name] = layer_report.fp8_gemms(
             {m: sh.config(m)
-             for m in methods if m in fp8_methods}, shape.t * shape.k / shape.e)
+             for m in methods if m in fp8_methods}, rows_per_expert)
         # the check needs no 'xla' method: it runs the 'xla' layer on a slice of its own
         if any(m in CHECKED for m in methods):
             result["checks"] += check_against_xla(sh)
@@ -398,7 +399,7 @@ def main(argv=None) -> int:
         for load in loads:
             for pass_ in lc.PASSES:
                 rows = time_unit(sh, opts, load, pass_)
-                rows += layer_fp8w.amortized(rows, opts.microbatches, shape.t * shape.k / shape.e)
+                rows += layer_fp8w.amortized(rows, opts.microbatches, rows_per_expert)
                 layer_report.derive(rows, sh.shape, pass_, copy_bw)
                 for r in rows:
                     r["tokens"] = shape.t

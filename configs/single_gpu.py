@@ -9,8 +9,25 @@ from configs.experiments import LanguageModel
 from configs.registry import register
 
 
+class _OneGpu(LanguageModel):
+    """What the single-GPU presets share (not registered itself): heads of 128, bf16
+    activations, remat and a repeated (scanned) stack, sequences of 2048 bytes, the schedule
+    and the loop, one device."""
+    DIM_PER_HEAD = 128
+    REPEAT = True
+    REMAT = True
+    FPROP_DTYPE = "bfloat16"
+    SEQ_LEN = 2048
+    LEARNING_RATE = 3e-4
+    WARMUP_STEPS = 100
+    NUM_STEPS = 1000
+    EVAL_EVERY = 250
+    CHECKPOINT_EVERY = 500
+    MESH_SHAPE = (1, )
+
+
 @register
-class Qwen3MoeGpu(LanguageModel):
+class Qwen3MoeGpu(_OneGpu):
     """One H200, MoE-dominated: 6 Qwen3-MoE-like layers (M=2048, 128 experts of H=768, top-8,
     16 heads of 128) on bytes, gate and up unfused (so FP8 applies); 3.7B parameters, about
     60 GB of float32 parameters and Adam state. The bf16 baseline of Qwen3MoeGpuFp8."""
@@ -19,21 +36,10 @@ class Qwen3MoeGpu(LanguageModel):
     HIDDEN_DIMS = 6144
     MOE_HIDDEN_DIMS = 768
     NUM_HEADS = 16
-    DIM_PER_HEAD = 128
     NUM_EXPERTS = 128
     TOP_K = 8
     AUX_LOSS_COEFF = 1e-3
-    REPEAT = True
-    REMAT = True
-    FPROP_DTYPE = "bfloat16"
-    SEQ_LEN = 2048
     BATCH_SIZE = 16
-    LEARNING_RATE = 3e-4
-    WARMUP_STEPS = 100
-    NUM_STEPS = 1000
-    EVAL_EVERY = 250
-    CHECKPOINT_EVERY = 500
-    MESH_SHAPE = (1, )
 
 
 @register
@@ -44,7 +50,7 @@ class Qwen3MoeGpuFp8(Qwen3MoeGpu):
 
 
 @register
-class MixtralMoeGpu(LanguageModel):
+class MixtralMoeGpu(_OneGpu):
     """One H200, MoE-dominated at Mixtral-8x7B's layer shapes: 2 layers of M=4096, 8 experts of
     H=14336, top-2, 32 heads of 128, on bytes; 16384 tokens a step, 4096 rows per expert; 3.0B
     parameters, about 47 GB of float32 parameters, gradients and Adam state. The bf16
@@ -54,20 +60,9 @@ class MixtralMoeGpu(LanguageModel):
     HIDDEN_DIMS = 14336
     MOE_HIDDEN_DIMS = 14336
     NUM_HEADS = 32
-    DIM_PER_HEAD = 128
     NUM_EXPERTS = 8
     TOP_K = 2
-    REPEAT = True
-    REMAT = True
-    FPROP_DTYPE = "bfloat16"
-    SEQ_LEN = 2048
     BATCH_SIZE = 8
-    LEARNING_RATE = 3e-4
-    WARMUP_STEPS = 100
-    NUM_STEPS = 1000
-    EVAL_EVERY = 250
-    CHECKPOINT_EVERY = 500
-    MESH_SHAPE = (1, )
 
 
 @register

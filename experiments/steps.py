@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 import moe_praxis  # Praxis shims before praxis is imported
+from moe_praxis import expert_weights
 from moe_praxis.ops import fp8, fp8_rule
 from moe_praxis.praxis import fp8_params
 from praxis import base_layer, py_utils
@@ -68,8 +69,8 @@ def fp8_form_pays(layer, mesh, tokens_per_step: int) -> bool:
     resources = layer.mesh_resources
     layout = moe_praxis.ep_bootstrap(mesh if resources is not None else None, resources,
                                      layer.num_experts)
-    rows = (tokens_per_step / layout.num_token_shards * layer.num_experts_per_token /
-            layout.experts_per_rank)
+    rows = expert_weights.rows_per_local_expert(tokens_per_step, layout,
+                                                layer.num_experts_per_token)
     return fp8_rule.form_pays(layer.fp8_gemms, rows)
 
 

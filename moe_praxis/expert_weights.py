@@ -95,10 +95,10 @@ def check_fp8_weights(params: dict, config: MoEConfig) -> None:
         fp8_weights.check_companion(params[name].shape, fw, name)
 
 
-def rows_per_local_expert(num_tokens: int, layout: EPLayout, config: MoEConfig) -> float:
+def rows_per_local_expert(num_tokens: int, layout: EPLayout, top_k: int) -> float:
     """The rows one device's experts get on average in a call of num_tokens (global) tokens:
     its T / token shards tokens times top_k, over its E / ep experts."""
-    return num_tokens / layout.num_token_shards * config.top_k / layout.experts_per_rank
+    return num_tokens / layout.num_token_shards * top_k / layout.experts_per_rank
 
 
 def fp8_for_call(config: MoEConfig, params: dict, rows_per_expert: float) -> tuple[MoEConfig, dict]:

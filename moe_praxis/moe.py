@@ -334,7 +334,7 @@ def moe_block(params: dict,
                               specs)
     t = x2.shape[0]
     config, fp8_gemms = expert_weights.fp8_for_call(
-        config, params, expert_weights.rows_per_local_expert(t, layout, config))
+        config, params, expert_weights.rows_per_local_expert(t, layout, config.top_k))
     if mesh is None:
         kind = "padded"  # ep size 1: no exchange
         fn = _bound_body(config, layout, kind=kind, seq_len=seq_len, t_global=t, backend=backend)

@@ -105,7 +105,7 @@ def test_a_dp_ep_mesh_counts_one_devices_rows(tokens, fp8_runs):
     cfg = _config(d_model=128, d_ff=128, num_experts=8, top_k=2, fp8="blockwise")
     mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("dp", "ep"))
     layout = mp.ep_bootstrap(mesh, mp.MeshResources(dp="dp", ep="ep"), cfg.num_experts)
-    rows = expert_weights.rows_per_local_expert(tokens, layout, cfg)
+    rows = expert_weights.rows_per_local_expert(tokens, layout, cfg.top_k)
     assert rows == tokens / 8 * 2 / 2
     params = mp.init_moe_params(jax.random.key(0), cfg)
     x = jax.ShapeDtypeStruct((tokens, cfg.d_model), jnp.float32)

@@ -144,19 +144,15 @@ def shares(choices: dict[str, Fp8Gemms]) -> dict[str, float]:
 
 def info() -> dict:
     """The rule itself, for backend_info(): its name, the modes and the thresholds."""
+    layer = (f"FP8 when its weights' FP8 form serves >= {FORM_MIN_ROWS} rows per expert per "
+             "quantization, else bf16")
     return {
-        "rule":
-        "moe_praxis.ops.fp8_rule.fp8_gemm_rule",
-        "modes":
-        FP8_GEMMS,
-        "fwd":
-        "always",
-        "dgrad":
-        f"K >= {DGRAD_MIN_K}",
-        "wgrad":
-        f"min(K, N) >= {WGRAD_MIN_KN}",
-        "layer": (f"FP8 when its weights' FP8 form serves >= {FORM_MIN_ROWS} rows per expert "
-                  "per quantization, else bf16"),
+        "rule": "moe_praxis.ops.fp8_rule.fp8_gemm_rule",
+        "modes": FP8_GEMMS,
+        "fwd": "always",
+        "dgrad": f"K >= {DGRAD_MIN_K}",
+        "wgrad": f"min(K, N) >= {WGRAD_MIN_KN}",
+        "layer": layer,
     }
 
 
