@@ -21,6 +21,15 @@ SHAPES = {  # name: (E, M, K, N)
     "A": (8, 32768, 4096, 14336),
     "B": (32, 32768, 7168, 2048),
     "C": (128, 65536, 2048, 768),
+    # A at 4x the rows (the Mixtral-like layer at T=65536: 16384 rows per group), where neither
+    # a group's row block nor its weight fits the L2 (not in the default sweep)
+    "A4": (8, 131072, 4096, 14336),
+    # its down projection (K=14336, N=4096): the dgrad writes the 14336 wide rows
+    "A4t": (8, 131072, 14336, 4096),
+    # A's down projection (the Mixtral-like layer at T=16384)
+    "At": (8, 32768, 14336, 4096),
+    # the Qwen3-like layer's gate/up at T=16384 (1024 rows per group)
+    "C2": (128, 131072, 2048, 768),
 }
 DISTS = ("balanced", "skewed")
 OPS = ("fwd", "dgrad", "wgrad")

@@ -12,6 +12,7 @@ import pytest
 from benchmarks.grouped_gemm_cases import SHAPES, batched_fns, group_sizes, issued_tiles
 from benchmarks.grouped_gemm_report import summary_table
 from moe_praxis.ops import backend
+from moe_praxis.ops import grouped_gemm_tiles as ggt
 from tests.grouped_gemm_util import REPO, adaptive_model, gg, hopper_header_text
 from tests.testutil import seed as _seed
 
@@ -106,7 +107,8 @@ def test_adaptive_model_on_the_benchmark_sizes_picks_the_measured_winners():
     (benchmarks/results/grouped_gemm_runs.md)."""
     picks = {}
     for tile in (4, 10):
-        for shape, (e, m, k, n) in SHAPES.items():
+        for shape in ("A", "B", "C"):  # the shapes of those runs
+            e, m, k, n = SHAPES[shape]
             for dist in ("balanced", "skewed"):
                 sizes = group_sizes(dist, m, e)
                 for op, cols in (("fwd", n), ("dgrad", k)):
@@ -187,3 +189,33 @@ def test_benchmark_batched_reference_equals_ragged_reference_on_balanced_groups(
     assert "| failed | failed |" in line, line  # ragged and Pallas rows missing, not skipped
     line = summary_table(rows, {"ragged", "pallas"}).splitlines()[-1]
     assert "| (skipped) | (skipped) |" in line, line
+
+
+def test_wide_outputs_run_along_m_in_l2_sized_row_pieces(monkeypatch):
+    """fwd/dgrad outputs wider than WIDE_OUT_COLS run along_m in row pieces of at most
+    L2_PIECE_BYTES of bf16 rows x mainloop (fwd: K, dgrad: N); wgrad and narrow outputs are
+    never split; ping-pong 128 x 192 never runs along_n; docs/grouped_gemm.md states both
+    constants."""
+    monkeypatch.delenv(gg.ENV_TILE, raising=False)
+    mid = gg.TILE_CONFIGS.index("pingpong_128x192_c1x1")
+    for m, k, n, e in [(131072, 4096, 14336, 8), (32768, 4096, 14336, 8), (4096, 2048, 9000, 2),
+                       (131072, 14336, 4096, 8), (131072, 2048, 768, 128), (65536, 7168, 2048, 64),
+                       (8192, 512, 8193, 4), (8192, 512, 8192, 4)]:
+        for op in gg.OPS:
+            tile, raster, _, split = gg.parse_config(gg.choose_config(op, m, k, n, e))
+            out_cols, mainloop = {"fwd": (n, k), "dgrad": (k, n), "wgrad": (n, m // e)}[op]
+            if op != "wgrad" and out_cols > ggt.WIDE_OUT_COLS:
+                assert raster == 0, (op, m, k, n, e)
+                assert split % gg.SPLIT_ROWS_MULTIPLE == 0 and split > 0, (op, m, k, n, e, split)
+                assert split * mainloop * 2 <= ggt.L2_PIECE_BYTES, (op, m, k, n, e, split)
+                assert (split + gg.SPLIT_ROWS_MULTIPLE) * mainloop * 2 > ggt.L2_PIECE_BYTES
+            else:
+                assert split == 0, (op, m, k, n, e, split)
+            if tile == mid:
+                assert raster == 0, (op, m, k, n, e)
+    assert gg.parse_config(gg.choose_config("fwd", 131072, 4096, 14336, 8))[3] == 4096
+    assert gg.parse_config(gg.choose_config("dgrad", 131072, 14336, 4096, 8))[3] == 4096
+    assert gg.parse_config(gg.choose_config("fwd", 4096, 2048, 9000, 2))[3] == 8192
+    doc = (REPO / "docs" / "grouped_gemm.md").read_text()
+    assert f"`WIDE_OUT_COLS` = {ggt.WIDE_OUT_COLS}" in doc
+    assert f"`L2_PIECE_BYTES` = {ggt.L2_PIECE_BYTES >> 20} MiB" in doc

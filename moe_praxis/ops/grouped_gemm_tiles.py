@@ -58,6 +58,11 @@ SWIZZLES = (1, 2, 4, 8)
 # (kernels/grouped_gemm_prepare.cuh, num_problems). 0: one problem per group. wgrad ignores it
 # (its rows are the contraction).
 SPLIT_ROWS_MULTIPLE = 256
+# The rule's row split: fwd and dgrad problems with more than WIDE_OUT_COLS output columns per
+# group run along_m in pieces of at most L2_PIECE_BYTES of bf16 rows x mainloop (measured on
+# an H200, 50 MB of L2: docs/grouped_gemm.md, "Large groups").
+WIDE_OUT_COLS = 8192
+L2_PIECE_BYTES = 32 << 20
 # Environment variable that forces one kernel configuration (see `parse_config`) for all three
 # GEMMs; unset: `choose_config`.
 ENV_TILE = "MOE_PRAXIS_GG_TILE"
@@ -180,7 +185,18 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
         # mainloop, and 1x1 clusters round no group's tile grid up (measured faster than
         # cooperative 128x256 at A fwd and at B and C dgrad and C fwd, equal at B fwd)
         tile = mid
-    # Raster: hand out tiles so that consecutive CTAs share the larger operand tile.
-    raster = 1 if out_rows >= out_cols else 0
+    # Raster: hand out tiles so that consecutive CTAs share the larger operand tile; ping-pong
+    # 128x192 always along_m (along_n measured no faster at any point and up to 1.45x slower
+    # at A and at 16384 rows per group: docs/grouped_gemm.md, "Large groups").
+    raster = 1 if out_rows >= out_cols and tile != mid else 0
     swizzle = 1  # the only value CUTLASS's group scheduler uses here (docs/grouped_gemm.md)
-    return config_name(tile, raster, swizzle)
+    split = 0
+    if op != "wgrad" and out_cols > WIDE_OUT_COLS:
+        # Wide outputs: a wave of CTAs along a row band reads as many distinct weight tiles as
+        # the output has column tiles, from HBM; along_m in row pieces whose rows x mainloop
+        # stay L2-sized re-reads each piece's rows from the L2 (docs/grouped_gemm.md, "Large
+        # groups": 16384 rows per group, K=4096, N=14336 forward 23.9 ms against along_n's 32.4)
+        mainloop = k if op == "fwd" else n
+        raster = 0
+        split = L2_PIECE_BYTES // (2 * mainloop) // SPLIT_ROWS_MULTIPLE * SPLIT_ROWS_MULTIPLE
+    return config_name(tile, raster, swizzle, split)
