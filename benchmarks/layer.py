@@ -386,6 +386,7 @@ def main(argv=None) -> int:
         sh = Shape(name, shape, methods, backend, jax.random.key(i))
         print(f"\n== {name}: {shape}", flush=True)
         rows_per_expert = shape.t * shape.k / shape.e  # one call's
+        result.setdefault("gemm_configs", {})[name] = layer_report.gemm_configs(shape)
         result.setdefault("fp8_gemms", {})[name] = layer_report.fp8_gemms(
             {m: sh.config(m)
              for m in methods if m in fp8_methods}, rows_per_expert)

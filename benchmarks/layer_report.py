@@ -10,7 +10,7 @@ import os
 from benchmarks import layer_cases as lc
 from benchmarks import layer_fp8w, layer_sweep
 from moe_praxis import expert_weights
-from moe_praxis.ops import fp8_rule
+from moe_praxis.ops import dswiglu, fp8_rule, gate_up, grouped_gemm_tiles
 
 DEFAULT_JSON = "benchmarks/results/layer_bench.json"
 GSHARD_REF = "gshard cf2.5"  # the GShard row 'x GShard' divides by (equal capacity per copy)
@@ -213,6 +213,27 @@ def fp8_gemms(configs: dict, rows_per_expert=None) -> dict:
         out[m] = fp8_rule.describe(choices)
         ran = ", ".join(f"{w} {g.label()}" for w, g in choices.items())
         print(f"{m}: fp8_gemms={c.fp8_gemms!r}, FP8 GEMMs: {ran}{why}", flush=True)
+    return out
+
+
+def gemm_configs(shape: lc.Shape) -> dict:
+    """The configurations the Hopper grouped GEMM's rule (ops.grouped_gemm_tiles.choose_config,
+    or MOE_PRAXIS_GG_TILE) picks for the layer's expert GEMMs on one device at a balanced load
+    (T * k rows): {'wi' (gate and up), 'wo': {op: config}, 'gate_up_fused': the fused forward's,
+    'dswiglu': the fused dSwiGLU dgrad's}, each printed on one line. A run's JSON then says
+    which kernels its rows timed, whatever the rule becomes later."""
+    rows, m, h, e = shape.t * shape.k, shape.m, shape.h, shape.e
+    out = {
+        w: {
+            op: grouped_gemm_tiles.choose_config(op, rows, k, n, e)
+            for op in grouped_gemm_tiles.OPS
+        }
+        for w, (k, n) in (("wi", (m, h)), ("wo", (h, m)))
+    }
+    out["gate_up_fused"] = gate_up.choose_fused_config(rows, m, 2 * h, e)
+    out["dswiglu"] = dswiglu.choose_config(rows, h, m, e)
+    for what, c in out.items():
+        print(f"grouped GEMM configurations, {what}: {c}", flush=True)
     return out
 
 

@@ -16,6 +16,7 @@ import pytest
 from benchmarks import layer_breakdown as lb
 from benchmarks import layer_cases as lc
 from benchmarks import layer_report
+from moe_praxis.ops import grouped_gemm_tiles as gg_tiles
 from tests.grouped_gemm_util import _fake_device
 from tests.testutil import long_options
 
@@ -58,6 +59,12 @@ def test_quick_run_end_to_end(tmp_path):
     assert all(0 <= r["dropped"] < 0.5 and r["num_groups"] == 4 for r in gs), gs
     targeted = [r for r in res["rows"] if r.get("verdict")]
     assert {r["load"] for r in targeted} == {"balanced", "skewed"}
+    # the grouped GEMM configurations the rule picks at the shape are in the JSON
+    q = lc.QUICK_SHAPES["mixtral"]
+    cfgs = res["gemm_configs"]["mixtral"]
+    assert cfgs["wo"]["dgrad"] == gg_tiles.choose_config("dgrad", q.t * q.k, q.h, q.m, q.e)
+    assert set(cfgs) == {"wi", "wo", "gate_up_fused", "dswiglu"}
+    assert set(cfgs["wi"]) == set(gg_tiles.OPS), cfgs
     # no GPU: the breakdown says why and the run goes on
     assert "no GPU" in res["breakdown"]["mixtral"]["cuda"]["skipped"]
     assert "breakdown mixtral cuda: skipped" in p.stdout
