@@ -186,7 +186,7 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
         # cooperative 128x256 at A fwd and at B and C dgrad and C fwd, equal at B fwd)
         tile = mid
     # Raster: hand out tiles so that consecutive CTAs share the larger operand tile; ping-pong
-    # 128x192 always along_m (along_n measured no faster at any point and up to 1.45x slower
+    # 128x192 always along_m (along_n measured no faster at any point and up to 1.4x slower
     # at A and at 16384 rows per group: docs/grouped_gemm.md, "Large groups").
     raster = 1 if out_rows >= out_cols and tile != mid else 0
     swizzle = 1  # the only value CUTLASS's group scheduler uses here (docs/grouped_gemm.md)
