@@ -160,12 +160,12 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
         except ValueError as e:
             raise ValueError(f"${ENV_TILE}={forced!r} is invalid: {e}") from None
     rows_per_group = m / max(num_groups, 1)
-    # Per group, the GEMM's output is out_rows x out_cols (wgrad: K x N, the same for every
-    # group; fwd/dgrad: the group's rows x N or K).
-    out_rows, out_cols = {
-        "fwd": (rows_per_group, n),
-        "dgrad": (rows_per_group, k),
-        "wgrad": (k, n)
+    # Per group, the GEMM's output is out_rows x out_cols over a mainloop (wgrad: K x N over the
+    # group's rows; fwd/dgrad: the group's rows x N over K, or x K over N).
+    out_rows, out_cols, mainloop = {
+        "fwd": (rows_per_group, n, k),
+        "dgrad": (rows_per_group, k, n),
+        "wgrad": (k, n, rows_per_group)
     }[op]
     mid = TILE_CONFIGS.index("pingpong_128x192_c1x1")
     if op == "wgrad":
@@ -185,18 +185,17 @@ def choose_config(op: str, m: int, k: int, n: int, num_groups: int) -> str:
         # mainloop, and 1x1 clusters round no group's tile grid up (measured faster than
         # cooperative 128x256 at A fwd and at B and C dgrad and C fwd, equal at B fwd)
         tile = mid
-    # Raster: hand out tiles so that consecutive CTAs share the larger operand tile; ping-pong
-    # 128x192 always along_m (along_n measured no faster at any point and up to 1.4x slower
-    # at A and at 16384 rows per group: docs/grouped_gemm.md, "Large groups").
-    raster = 1 if out_rows >= out_cols and tile != mid else 0
+    # Wide outputs (fwd/dgrad): a wave of CTAs along a row band reads as many distinct weight
+    # tiles as the output has column tiles, from HBM; along_m in row pieces whose bf16 rows x
+    # mainloop stay L2-sized re-reads each piece's rows from the L2 (docs/grouped_gemm.md,
+    # "Large groups": 16384 rows per group, K=4096, N=14336 forward 23.9 ms against along_n's
+    # 32.4).
+    wide = op != "wgrad" and out_cols > WIDE_OUT_COLS
+    split = (L2_PIECE_BYTES // (2 * mainloop) // SPLIT_ROWS_MULTIPLE *
+             SPLIT_ROWS_MULTIPLE if wide else 0)
+    # Raster: hand out tiles so that consecutive CTAs share the larger operand tile; along_m
+    # for wide outputs and for ping-pong 128x192 always (its along_n measured no faster at any
+    # point and up to 1.4x slower at A and at 16384 rows per group).
+    raster = 1 if out_rows >= out_cols and tile != mid and not wide else 0
     swizzle = 1  # the only value CUTLASS's group scheduler uses here (docs/grouped_gemm.md)
-    split = 0
-    if op != "wgrad" and out_cols > WIDE_OUT_COLS:
-        # Wide outputs: a wave of CTAs along a row band reads as many distinct weight tiles as
-        # the output has column tiles, from HBM; along_m in row pieces whose rows x mainloop
-        # stay L2-sized re-reads each piece's rows from the L2 (docs/grouped_gemm.md, "Large
-        # groups": 16384 rows per group, K=4096, N=14336 forward 23.9 ms against along_n's 32.4)
-        mainloop = k if op == "fwd" else n
-        raster = 0
-        split = L2_PIECE_BYTES // (2 * mainloop) // SPLIT_ROWS_MULTIPLE * SPLIT_ROWS_MULTIPLE
     return config_name(tile, raster, swizzle, split)
