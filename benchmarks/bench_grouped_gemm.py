@@ -6,6 +6,8 @@ On one GPU, times forward, dgrad and wgrad at the shapes
     B: E=32,  M=32768, K=7168, N=2048
     C: E=128, M=65536, K=2048, N=768
 
+(and, by --shapes only, A4 / A4t / At / C2: A at 4x the rows, its down projection at 4x and 1x,
+and C at the Qwen3-like layer's 1024 rows per group; benchmarks/grouped_gemm_cases.py)
 with balanced and skewed group sizes (both sum to M, so every method does 2*M*K*N FLOPs), for
 
   dense   one cuBLAS GEMM of equal FLOPs (jnp.dot: [M,K]x[K,N], [M,N]x[N,K], [K,M]x[M,N])
