@@ -4,6 +4,9 @@
 //   moe_fp8_quantize_rows           L1: x [R, C] -> q [R, C], s_t [C/128, R]   (1 x 128 tiles)
 //   moe_swiglu_fwd_fp8              the SwiGLU forward writing act [R, H] and act as L1
 //   moe_permute_fp8                 the row-major permute y[r] = x[row_map[r]] writing y and y as L1
+//   moe_swiglu_bwd_fp8              the SwiGLU backward writing d gate and d up [R, H] and both as
+//                                   L1 (the gate and up dgrads' FP8 operands), with the routing
+//                                   weight's gradient as partial sums per 128-column tile
 //
 // One pass over the input each: a group of 128 / VEC lanes per tile (16 bf16 or 32 f32 lanes,
 // one 16-byte load each), the amax by shuffles; tiles are numbered column tile major, row minor,
@@ -128,6 +131,114 @@ ffi::Error launch_rows_any(cudaStream_t stream, ffi::DataType dtype, const void*
                           cols / kTile});
 }
 
+// ------------------------------------------------- SwiGLU backward + L1 of both gradients
+
+// The backward of out = silu(gate) * up * w[r] (kernels/swiglu.cu's math, the same expressions:
+// dgate = dout * w * up * silu'(gate), dup = dout * w * silu(gate)), each gradient written in T
+// and quantized as rounded into L1; dw_part[ct, r] = sum over the tile's columns of
+// dout * silu(gate) * up (the routing weight's gradient, summed over ct by the caller).
+template <typename T>
+struct SwigluBwdArgs {
+  const T* gate;
+  const T* up;
+  const float* w;  // [R] or nullptr (no routing weights)
+  const T* dout;
+  T* dgate;
+  T* dup;
+  uint8_t* qg;
+  float* sg_t;      // [C/128, R]
+  uint8_t* qu;
+  float* su_t;      // [C/128, R]
+  float* dw_part;   // [C/128, R] with weights, else nullptr
+  int64_t rows, ctiles;
+};
+
+// The same tiles as quantize_rows_kernel: tile t = ct * rows + r, LANES lanes of one 16-byte
+// vector each.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) swiglu_bwd_fp8_kernel(const SwigluBwdArgs<T> a) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int LANES = kTile / VEC;
+  constexpr int TILES = kThreads / LANES;
+  using V = Vec<T, VEC>;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) * TILES + threadIdx.x / LANES;
+  const int lane = threadIdx.x % LANES;
+  const bool live = tile < a.rows * a.ctiles;
+  float vg[VEC], vu[VEC];
+  float amax_g = 0.f, amax_u = 0.f, acc = 0.f;
+  int64_t vi = 0;
+  if (live) {
+    const int64_t ct = tile / a.rows, r = tile - ct * a.rows;
+    vi = (r * a.ctiles + ct) * LANES + lane;
+    const V gv = reinterpret_cast<const V*>(a.gate)[vi];
+    const V uv = reinterpret_cast<const V*>(a.up)[vi];
+    const V dv = reinterpret_cast<const V*>(a.dout)[vi];
+    const float wr = a.w ? a.w[r] : 1.f;
+    V dgv, duv;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float x = to_f32(gv.v[j]), y = to_f32(uv.v[j]), dy = to_f32(dv.v[j]);
+      const float s = sigmoid_t<T>(x), silu = x * s;
+      acc += dy * silu * y;
+      const float dyw = dy * wr;
+      dgv.v[j] = from_f32<T>(dyw * y * (s * (1.f + x * (1.f - s))));
+      duv.v[j] = from_f32<T>(dyw * silu);
+      vg[j] = to_f32(dgv.v[j]);
+      vu[j] = to_f32(duv.v[j]);
+      amax_g = fmaxf(amax_g, fabsf(vg[j]));
+      amax_u = fmaxf(amax_u, fabsf(vu[j]));
+    }
+    reinterpret_cast<V*>(a.dgate)[vi] = dgv;
+    reinterpret_cast<V*>(a.dup)[vi] = duv;
+  }
+  // every lane takes part in the shuffles (a dead tile's lanes carry 0)
+#pragma unroll
+  for (int o = LANES / 2; o > 0; o >>= 1) {
+    amax_g = fmaxf(amax_g, __shfl_xor_sync(0xffffffffu, amax_g, o));
+    amax_u = fmaxf(amax_u, __shfl_xor_sync(0xffffffffu, amax_u, o));
+    acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  }
+  if (!live) return;
+  const float sg = tile_scale(amax_g), ig = reciprocal(sg);
+  const float su = tile_scale(amax_u), iu = reciprocal(su);
+  Vec<uint8_t, VEC> qgv, quv;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    qgv.v[j] = to_e4m3(vg[j], ig);
+    quv.v[j] = to_e4m3(vu[j], iu);
+  }
+  reinterpret_cast<Vec<uint8_t, VEC>*>(a.qg)[vi] = qgv;
+  reinterpret_cast<Vec<uint8_t, VEC>*>(a.qu)[vi] = quv;
+  if (lane == 0) {
+    a.sg_t[tile] = sg;
+    a.su_t[tile] = su;
+    if (a.dw_part) a.dw_part[tile] = acc;
+  }
+}
+
+template <typename T>
+ffi::Error launch_swiglu_bwd(cudaStream_t stream, SwigluBwdArgs<T> a) {
+  constexpr int TILES = kThreads / (kTile * sizeof(T) / 16);
+  const int64_t blocks = ceil_div(a.rows * a.ctiles, TILES);
+  if (blocks > INT32_MAX) {
+    return MOE_INVALID("swiglu bwd fp8: R=" + std::to_string(a.rows) + ", H=" +
+                       std::to_string(a.ctiles * kTile) + " needs more than 2^31 - 1 blocks");
+  }
+  swiglu_bwd_fp8_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  MOE_LAUNCH_CHECK("swiglu_bwd_fp8");
+  return ffi::Error::Success();
+}
+
+template <typename T>
+SwigluBwdArgs<T> swiglu_bwd_args(const void* g, const void* u, const float* w, const void* d,
+                                 void* dg, void* du, void* qg, float* sg_t, void* qu, float* su_t,
+                                 float* dw_part, int64_t rows, int64_t cols) {
+  return SwigluBwdArgs<T>{static_cast<const T*>(g), static_cast<const T*>(u), w,
+                          static_cast<const T*>(d), static_cast<T*>(dg), static_cast<T*>(du),
+                          static_cast<uint8_t*>(qg), sg_t, static_cast<uint8_t*>(qu), su_t,
+                          dw_part, rows, cols / kTile};
+}
+
 // ------------------------------------------------------------------------------ handlers
 
 ffi::Error check_rows(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& q,
@@ -200,6 +311,43 @@ ffi::Error PermuteFp8Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
                                         rows, cols);
 }
 
+ffi::Error SwigluBwdFp8Impl(cudaStream_t stream, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                            ffi::Buffer<ffi::F32> w, ffi::AnyBuffer dout,
+                            ffi::Result<ffi::AnyBuffer> dgate, ffi::Result<ffi::AnyBuffer> dup,
+                            ffi::Result<ffi::AnyBuffer> qg, ffi::Result<ffi::Buffer<ffi::F32>> sg_t,
+                            ffi::Result<ffi::AnyBuffer> qu, ffi::Result<ffi::Buffer<ffi::F32>> su_t,
+                            ffi::Result<ffi::Buffer<ffi::F32>> dw_part, bool has_weight) {
+  if (auto err = check_rows("swiglu bwd fp8", gate, *qg, *sg_t); !err.success()) return err;
+  if (auto err = check_rows("swiglu bwd fp8", gate, *qu, *su_t); !err.success()) return err;
+  const auto dt = gate.element_type();
+  const size_t n = gate.element_count();
+  for (const ffi::AnyBuffer* b : {&up, &dout, &*dgate, &*dup}) {
+    if (b->element_type() != dt || b->element_count() != n) {
+      return MOE_INVALID("swiglu bwd fp8: up, dout, dgate and dup must have gate's shape and "
+                         "dtype " + dims_text(gate));
+    }
+  }
+  const int64_t rows = gate.dimensions()[0], cols = gate.dimensions()[1];
+  if (has_weight && (w.element_count() != static_cast<size_t>(rows) ||
+                     dw_part->element_count() != n / kTile)) {
+    return MOE_INVALID("swiglu bwd fp8: weights must be [R=" + std::to_string(rows) +
+                       "] and dw_part [H/128, R]");
+  }
+  if (rows == 0 || cols == 0) return ffi::Error::Success();
+  const float* wp = has_weight ? w.typed_data() : nullptr;
+  float* dwp = has_weight ? dw_part->typed_data() : nullptr;
+  if (dt == ffi::F32) {
+    return launch_swiglu_bwd(stream, swiglu_bwd_args<float>(
+        gate.untyped_data(), up.untyped_data(), wp, dout.untyped_data(), dgate->untyped_data(),
+        dup->untyped_data(), qg->untyped_data(), sg_t->typed_data(), qu->untyped_data(),
+        su_t->typed_data(), dwp, rows, cols));
+  }
+  return launch_swiglu_bwd(stream, swiglu_bwd_args<__nv_bfloat16>(
+      gate.untyped_data(), up.untyped_data(), wp, dout.untyped_data(), dgate->untyped_data(),
+      dup->untyped_data(), qg->untyped_data(), sg_t->typed_data(), qu->untyped_data(),
+      su_t->typed_data(), dwp, rows, cols));
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -231,4 +379,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermuteFp8, moe::PermuteFp8Impl,
                                   .Ret<xla::ffi::AnyBuffer>()              // y [R, M]
                                   .Ret<xla::ffi::AnyBuffer>()              // q [R, M] e4m3
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // s_t [M/128, R]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeSwigluBwdFp8, moe::SwigluBwdFp8Impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // gate [R, H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // up [R, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w [R] or [1]
+                                  .Arg<xla::ffi::AnyBuffer>()              // dout [R, H]
+                                  .Ret<xla::ffi::AnyBuffer>()              // dgate [R, H]
+                                  .Ret<xla::ffi::AnyBuffer>()              // dup [R, H]
+                                  .Ret<xla::ffi::AnyBuffer>()              // qg [R, H] e4m3
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // sg_t [H/128, R]
+                                  .Ret<xla::ffi::AnyBuffer>()              // qu [R, H] e4m3
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // su_t [H/128, R]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dw_part [H/128, R] or [1]
+                                  .Attr<bool>("has_weight"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -9,7 +9,9 @@ With config.fuse_gate_up the two projections are one grouped GEMM against wi_gat
 are residuals of that op, so 'moe_gate' and 'moe_up' do not exist there. With
 config.fuse_swiglu_bwd the activation and the down projection are one op (ops.swiglu_down /
 ops.gate_up_swiglu_down: dSwiGLU in the down projection's dgrad epilogue, the activation
-recomputed there), so 'ffn1' does not exist there.
+recomputed there), so 'ffn1' does not exist there. On the FP8 kernels (config.fp8, gated silu,
+every expert GEMM in FP8) the gate and up projections and the SwiGLU are one op
+(ops.fp8.gate_up_swiglu_fp8), so 'moe_gate' and 'moe_up' do not exist there either.
 
 Checkpoint names (for jax.checkpoint policies such as save_only_these_names):
   'moe_gate'  [R, H] x @ wi_gate          'moe_up' [R, H] x @ wi_up
@@ -276,19 +278,26 @@ def _activation_reference(gate, up, row_weights, config: MoEConfig):
 def _fp8_kernel_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, rows_fp8):
     """The FP8 kernels' FFN: one FP8 operand of the rows for the gate and up projections (the
     permute's, rows_fp8, or quantized here once), the SwiGLU writing the down projection's FP8
-    operand in its pass (silu; other activations quantize their output after it)."""
+    operand in its pass (silu; other activations quantize their output after it). With silu
+    the gate and up projections and the SwiGLU are one op (ops.fp8.gate_up_swiglu_fp8: its
+    backward's SwiGLU writes the dgrads' FP8 operands), so 'moe_gate' and 'moe_up' do not exist
+    there."""
+    if config.gated and config.activation == "silu":
+        act, *act_fp8 = fp8.gate_up_swiglu_fp8(rows, rows_fp8, weights["wi_gate"], weights["wi_up"],
+                                               group_sizes, row_weights,
+                                               _given(weights, ("wi_gate", "wi_up")))
+        act = checkpoint_name(act, "ffn1")
+        out = fp8.fp8_gemms_shared_lhs(act, act_fp8, (weights["wo"], ), group_sizes,
+                                       _given(weights, ("wo", )))[0]
+        return checkpoint_name(out, "ffn2")
     names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
     outs = fp8.fp8_gemms_shared_lhs(rows, rows_fp8, tuple(weights[n] for n in names), group_sizes,
                                     _given(weights, names))
     up = checkpoint_name(outs[-1], "moe_up")
     gate = checkpoint_name(outs[0], "moe_gate") if config.gated else None
-    act_fp8 = None
-    if config.gated and config.activation == "silu":
-        act, *act_fp8 = fp8_fused.swiglu_fp8(gate, up, row_weights, backend="auto")
-    else:
-        act = _activation_reference(gate, up, row_weights, config).astype(rows.dtype)
+    act = _activation_reference(gate, up, row_weights, config).astype(rows.dtype)
     act = checkpoint_name(act, "ffn1")
-    out = fp8.fp8_gemms_shared_lhs(act, act_fp8, (weights["wo"], ), group_sizes,
+    out = fp8.fp8_gemms_shared_lhs(act, None, (weights["wo"], ), group_sizes,
                                    _given(weights, ("wo", )))[0]
     return checkpoint_name(out, "ffn2")
 

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from moe_praxis.ops import backend as ops_backend
-from moe_praxis.ops import fp8
+from moe_praxis.ops import fp8, fp8_fused
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
 from tests.moe_reference import block_inputs
 from tests.testutil import rel_err
@@ -285,6 +285,41 @@ def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated, gemms):
                        ("dx", dxk, dxe)] + [("d" + n, gk[n], ge[n]) for n in names]:
         err = rel_err(a, b)
         assert err < 1e-5 and float(jnp.max(jnp.abs(a))) > 0, f"seed={seed} {name}: {err}"
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_gate_up_swiglu_fp8_equals_shared_lhs_then_swiglu_fp8(weighted):
+    """ops.fp8.gate_up_swiglu_fp8 (its backward's SwiGLU writes the dgrads' FP8 operands)
+    against the ops it fuses, fp8_gemms_shared_lhs then fp8_fused.swiglu_fp8, both on the CPU
+    (each kernel lowered to its reference): act, its L1 and every gradient (x, both weights,
+    the routing weights) bitwise equal, on groups with an empty and a one-row group and rows
+    past the groups."""
+    seed = _seed()
+    k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(seed), 5)
+    rows, m, h = 300, 256, 384
+    sizes = jnp.array([0, 120, 1, 150], jnp.int32)
+    x = jax.random.normal(k1, (rows, m)).astype(jnp.bfloat16)
+    wg, wu = (jax.random.normal(k, (4, m, h)) / np.sqrt(m) for k in (k2, k3))
+    rw = jax.random.uniform(k4, (rows, )) if weighted else None
+    cot = jax.random.normal(k5, (rows, h)).astype(jnp.bfloat16)
+
+    def fused(x, wg, wu, rw):
+        act, q, s_t = fp8.gate_up_swiglu_fp8(x, None, wg, wu, sizes, rw)
+        return jnp.sum(act.astype(jnp.float32) * cot), (act, q, s_t)
+
+    def parts(x, wg, wu, rw):
+        gate, up = fp8.fp8_gemms_shared_lhs(x, None, (wg, wu), sizes)
+        act, q, s_t = fp8_fused.swiglu_fp8(gate, up, rw, backend="auto")
+        return jnp.sum(act.astype(jnp.float32) * cot), (act, q, s_t)
+
+    args = (x, wg, wu, rw)
+    argnums = (0, 1, 2, 3) if weighted else (0, 1, 2)
+    (_, got), g_got = jax.jit(jax.value_and_grad(fused, argnums, has_aux=True))(*args)
+    (_, want), g_want = jax.jit(jax.value_and_grad(parts, argnums, has_aux=True))(*args)
+    for a, b in zip(got + g_got, want + g_want):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)), f"seed={seed}")
+        assert float(jnp.max(jnp.abs(a.astype(jnp.float32)))) > 0, f"seed={seed}"
 
 
 def test_shared_lhs_names_a_mismatched_fp8_operand():

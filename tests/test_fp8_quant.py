@@ -167,6 +167,35 @@ def test_swiglu_fp8_reference_is_swiglu_then_rows(weighted):
         _same(a, b, f"seed={seed}")
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_swiglu_bwd_fp8_reference_is_swiglu_bwd_then_rows(weighted):
+    """d gate and d up are autodiff of swiglu_reference (bitwise), each (q, s_t) the NumPy L1
+    quantizer's of that gradient as rounded; dw the routing weight's gradient (None without)."""
+    seed = _seed()
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+    gate = (jax.random.normal(k1, (40, 256)) * 2).astype(jnp.bfloat16)
+    up = jax.random.normal(k2, (40, 256)).astype(jnp.bfloat16)
+    w = jax.random.uniform(k3, (40, )) if weighted else None
+    dout = jax.random.normal(k4, (40, 256)).astype(jnp.bfloat16)
+    dg, du, (qg, sg), (qu, su), dw = fp8_fused.swiglu_bwd_fp8(gate, up, w, dout, backend="xla")
+    if weighted:
+        want = jax.vjp(lambda g, u, ww: swiglu_reference(g, u, ww), gate, up, w)[1](dout)
+        _same(dw, want[2], f"seed={seed}")
+    else:
+        want = jax.vjp(lambda g, u: swiglu_reference(g, u), gate, up)[1](dout)
+        assert dw is None
+    for got, exp, q, s in ((dg, want[0], qg, sg), (du, want[1], qu, su)):
+        _same(got, exp, f"seed={seed}")
+        assert float(jnp.max(jnp.abs(got.astype(jnp.float32)))) > 0
+        qn, sn = ref.rows(np.asarray(exp, np.float32))
+        _same(q, qn, f"seed={seed}")
+        _same(s, sn, f"seed={seed}")
+    with pytest.raises(ValueError, match=r"gate, up and dout must have one shape"):
+        fp8_fused.swiglu_bwd_fp8(gate, up, w, dout[:4])
+    with pytest.raises(ValueError, match=r"weights must be \[R=40\], got \(4,\)"):
+        fp8_fused.swiglu_bwd_fp8(gate, up, jnp.ones((4, )), dout)
+
+
 def test_permute_fp8_reference_is_permute_then_rows():
     seed = _seed()
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)

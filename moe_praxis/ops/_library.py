@@ -65,6 +65,7 @@ KERNELS: dict[str, str] = {
     "moe_fp8_quantize_rows_grouped_t": "MoeFp8QuantizeRowsGroupedT",
     "moe_swiglu_fwd_fp8": "MoeSwigluFwdFp8",
     "moe_permute_fp8": "MoePermuteFp8",
+    "moe_swiglu_bwd_fp8": "MoeSwigluBwdFp8",
 }
 
 

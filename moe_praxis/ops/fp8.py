@@ -58,12 +58,14 @@ import jax
 import jax.numpy as jnp
 
 from moe_praxis.ops import backend as _backend
-from moe_praxis.ops import fp8_gemm
+from moe_praxis.ops import fp8_fused, fp8_gemm
 from moe_praxis.ops.fp8_quant import (  # noqa: F401  (the recipe's quantizers, re-exported)
     BLOCK, E4M3, E4M3_MAX, check_blocks, dequantize_blocks, dequantize_rows_grouped_t,
     dequantize_tiles, quantize_blocks, quantize_rows, quantize_rows_grouped_t,
     quantize_rows_grouped_t_reference, quantize_tiles, quantize_weight)
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
+from moe_praxis.ops.swiglu import no_weights
+from moe_praxis.ops.vma import vary_together
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -210,6 +212,14 @@ def fp8_gemms_shared_lhs(lhs, lhs_fp8, rhss, group_sizes, rhss_fp8=None):
     lhs.dtype. Gradients reach lhs (straight through its L1 operand) and every rhs.
     rhss_fp8: None, or per rhs its L2 operand (q, qt, s) made beforehand (ops.fp8_weights) or
     None to quantize here; a given one gets no gradient (rhs does)."""
+    q, s_t = _lhs_operand(lhs, lhs_fp8)
+    rhss_fp8 = jax.lax.stop_gradient(tuple(rhss_fp8 or (None, ) * len(rhss)))
+    return _shared(lhs, q, s_t, tuple(rhss), rhss_fp8, group_sizes.astype(jnp.int32))
+
+
+def _lhs_operand(lhs, lhs_fp8):
+    """lhs's L1 operand (q, s_t) as given (checked against lhs) or quantized here (None), with
+    no gradient of its own."""
     if lhs_fp8 is None:
         lhs_fp8 = quantize_rows(jax.lax.stop_gradient(lhs), backend=_QUANT)
     q, s_t = (jax.lax.stop_gradient(a) for a in lhs_fp8)
@@ -218,8 +228,7 @@ def fp8_gemms_shared_lhs(lhs, lhs_fp8, rhss, group_sizes, rhss_fp8=None):
             f"lhs_fp8 must be (q {tuple(lhs.shape)}, s_t "
             f"{(lhs.shape[1] // BLOCK, lhs.shape[0])}) for lhs {tuple(lhs.shape)}, got "
             f"({tuple(q.shape)}, {tuple(s_t.shape)})")
-    rhss_fp8 = jax.lax.stop_gradient(tuple(rhss_fp8 or (None, ) * len(rhss)))
-    return _shared(lhs, q, s_t, tuple(rhss), rhss_fp8, group_sizes.astype(jnp.int32))
+    return q, s_t
 
 
 @jax.custom_vjp
@@ -238,21 +247,81 @@ def _shared_fwd(lhs, q, s_t, rhss, rhss_fp8, group_sizes):
     return tuple(outs), (lhs, group_sizes, tuple(res_w))
 
 
-def _shared_bwd(res, dys):
-    lhs, group_sizes, res_w = res
+def _shared_grads(lhs, group_sizes, res_w, dys, dys_fp8):
+    """(dx in lhs.dtype, the weights' gradients) of _shared: each dy's dgrad reads its L1
+    operand from dys_fp8 (written by the op that produced dy) or quantizes it here (None), the
+    dgrads summed in float32; the wgrads share one L3 of lhs."""
     xt, xs = quantize_rows_grouped_t(lhs, group_sizes, backend=_QUANT)
     dx, dws = None, []
-    for (wq, ws, like), dy in zip(res_w, dys):
+    for (wq, ws, like), dy, dy_fp8 in zip(res_w, dys, dys_fp8):
         dy = dy.astype(lhs.dtype)
-        part = _cuda_nt(dy, wq, jnp.swapaxes(ws, 1, 2), group_sizes, jnp.float32)
+        dq, ds = quantize_rows(dy, backend=_QUANT) if dy_fp8 is None else dy_fp8
+        part = _nt(dq, ds, wq, jnp.swapaxes(ws, 1, 2), group_sizes, jnp.float32)
         dx = part if dx is None else dx + part
         dws.append(_cuda_wgrad(xt, xs, dy, group_sizes, lhs.shape[0], like.dtype))
+    return dx.astype(lhs.dtype), tuple(dws)
+
+
+def _lhs_zero_cotangents(lhs):
+    """The (zero) cotangents of lhs's L1 operand (q, s_t): straight through to lhs."""
     (r, k), bk = lhs.shape, lhs.shape[1] // BLOCK
-    return (dx.astype(lhs.dtype), jnp.zeros((r, k), E4M3), jnp.zeros(
-        (bk, r), jnp.float32), tuple(dws), None, None)
+    return jnp.zeros((r, k), E4M3), jnp.zeros((bk, r), jnp.float32)
+
+
+def _shared_bwd(res, dys):
+    lhs, group_sizes, res_w = res
+    dx, dws = _shared_grads(lhs, group_sizes, res_w, dys, (None, ) * len(dys))
+    return (dx, ) + _lhs_zero_cotangents(lhs) + (dws, None, None)
 
 
 _shared.defvjp(_shared_fwd, _shared_bwd)
+
+
+def gate_up_swiglu_fp8(lhs, lhs_fp8, w_gate, w_up, group_sizes, row_weights=None, rhss_fp8=None):
+    """The FP8 kernels' gate and up projections and their SwiGLU as one op:
+    fp8_fused.swiglu_fp8(*fp8_gemms_shared_lhs(lhs, lhs_fp8, (w_gate, w_up), group_sizes,
+    rhss_fp8), row_weights), with those outputs (act [R, H] in lhs.dtype and its L1 (q, s_t),
+    the down projection's FP8 lhs) and gradients, bitwise. Its backward's SwiGLU
+    (fp8_fused.swiglu_bwd_fp8) writes the L1 operands of d gate and d up that the two dgrads
+    read, so they are not quantized in a pass of their own. gate and up are residuals of the
+    op (no checkpoint names of their own). row_weights: optional [R] routing weights, times the
+    activation (gradient in their dtype)."""
+    q, s_t = _lhs_operand(lhs, lhs_fp8)
+    rhss_fp8 = jax.lax.stop_gradient(tuple(rhss_fp8 or (None, None)))
+    if row_weights is None:
+        w, has_weight = no_weights(), False
+    else:
+        lhs, w = vary_together(lhs, row_weights.astype(jnp.float32))
+        has_weight = True
+    return _gate_up_swiglu(lhs, q, s_t, (w_gate, w_up), rhss_fp8, w, group_sizes.astype(jnp.int32),
+                           has_weight)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, ))
+def _gate_up_swiglu(lhs, q, s_t, rhss, rhss_fp8, w, group_sizes, has_weight):
+    return _gate_up_swiglu_fwd(lhs, q, s_t, rhss, rhss_fp8, w, group_sizes, has_weight)[0]
+
+
+def _gate_up_swiglu_fwd(lhs, q, s_t, rhss, rhss_fp8, w, group_sizes, has_weight):
+    (gate, up), res = _shared_fwd(lhs, q, s_t, rhss, rhss_fp8, group_sizes)
+    act = fp8_fused.swiglu_fp8(gate, up, w if has_weight else None, backend=_QUANT)
+    return tuple(act), (res, gate, up, w)
+
+
+def _gate_up_swiglu_bwd(has_weight, res, cts):
+    (lhs, group_sizes, res_w), gate, up, w = res
+    # cts[1:] (act's L1) carry no gradient: straight through act, as in swiglu_fp8
+    dg, du, l1_g, l1_u, dw = fp8_fused.swiglu_bwd_fp8(gate,
+                                                      up,
+                                                      w if has_weight else None,
+                                                      cts[0],
+                                                      backend=_QUANT)
+    dx, dws = _shared_grads(lhs, group_sizes, res_w, (dg, du), (l1_g, l1_u))
+    return (dx, ) + _lhs_zero_cotangents(lhs) + (dws, None, dw if has_weight else jnp.zeros_like(w),
+                                                 None)
+
+
+_gate_up_swiglu.defvjp(_gate_up_swiglu_fwd, _gate_up_swiglu_bwd)
 
 
 def check_shard_blocks(local_shape, gather_dim: int, what: str) -> None:

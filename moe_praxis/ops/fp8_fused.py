@@ -5,6 +5,10 @@ moe_praxis.ops.fp8_quant: q e4m3 [R, C], s_t float32 [C/128, R], 1 x 128 tiles a
                                 projection's FP8 lhs; act in gate.dtype for the wgrad)
     permute_fp8(x, row_map)  -> y = x[row_map], q, s_t   (the gate/up projection's FP8 lhs;
                                 y in x.dtype for the wgrad)
+    swiglu_bwd_fp8(gate, up, w, dout)
+                             -> d gate, d up, (q, s_t) of each, dw   (the SwiGLU's backward;
+                                (q, s_t) the gate and up dgrads' FP8 operands, d gate and d up
+                                in gate.dtype for the wgrads; not differentiable)
 
 (q, s_t) is exactly fp8_quant.quantize_rows of the op's output as rounded to its dtype, on
 every backend. On 'cuda' the output is the kernel's: the permute's is exact; the SwiGLU's is
@@ -24,7 +28,7 @@ from moe_praxis.ops import backend as _backend
 from moe_praxis.ops._library import ffi, platform_call
 from moe_praxis.ops.fp8_quant import check_rows, quantize_rows_reference, rows_out
 from moe_praxis.ops.permute import permute, permute_reference
-from moe_praxis.ops.swiglu import no_weights, swiglu, swiglu_reference
+from moe_praxis.ops.swiglu import no_weights, swiglu, swiglu_bwd_reference, swiglu_reference
 from moe_praxis.ops.vma import vary_together, zero_cotangent
 
 # ------------------------------------------------- SwiGLU with its output as L1
@@ -127,3 +131,61 @@ def permute_fp8(x, row_map, *, backend: str = "auto"):
     if _backend.op_backend(backend, "fp8_quant") != "cuda":
         return permute_fp8_reference(x, row_map)
     return _permute_fp8(x, row_map.astype(jnp.int32))
+
+
+# ------------------------------------------------- SwiGLU backward with both gradients as L1
+
+
+def swiglu_bwd_fp8_reference(gate, up, weights, dout):
+    """(dgate, dup, (qg, sg_t), (qu, su_t), dw): swiglu_reference's backward (dw None without
+    weights), then L1 of dgate and of dup as rounded."""
+    dg, du, dw = swiglu_bwd_reference(gate, up, weights, dout)
+    return dg, du, quantize_rows_reference(dg), quantize_rows_reference(du), dw
+
+
+def _swiglu_bwd_fp8_ffi(gate, up, w, dout, has_weight):
+    r, h = gate.shape
+    grads = (jax.ShapeDtypeStruct(gate.shape, gate.dtype), ) * 2
+    part = jax.ShapeDtypeStruct((h // 128, r) if has_weight else (1, ), jnp.float32)
+    dg, du, qg, sg, qu, su, dw_part = ffi("moe_swiglu_bwd_fp8",
+                                          grads + rows_out(gate) + rows_out(gate) + (part, ),
+                                          gate,
+                                          up,
+                                          w,
+                                          dout,
+                                          has_weight=has_weight)
+    # the kernel's per-tile partial sums of the routing weight's gradient, summed here
+    dw = jnp.sum(dw_part, axis=0) if has_weight else jnp.zeros_like(w)
+    return dg, du, qg, sg, qu, su, dw
+
+
+def _swiglu_bwd_fp8_ref(gate, up, w, dout, has_weight):
+    dg, du, (qg, sg), (qu, su), dw = swiglu_bwd_fp8_reference(gate, up, w if has_weight else None,
+                                                              dout)
+    return dg, du, qg, sg, qu, su, dw if has_weight else jnp.zeros_like(w)
+
+
+def swiglu_bwd_fp8(gate, up, weights, dout, *, backend: str = "auto"):
+    """The SwiGLU backward writing d gate and d up twice in one pass (module doc): gate, up,
+    dout [R, H] float32 / bfloat16 (one dtype), H a multiple of 128; weights: optional [R] ->
+    (dgate, dup [R, H] in gate.dtype, (qg e4m3 [R, H], sg_t float32 [H/128, R]), (qu, su_t),
+    dw float32 [R] or None without weights). Each (q, s_t) is fp8_quant.quantize_rows of its
+    gradient as rounded, on every backend."""
+    if gate.shape != up.shape or dout.shape != gate.shape:
+        raise ValueError(f"gate, up and dout must have one shape, got {gate.shape}, {up.shape} "
+                         f"and {dout.shape}")
+    check_rows(gate, "gate")
+    if weights is not None and weights.shape != gate.shape[:1]:
+        raise ValueError(f"weights must be [R={gate.shape[0]}], got {weights.shape}")
+    up, dout = up.astype(gate.dtype), dout.astype(gate.dtype)
+    if _backend.op_backend(backend, "fp8_quant") != "cuda":
+        return swiglu_bwd_fp8_reference(gate, up, weights, dout)
+    has_weight = weights is not None
+    if has_weight:
+        gate, up, w, dout = vary_together(gate, up, weights.astype(jnp.float32), dout)
+    else:  # as swiglu_fp8: no_weights() left alone
+        (gate, up, dout), w = vary_together(gate, up, dout), no_weights()
+    dg, du, qg, sg, qu, su, dw = platform_call(
+        functools.partial(_swiglu_bwd_fp8_ffi, has_weight=has_weight),
+        functools.partial(_swiglu_bwd_fp8_ref, has_weight=has_weight), gate, up, w, dout)
+    return dg, du, (qg, sg), (qu, su), dw if has_weight else None

@@ -68,6 +68,16 @@ def _fwd_ffi(gate, up, w, has_weight):
                has_weight=has_weight)
 
 
+def swiglu_bwd_reference(gate, up, weights, dout):
+    """(dgate, dup, dw) of swiglu_reference (silu) at cotangent dout: autodiff of the
+    reference, dgate and dup in gate.dtype, dw in weights' dtype (None without weights)."""
+    if weights is None:
+        _, vjp = jax.vjp(lambda g, u: swiglu_reference(g, u), gate, up)
+        return vjp(dout) + (None, )
+    _, vjp = jax.vjp(lambda g, u, ww: swiglu_reference(g, u, ww), gate, up, weights)
+    return vjp(dout)
+
+
 def _bwd_ref(gate, up, w, dout, has_weight):
     _, vjp = jax.vjp(lambda g, u, ww: _ref(g, u, ww, has_weight), gate, up, w)
     dg, du, dw = vjp(dout)
