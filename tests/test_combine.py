@@ -171,7 +171,10 @@ def test_kernels_against_float64(load, out_dtype, y_dtype, t, k, m):
 @pytest.mark.parametrize("fuse", [False, True])
 def test_block_cuda_gather_combine_matches_xla(fuse):
     """moe_block on 'cuda' with gather_combine (bf16, Qwen3-like small) against 'xla' with it and
-    the 'cuda' default path: y and gradients within bf16's 2e-2."""
+    the 'cuda' default path: y, the aux loss and the gradients within bf16's 2e-2. Not the
+    scalar loss sum(y * cot): its terms cancel, so its relative difference is ill-conditioned
+    (on the H200, 40 seeds: median 1e-3 to 5e-3 but up to 1.4 where the sum came out near zero,
+    while y and every gradient stayed under 6.3e-3)."""
     info = ops.backend_info()["cuda"]
     if not info["usable"]:
         pytest.skip(f"CUDA kernels not usable here: {info['reason']}")
@@ -187,11 +190,12 @@ def test_block_cuda_gather_combine_matches_xla(fuse):
 
     def loss(params, x, c):
         o = mp.moe_block(params, x, c)
-        return jnp.sum(o.y.astype(jnp.float32) * cot) + o.aux_loss
+        return jnp.sum(o.y.astype(jnp.float32) * cot) + o.aux_loss, (o.y, o.aux_loss)
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
-    got = step(params, x, cfg)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    (_, got_out), got_grads = step(params, x, cfg)
     for other in (dataclasses.replace(cfg, kernel_backend="xla"),
                   dataclasses.replace(cfg, gather_combine=False)):
-        for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(step(params, x, other))):
+        (_, out), grads = step(params, x, other)
+        for u, v in zip(jax.tree.leaves((got_out, got_grads)), jax.tree.leaves((out, grads))):
             assert rel_err(u, v) <= 2e-2, f"seed={s} {other}"
