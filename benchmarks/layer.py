@@ -58,7 +58,9 @@ Before timing, each shape checks 'cuda', 'cuda+fuse', 'cuda+gather', 'cuda+dswig
 'cuda+fuse+dswiglu', 'cuda-sm80' and 'cuda+fp8' against 'xla' (y,
 dx and the weight gradients, ||a - b|| / ||b||, bf16 tolerance 2e-2, FP8 0.08: tests/test_fp8.py's
 bound) on the first tokens (the full
-'xla' layer does not fit everywhere). Timing: every executable compiled once
+'xla' layer does not fit everywhere); an FP8 method whose timed call runs FP8 is checked with
+its weights' FP8 form given, so the slice runs the same FP8 GEMMs (benchmarks.layer_check).
+Timing: every executable compiled once
 (jit(...).lower().compile()), warmed up, then all the methods of one (shape, load, pass) timed
 in interleaved batches (benchmarks.timing.time_paired: median of --reps rounds).
 

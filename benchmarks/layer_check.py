@@ -1,5 +1,12 @@
 """The layer benchmark's check of the CUDA methods against 'xla' (benchmarks/layer.py's doc),
-and how a failed step is named."""
+and how a failed step is named.
+
+An FP8 method is checked on the FP8 GEMMs it is timed with: under fp8_gemms='auto' a call runs
+the bf16 layer below ops.fp8_rule.FORM_MIN_ROWS rows per expert, which the check's slice of
+CHECK_TOKENS tokens may be while the timed call (the shape's T tokens) is not; there the check
+gives the weights' FP8 form (moe_praxis.quantize_expert_weights; a given form is used), so the
+slice runs the GEMMs the rule picks for the timed call (`fp8_check_params`).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +15,10 @@ import traceback
 
 import jax.numpy as jnp
 
+import moe_praxis as mp
 from benchmarks import layer_cases as lc
-from moe_praxis import ops
+from moe_praxis import experts, ops
+from moe_praxis.ops import fp8_rule
 
 CHECK_TOL = 2e-2
 CHECKED = ("cuda", "cuda+fuse", "cuda+gather", "cuda+dswiglu", "cuda+fuse+dswiglu", "cuda-sm80",
@@ -54,6 +63,17 @@ def chunked_rel_err(a, b, chunks: int = 16):
         return None
 
 
+def fp8_check_params(config, shape: lc.Shape, params: dict) -> tuple[dict, bool]:
+    """(the params of a method's check, whether its FP8 form was given): with the form where
+    `config` runs FP8 at the timed call's rows per expert (shape.t * k / E, one device) under
+    its fp8_gemms rule (module doc), else params unchanged."""
+    if config.fp8 is None or experts.FP8_WEIGHTS in params:
+        return params, False
+    if not fp8_rule.form_pays(config.fp8_gemms, shape.t * shape.k / shape.e):
+        return params, False
+    return mp.quantize_expert_weights(params, config), True
+
+
 def check_against_xla(sh) -> list[dict]:
     """The CHECKED methods against 'xla' on the first check_tokens() tokens
     (module doc)."""
@@ -73,7 +93,8 @@ def check_against_xla(sh) -> list[dict]:
         row = dict(shape=sh.name, method=method, tokens=t, backend=sh.config(method).kernel_backend)
         try:
             f = lc.block_fns(sh.config(method))
-            p = sh.block_params(method, "balanced")
+            p, row["fp8_form_given"] = fp8_check_params(sh.config(method), sh.shape,
+                                                        sh.block_params(method, "balanced"))
             with sh.forcing(method):  # traced (and compiled) at the first call of each
                 errs = {"y": chunked_rel_err(f["fwd"](p, x).y, ref_y)}
                 _, (dp, dx) = f["fwd+bwd"](p, x, cot)

@@ -15,7 +15,9 @@ import pytest
 
 from benchmarks import layer_breakdown as lb
 from benchmarks import layer_cases as lc
+from benchmarks import layer_check
 from benchmarks import layer_report
+from moe_praxis.ops import fp8_rule
 from moe_praxis.ops import grouped_gemm_tiles as gg_tiles
 from tests.grouped_gemm_util import _fake_device
 from tests.testutil import long_options
@@ -182,3 +184,24 @@ def test_cuda_sm80_method_traces_its_steps_with_the_sm80_grouped_gemm(monkeypatc
     }, targets
     assert targets["cuda"] == {f"moe_grouped_gemm_{op}" for op in ("fwd", "dgrad", "wgrad")}
     assert backend.grouped_gemm_kernel()[0] == "sm90"  # nothing forced outside
+
+
+def test_fp8_check_runs_the_fp8_gemms_the_timed_call_runs():
+    """benchmarks.layer_check.fp8_check_params: an FP8 method whose timed call (the shape's T
+    tokens) has enough rows per expert for 'auto' gets its weights' FP8 form for the check (so
+    the check's slice, under FORM_MIN_ROWS rows per expert, runs FP8 instead of the bf16
+    layer); below that, and for methods without fp8, the params are unchanged."""
+    small = lc.Shape(256, 128, 128, 4, 2, {})
+    params = lc.make_params(small, jax.random.key(0))
+    pays = small._replace(t=fp8_rule.FORM_MIN_ROWS * small.e // small.k)
+    short = pays._replace(t=pays.t - small.e)
+    fp8_cfg = lc.config(small, kernel_backend="xla", fp8="blockwise")
+    got, given = layer_check.fp8_check_params(fp8_cfg, pays, params)
+    assert given and set(got["fp8_weights"]) == {"wi_gate", "wi_up", "wo"}
+    assert got["wi_gate"] is params["wi_gate"]
+    for cfg, shape in ((fp8_cfg, short), (lc.config(small, kernel_backend="xla"), pays)):
+        got, given = layer_check.fp8_check_params(cfg, shape, params)
+        assert not given and got is params
+    # 'all' runs FP8 at any rows
+    all_cfg = lc.config(small, kernel_backend="xla", fp8="blockwise", fp8_gemms="all")
+    assert layer_check.fp8_check_params(all_cfg, short, params)[1]
