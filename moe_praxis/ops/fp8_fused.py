@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops._library import ffi, platform_call
-from moe_praxis.ops.fp8_quant import check_rows, quantize_rows_reference, rows_out
+from moe_praxis.ops.fp8_quant import BLOCK, check_rows, quantize_rows_reference, rows_out
 from moe_praxis.ops.permute import permute, permute_reference
 from moe_praxis.ops.swiglu import no_weights, swiglu, swiglu_bwd_reference, swiglu_reference
 from moe_praxis.ops.vma import vary_together, zero_cotangent
@@ -146,7 +146,7 @@ def swiglu_bwd_fp8_reference(gate, up, weights, dout):
 def _swiglu_bwd_fp8_ffi(gate, up, w, dout, has_weight):
     r, h = gate.shape
     grads = (jax.ShapeDtypeStruct(gate.shape, gate.dtype), ) * 2
-    part = jax.ShapeDtypeStruct((h // 128, r) if has_weight else (1, ), jnp.float32)
+    part = jax.ShapeDtypeStruct((h // BLOCK, r) if has_weight else (1, ), jnp.float32)
     dg, du, qg, sg, qu, su, dw_part = ffi("moe_swiglu_bwd_fp8",
                                           grads + rows_out(gate) + rows_out(gate) + (part, ),
                                           gate,

@@ -79,9 +79,8 @@ def swiglu_bwd_reference(gate, up, weights, dout):
 
 
 def _bwd_ref(gate, up, w, dout, has_weight):
-    _, vjp = jax.vjp(lambda g, u, ww: _ref(g, u, ww, has_weight), gate, up, w)
-    dg, du, dw = vjp(dout)
-    return dg, du, dw
+    dg, du, dw = swiglu_bwd_reference(gate, up, w if has_weight else None, dout)
+    return dg, du, dw if has_weight else jnp.zeros_like(w)
 
 
 def swiglu_bwd_ffi(gate, up, w, dout, has_weight, interleaved=False):
