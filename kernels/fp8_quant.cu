@@ -21,6 +21,56 @@ using namespace fp8q;
 
 // ------------------------------------------------- L1 (and SwiGLU + L1, permute + L1)
 
+// The tile an L1 pass's thread works on: tile t = ct * rows + r covers row r, columns
+// [ct*128, ct*128 + 128); LANES = 128 / VEC lanes load one 16-byte vector each, vi being that
+// vector's index in [R, C] / VEC. A dead tile (t past the last) has live = false; its lanes still
+// take part in the shuffles, carrying 0.
+template <typename T>
+struct L1Tile {
+  static constexpr int VEC = 16 / sizeof(T);
+  static constexpr int LANES = kTile / VEC;
+  static constexpr int TILES = kThreads / LANES;  // tiles per block
+  using V = Vec<T, VEC>;
+  using Q = Vec<uint8_t, VEC>;
+  int64_t tile, ct = 0, r = 0, vi = 0;
+  int lane;
+  bool live;
+
+  __device__ __forceinline__ L1Tile(int64_t rows, int64_t ctiles)
+      : tile(static_cast<int64_t>(blockIdx.x) * TILES + threadIdx.x / LANES),
+        lane(threadIdx.x % LANES),
+        live(tile < rows * ctiles) {
+    if (live) {
+      ct = tile / rows;
+      r = tile - ct * rows;
+      vi = (r * ctiles + ct) * LANES + lane;
+    }
+  }
+  // max / sum over the tile's LANES lanes (every lane must call these)
+  __device__ __forceinline__ static float lane_max(float v) {
+#pragma unroll
+    for (int o = LANES / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+  }
+  __device__ __forceinline__ static float lane_sum(float v) {
+#pragma unroll
+    for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+  }
+  // writes the lane's VEC values of the tile as e4m3 under the tile's scale (from its amax) and,
+  // from lane 0, the scale; returns the scale
+  __device__ __forceinline__ float store(const float (&v)[VEC], float amax, uint8_t* q,
+                                         float* s_t) const {
+    const float s = tile_scale(amax), inv = reciprocal(s);
+    Q qv;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) qv.v[j] = to_e4m3(v[j], inv);
+    reinterpret_cast<Q*>(q)[vi] = qv;
+    if (lane == 0) s_t[tile] = s;
+    return s;
+  }
+};
+
 // Where the rows of an L1 pass come from: x itself; the SwiGLU of x (gate) and up, written to
 // out in T and quantized as rounded; or the permuted rows x[row_map[r]] (zeros where row_map[r]
 // is outside [0, tokens)), written to out and quantized.
@@ -39,44 +89,37 @@ struct RowsArgs {
   int64_t rows, ctiles;     // R, C / 128
 };
 
-// Tile t = ct * rows + r covers row r, columns [ct*128, ct*128 + 128); LANES = 128 / VEC lanes
-// load one 16-byte vector each.
+// One L1Tile per LANES lanes.
 template <typename T, Src SRC>
 __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const RowsArgs<T> a) {
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int LANES = kTile / VEC;
-  constexpr int TILES = kThreads / LANES;
-  using V = Vec<T, VEC>;
-  const int64_t tile = static_cast<int64_t>(blockIdx.x) * TILES + threadIdx.x / LANES;
-  const int lane = threadIdx.x % LANES;
-  const bool live = tile < a.rows * a.ctiles;
+  using Tile = L1Tile<T>;
+  constexpr int VEC = Tile::VEC;
+  using V = typename Tile::V;
+  const Tile t(a.rows, a.ctiles);
   float v[VEC];
   float amax = 0.f;
-  int64_t vi = 0;  // the vector's index in [R, C] / VEC
-  if (live) {
-    const int64_t ct = tile / a.rows, r = tile - ct * a.rows;
-    vi = (r * a.ctiles + ct) * LANES + lane;
+  if (t.live) {
     V xv;
     if constexpr (SRC == Src::kPermute) {
-      const int64_t t = __ldg(a.row_map + r);
-      if (t >= 0 && t < a.tokens) {
-        xv = reinterpret_cast<const V*>(a.x)[(t * a.ctiles + ct) * LANES + lane];
+      const int64_t src = __ldg(a.row_map + t.r);
+      if (src >= 0 && src < a.tokens) {
+        xv = reinterpret_cast<const V*>(a.x)[(src * a.ctiles + t.ct) * Tile::LANES + t.lane];
       } else {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) xv.v[j] = from_f32<T>(0.f);
       }
-      reinterpret_cast<V*>(a.out)[vi] = xv;
+      reinterpret_cast<V*>(a.out)[t.vi] = xv;
     } else {
-      xv = reinterpret_cast<const V*>(a.x)[vi];
+      xv = reinterpret_cast<const V*>(a.x)[t.vi];
     }
     if constexpr (SRC == Src::kSwiglu) {
-      const V uv = reinterpret_cast<const V*>(a.up)[vi];
-      const float wr = a.w ? a.w[r] : 1.f;
+      const V uv = reinterpret_cast<const V*>(a.up)[t.vi];
+      const float wr = a.w ? a.w[t.r] : 1.f;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         xv.v[j] = from_f32<T>(swiglu_act<T>(to_f32(xv.v[j]), to_f32(uv.v[j]), wr));
       }
-      reinterpret_cast<V*>(a.out)[vi] = xv;
+      reinterpret_cast<V*>(a.out)[t.vi] = xv;
     }
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -84,24 +127,13 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const RowsArgs<
       amax = fmaxf(amax, fabsf(v[j]));
     }
   }
-  // every lane takes part in the shuffles (a dead tile's lanes carry 0)
-#pragma unroll
-  for (int o = LANES / 2; o > 0; o >>= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  }
-  if (!live) return;
-  const float s = tile_scale(amax), inv = reciprocal(s);
-  Vec<uint8_t, VEC> qv;
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) qv.v[j] = to_e4m3(v[j], inv);
-  reinterpret_cast<Vec<uint8_t, VEC>*>(a.q)[vi] = qv;
-  if (lane == 0) a.s_t[tile] = s;
+  amax = Tile::lane_max(amax);
+  if (t.live) t.store(v, amax, a.q, a.s_t);
 }
 
 template <typename T, Src SRC>
 ffi::Error launch_rows(cudaStream_t stream, RowsArgs<T> a) {
-  constexpr int TILES = kThreads / (kTile * sizeof(T) / 16);
-  const int64_t blocks = ceil_div(a.rows * a.ctiles, TILES);
+  const int64_t blocks = ceil_div(a.rows * a.ctiles, L1Tile<T>::TILES);
   if (blocks > INT32_MAX) {
     return MOE_INVALID("fp8 quantize rows: R=" + std::to_string(a.rows) + ", C=" +
                        std::to_string(a.ctiles * kTile) + " needs more than 2^31 - 1 blocks");
@@ -153,27 +185,20 @@ struct SwigluBwdArgs {
   int64_t rows, ctiles;
 };
 
-// The same tiles as quantize_rows_kernel: tile t = ct * rows + r, LANES lanes of one 16-byte
-// vector each.
+// The same tiles as quantize_rows_kernel (L1Tile).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) swiglu_bwd_fp8_kernel(const SwigluBwdArgs<T> a) {
-  constexpr int VEC = 16 / sizeof(T);
-  constexpr int LANES = kTile / VEC;
-  constexpr int TILES = kThreads / LANES;
-  using V = Vec<T, VEC>;
-  const int64_t tile = static_cast<int64_t>(blockIdx.x) * TILES + threadIdx.x / LANES;
-  const int lane = threadIdx.x % LANES;
-  const bool live = tile < a.rows * a.ctiles;
+  using Tile = L1Tile<T>;
+  constexpr int VEC = Tile::VEC;
+  using V = typename Tile::V;
+  const Tile t(a.rows, a.ctiles);
   float vg[VEC], vu[VEC];
   float amax_g = 0.f, amax_u = 0.f, acc = 0.f;
-  int64_t vi = 0;
-  if (live) {
-    const int64_t ct = tile / a.rows, r = tile - ct * a.rows;
-    vi = (r * a.ctiles + ct) * LANES + lane;
-    const V gv = reinterpret_cast<const V*>(a.gate)[vi];
-    const V uv = reinterpret_cast<const V*>(a.up)[vi];
-    const V dv = reinterpret_cast<const V*>(a.dout)[vi];
-    const float wr = a.w ? a.w[r] : 1.f;
+  if (t.live) {
+    const V gv = reinterpret_cast<const V*>(a.gate)[t.vi];
+    const V uv = reinterpret_cast<const V*>(a.up)[t.vi];
+    const V dv = reinterpret_cast<const V*>(a.dout)[t.vi];
+    const float wr = a.w ? a.w[t.r] : 1.f;
     V dgv, duv;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -188,38 +213,21 @@ __global__ void __launch_bounds__(kThreads) swiglu_bwd_fp8_kernel(const SwigluBw
       amax_g = fmaxf(amax_g, fabsf(vg[j]));
       amax_u = fmaxf(amax_u, fabsf(vu[j]));
     }
-    reinterpret_cast<V*>(a.dgate)[vi] = dgv;
-    reinterpret_cast<V*>(a.dup)[vi] = duv;
+    reinterpret_cast<V*>(a.dgate)[t.vi] = dgv;
+    reinterpret_cast<V*>(a.dup)[t.vi] = duv;
   }
-  // every lane takes part in the shuffles (a dead tile's lanes carry 0)
-#pragma unroll
-  for (int o = LANES / 2; o > 0; o >>= 1) {
-    amax_g = fmaxf(amax_g, __shfl_xor_sync(0xffffffffu, amax_g, o));
-    amax_u = fmaxf(amax_u, __shfl_xor_sync(0xffffffffu, amax_u, o));
-    acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  }
-  if (!live) return;
-  const float sg = tile_scale(amax_g), ig = reciprocal(sg);
-  const float su = tile_scale(amax_u), iu = reciprocal(su);
-  Vec<uint8_t, VEC> qgv, quv;
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    qgv.v[j] = to_e4m3(vg[j], ig);
-    quv.v[j] = to_e4m3(vu[j], iu);
-  }
-  reinterpret_cast<Vec<uint8_t, VEC>*>(a.qg)[vi] = qgv;
-  reinterpret_cast<Vec<uint8_t, VEC>*>(a.qu)[vi] = quv;
-  if (lane == 0) {
-    a.sg_t[tile] = sg;
-    a.su_t[tile] = su;
-    if (a.dw_part) a.dw_part[tile] = acc;
-  }
+  amax_g = Tile::lane_max(amax_g);
+  amax_u = Tile::lane_max(amax_u);
+  acc = Tile::lane_sum(acc);
+  if (!t.live) return;
+  t.store(vg, amax_g, a.qg, a.sg_t);
+  t.store(vu, amax_u, a.qu, a.su_t);
+  if (t.lane == 0 && a.dw_part) a.dw_part[t.tile] = acc;
 }
 
 template <typename T>
 ffi::Error launch_swiglu_bwd(cudaStream_t stream, SwigluBwdArgs<T> a) {
-  constexpr int TILES = kThreads / (kTile * sizeof(T) / 16);
-  const int64_t blocks = ceil_div(a.rows * a.ctiles, TILES);
+  const int64_t blocks = ceil_div(a.rows * a.ctiles, L1Tile<T>::TILES);
   if (blocks > INT32_MAX) {
     return MOE_INVALID("swiglu bwd fp8: R=" + std::to_string(a.rows) + ", H=" +
                        std::to_string(a.ctiles * kTile) + " needs more than 2^31 - 1 blocks");
