@@ -42,7 +42,7 @@ STAGES = [  # (stage, kind, regex)
     ("aux loss", "target", r"^moe_aux_loss_"),
     ("SwiGLU", "target", r"^moe_swiglu_"),
     ("permute", "target", r"^moe_permute$"),
-    ("unpermute / combine", "target", r"^moe_(unpermute|combine_fwd|combine_bwd)$"),
+    ("unpermute / combine", "target", r"^moe_(unpermute2?|combine_fwd|combine_bwd)$"),
     ("router GEMM", "gemm", r"moe_router"),
     ("expert GEMMs (XLA)", "gemm", r"moe_experts"),
     ("aux loss", "scope", r"aux_loss"),

@@ -3,6 +3,9 @@
 //   permute:   y[r] = x[row_map[r]]            (zeros where row_map[r] is not in [0, T))
 //   unpermute: x[t] = sum_{r: row_map[r] = t} y[r]   (summed in f32 in increasing r order,
 //              rounded once; deterministic)
+//   unpermute2: x[t] = sum_{r: row_map[r] = t} (y[r] + y2[r])   (the same, adding y2[r] after
+//              y[r]): the backward of rows read by two consumers (permute_pair), whose two
+//              cotangents would otherwise be added into an [R, M] array first
 //
 // x: [T, M], y: [R, M], f32 or bf16; row_map: [R] int32. Each is the other's backward.
 // Both build the inverse map (CSR: per-token row lists) in an explicit int32 workspace output
@@ -15,6 +18,8 @@
 //     Narrower rows keep the row-major gather (no CSR).
 //   unpermute: sorts each token's rows, then one thread per 16-byte output vector sums its
 //     token's rows in increasing row order (deterministic).
+#include <type_traits>
+
 #include "moe_common.h"
 
 namespace moe {
@@ -197,13 +202,15 @@ __global__ void sort_lists_kernel(const int32_t* __restrict__ offsets, int32_t* 
   }
 }
 
-// Flat over T * M / VEC output vectors: vector (t, c) sums y[r, c] over t's rows in order.
-template <typename T, int VEC>
+// Flat over T * M / VEC output vectors: vector (t, c) sums y[r, c] (then y2[r, c] with TWO)
+// over t's rows in order.
+template <typename T, int VEC, bool TWO>
 __global__ void __launch_bounds__(kFlatThreads)
-    unpermute_kernel(const T* __restrict__ y, const int32_t* __restrict__ offsets,
-                     const int32_t* __restrict__ lists, T* __restrict__ x, int64_t tokens,
-                     int64_t nv) {
+    unpermute_kernel(const T* __restrict__ y, const T* __restrict__ y2,
+                     const int32_t* __restrict__ offsets, const int32_t* __restrict__ lists,
+                     T* __restrict__ x, int64_t tokens, int64_t nv) {
   using V = Vec<T, VEC>;
+  constexpr int kLoads = TWO ? kUnroll / 2 : kUnroll;  // rows per step: kUnroll loads in flight
   const int64_t total = tokens * nv;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x;
   if (i >= total) return;
@@ -212,23 +219,29 @@ __global__ void __launch_bounds__(kFlatThreads)
   float acc[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
-  int32_t q = lo;
-  for (; q + kUnroll <= hi; q += kUnroll) {  // kUnroll independent row loads in flight
-    V v[kUnroll];
+  auto add = [&](const V& v) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      v[u] = reinterpret_cast<const V*>(y)[static_cast<int64_t>(__ldg(lists + q + u)) * nv + c];
+    for (int j = 0; j < VEC; ++j) acc[j] += to_f32(v.v[j]);
+  };
+  int32_t q = lo;
+  for (; q + kLoads <= hi; q += kLoads) {
+    V v[kLoads], v2[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int64_t at = static_cast<int64_t>(__ldg(lists + q + u)) * nv + c;
+      v[u] = reinterpret_cast<const V*>(y)[at];
+      if constexpr (TWO) v2[u] = reinterpret_cast<const V*>(y2)[at];
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) acc[j] += to_f32(v[u].v[j]);
+    for (int u = 0; u < kLoads; ++u) {
+      add(v[u]);
+      if constexpr (TWO) add(v2[u]);
     }
   }
   for (; q < hi; ++q) {
-    const V v = reinterpret_cast<const V*>(y)[static_cast<int64_t>(__ldg(lists + q)) * nv + c];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] += to_f32(v.v[j]);
+    const int64_t at = static_cast<int64_t>(__ldg(lists + q)) * nv + c;
+    add(reinterpret_cast<const V*>(y)[at]);
+    if constexpr (TWO) add(reinterpret_cast<const V*>(y2)[at]);
   }
   V o;
 #pragma unroll
@@ -307,27 +320,32 @@ ffi::Error launch_permute(cudaStream_t stream, const void* x, const int32_t* row
   return ffi::Error::Success();
 }
 
+// y2: nullptr (unpermute) or the second [R, M] input (unpermute2)
 template <typename T>
-ffi::Error launch_unpermute(cudaStream_t stream, const void* y, const int32_t* row_map,
-                            void* x, int32_t* ws, int64_t rows, int64_t tokens, int64_t m) {
+ffi::Error launch_unpermute(cudaStream_t stream, const void* y, const void* y2,
+                            const int32_t* row_map, void* x, int32_t* ws, int64_t rows,
+                            int64_t tokens, int64_t m) {
   const Csr c = csr_view(ws, tokens);
   if (auto err = build_csr(stream, row_map, c, rows, tokens, /*sink=*/false, /*sorted=*/true);
       !err.success())
     return err;
-  const int32_t* offsets = c.offsets;
-  const int32_t* lists = c.lists;
   constexpr int kVec = 16 / sizeof(T);
   const int vec = m % kVec == 0 ? kVec : 1;
   const int64_t nv = m / vec;
   const auto grid = static_cast<unsigned>(ceil_div(tokens * nv, kFlatThreads));
-  if (vec == kVec) {
-    unpermute_kernel<T, kVec><<<grid, kFlatThreads, 0, stream>>>(
-        static_cast<const T*>(y), offsets, lists, static_cast<T*>(x), tokens, nv);
+  auto run = [&](auto vec_c, auto two_c) {
+    unpermute_kernel<T, decltype(vec_c)::value, decltype(two_c)::value>
+        <<<grid, kFlatThreads, 0, stream>>>(static_cast<const T*>(y), static_cast<const T*>(y2),
+                                            c.offsets, c.lists, static_cast<T*>(x), tokens, nv);
+  };
+  using One = std::integral_constant<int, 1>;
+  using Full = std::integral_constant<int, kVec>;
+  if (y2 != nullptr) {
+    if (vec == kVec) run(Full{}, std::true_type{}); else run(One{}, std::true_type{});
   } else {
-    unpermute_kernel<T, 1><<<grid, kFlatThreads, 0, stream>>>(
-        static_cast<const T*>(y), offsets, lists, static_cast<T*>(x), tokens, nv);
+    if (vec == kVec) run(Full{}, std::false_type{}); else run(One{}, std::false_type{});
   }
-  MOE_LAUNCH_CHECK("unpermute");
+  MOE_LAUNCH_CHECK(y2 != nullptr ? "unpermute2" : "unpermute");
   return ffi::Error::Success();
 }
 
@@ -357,32 +375,51 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
   }
 }
 
-ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_map,
-                         ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::Buffer<ffi::S32>> ws) {
-  if (y.dimensions().size() != 2) return MOE_INVALID("unpermute: y must be [R, M]");
+// y2: nullptr (unpermute) or unpermute2's second input (checked against y by the caller)
+ffi::Error unpermute_any(cudaStream_t stream, const char* who, const ffi::AnyBuffer& y,
+                         const void* y2, const ffi::Buffer<ffi::S32>& row_map, ffi::AnyBuffer& x,
+                         ffi::Buffer<ffi::S32>& ws) {
+  const std::string op(who);
+  if (y.dimensions().size() != 2) return MOE_INVALID(op + ": y must be [R, M]");
   const int64_t rows = y.dimensions()[0], m = y.dimensions()[1];
   if (static_cast<int64_t>(row_map.element_count()) != rows) {
-    return MOE_INVALID("unpermute: row_map must be [R=" + std::to_string(rows) + "]");
+    return MOE_INVALID(op + ": row_map must be [R=" + std::to_string(rows) + "]");
   }
-  if (x->dimensions().size() != 2 || x->element_type() != y.element_type()) {
-    return MOE_INVALID("unpermute: x must be [T, M] in y's dtype");
+  if (x.dimensions().size() != 2 || x.element_type() != y.element_type() ||
+      x.dimensions()[1] != m) {
+    return MOE_INVALID(op + ": x must be [T, M=" + std::to_string(m) + "] in y's dtype");
   }
-  const int64_t tokens = x->dimensions()[0];
-  if (static_cast<int64_t>(ws->element_count()) != workspace_size(tokens, rows)) {
-    return MOE_INVALID("unpermute: workspace must have 2 * T + 4 + R int32 elements");
+  const int64_t tokens = x.dimensions()[0];
+  if (static_cast<int64_t>(ws.element_count()) != workspace_size(tokens, rows)) {
+    return MOE_INVALID(op + ": workspace must have 2 * T + 4 + R int32 elements");
   }
   if (tokens == 0 || m == 0) return ffi::Error::Success();
   switch (y.element_type()) {
     case ffi::F32:
-      return launch_unpermute<float>(stream, y.untyped_data(), row_map.typed_data(),
-                                     x->untyped_data(), ws->typed_data(), rows, tokens, m);
+      return launch_unpermute<float>(stream, y.untyped_data(), y2, row_map.typed_data(),
+                                     x.untyped_data(), ws.typed_data(), rows, tokens, m);
     case ffi::BF16:
-      return launch_unpermute<__nv_bfloat16>(stream, y.untyped_data(), row_map.typed_data(),
-                                             x->untyped_data(), ws->typed_data(), rows, tokens,
-                                             m);
+      return launch_unpermute<__nv_bfloat16>(stream, y.untyped_data(), y2, row_map.typed_data(),
+                                             x.untyped_data(), ws.typed_data(), rows, tokens, m);
     default:
-      return MOE_INVALID("unpermute: y must be float32 or bfloat16");
+      return MOE_INVALID(op + ": y must be float32 or bfloat16");
   }
+}
+
+ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_map,
+                         ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::Buffer<ffi::S32>> ws) {
+  return unpermute_any(stream, "unpermute", y, nullptr, row_map, *x, *ws);
+}
+
+ffi::Error Unpermute2Impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer y2,
+                          ffi::Buffer<ffi::S32> row_map, ffi::Result<ffi::AnyBuffer> x,
+                          ffi::Result<ffi::Buffer<ffi::S32>> ws) {
+  if (y2.element_type() != y.element_type() || y2.dimensions().size() != 2 ||
+      y.dimensions().size() != 2 || y2.dimensions()[0] != y.dimensions()[0] ||
+      y2.dimensions()[1] != y.dimensions()[1]) {
+    return MOE_INVALID("unpermute2: y2 must be [R, M] with y's shape and dtype");
+  }
+  return unpermute_any(stream, "unpermute2", y, y2.untyped_data(), row_map, *x, *ws);
 }
 
 }  // namespace
@@ -401,6 +438,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermute, moe::UnpermuteImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()              // y [R, M]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [R]
+                                  .Ret<xla::ffi::AnyBuffer>()              // x [T, M]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),  // workspace
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermute2, moe::Unpermute2Impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // y [R, M]
+                                  .Arg<xla::ffi::AnyBuffer>()              // y2 [R, M]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [R]
                                   .Ret<xla::ffi::AnyBuffer>()              // x [T, M]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),  // workspace

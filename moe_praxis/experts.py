@@ -114,6 +114,14 @@ def fp8_kernels(config: MoEConfig, backend: str) -> bool:
     return config.fp8 is not None and fp8.resolve(backend) == "cuda"
 
 
+def reads_rows_twice(config: MoEConfig) -> bool:
+    """True where expert_ffn's gate and up projections are two GEMMs reading the rows (gated,
+    separate wi_gate / wi_up, bf16): the dispatch then gives the rows twice
+    (sort.dispatch_rows_pair) so that their two cotangents are summed in the permute's
+    backward, and expert_ffn takes the second as rows_up."""
+    return config.gated and not config.fuse_gate_up and config.fp8 is None
+
+
 def expert_ffn(rows,
                group_sizes,
                weights,
@@ -121,7 +129,8 @@ def expert_ffn(rows,
                *,
                backend="auto",
                row_weights=None,
-               rows_fp8=None):
+               rows_fp8=None,
+               rows_up=None):
     """rows: [R, M]; group_sizes: [E]; weights: the expert weights of the parameter tree
     (moe.param_shapes: wi_up, wi_gate if gated [E, M, H], or wi_gate_up [E, M, 2H] with
     config.fuse_gate_up; wo [E, H, M]; other keys ignored) -> [R, M].
@@ -135,7 +144,12 @@ def expert_ffn(rows,
     MOE_PRAXIS_STRICT_CUDNN_FUSION=1 raises instead.
     rows_fp8: optional (q, s_t), the rows' FP8 operand (sort.dispatch_rows_fp8), used by the FP8
     kernels (config.fp8, fp8_kernels) instead of quantizing the rows again.
+    rows_up: optional, the rows again (equal to rows; sort.dispatch_rows_pair's second) for the
+    up projection, only where reads_rows_twice(config) (elsewhere it is an error).
     """
+    if rows_up is not None and not reads_rows_twice(config):
+        raise ValueError("expert_ffn: rows_up is only for two projections reading the rows "
+                         "(gated, fuse_gate_up=False, fp8=None); this config reads them once")
     if config.use_cudnn_fusion:
         _warn_cudnn_fallback(backend)
     if config.fp8 is not None:
@@ -159,7 +173,10 @@ def expert_ffn(rows,
         return checkpoint_name(ops.grouped_gemm(act, wo.astype(dt), group_sizes, backend=backend),
                                "ffn2")
     up = checkpoint_name(
-        ops.grouped_gemm(rows, weights["wi_up"].astype(dt), group_sizes, backend=backend), "moe_up")
+        ops.grouped_gemm(rows if rows_up is None else rows_up,
+                         weights["wi_up"].astype(dt),
+                         group_sizes,
+                         backend=backend), "moe_up")
     if config.gated:
         gate = checkpoint_name(
             ops.grouped_gemm(rows, weights["wi_gate"].astype(dt), group_sizes, backend=backend),

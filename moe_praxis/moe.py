@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from moe_praxis import expert_weights, router_stats, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.dispatch import capacity, exchange, sort
-from moe_praxis.experts import FP8_GATHER, FP8_WEIGHTS, expert_ffn, fp8_kernels
+from moe_praxis.experts import FP8_GATHER, FP8_WEIGHTS, expert_ffn, fp8_kernels, reads_rows_twice
 from moe_praxis.ops import resolve_backend, vma
 from moe_praxis.params import check_params, init_moe_params, param_shapes
 from moe_praxis.resources import EPLayout, check_mesh_in_scope, ep_bootstrap, psum
@@ -171,14 +171,19 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
     with jax.named_scope("moe_experts"):
         weights = expert_weights.gather_expert_weights(params, layout, config)
         if layout.ep_size == 1:
-            rows_fp8 = None
+            rows_fp8 = rows_up = None
             if fp8_kernels(config, backend) and FP8_GATHER not in weights:  # the permute writes
                 # the rows' FP8 operand too
                 rows, rows_fp8 = sort.dispatch_rows_fp8(x, d)
+            elif reads_rows_twice(config):  # the gate and up projections' cotangents are summed
+                # in the permute's backward
+                rows, rows_up = sort.dispatch_rows_pair(x, d, backend=backend)
             else:
                 rows = sort.dispatch_rows(x, d, backend=backend)
             w_axes = tuple(vma.varying_axes(weights["wo"]))
             rows = vma.vary(checkpoint_name(rows, "moe_dispatched"), w_axes)
+            if rows_up is not None:
+                rows_up = vma.vary(checkpoint_name(rows_up, "moe_dispatched"), w_axes)
             if rows_fp8 is not None:
                 rows_fp8 = tuple(vma.vary(a, w_axes) for a in rows_fp8)
             # Without tensor parallelism the routing weights go into the activation and the
@@ -194,7 +199,8 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
                              config,
                              backend=backend,
                              row_weights=row_w,
-                             rows_fp8=rows_fp8)
+                             rows_fp8=rows_fp8,
+                             rows_up=rows_up)
             if gather:  # float32 where tp partial sums are added after it, as below
                 y = sort.combine_gather(out,
                                         vma.vary(r.weights, tuple(vma.varying_axes(out))),

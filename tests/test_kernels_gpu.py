@@ -243,6 +243,42 @@ def test_permute_unpermute_match_reference(dtype, t, k, m):
     assert ref.rel_err(gy, ref.permute(cy.astype(dtype), row_map)) <= tol, tag
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("t,k,m", [(1, 1, 64), (1003, 8, 100), (1003, 2, 4096), (4099, 8, 512)])
+def test_permute_pair_backward_is_one_unpermute2_of_both_cotangents(dtype, t, k, m):
+    """permute_pair's rows are permute's, bitwise, twice; its backward (the unpermute2 kernel:
+    both cotangents summed per token in float32, rounded once) against float64, with dropped
+    rows (row_map = T), a negative entry, tokens of no row and a poisoned output."""
+    s = ref.seed()
+    rng = np.random.default_rng(s)
+    rm = ref.row_map_for(t, k, 64, rng)
+    rm[rng.integers(0, len(rm))] = -3  # out of range on the other side: read zeros, never written
+    row_map = jnp.asarray(rm)
+    x = jnp.asarray(rng.standard_normal((t, m)), dtype)
+    c1 = jnp.asarray(rng.standard_normal((t * k, m)), dtype)
+    c2 = jnp.asarray(rng.standard_normal((t * k, m)) * 3.0, dtype)
+    tag = f"seed={s}"
+    poison()
+    y1, y2 = jax.jit(lambda a, r: ops.permute_pair(a, r, backend="cuda"))(x, row_map)
+    want = np.asarray(ops.permute_reference(x, row_map), np.float32)
+    np.testing.assert_array_equal(np.asarray(y1, np.float32), want)
+    np.testing.assert_array_equal(np.asarray(y2, np.float32), want)
+
+    def loss(a):
+        p, q = ops.permute_pair(a, row_map, backend="cuda")
+        return jnp.sum(
+            p.astype(jnp.float32) * c1.astype(jnp.float32) +
+            q.astype(jnp.float32) * c2.astype(jnp.float32))
+
+    poison()
+    gx = jax.jit(jax.grad(loss))(x)
+    assert gx.dtype == dtype
+    want64 = ref.unpermute(np.asarray(c1, np.float64) + np.asarray(c2, np.float64), rm, t)
+    tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+    assert ref.rel_err(gx, want64) <= tol, tag
+    assert ref.rel_err(gx, ops.unpermute2_reference(c1, c2, row_map, t)) <= tol, tag
+
+
 @pytest.mark.parametrize("fdtype", [jnp.int32, jnp.float32])  # counts read as they are
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 # (50001, 80): every block of the forward's first pass loops several times, and its grid stride

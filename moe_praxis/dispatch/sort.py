@@ -53,6 +53,12 @@ def dispatch_rows(x, d: Dispatch, *, backend: str = "auto"):
     return ops.permute(x, d.row_map, backend=backend)
 
 
+def dispatch_rows_pair(x, d: Dispatch, *, backend: str = "auto"):
+    """(rows, rows): dispatch_rows(x, d) for two consumers (the gate and up projections), whose
+    cotangents the permute's backward sums in its own pass (ops.permute_pair)."""
+    return ops.permute_pair(x, d.row_map, backend=backend)
+
+
 def dispatch_rows_fp8(x, d: Dispatch):
     """(rows = dispatch_rows(x, d), (q, s_t)): the permute writing the rows' FP8 operand (L1
     row tiles, the gate/up projection's lhs) in the same pass (ops.fp8_fused.permute_fp8)."""

@@ -46,6 +46,7 @@ KERNELS: dict[str, str] = {
     "moe_swiglu_bwd_interleaved": "MoeSwigluBwdInterleaved",
     "moe_permute": "MoePermute",
     "moe_unpermute": "MoeUnpermute",
+    "moe_unpermute2": "MoeUnpermute2",
     "moe_combine_fwd": "MoeCombineFwd",
     "moe_combine_bwd": "MoeCombineBwd",
     "moe_grouped_gemm_fwd": "MoeGroupedGemmFwd",

@@ -2,13 +2,20 @@
 
     permute(x, row_map)[r] = x[row_map[r]]           x: [T, M], row_map: [R] token of row r
     unpermute(y, row_map, T)[t] = sum_{r: row_map[r]=t} y[r]
+    permute_pair(x, row_map) = (y, y), y = permute(x, row_map)
 
-Each is the other's transpose (so each is the other's backward). Rows whose row_map is out
+Each of permute / unpermute is the other's transpose (so each is the other's backward).
+permute_pair gives the rows to two consumers (the gate and up projections): its backward sums
+the two cotangents in the unpermute's own pass (unpermute2: x[t] = sum_r (dy1[r] + dy2[r]))
+instead of adding them into an [R, M] array first, which autodiff of two uses of one permute
+would do (a pass that reads 2 and writes 1 [R, M] array, and an [R, M] buffer at the peak of
+the backward). Rows whose row_map is out
 of range (>= T, used for dropped / padded copies, or negative) read zeros and are not written,
 as in the kernels (NumPy-style wrapping of negative indices is not the contract).
 
-CUDA side (kernels/permute.cu): `permute_cuda` / `unpermute_cuda`, custom_vjps whose forward
-and backward are each a `platform_call` of a kernel and the reference.
+CUDA side (kernels/permute.cu): `permute_cuda` / `unpermute_cuda` / `permute_pair_cuda`,
+custom_vjps whose forward and backward are each a `platform_call` of a kernel and the
+reference.
 """
 
 from __future__ import annotations
@@ -38,6 +45,12 @@ def unpermute_reference(y, row_map, num_tokens: int):
     return out.at[_in_range(row_map, num_tokens)].add(y, mode="drop")
 
 
+def unpermute2_reference(y, y2, row_map, num_tokens: int):
+    """unpermute(y + y2) with the sums in float32, rounded once to y's dtype (as the kernel)."""
+    s = y.astype(jnp.float32) + y2.astype(jnp.float32)
+    return unpermute_reference(s, row_map, num_tokens).astype(y.dtype)
+
+
 # ------------------------------------------------------------------------------ CUDA side
 
 
@@ -58,6 +71,12 @@ def _unpermute_ffi(num_tokens, y, row_map):
     return ffi("moe_unpermute", out, y, row_map)[0]
 
 
+def _unpermute2_ffi(num_tokens, y, y2, row_map):
+    r = row_map.shape[0]
+    out = (jax.ShapeDtypeStruct((num_tokens, ) + y.shape[1:], y.dtype), _workspace(num_tokens, r))
+    return ffi("moe_unpermute2", out, y, y2, row_map)[0]
+
+
 def _unpermute_ref(num_tokens, y, row_map):
     return unpermute_reference(y, row_map, num_tokens)
 
@@ -69,6 +88,12 @@ def _permute_call(x, row_map):
 def _unpermute_call(num_tokens, y, row_map):
     return platform_call(functools.partial(_unpermute_ffi, num_tokens),
                          functools.partial(_unpermute_ref, num_tokens), y, row_map)
+
+
+def _unpermute2_call(num_tokens, y, y2, row_map):
+    return platform_call(functools.partial(_unpermute2_ffi, num_tokens),
+                         functools.partial(unpermute2_reference, num_tokens=num_tokens), y, y2,
+                         row_map)
 
 
 @jax.custom_vjp
@@ -109,6 +134,28 @@ def _unpermute_bwd(num_tokens, row_map, dx):
 unpermute_cuda.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 
+@jax.custom_vjp
+def permute_pair_cuda(x, row_map):
+    """(y, y) with y the permute kernel's rows (x: [T, M] f32/bf16; row_map: [R] int32).
+    Backward: one unpermute2 of both cotangents."""
+    y = _permute_call(x, row_map)
+    return y, y
+
+
+def _pair_fwd(x, row_map):
+    y = _permute_call(x, row_map)
+    return (y, y), (row_map, x.shape[0])
+
+
+def _pair_bwd(res, dys):
+    row_map, t = res
+    dy1, dy2 = dys
+    return _unpermute2_call(t, dy1, dy2, row_map), zero_cotangent(row_map)
+
+
+permute_pair_cuda.defvjp(_pair_fwd, _pair_bwd)
+
+
 def permute_unsupported(x, row_map) -> str:
     """'' if the permute kernels handle these inputs, else why not."""
     if x.ndim != 2:
@@ -131,6 +178,19 @@ def permute(x, row_map, *, backend: str = "auto"):
             return permute_cuda(x, row_map.astype(jnp.int32))
         _backend.warn_fallback("permute", why)
     return permute_reference(x, row_map)
+
+
+def permute_pair(x, row_map, *, backend: str = "auto"):
+    """x: [T, M], row_map: [R] int -> (y, y), y = permute(x, row_map) [R, M], for two
+    consumers. backend 'cuda': the permute kernel, and in the backward one unpermute2 pass over
+    both cotangents (no [R, M] sum of them); elsewhere permute's rows twice."""
+    if _backend.op_backend(backend, "permute") == "cuda":
+        why = permute_unsupported(x, row_map)
+        if not why:
+            return permute_pair_cuda(x, row_map.astype(jnp.int32))
+        _backend.warn_fallback("permute", why)
+    y = permute_reference(x, row_map)
+    return y, y
 
 
 def unpermute(y, row_map, num_tokens: int, *, backend: str = "auto"):
