@@ -3,13 +3,17 @@
 //   permute:   y[r] = x[row_map[r]]            (zeros where row_map[r] is not in [0, T))
 //   unpermute: x[t] = sum_{r: row_map[r] = t} y[r]   (summed in f32 in increasing r order,
 //              rounded once; deterministic)
-//   unpermute2: x[t] = sum_{r: row_map[r] = t} (y[r] + y2[r])   (the same, adding y2[r] after
-//              y[r]): the backward of rows read by two consumers (permute_pair), whose two
-//              cotangents would otherwise be added into an [R, M] array first
+//   unpermute of two: x[t] = sum_{r: row_map[r] = t} (y[r] + y2[r])   (the same, adding y2[r]
+//              after y[r]; moe_unpermute_indexed with two): the backward of rows read by two
+//              consumers (permute_pair), whose two cotangents would otherwise be added into an
+//              [R, M] array first
 //
 // x: [T, M], y: [R, M], f32 or bf16; row_map: [R] int32. Each is the other's backward.
 // Both build the inverse map (CSR: per-token row lists) in an explicit int32 workspace output
-// of 2 * T + 4 + R elements (XLA's scratch allocator is not used):
+// of 2 * T + 4 + R elements (XLA's scratch allocator is not used), or read it prebuilt: the
+// index (moe_permute_index: the CSR with the sink slot and sorted token lists, which serves
+// both) made once per dispatch for the permute, its backward, the combine's unpermute and its
+// backward (moe_permute_indexed, moe_unpermute_indexed):
 //   permute (rows of >= 512 bytes): one block per token reads x[t] ONCE and writes it to each of
 //     its rows (the row-major gather read each token k times and measured far below copy
 //     bandwidth on the H200: benchmarks/results/kernels_history.md, "permute.cu:
@@ -21,11 +25,13 @@
 #include <type_traits>
 
 #include "moe_common.h"
+#include "permute_csr.cuh"
 
 namespace moe {
 namespace {
 
-constexpr int kScanThreads = 1024;
+using namespace permute_csr;
+
 
 // Rows are copied / summed as 16-byte vectors (moe_common.h's Vec) when the row size allows.
 constexpr int kFlatThreads = 256;
@@ -108,99 +114,6 @@ __global__ void __launch_bounds__(kTokenThreads)
   }
 }
 
-// The CSR slot of row r: its token, or (with `sink`) slot T for rows mapped outside [0, T);
-// -1: not listed.
-__device__ __forceinline__ int64_t csr_slot(int32_t t, int64_t tokens, bool sink) {
-  if (t >= 0 && t < tokens) return t;
-  return sink ? tokens : -1;
-}
-
-__global__ void histogram_kernel(const int32_t* __restrict__ row_map, int32_t* __restrict__ cnt,
-                                 int64_t rows, int64_t tokens, bool sink) {
-  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
-       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t slot = csr_slot(row_map[r], tokens, sink);
-    if (slot >= 0) atomicAdd(cnt + slot + 1, 1);
-  }
-}
-
-// In-place inclusive scan of n ints by one block; also copies the result to `copy`. Tiles of
-// 4 * kScanThreads ints: each thread scans 4 consecutive ints (coalesced across the block),
-// warps scan the thread totals with shuffles, a running carry links the tiles. (A thread-per-
-// chunk version made strided, latency-bound loads: benchmarks/results/kernels_history.md,
-// "permute.cu: scan_kernel".)
-__global__ void __launch_bounds__(kScanThreads)
-    scan_kernel(int32_t* __restrict__ a, int32_t* __restrict__ copy, int64_t n) {
-  constexpr int kWarpsScan = kScanThreads / 32;
-  __shared__ int32_t warp_tot[kWarpsScan];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int32_t carry = 0;
-  for (int64_t base = 0; base < n; base += 4 * kScanThreads) {
-    const int64_t i0 = base + 4 * static_cast<int64_t>(threadIdx.x);
-    int32_t v[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = i0 + j < n ? a[i0 + j] : 0;
-    v[1] += v[0];
-    v[2] += v[1];
-    v[3] += v[2];
-    int32_t x = v[3];  // inclusive scan of the thread totals within the warp
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
-      if (lane >= o) x += y;
-    }
-    if (lane == 31) warp_tot[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-      int32_t w = lane < kWarpsScan ? warp_tot[lane] : 0;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int32_t y = __shfl_up_sync(0xffffffffu, w, o);
-        if (lane >= o) w += y;
-      }
-      if (lane < kWarpsScan) warp_tot[lane] = w;
-    }
-    __syncthreads();
-    const int32_t excl = carry + (warp > 0 ? warp_tot[warp - 1] : 0) + (x - v[3]);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (i0 + j < n) {
-        a[i0 + j] = v[j] + excl;
-        copy[i0 + j] = v[j] + excl;
-      }
-    }
-    carry += warp_tot[kWarpsScan - 1];
-    __syncthreads();  // warp_tot is rewritten by the next tile
-  }
-}
-
-__global__ void fill_kernel(const int32_t* __restrict__ row_map, int32_t* __restrict__ cursor,
-                            int32_t* __restrict__ lists, int64_t rows, int64_t tokens,
-                            bool sink) {
-  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
-       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t slot = csr_slot(row_map[r], tokens, sink);
-    if (slot >= 0) lists[atomicAdd(cursor + slot, 1)] = static_cast<int32_t>(r);
-  }
-}
-
-// Sorts each token's row list ascending (the fill order is racy; the sum order must not be).
-__global__ void sort_lists_kernel(const int32_t* __restrict__ offsets, int32_t* __restrict__ lists,
-                                  int64_t tokens) {
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < tokens;
-       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int32_t lo = offsets[t], hi = offsets[t + 1];
-    for (int32_t i = lo + 1; i < hi; ++i) {
-      const int32_t v = lists[i];
-      int32_t j = i - 1;
-      while (j >= lo && lists[j] > v) {
-        lists[j + 1] = lists[j];
-        --j;
-      }
-      lists[j + 1] = v;
-    }
-  }
-}
 
 // Flat over T * M / VEC output vectors: vector (t, c) sums y[r, c] (then y2[r, c] with TWO)
 // over t's rows in order.
@@ -249,59 +162,21 @@ __global__ void __launch_bounds__(kFlatThreads)
   reinterpret_cast<V*>(x)[i] = o;
 }
 
-// Workspace: offsets [T + 2] (offsets[s] = rows listed in slots < s; slot T is the sink),
-// cursor [T + 2], lists [R].
-inline int64_t workspace_size(int64_t tokens, int64_t rows) { return 2 * (tokens + 2) + rows; }
-
-struct Csr {
-  int32_t* offsets;
-  int32_t* cursor;
-  int32_t* lists;
-};
-inline Csr csr_view(int32_t* ws, int64_t tokens) {
-  return Csr{ws, ws + tokens + 2, ws + 2 * (tokens + 2)};
-}
-
-// Builds the CSR inverse of row_map in `c`: slots 0..T-1 (tokens) and, with `sink`, slot T
-// (rows mapped outside [0, T)); with `sorted`, each list in increasing row order.
-ffi::Error build_csr(cudaStream_t stream, const int32_t* row_map, const Csr& c, int64_t rows,
-                     int64_t tokens, bool sink, bool sorted) {
-  const int64_t slots = tokens + 1;
-  int32_t* offsets = c.offsets;
-  int32_t* cursor = c.cursor;
-  int32_t* lists = c.lists;
-  MOE_CUDA_CHECK(cudaMemsetAsync(offsets, 0, (slots + 1) * sizeof(int32_t), stream));
-  if (rows > 0) {
-    histogram_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(row_map, offsets, rows, tokens,
-                                                              sink);
-    MOE_LAUNCH_CHECK("permute histogram");
-  }
-  // histogram counts slot s at offsets[s + 1]; its inclusive scan gives the offsets
-  scan_kernel<<<1, kScanThreads, 0, stream>>>(offsets, cursor, slots + 1);
-  MOE_LAUNCH_CHECK("permute scan");
-  if (rows > 0) {
-    fill_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(row_map, cursor, lists, rows, tokens,
-                                                         sink);
-    MOE_LAUNCH_CHECK("permute fill");
-  }
-  if (sorted) {
-    sort_lists_kernel<<<grid_for(tokens, 256), 256, 0, stream>>>(offsets, lists, tokens);
-    MOE_LAUNCH_CHECK("unpermute sort");
-  }
-  return ffi::Error::Success();
-}
-
+// ws: the workspace the CSR is built in, or (built = true) the prebuilt index, only read.
 template <typename T>
 ffi::Error launch_permute(cudaStream_t stream, const void* x, const int32_t* row_map, void* y,
-                          int32_t* ws, int64_t rows, int64_t tokens, int64_t m) {
+                          int32_t* ws, int64_t rows, int64_t tokens, int64_t m,
+                          bool built = false) {
   constexpr int kVec = 16 / sizeof(T);
   const int vec = m % kVec == 0 ? kVec : 1;
   const int64_t nv = m / vec;
   if (vec == kVec && nv >= 32 && tokens > 0) {  // rows of >= 512 bytes: token-major
     const Csr c = csr_view(ws, tokens);
-    if (auto err = build_csr(stream, row_map, c, rows, tokens, /*sink=*/true, /*sorted=*/false);
-        !err.success())
-      return err;
+    if (!built) {
+      if (auto err = build_csr(stream, row_map, c, rows, tokens, /*sink=*/true, /*sorted=*/false);
+          !err.success())
+        return err;
+    }
     permute_tokens_kernel<T, kVec>
         <<<static_cast<unsigned>(tokens + kSinkBlocks), kTokenThreads, 0, stream>>>(
             static_cast<const T*>(x), c.offsets, c.lists, static_cast<T*>(y), tokens, nv);
@@ -320,15 +195,18 @@ ffi::Error launch_permute(cudaStream_t stream, const void* x, const int32_t* row
   return ffi::Error::Success();
 }
 
-// y2: nullptr (unpermute) or the second [R, M] input (unpermute2)
+// y2: nullptr, or the second [R, M] input (the sum of two); ws as for launch_permute
+// (a prebuilt index has the sink slot after the tokens' lists, which the sum does not read).
 template <typename T>
 ffi::Error launch_unpermute(cudaStream_t stream, const void* y, const void* y2,
                             const int32_t* row_map, void* x, int32_t* ws, int64_t rows,
-                            int64_t tokens, int64_t m) {
+                            int64_t tokens, int64_t m, bool built = false) {
   const Csr c = csr_view(ws, tokens);
-  if (auto err = build_csr(stream, row_map, c, rows, tokens, /*sink=*/false, /*sorted=*/true);
-      !err.success())
-    return err;
+  if (!built) {
+    if (auto err = build_csr(stream, row_map, c, rows, tokens, /*sink=*/false, /*sorted=*/true);
+        !err.success())
+      return err;
+  }
   constexpr int kVec = 16 / sizeof(T);
   const int vec = m % kVec == 0 ? kVec : 1;
   const int64_t nv = m / vec;
@@ -345,7 +223,7 @@ ffi::Error launch_unpermute(cudaStream_t stream, const void* y, const void* y2,
   } else {
     if (vec == kVec) run(Full{}, std::false_type{}); else run(One{}, std::false_type{});
   }
-  MOE_LAUNCH_CHECK(y2 != nullptr ? "unpermute2" : "unpermute");
+  MOE_LAUNCH_CHECK(y2 != nullptr ? "unpermute of two" : "unpermute");
   return ffi::Error::Success();
 }
 
@@ -375,11 +253,11 @@ ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
   }
 }
 
-// y2: nullptr (unpermute) or unpermute2's second input (checked against y by the caller)
-ffi::Error unpermute_any(cudaStream_t stream, const char* who, const ffi::AnyBuffer& y,
-                         const void* y2, const ffi::Buffer<ffi::S32>& row_map, ffi::AnyBuffer& x,
-                         ffi::Buffer<ffi::S32>& ws) {
-  const std::string op(who);
+ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_map,
+                         ffi::Result<ffi::AnyBuffer> xr, ffi::Result<ffi::Buffer<ffi::S32>> wsr) {
+  const std::string op("unpermute");
+  ffi::AnyBuffer& x = *xr;
+  ffi::Buffer<ffi::S32>& ws = *wsr;
   if (y.dimensions().size() != 2) return MOE_INVALID(op + ": y must be [R, M]");
   const int64_t rows = y.dimensions()[0], m = y.dimensions()[1];
   if (static_cast<int64_t>(row_map.element_count()) != rows) {
@@ -396,31 +274,100 @@ ffi::Error unpermute_any(cudaStream_t stream, const char* who, const ffi::AnyBuf
   if (tokens == 0 || m == 0) return ffi::Error::Success();
   switch (y.element_type()) {
     case ffi::F32:
-      return launch_unpermute<float>(stream, y.untyped_data(), y2, row_map.typed_data(),
+      return launch_unpermute<float>(stream, y.untyped_data(), nullptr, row_map.typed_data(),
                                      x.untyped_data(), ws.typed_data(), rows, tokens, m);
     case ffi::BF16:
-      return launch_unpermute<__nv_bfloat16>(stream, y.untyped_data(), y2, row_map.typed_data(),
-                                             x.untyped_data(), ws.typed_data(), rows, tokens, m);
+      return launch_unpermute<__nv_bfloat16>(stream, y.untyped_data(), nullptr,
+                                             row_map.typed_data(), x.untyped_data(),
+                                             ws.typed_data(), rows, tokens, m);
     default:
       return MOE_INVALID(op + ": y must be float32 or bfloat16");
   }
 }
 
-ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_map,
-                         ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::Buffer<ffi::S32>> ws) {
-  return unpermute_any(stream, "unpermute", y, nullptr, row_map, *x, *ws);
+// ----------------------------------------------------------- the prebuilt index and its users
+
+ffi::Error check_index(const char* op, const ffi::Buffer<ffi::S32>& index, int64_t tokens,
+                       int64_t rows) {
+  if (static_cast<int64_t>(index.element_count()) != workspace_size(tokens, rows)) {
+    return MOE_INVALID(std::string(op) + ": index must have 2 * T + 4 + R = " +
+                       std::to_string(workspace_size(tokens, rows)) + " int32 elements (T=" +
+                       std::to_string(tokens) + ", R=" + std::to_string(rows) + "), got " +
+                       std::to_string(index.element_count()));
+  }
+  return ffi::Error::Success();
 }
 
-ffi::Error Unpermute2Impl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer y2,
-                          ffi::Buffer<ffi::S32> row_map, ffi::Result<ffi::AnyBuffer> x,
-                          ffi::Result<ffi::Buffer<ffi::S32>> ws) {
-  if (y2.element_type() != y.element_type() || y2.dimensions().size() != 2 ||
-      y.dimensions().size() != 2 || y2.dimensions()[0] != y.dimensions()[0] ||
-      y2.dimensions()[1] != y.dimensions()[1]) {
-    return MOE_INVALID("unpermute2: y2 must be [R, M] with y's shape and dtype");
-  }
-  return unpermute_any(stream, "unpermute2", y, y2.untyped_data(), row_map, *x, *ws);
+ffi::Error PermuteIndexImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> row_map,
+                            ffi::Result<ffi::Buffer<ffi::S32>> index, int64_t tokens) {
+  const int64_t rows = row_map.element_count();
+  if (tokens < 0) return MOE_INVALID("permute index: tokens must be >= 0");
+  if (auto err = check_index("permute index", *index, tokens, rows); !err.success()) return err;
+  return build_csr(stream, row_map.typed_data(), csr_view(index->typed_data(), tokens), rows,
+                   tokens, /*sink=*/true, /*sorted=*/true);
 }
+
+// The kernels only read the index; the launchers take a mutable pointer for the build case.
+inline int32_t* read_only(const ffi::Buffer<ffi::S32>& index) {
+  return const_cast<int32_t*>(index.typed_data());
+}
+
+ffi::Error PermuteIndexedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_map,
+                              ffi::Buffer<ffi::S32> index, ffi::Result<ffi::AnyBuffer> y) {
+  if (x.dimensions().size() != 2) return MOE_INVALID("permute indexed: x must be [T, M]");
+  const int64_t tokens = x.dimensions()[0], m = x.dimensions()[1];
+  const int64_t rows = row_map.element_count();
+  if (y->element_count() != static_cast<size_t>(rows * m) ||
+      y->element_type() != x.element_type()) {
+    return MOE_INVALID("permute indexed: y must be [R, M] in x's dtype");
+  }
+  if (auto err = check_index("permute indexed", index, tokens, rows); !err.success()) return err;
+  if (rows == 0 || m == 0) return ffi::Error::Success();
+  switch (x.element_type()) {
+    case ffi::F32:
+      return launch_permute<float>(stream, x.untyped_data(), row_map.typed_data(),
+                                   y->untyped_data(), read_only(index), rows, tokens, m, true);
+    case ffi::BF16:
+      return launch_permute<__nv_bfloat16>(stream, x.untyped_data(), row_map.typed_data(),
+                                           y->untyped_data(), read_only(index), rows, tokens, m,
+                                           true);
+    default:
+      return MOE_INVALID("permute indexed: x must be float32 or bfloat16");
+  }
+}
+
+// two: x[t] = sum over t's rows of y[r] + y2[r]; else y2 is not read.
+ffi::Error UnpermuteIndexedImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer y2,
+                                ffi::Buffer<ffi::S32> index, ffi::Result<ffi::AnyBuffer> x,
+                                bool two) {
+  if (y.dimensions().size() != 2) return MOE_INVALID("unpermute indexed: y must be [R, M]");
+  const int64_t rows = y.dimensions()[0], m = y.dimensions()[1];
+  if (two && (y2.element_type() != y.element_type() || y2.dimensions().size() != 2 ||
+              y2.dimensions()[0] != rows || y2.dimensions()[1] != m)) {
+    return MOE_INVALID("unpermute indexed: y2 must be [R, M] with y's shape and dtype");
+  }
+  if (x->dimensions().size() != 2 || x->element_type() != y.element_type() ||
+      x->dimensions()[1] != m) {
+    return MOE_INVALID("unpermute indexed: x must be [T, M=" + std::to_string(m) +
+                       "] in y's dtype");
+  }
+  const int64_t tokens = x->dimensions()[0];
+  if (auto err = check_index("unpermute indexed", index, tokens, rows); !err.success()) return err;
+  if (tokens == 0 || m == 0) return ffi::Error::Success();
+  const void* y2p = two ? y2.untyped_data() : nullptr;
+  switch (y.element_type()) {
+    case ffi::F32:
+      return launch_unpermute<float>(stream, y.untyped_data(), y2p, nullptr, x->untyped_data(),
+                                     read_only(index), rows, tokens, m, true);
+    case ffi::BF16:
+      return launch_unpermute<__nv_bfloat16>(stream, y.untyped_data(), y2p, nullptr,
+                                             x->untyped_data(), read_only(index), rows, tokens, m,
+                                             true);
+    default:
+      return MOE_INVALID("unpermute indexed: y must be float32 or bfloat16");
+  }
+}
+
 
 }  // namespace
 }  // namespace moe
@@ -443,12 +390,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermute, moe::UnpermuteImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),  // workspace
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermute2, moe::Unpermute2Impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermuteIndex, moe::PermuteIndexImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // y [R, M]
-                                  .Arg<xla::ffi::AnyBuffer>()              // y2 [R, M]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [R]
-                                  .Ret<xla::ffi::AnyBuffer>()              // x [T, M]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),  // workspace
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_map [R]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()   // index [2T+4+R]
+                                  .Attr<int64_t>("tokens"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermuteIndexed, moe::PermuteIndexedImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // x [T, M]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_map [R]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // index
+                                  .Ret<xla::ffi::AnyBuffer>(),              // y [R, M]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteIndexed, moe::UnpermuteIndexedImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // y [R, M]
+                                  .Arg<xla::ffi::AnyBuffer>()               // y2 [R, M] (two)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // index
+                                  .Ret<xla::ffi::AnyBuffer>()               // x [T, M]
+                                  .Attr<bool>("two"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

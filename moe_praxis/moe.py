@@ -172,14 +172,15 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
         weights = expert_weights.gather_expert_weights(params, layout, config)
         if layout.ep_size == 1:
             rows_fp8 = rows_up = None
+            index = sort.dispatch_index(d, t_l, backend=backend)  # one for all permutes
             if fp8_kernels(config, backend) and FP8_GATHER not in weights:  # the permute writes
                 # the rows' FP8 operand too
                 rows, rows_fp8 = sort.dispatch_rows_fp8(x, d)
             elif reads_rows_twice(config):  # the gate and up projections' cotangents are summed
                 # in the permute's backward
-                rows, rows_up = sort.dispatch_rows_pair(x, d, backend=backend)
+                rows, rows_up = sort.dispatch_rows_pair(x, d, backend=backend, index=index)
             else:
-                rows = sort.dispatch_rows(x, d, backend=backend)
+                rows = sort.dispatch_rows(x, d, backend=backend, index=index)
             w_axes = tuple(vma.varying_axes(weights["wo"]))
             rows = vma.vary(checkpoint_name(rows, "moe_dispatched"), w_axes)
             if rows_up is not None:
@@ -209,7 +210,13 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
                                         out.dtype if fuse else jnp.float32,
                                         backend=backend)
             else:
-                y = sort.combine_sorted(out, w_sorted, d.row_map, t_l, not fuse, backend=backend)
+                y = sort.combine_sorted(out,
+                                        w_sorted,
+                                        d.row_map,
+                                        t_l,
+                                        not fuse,
+                                        backend=backend,
+                                        index=index)
             overflow = jnp.zeros((), jnp.int32)
             shared = shared_branch()
         else:

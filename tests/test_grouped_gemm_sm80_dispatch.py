@@ -193,7 +193,7 @@ def test_lowered_for_cuda_moe_block_on_sm80_runs_sm80_kernels_and_unfused_gate_u
     x = jnp.ones((2, 16, cfg.d_model), jnp.bfloat16)
     targets = set(_cuda_targets(lambda p, xx: mp.moe_block(p, xx, cfg).y, params, x))
     assert {"moe_grouped_gemm_sm80_fwd", "moe_swiglu_fwd", "moe_router_fwd",
-            "moe_permute"} <= targets, targets
+            "moe_permute_indexed"} <= targets, targets
     assert not {"moe_grouped_gemm_fwd", "moe_grouped_gemm_swiglu_fwd"} & targets, targets
     fcfg = dataclasses.replace(cfg, fuse_gate_up=True, gated=True)
     fparams = mp.init_moe_params(jax.random.key(1), fcfg)

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import moe_praxis as mp
 from moe_praxis import ops, routing
 from moe_praxis.config import MoEConfig
+from moe_praxis.ops.permute import permute_index_cuda
 from moe_praxis.ops.router import router_cuda
 from tests import kernel_reference as ref
 from tests.testutil import router_config
@@ -245,10 +246,10 @@ def test_permute_unpermute_match_reference(dtype, t, k, m):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("t,k,m", [(1, 1, 64), (1003, 8, 100), (1003, 2, 4096), (4099, 8, 512)])
-def test_permute_pair_backward_is_one_unpermute2_of_both_cotangents(dtype, t, k, m):
-    """permute_pair's rows are permute's, bitwise, twice; its backward (the unpermute2 kernel:
-    both cotangents summed per token in float32, rounded once) against float64, with dropped
-    rows (row_map = T), a negative entry, tokens of no row and a poisoned output."""
+def test_permute_pair_backward_is_one_unpermute_of_both_cotangents(dtype, t, k, m):
+    """permute_pair's rows are permute's, bitwise, twice; its backward (the indexed unpermute of
+    two: both cotangents summed per token in float32, rounded once) against float64, with
+    dropped rows (row_map = T), a negative entry, tokens of no row and a poisoned output."""
     s = ref.seed()
     rng = np.random.default_rng(s)
     rm = ref.row_map_for(t, k, 64, rng)
@@ -277,6 +278,48 @@ def test_permute_pair_backward_is_one_unpermute2_of_both_cotangents(dtype, t, k,
     tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
     assert ref.rel_err(gx, want64) <= tol, tag
     assert ref.rel_err(gx, ops.unpermute2_reference(c1, c2, row_map, t)) <= tol, tag
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("t,k,m", [(1, 1, 64), (1003, 8, 100), (1003, 2, 4096), (4099, 8, 512)])
+def test_permute_index_kernel_and_the_kernels_that_read_it(dtype, t, k, m):
+    """moe_permute_index against NumPy's CSR inverse (offsets and cursor exact, each token's rows
+    ascending, the sink slot as a set), then permute / unpermute and the permute's backward
+    reading it against the references, outputs poisoned; dropped rows and a negative entry."""
+    s = ref.seed()
+    rng = np.random.default_rng(s)
+    rm = ref.row_map_for(t, k, 64, rng)
+    rm[rng.integers(0, len(rm))] = -1
+    row_map = jnp.asarray(rm)
+    tag = f"seed={s}"
+    poison()
+    index = np.asarray(jax.jit(lambda r: permute_index_cuda(r, t))(row_map))
+    slot = np.where((rm >= 0) & (rm < t), rm, t)
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(slot, minlength=t + 1))])
+    np.testing.assert_array_equal(index[:t + 2], offsets, tag)
+    np.testing.assert_array_equal(index[t + 2:2 * t + 4], np.r_[offsets[1:], offsets[-1]], tag)
+    lists = index[2 * t + 4:]
+    order = np.argsort(slot, kind="stable")
+    np.testing.assert_array_equal(lists[:offsets[t]], order[:offsets[t]], tag)
+    np.testing.assert_array_equal(np.sort(lists[offsets[t]:]), order[offsets[t]:], tag)
+
+    x = jnp.asarray(rng.standard_normal((t, m)), dtype)
+    y = jnp.asarray(rng.standard_normal((t * k, m)), dtype)
+    idx = jnp.asarray(index)
+    poison()
+    got = jax.jit(lambda a: ops.permute(a, row_map, backend="cuda", index=idx))(x)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(ops.permute_reference(x, row_map), np.float32))
+    tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+    poison()
+    back = jax.jit(lambda b: ops.unpermute(b, row_map, t, backend="cuda", index=idx))(y)
+    assert ref.rel_err(back, ref.unpermute(y, rm, t)) <= tol, tag
+    cx = jnp.asarray(rng.standard_normal((t * k, m)), jnp.float32)
+    poison()
+    gx = jax.jit(
+        jax.grad(lambda a: jnp.sum(
+            ops.permute(a, row_map, backend="cuda", index=idx).astype(jnp.float32) * cx)))(x)
+    assert ref.rel_err(gx, ref.unpermute(cx.astype(dtype), rm, t)) <= tol, tag
 
 
 @pytest.mark.parametrize("fdtype", [jnp.int32, jnp.float32])  # counts read as they are

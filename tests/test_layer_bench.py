@@ -94,7 +94,8 @@ def test_stage_table_on_the_compiled_hlo():
     assert lb.stage_of(info("moe_grouped_gemm_wgrad"), "k") == "grouped GEMM wgrad"
     assert lb.stage_of(info("moe_router_bwd"), "k") == "routing kernel"
     assert lb.stage_of(info("moe_unpermute"), "k") == "unpermute / combine"
-    assert lb.stage_of(info("moe_unpermute2"), "k") == "unpermute / combine"
+    assert lb.stage_of(info("moe_unpermute_indexed"), "k") == "unpermute / combine"
+    assert lb.stage_of(info("moe_permute_index"), "k") == "permute"
     assert lb.stage_of(info(op_name="jit(f)/jvp()/add"), "k") == lb.OTHER
     assert lb.stage_of(None, "void router_fwd_kernel<float>") == "routing kernel"
     assert lb.stage_of(None, "cutlass::device_kernel<GemmUniversal>") == \

@@ -1,6 +1,7 @@
-"""permute_pair: the rows for the gate and up projections, their two cotangents summed in the
-permute's backward (one unpermute2 pass) instead of an [R, M] add (CPU: the references, and the
-lowering for CUDA; tests/test_kernels_gpu.py runs the kernel)."""
+"""permute_pair (the rows for the gate and up projections, their two cotangents summed in the
+permute's backward, one unpermute pass over both, instead of an [R, M] add) and the permute
+index (the CSR inverse made once per dispatch). CPU: the references and the lowering for CUDA;
+tests/test_kernels_gpu.py runs the kernels."""
 
 import re
 
@@ -14,7 +15,8 @@ from moe_praxis import experts, ops
 from moe_praxis.config import MoEConfig
 from moe_praxis.dispatch import sort
 from moe_praxis.ops import backend
-from moe_praxis.ops.permute import permute_pair_cuda
+from moe_praxis.ops.permute import (permute_cuda, permute_index_cuda, permute_index_reference,
+                                    permute_pair_cuda, unpermute_cuda)
 from tests import kernel_reference as ref
 from tests.grouped_gemm_util import _fake_device
 
@@ -38,7 +40,8 @@ def test_permute_pair_rows_and_gradient_against_float64(backend):
     t = 17
     rm, x, c1, c2 = _case(rng, t)
     row_map = jnp.asarray(rm)
-    pair = (lambda a: permute_pair_cuda(a, row_map)) if backend == "cuda-vjp" else (
+    index = permute_index_cuda(row_map, t)
+    pair = (lambda a: permute_pair_cuda(a, row_map, index)) if backend == "cuda-vjp" else (
         lambda a: ops.permute_pair(a, row_map, backend="xla"))
     y1, y2 = pair(x)
     np.testing.assert_array_equal(np.asarray(y1), ref.permute(x, rm))
@@ -60,20 +63,22 @@ def test_permute_pair_rows_and_gradient_against_float64(backend):
     assert ref.rel_err(got, want) <= 1e-2
 
 
-def test_permute_pair_backward_lowers_to_one_unpermute2_for_cuda():
-    """Lowered for CUDA (no GPU needed): the backward of a loss over both rows is one
-    moe_unpermute2 call, no moe_unpermute, and no [R, M] add of the two cotangents."""
+def test_permute_pair_backward_lowers_to_one_unpermute_of_both_for_cuda():
+    """Lowered for CUDA (no GPU needed): the backward of a loss over both rows is one indexed
+    unpermute of two inputs, no plain moe_unpermute, and no [R, M] add of the two cotangents."""
     rng = np.random.default_rng(ref.seed())
     rm, x, c1, c2 = _case(rng, t=64, k=4, m=128)
     row_map = jnp.asarray(rm)
 
     def loss(a):
-        p, q = permute_pair_cuda(a.astype(jnp.bfloat16), row_map)
+        p, q = permute_pair_cuda(a.astype(jnp.bfloat16), row_map, permute_index_cuda(row_map, 64))
         return jnp.sum(p.astype(jnp.float32) * c1) + jnp.sum(q.astype(jnp.float32) * c2)
 
     text = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda", )).as_text()
-    assert text.count("custom_call @moe_unpermute2(") == 1, text[-3000:]
-    assert "custom_call @moe_unpermute(" not in text
+    calls = re.findall(r"custom_call @(moe_\w+)\(.*", text)
+    assert [c for c in calls if "unpermute" in c] == ["moe_unpermute_indexed"], calls
+    line = next(ln for ln in text.splitlines() if "custom_call @moe_unpermute_indexed(" in ln)
+    assert "two = true" in line, line
     r, m = c1.shape
     assert not [ln for ln in text.splitlines() if "add" in ln and f"{r}x{m}xbf16" in ln]
 
@@ -131,9 +136,9 @@ def test_expert_ffn_with_the_pair_equals_expert_ffn_on_the_rows():
 @pytest.mark.parametrize("fuse_gate_up", [False, True])
 def test_lowered_block_backward_sums_gate_and_up_cotangents_in_the_unpermute(
         monkeypatch, fuse_gate_up):
-    """moe_block's fwd+bwd lowered for CUDA on a faked Hopper: with separate gate and up
-    projections the permute's backward is one moe_unpermute2 (no [R, M] add); with the fused
-    gate/up GEMM (one read of the rows) it stays moe_unpermute."""
+    """moe_block's fwd+bwd lowered for CUDA on a faked Hopper: one index for all permutes; with
+    separate gate and up projections the permute's backward is one indexed unpermute of both
+    cotangents (no [R, M] add); with the fused gate/up GEMM (one read of the rows) of one."""
     _fake_device(monkeypatch, 90, name="NVIDIA H200")
     cfg = mp.MoEConfig(num_experts=8,
                        top_k=2,
@@ -149,8 +154,44 @@ def test_lowered_block_backward_sums_gate_and_up_cotangents_in_the_unpermute(
 
     checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in backend.KERNELS]
     exp = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=checks)(params, x)
-    targets = re.findall(r"custom_call @(moe_\w+)", exp.mlir_module())
-    assert targets.count("moe_unpermute2") == (0 if fuse_gate_up else 1), targets
+    text = exp.mlir_module()
+    targets = re.findall(r"custom_call @(moe_\w+)", text)
+    assert targets.count("moe_permute_index") == 1, targets
+    assert "moe_permute" not in targets and "moe_unpermute" not in targets, targets
     # (the combine's forward unpermute is not needed for d x: the permute's backward is the only
     # unpermute left)
-    assert targets.count("moe_unpermute") == (1 if fuse_gate_up else 0), targets
+    twos = re.findall(r"custom_call @moe_unpermute_indexed\(.*two = (true|false)", text)
+    assert twos == ["false" if fuse_gate_up else "true"], twos
+
+
+def _numpy_index(rm, t):
+    """offsets [T + 2], cursor [T + 2], lists [R] of the CSR inverse, lists ascending."""
+    slot = np.where((rm >= 0) & (rm < t), rm, t)
+    counts = np.bincount(slot, minlength=t + 1)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    cursor = np.concatenate([offsets[1:], offsets[-1:]])
+    return offsets, cursor, np.argsort(slot, kind="stable")
+
+
+def test_permute_index_reference_is_the_csr_inverse_and_indexed_ops_equal_plain_ones():
+    """The index's layout against NumPy, and the ops given it (the reference side on the CPU)
+    equal to the ops without it, gradients too."""
+    rng = np.random.default_rng(ref.seed())
+    t = 17
+    rm, x, c1, _ = _case(rng, t)
+    row_map = jnp.asarray(rm)
+    index = np.asarray(permute_index_reference(row_map, t))
+    offsets, cursor, lists = _numpy_index(rm, t)
+    assert index.shape == (2 * t + 4 + len(rm), )
+    np.testing.assert_array_equal(index[:t + 2], offsets)
+    np.testing.assert_array_equal(index[t + 2:2 * t + 4], cursor)
+    np.testing.assert_array_equal(index[2 * t + 4:], lists)
+    assert ops.permute_index(row_map, t, backend="xla") is None  # no kernels: no index
+
+    idx = permute_index_cuda(row_map, t)
+    np.testing.assert_array_equal(permute_cuda(x, row_map, idx), permute_cuda(x, row_map))
+    np.testing.assert_array_equal(unpermute_cuda(c1, row_map, t, idx),
+                                  unpermute_cuda(c1, row_map, t))
+    g1 = jax.grad(lambda a: jnp.sum(permute_cuda(a, row_map, idx) * c1))(x)
+    g2 = jax.grad(lambda a: jnp.sum(permute_cuda(a, row_map) * c1))(x)
+    np.testing.assert_array_equal(g1, g2)

@@ -48,15 +48,23 @@ def sort_copies(expert_ids, keep, num_experts: int, dropped_tokens) -> Dispatch:
                     dropped_tokens=dropped_tokens)
 
 
-def dispatch_rows(x, d: Dispatch, *, backend: str = "auto"):
-    """x: [T, M] -> expert-sorted rows [R, M] (zeros for dropped / padded rows)."""
-    return ops.permute(x, d.row_map, backend=backend)
+def dispatch_index(d: Dispatch, num_tokens: int, *, backend: str = "auto"):
+    """The permute kernels' index of d.row_map (ops.permute_index), made once for the
+    dispatch's permute, the combine's unpermute and their backwards; None where the permute
+    does not run the kernels."""
+    return ops.permute_index(d.row_map, num_tokens, backend=backend)
 
 
-def dispatch_rows_pair(x, d: Dispatch, *, backend: str = "auto"):
+def dispatch_rows(x, d: Dispatch, *, backend: str = "auto", index=None):
+    """x: [T, M] -> expert-sorted rows [R, M] (zeros for dropped / padded rows); index:
+    dispatch_index(d, T) or None."""
+    return ops.permute(x, d.row_map, backend=backend, index=index)
+
+
+def dispatch_rows_pair(x, d: Dispatch, *, backend: str = "auto", index=None):
     """(rows, rows): dispatch_rows(x, d) for two consumers (the gate and up projections), whose
     cotangents the permute's backward sums in its own pass (ops.permute_pair)."""
-    return ops.permute_pair(x, d.row_map, backend=backend)
+    return ops.permute_pair(x, d.row_map, backend=backend, index=index)
 
 
 def dispatch_rows_fp8(x, d: Dispatch):
@@ -71,13 +79,20 @@ def row_weights(weights, d: Dispatch):
     return weights.reshape(-1)[d.order].astype(jnp.float32)
 
 
-def combine_sorted(rows, w_rows, row_map, num_tokens: int, weighted: bool, *, backend: str):
+def combine_sorted(rows,
+                   w_rows,
+                   row_map,
+                   num_tokens: int,
+                   weighted: bool,
+                   *,
+                   backend: str,
+                   index=None):
     """rows: [R, M] expert outputs in sorted order -> [T, M]: a plain unpermute when the
     routing weights are already in the rows (weighted=False: expert_ffn's row_weights), else
-    the float32 sum of w_rows [R] x rows."""
+    the float32 sum of w_rows [R] x rows. index: ops.permute_index(row_map, T) or None."""
     if weighted:
         rows = rows.astype(jnp.float32) * w_rows[:, None]
-    return ops.unpermute(rows, row_map, num_tokens, backend=backend)
+    return ops.unpermute(rows, row_map, num_tokens, backend=backend, index=index)
 
 
 def combine_gather(rows, weights, d: Dispatch, num_tokens: int, out_dtype, *, backend: str):

@@ -21,8 +21,8 @@ from moe_praxis.ops.backend import backend_info, resolve_backend
 from moe_praxis.ops.combine import combine, combine_reference
 from moe_praxis.ops.gate_up import gate_up_swiglu, interleave_gate_up, split_gate_up
 from moe_praxis.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
-from moe_praxis.ops.permute import (permute, permute_pair, permute_reference, unpermute,
-                                    unpermute2_reference, unpermute_reference)
+from moe_praxis.ops.permute import (permute, permute_index, permute_pair, permute_reference,
+                                    unpermute, unpermute2_reference, unpermute_reference)
 from moe_praxis.ops.router import route, router_reference
 from moe_praxis.ops.swiglu import activation, swiglu, swiglu_reference
 from moe_praxis.ops.dswiglu import gate_up_swiglu_down, swiglu_down
@@ -44,6 +44,7 @@ __all__ = [
     "grouped_gemm_reference",
     "interleave_gate_up",
     "permute",
+    "permute_index",
     "permute_pair",
     "permute_reference",
     "resolve_backend",
