@@ -137,7 +137,8 @@ def permute_index_cuda(row_map, num_tokens: int):
 def permute_cuda(x, row_map, index=None):
     """The permute kernel (the reference where not lowered for CUDA): y[r] = x[row_map[r]]
     (zeros where row_map[r] is outside [0, T)). x: [T, M] f32/bf16; row_map: [R] int32
-    -> [R, M]. Backward: unpermute."""
+    -> [R, M]; index: None (the kernel builds the inverse map) or permute_index_cuda(row_map,
+    T). Backward: unpermute (reading the same index)."""
     return _permute_call(x, row_map, index)
 
 
@@ -156,7 +157,7 @@ permute_cuda.defvjp(_permute_fwd, _permute_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, ))
 def unpermute_cuda(y, row_map, num_tokens: int, index=None):
     """The unpermute kernel: x[t] = sum_{r: row_map[r] = t} y[r]. y: [R, M] f32/bf16; row_map:
-    [R] int32 -> [T, M]. Backward: permute."""
+    [R] int32 -> [T, M]; index as for permute_cuda. Backward: permute."""
     return _unpermute_call(num_tokens, y, row_map, index)
 
 
