@@ -11,7 +11,10 @@ The split uses reduce_precision, which XLA keeps, not a float32 -> bf16 -> float
 of converts, which XLA:GPU may fold away (excess precision) and so zero the lo part.
 
 The backward (custom_vjp) splits the same way: dx = g @ w^T and dw = x^T @ g, both bf16x3 with
-float32 accumulation, cast to the operands' dtypes.
+float32 accumulation, cast to the operands' dtypes. Where a product's output is larger than its
+operands (dx: [T, M] from [T, E] and [E, M]) its terms are one GEMM over the stacked contraction
+(3E): one float32 [T, M] output, not three (the Qwen3-like layer's peak held all three, 3 x 128
+MiB, and two passes added them).
 """
 
 from __future__ import annotations
@@ -32,12 +35,22 @@ def _split(a):
 
 
 def _dot3(a, b):
-    """a [P, Q] @ b [Q, R] -> float32, bf16x3 (small terms summed first)."""
+    """a [P, Q] @ b [Q, R] -> float32, bf16x3. Where the output is larger than the operands
+    (the router's dx: [T, M] from [T, E] and [E, M]) the terms are ONE GEMM over the stacked
+    contraction, [a_lo | a_hi | a_hi] @ [b_hi; b_lo; b_hi], with one float32 output instead of
+    three and two passes adding them; elsewhere (small outputs, where stacking would copy the
+    large operand) separate GEMMs, the small terms summed first."""
     (ah, al), (bh, bl) = _split(a), _split(b)
     dot = lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.float32)
-    small = [dot(u, v) for u, v in ((al, bh), (ah, bl)) if u is not None and v is not None]
+    small = [(u, v) for u, v in ((al, bh), (ah, bl)) if u is not None and v is not None]
+    (p, q), r = a.shape, b.shape[1]
+    if small and p * r > p * q + q * r:
+        terms = small + [(ah, bh)]
+        return dot(jnp.concatenate([u for u, _ in terms], axis=1),
+                   jnp.concatenate([v for _, v in terms], axis=0))
     out = dot(ah, bh)
     if small:
+        small = [dot(u, v) for u, v in small]
         out = sum(small[1:], small[0]) + out
     return out
 
