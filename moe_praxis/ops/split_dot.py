@@ -13,8 +13,8 @@ of converts, which XLA:GPU may fold away (excess precision) and so zero the lo p
 The backward (custom_vjp) splits the same way: dx = g @ w^T and dw = x^T @ g, both bf16x3 with
 float32 accumulation, cast to the operands' dtypes. Where a product's output is larger than its
 operands (dx: [T, M] from [T, E] and [E, M]) its terms are one GEMM over the stacked contraction
-(3E): one float32 [T, M] output, not three (the Qwen3-like layer's peak held all three, 3 x 128
-MiB, and two passes added them).
+(3E): one float32 [T, M] output, not three (XLA's temporaries of the Qwen3-like step held three
+such 128 MiB buffers, and two passes added them).
 """
 
 from __future__ import annotations
