@@ -227,147 +227,127 @@ ffi::Error launch_unpermute(cudaStream_t stream, const void* y, const void* y2,
   return ffi::Error::Success();
 }
 
-ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_map,
-                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> ws) {
-  if (x.dimensions().size() != 2) return MOE_INVALID("permute: x must be [T, M]");
+// ------------------------------------------------------------------------------ handlers
+//
+// Each permute / unpermute handler either builds the inverse map in its workspace output
+// (built = false) or reads the prebuilt index (built = true, moe_permute_index's); `ws` is that
+// buffer, checked to hold 2 * T + 4 + R int32 elements.
+
+ffi::Error check_ws(const std::string& op, const char* what, size_t count, int64_t tokens,
+                    int64_t rows) {
+  if (static_cast<int64_t>(count) != workspace_size(tokens, rows)) {
+    return MOE_INVALID(op + ": " + what + " must have 2 * T + 4 + R = " +
+                       std::to_string(workspace_size(tokens, rows)) + " int32 elements (T=" +
+                       std::to_string(tokens) + ", R=" + std::to_string(rows) + "), got " +
+                       std::to_string(count));
+  }
+  return ffi::Error::Success();
+}
+
+// The kernels only read a prebuilt index; the launchers take a mutable pointer for the build.
+inline int32_t* read_only(const ffi::Buffer<ffi::S32>& index) {
+  return const_cast<int32_t*>(index.typed_data());
+}
+
+ffi::Error permute_any(cudaStream_t stream, const std::string& op, const ffi::AnyBuffer& x,
+                       const ffi::Buffer<ffi::S32>& row_map, ffi::AnyBuffer& y, int32_t* ws,
+                       size_t ws_count, bool built) {
+  if (x.dimensions().size() != 2) return MOE_INVALID(op + ": x must be [T, M]");
   const int64_t tokens = x.dimensions()[0], m = x.dimensions()[1];
   const int64_t rows = row_map.element_count();
-  if (y->element_count() != static_cast<size_t>(rows * m) ||
-      y->element_type() != x.element_type()) {
-    return MOE_INVALID("permute: y must be [R, M] in x's dtype");
+  if (y.element_count() != static_cast<size_t>(rows * m) || y.element_type() != x.element_type()) {
+    return MOE_INVALID(op + ": y must be [R, M] in x's dtype");
   }
-  if (static_cast<int64_t>(ws->element_count()) != workspace_size(tokens, rows)) {
-    return MOE_INVALID("permute: workspace must have 2 * T + 4 + R int32 elements");
-  }
+  if (auto err = check_ws(op, built ? "index" : "workspace", ws_count, tokens, rows);
+      !err.success())
+    return err;
   if (rows == 0 || m == 0) return ffi::Error::Success();
   switch (x.element_type()) {
     case ffi::F32:
       return launch_permute<float>(stream, x.untyped_data(), row_map.typed_data(),
-                                   y->untyped_data(), ws->typed_data(), rows, tokens, m);
+                                   y.untyped_data(), ws, rows, tokens, m, built);
     case ffi::BF16:
       return launch_permute<__nv_bfloat16>(stream, x.untyped_data(), row_map.typed_data(),
-                                           y->untyped_data(), ws->typed_data(), rows, tokens,
-                                           m);
+                                           y.untyped_data(), ws, rows, tokens, m, built);
     default:
-      return MOE_INVALID("permute: x must be float32 or bfloat16");
+      return MOE_INVALID(op + ": x must be float32 or bfloat16");
   }
 }
 
-ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_map,
-                         ffi::Result<ffi::AnyBuffer> xr, ffi::Result<ffi::Buffer<ffi::S32>> wsr) {
-  const std::string op("unpermute");
-  ffi::AnyBuffer& x = *xr;
-  ffi::Buffer<ffi::S32>& ws = *wsr;
+// y2: nullptr, or the second [R, M] input (checked by the caller); row_map: needed to build
+// (nullptr with a prebuilt index).
+ffi::Error unpermute_any(cudaStream_t stream, const std::string& op, const ffi::AnyBuffer& y,
+                         const void* y2, const int32_t* row_map, ffi::AnyBuffer& x, int32_t* ws,
+                         size_t ws_count, bool built) {
   if (y.dimensions().size() != 2) return MOE_INVALID(op + ": y must be [R, M]");
   const int64_t rows = y.dimensions()[0], m = y.dimensions()[1];
-  if (static_cast<int64_t>(row_map.element_count()) != rows) {
-    return MOE_INVALID(op + ": row_map must be [R=" + std::to_string(rows) + "]");
-  }
   if (x.dimensions().size() != 2 || x.element_type() != y.element_type() ||
       x.dimensions()[1] != m) {
     return MOE_INVALID(op + ": x must be [T, M=" + std::to_string(m) + "] in y's dtype");
   }
   const int64_t tokens = x.dimensions()[0];
-  if (static_cast<int64_t>(ws.element_count()) != workspace_size(tokens, rows)) {
-    return MOE_INVALID(op + ": workspace must have 2 * T + 4 + R int32 elements");
-  }
+  if (auto err = check_ws(op, built ? "index" : "workspace", ws_count, tokens, rows);
+      !err.success())
+    return err;
   if (tokens == 0 || m == 0) return ffi::Error::Success();
   switch (y.element_type()) {
     case ffi::F32:
-      return launch_unpermute<float>(stream, y.untyped_data(), nullptr, row_map.typed_data(),
-                                     x.untyped_data(), ws.typed_data(), rows, tokens, m);
+      return launch_unpermute<float>(stream, y.untyped_data(), y2, row_map, x.untyped_data(), ws,
+                                     rows, tokens, m, built);
     case ffi::BF16:
-      return launch_unpermute<__nv_bfloat16>(stream, y.untyped_data(), nullptr,
-                                             row_map.typed_data(), x.untyped_data(),
-                                             ws.typed_data(), rows, tokens, m);
+      return launch_unpermute<__nv_bfloat16>(stream, y.untyped_data(), y2, row_map,
+                                             x.untyped_data(), ws, rows, tokens, m, built);
     default:
       return MOE_INVALID(op + ": y must be float32 or bfloat16");
   }
 }
 
-// ----------------------------------------------------------- the prebuilt index and its users
+ffi::Error PermuteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_map,
+                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> ws) {
+  return permute_any(stream, "permute", x, row_map, *y, ws->typed_data(), ws->element_count(),
+                     /*built=*/false);
+}
 
-ffi::Error check_index(const char* op, const ffi::Buffer<ffi::S32>& index, int64_t tokens,
-                       int64_t rows) {
-  if (static_cast<int64_t>(index.element_count()) != workspace_size(tokens, rows)) {
-    return MOE_INVALID(std::string(op) + ": index must have 2 * T + 4 + R = " +
-                       std::to_string(workspace_size(tokens, rows)) + " int32 elements (T=" +
-                       std::to_string(tokens) + ", R=" + std::to_string(rows) + "), got " +
-                       std::to_string(index.element_count()));
+ffi::Error UnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> row_map,
+                         ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::Buffer<ffi::S32>> ws) {
+  if (y.dimensions().size() == 2 &&
+      static_cast<int64_t>(row_map.element_count()) != y.dimensions()[0]) {
+    return MOE_INVALID("unpermute: row_map must be [R=" + std::to_string(y.dimensions()[0]) +
+                       "]");
   }
-  return ffi::Error::Success();
+  return unpermute_any(stream, "unpermute", y, nullptr, row_map.typed_data(), *x,
+                       ws->typed_data(), ws->element_count(), /*built=*/false);
 }
 
 ffi::Error PermuteIndexImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> row_map,
                             ffi::Result<ffi::Buffer<ffi::S32>> index, int64_t tokens) {
   const int64_t rows = row_map.element_count();
   if (tokens < 0) return MOE_INVALID("permute index: tokens must be >= 0");
-  if (auto err = check_index("permute index", *index, tokens, rows); !err.success()) return err;
+  if (auto err = check_ws("permute index", "index", index->element_count(), tokens, rows);
+      !err.success())
+    return err;
   return build_csr(stream, row_map.typed_data(), csr_view(index->typed_data(), tokens), rows,
                    tokens, /*sink=*/true, /*sorted=*/true);
 }
 
-// The kernels only read the index; the launchers take a mutable pointer for the build case.
-inline int32_t* read_only(const ffi::Buffer<ffi::S32>& index) {
-  return const_cast<int32_t*>(index.typed_data());
-}
-
 ffi::Error PermuteIndexedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> row_map,
                               ffi::Buffer<ffi::S32> index, ffi::Result<ffi::AnyBuffer> y) {
-  if (x.dimensions().size() != 2) return MOE_INVALID("permute indexed: x must be [T, M]");
-  const int64_t tokens = x.dimensions()[0], m = x.dimensions()[1];
-  const int64_t rows = row_map.element_count();
-  if (y->element_count() != static_cast<size_t>(rows * m) ||
-      y->element_type() != x.element_type()) {
-    return MOE_INVALID("permute indexed: y must be [R, M] in x's dtype");
-  }
-  if (auto err = check_index("permute indexed", index, tokens, rows); !err.success()) return err;
-  if (rows == 0 || m == 0) return ffi::Error::Success();
-  switch (x.element_type()) {
-    case ffi::F32:
-      return launch_permute<float>(stream, x.untyped_data(), row_map.typed_data(),
-                                   y->untyped_data(), read_only(index), rows, tokens, m, true);
-    case ffi::BF16:
-      return launch_permute<__nv_bfloat16>(stream, x.untyped_data(), row_map.typed_data(),
-                                           y->untyped_data(), read_only(index), rows, tokens, m,
-                                           true);
-    default:
-      return MOE_INVALID("permute indexed: x must be float32 or bfloat16");
-  }
+  return permute_any(stream, "permute indexed", x, row_map, *y, read_only(index),
+                     index.element_count(), /*built=*/true);
 }
 
 // two: x[t] = sum over t's rows of y[r] + y2[r]; else y2 is not read.
 ffi::Error UnpermuteIndexedImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer y2,
                                 ffi::Buffer<ffi::S32> index, ffi::Result<ffi::AnyBuffer> x,
                                 bool two) {
-  if (y.dimensions().size() != 2) return MOE_INVALID("unpermute indexed: y must be [R, M]");
-  const int64_t rows = y.dimensions()[0], m = y.dimensions()[1];
   if (two && (y2.element_type() != y.element_type() || y2.dimensions().size() != 2 ||
-              y2.dimensions()[0] != rows || y2.dimensions()[1] != m)) {
+              y.dimensions().size() != 2 || y2.dimensions()[0] != y.dimensions()[0] ||
+              y2.dimensions()[1] != y.dimensions()[1])) {
     return MOE_INVALID("unpermute indexed: y2 must be [R, M] with y's shape and dtype");
   }
-  if (x->dimensions().size() != 2 || x->element_type() != y.element_type() ||
-      x->dimensions()[1] != m) {
-    return MOE_INVALID("unpermute indexed: x must be [T, M=" + std::to_string(m) +
-                       "] in y's dtype");
-  }
-  const int64_t tokens = x->dimensions()[0];
-  if (auto err = check_index("unpermute indexed", index, tokens, rows); !err.success()) return err;
-  if (tokens == 0 || m == 0) return ffi::Error::Success();
-  const void* y2p = two ? y2.untyped_data() : nullptr;
-  switch (y.element_type()) {
-    case ffi::F32:
-      return launch_unpermute<float>(stream, y.untyped_data(), y2p, nullptr, x->untyped_data(),
-                                     read_only(index), rows, tokens, m, true);
-    case ffi::BF16:
-      return launch_unpermute<__nv_bfloat16>(stream, y.untyped_data(), y2p, nullptr,
-                                             x->untyped_data(), read_only(index), rows, tokens, m,
-                                             true);
-    default:
-      return MOE_INVALID("unpermute indexed: y must be float32 or bfloat16");
-  }
+  return unpermute_any(stream, "unpermute indexed", y, two ? y2.untyped_data() : nullptr,
+                       nullptr, *x, read_only(index), index.element_count(), /*built=*/true);
 }
-
 
 }  // namespace
 }  // namespace moe
