@@ -177,6 +177,17 @@ def unpermute(y, row_map, num_tokens):
     return out
 
 
+def permute_index(row_map, num_tokens):
+    """(offsets [T + 2], cursor [T + 2], lists [R]) of the CSR inverse of row_map that
+    moe_permute_index builds: each token's rows ascending, then slot T, the rows outside [0, T)
+    (ascending here; in no particular order in the kernel's)."""
+    rm = np.asarray(row_map)
+    slot = np.where((rm >= 0) & (rm < num_tokens), rm, num_tokens)
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(slot, minlength=num_tokens + 1))])
+    cursor = np.concatenate([offsets[1:], offsets[-1:]])
+    return offsets, cursor, np.argsort(slot, kind="stable")
+
+
 def aux_loss(probs, f, *, top_k, coeff, num_tokens=None):
     p = np.asarray(probs, np.float64)
     t = p.shape[0] if num_tokens is None else float(num_tokens)

@@ -164,15 +164,6 @@ def test_lowered_block_backward_sums_gate_and_up_cotangents_in_the_unpermute(
     assert twos == ["false" if fuse_gate_up else "true"], twos
 
 
-def _numpy_index(rm, t):
-    """offsets [T + 2], cursor [T + 2], lists [R] of the CSR inverse, lists ascending."""
-    slot = np.where((rm >= 0) & (rm < t), rm, t)
-    counts = np.bincount(slot, minlength=t + 1)
-    offsets = np.concatenate([[0], np.cumsum(counts)])
-    cursor = np.concatenate([offsets[1:], offsets[-1:]])
-    return offsets, cursor, np.argsort(slot, kind="stable")
-
-
 def test_permute_index_reference_is_the_csr_inverse_and_indexed_ops_equal_plain_ones():
     """The index's layout against NumPy, and the ops given it (the reference side on the CPU)
     equal to the ops without it, gradients too."""
@@ -181,7 +172,7 @@ def test_permute_index_reference_is_the_csr_inverse_and_indexed_ops_equal_plain_
     rm, x, c1, _ = _case(rng, t)
     row_map = jnp.asarray(rm)
     index = np.asarray(permute_index_reference(row_map, t))
-    offsets, cursor, lists = _numpy_index(rm, t)
+    offsets, cursor, lists = ref.permute_index(rm, t)
     assert index.shape == (2 * t + 4 + len(rm), )
     np.testing.assert_array_equal(index[:t + 2], offsets)
     np.testing.assert_array_equal(index[t + 2:2 * t + 4], cursor)
