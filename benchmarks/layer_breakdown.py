@@ -147,7 +147,7 @@ def breakdown(fn, args, hlo_text: str, *, reps: int = 5) -> dict:
     for e in events:
         info, route = _instruction(e, index, ops)
         how[route] += 1
-        stage = stage_of(info, e["name"])
+        stage = e["stage"] = stage_of(info, e["name"])
         stages[stage]["ms"] += e["dur"] / 1e3 / reps
         stages[stage]["kernels"] += 1 / reps
         if stage == OTHER:
@@ -155,7 +155,37 @@ def breakdown(fn, args, hlo_text: str, *, reps: int = 5) -> dict:
     return dict(stages=dict(stages),
                 gpu_ms=sum(s["ms"] for s in stages.values()),
                 attributed=dict(how),
-                top_other=other.most_common(5))
+                top_other=other.most_common(5),
+                idle=idle_gaps(events, reps))
+
+
+def idle_gaps(events: list[dict], reps: int, *, top: int = 8) -> dict:
+    """Where the GPU waits inside a step: the gaps between the merged busy intervals of the
+    kernel events (each with its "stage"), less the reps - 1 largest (between the traced
+    steps, each ended by the host's block_until_ready). Per step: idle_ms, gaps (how many over
+    5 us), by_next_stage ({stage of the kernel after the gap: ms}); largest: the `top` largest
+    gaps as (us, stage before, stage after, kernel after)."""
+    ev = sorted(events, key=lambda e: e["ts"])
+    gaps, end, last = [], None, None
+    for e in ev:
+        if end is not None and e["ts"] > end:
+            gaps.append((e["ts"] - end, last, e))
+        if end is None or e["ts"] + e["dur"] >= end:
+            end, last = e["ts"] + e["dur"], e
+    gaps.sort(key=lambda g: -g[0])
+    inner = gaps[max(reps - 1, 0):]
+    by_next = collections.Counter()
+    for us, _, after in inner:
+        by_next[after.get("stage", OTHER)] += us / 1e3 / reps
+    return dict(idle_ms=sum(g[0] for g in inner) / 1e3 / reps,
+                gaps=sum(g[0] > 5 for g in inner) / reps,
+                by_next_stage={
+                    k: round(v, 4)
+                    for k, v in by_next.most_common()
+                },
+                largest=[(round(us, 1), b.get("stage", OTHER), a.get("stage",
+                                                                     OTHER), a["name"][:60])
+                         for us, b, a in inner[:top]])
 
 
 def table(name: str, result: dict, step_ms: float | None) -> str:
@@ -174,4 +204,9 @@ def table(name: str, result: dict, step_ms: float | None) -> str:
                          f"{s['kernels']:.0f} |")
     lines.append(f"attributed by: {result['attributed']}; largest in '{OTHER}': "
                  f"{[(n, round(ms, 3)) for n, ms in result['top_other']]}")
+    idle = result.get("idle")
+    if idle:
+        lines.append(f"GPU idle inside a step: {idle['idle_ms']:.3f} ms in {idle['gaps']:.0f} "
+                     f"gaps over 5 us; before (ms): {idle['by_next_stage']}; largest (us, "
+                     f"stage before, stage after, kernel after): {idle['largest']}")
     return "\n".join(lines)

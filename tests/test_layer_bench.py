@@ -110,6 +110,29 @@ def test_stage_table_on_the_compiled_hlo():
     assert how == "XLA Ops line" and lb.stage_of(found, ev["name"]) == "router GEMM"
 
 
+def test_idle_gaps_inside_steps_not_between_them():
+    """Two traced steps of three kernels (one pair overlapping on two streams): the gap between
+    the steps is left out, the in-step gaps are summed per step and charged to the stage of the
+    kernel after them."""
+
+    def ev(ts, dur, stage):
+        return dict(name=f"k_{stage}", ts=ts, dur=dur, stage=stage, args={})
+
+    step = lambda t0: [
+        ev(t0, 10, "a"),
+        ev(t0 + 4, 10, "b"),
+        ev(t0 + 20, 5, "c"),
+        ev(t0 + 40, 1, "a")
+    ]
+    events = step(0.0) + step(1000.0)  # in-step gaps: 14 -> 20 (6 us), 25 -> 40 (15 us)
+    res = lb.idle_gaps(events[::-1], reps=2)  # any event order
+    assert res["idle_ms"] == pytest.approx(21e-3)
+    assert res["gaps"] == 2
+    assert res["by_next_stage"] == {"a": pytest.approx(15e-3), "c": pytest.approx(6e-3)}
+    assert res["largest"][0][:3] == (15.0, "c", "a")
+    assert all(g[0] < 100 for g in res["largest"])  # the 959 us between the steps left out
+
+
 def _row(shape, load, method, ms, **kw):
     return dict(shape=shape, load=load, pass_="fwd+bwd", method=method, ms=ms, **kw)
 
