@@ -157,7 +157,7 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
     with jax.named_scope("moe_dispatch"):
         keep, cap_dropped = capacity.global_keep(r.expert_ids, r.weights, valid, config, layout,
                                                  shard, t_global)
-        d = sort.sort_copies(r.expert_ids, keep, config.num_experts, cap_dropped)
+        d = sort.sort_copies(r.expert_ids, keep, config.num_experts, cap_dropped, backend=backend)
         w_sorted = sort.row_weights(r.weights, d)  # [R] float32
 
     shared_weights = gather_shared_weights(params, layout)

@@ -188,6 +188,38 @@ def permute_index(row_map, num_tokens):
     return offsets, cursor, np.argsort(slot, kind="stable")
 
 
+def expert_sort(keys, e, k):
+    """(order, sorted_keys, row_map, group_sizes) of ops.expert_sort, by NumPy's stable argsort:
+    keys outside [0, E) count as E and sort last; row_map is the token order // k (T for them)."""
+    key = np.asarray(keys).astype(np.int64)
+    key = np.where((key >= 0) & (key < e), key, e)
+    order = np.argsort(key, kind="stable")
+    srt = key[order]
+    row_map = np.where(srt < e, order // k, len(key) // k)
+    return (order.astype(np.int32), srt.astype(np.int32), row_map.astype(np.int32),
+            np.bincount(key, minlength=e + 1)[:e].astype(np.int32))
+
+
+def expert_sort_keys(t, k, e, pattern, rng):
+    """[T * k] int32 expert keys: 'uniform'; 'skewed' (expert e // 2 takes about 90%); 'one'
+    (every copy to the last expert); 'empty' (only even experts); 'dropped' (about a quarter
+    not kept: E, E + 3, -1, int32 max)."""
+    n = t * k
+    keys = rng.integers(0, e, n)
+    if pattern == "skewed":
+        keys = np.where(rng.random(n) < 0.9, e // 2, keys)
+    elif pattern == "one":
+        keys = np.full(n, e - 1)
+    elif pattern == "empty":
+        keys = keys // 2 * 2
+    elif pattern == "dropped":
+        bad = np.array([e, e + 3, -1, np.iinfo(np.int32).max])
+        keys = np.where(rng.random(n) < 0.25, bad[rng.integers(0, 4, n)], keys)
+    elif pattern != "uniform":
+        raise ValueError(f"pattern={pattern!r}")
+    return keys.astype(np.int32)
+
+
 def aux_loss(probs, f, *, top_k, coeff, num_tokens=None):
     p = np.asarray(probs, np.float64)
     t = p.shape[0] if num_tokens is None else float(num_tokens)

@@ -320,6 +320,23 @@ def test_permute_index_kernel_and_the_kernels_that_read_it(dtype, t, k, m):
     assert ref.rel_err(gx, ref.unpermute(cx.astype(dtype), rm, t)) <= tol, tag
 
 
+@pytest.mark.parametrize("pattern", ["uniform", "skewed", "one", "empty", "dropped"])
+# T*k = 1, a tail of 3 keys past 32-key steps, 131072 (32 full 4096-key chunks), a partial last
+# chunk, E = 1 and E = 1024 (the kernel's largest: 32.8 KB of counters per block)
+@pytest.mark.parametrize("t,k,e", [(1, 1, 1), (37, 3, 5), (16384, 8, 128), (4099, 8, 256),
+                                   (50001, 6, 1024), (9000, 2, 1)])
+def test_expert_sort_kernel_is_numpys_stable_argsort(pattern, t, k, e):
+    """The sort kernels' four outputs exactly equal NumPy's stable argsort (order, sorted keys,
+    row map, group sizes), outputs poisoned; keys out of range sort as E."""
+    s = ref.seed()
+    keys = ref.expert_sort_keys(t, k, e, pattern, np.random.default_rng(s))
+    poison()
+    got = jax.jit(lambda a: ops.expert_sort(a, e, k, backend="cuda"))(jnp.asarray(keys))
+    want = ref.expert_sort(keys, e, k)
+    for name, g, w in zip(("order", "sorted_keys", "row_map", "group_sizes"), got, want):
+        np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{name} seed={s}")
+
+
 @pytest.mark.parametrize("fdtype", [jnp.int32, jnp.float32])  # counts read as they are
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 # (50001, 80): every block of the forward's first pass loops several times, and its grid stride

@@ -31,16 +31,18 @@ class Dispatch:
     dropped_tokens: jax.Array  # [] int32: valid token copies dropped by the capacity
 
 
-def sort_copies(expert_ids, keep, num_experts: int, dropped_tokens) -> Dispatch:
+def sort_copies(expert_ids,
+                keep,
+                num_experts: int,
+                dropped_tokens,
+                *,
+                backend: str = "auto") -> Dispatch:
     """expert_ids: [T, k]; keep: [T, k] bool (False = dropped or padded); dropped_tokens: []
-    int32 (carried into the Dispatch) -> Dispatch, the kept copies sorted by expert."""
+    int32 (carried into the Dispatch) -> Dispatch, the kept copies sorted by expert (the stable
+    sort of ops.expert_sort: its kernels on backend 'cuda')."""
     t, k = expert_ids.shape
-    e = num_experts
-    flat_e = jnp.where(keep, expert_ids, e).reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
-    sorted_e = flat_e[order]
-    row_map = jnp.where(sorted_e < e, order // k, t).astype(jnp.int32)
-    group_sizes = jnp.bincount(flat_e, length=e + 1)[:e].astype(jnp.int32)
+    flat_e = jnp.where(keep, expert_ids, num_experts).reshape(-1).astype(jnp.int32)
+    order, sorted_e, row_map, group_sizes = ops.expert_sort(flat_e, num_experts, k, backend=backend)
     return Dispatch(order=order,
                     row_map=row_map,
                     sorted_experts=sorted_e,

@@ -3,7 +3,7 @@
 1. Per op family, one public module: the pure-JAX reference (the CPU path and the test oracle)
    and the public op (a custom_vjp taking explicit static arguments), with its CUDA lowering
    (FFI calls, custom_partitioning, abstract shapes) beside it: `aux_loss`, `router`, `swiglu`,
-   `permute`, `combine`, `grouped_gemm` (+ `grouped_gemm_tiles`, its kernel configurations and rule),
+   `permute`, `expert_sort`, `combine`, `grouped_gemm` (+ `grouped_gemm_tiles`, its kernel configurations and rule),
    `gate_up` and `dswiglu` (swiglu_down: dSwiGLU in the down projection's dgrad epilogue).
 2. `backend`: the device query, each op's compute-capability requirement, 'auto' | 'xla' |
    'cuda' resolution (once per block), the one warn-once, `backend_info()`.
@@ -19,6 +19,7 @@ from moe_praxis.ops import backend, fp8, fp8_fused, fp8_quant, vma
 from moe_praxis.ops.aux_loss import aux_loss, aux_loss_reference
 from moe_praxis.ops.backend import backend_info, resolve_backend
 from moe_praxis.ops.combine import combine, combine_reference
+from moe_praxis.ops.expert_sort import expert_sort, expert_sort_reference
 from moe_praxis.ops.gate_up import gate_up_swiglu, interleave_gate_up, split_gate_up
 from moe_praxis.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moe_praxis.ops.permute import (permute, permute_index, permute_pair, permute_reference,
@@ -35,6 +36,8 @@ __all__ = [
     "backend_info",
     "combine",
     "combine_reference",
+    "expert_sort",
+    "expert_sort_reference",
     "fp8",
     "fp8_fused",
     "fp8_quant",

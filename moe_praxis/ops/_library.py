@@ -49,6 +49,7 @@ KERNELS: dict[str, str] = {
     "moe_permute_index": "MoePermuteIndex",
     "moe_permute_indexed": "MoePermuteIndexed",
     "moe_unpermute_indexed": "MoeUnpermuteIndexed",
+    "moe_expert_sort": "MoeExpertSort",
     "moe_combine_fwd": "MoeCombineFwd",
     "moe_combine_bwd": "MoeCombineBwd",
     "moe_grouped_gemm_fwd": "MoeGroupedGemmFwd",
