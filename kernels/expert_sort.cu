@@ -75,22 +75,11 @@ __global__ void __launch_bounds__(kOffsetThreads)
       }
       if (b < experts) group_sizes[b] = tot;
     }
-    int32_t x = tot;  // inclusive scan of the totals: warps, then the warp totals
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
-      if (lane >= o) x += y;
-    }
+    const int32_t x = warp_inclusive_scan(tot);  // the totals: warps, then the warp totals
     if (lane == 31) warp_tot[warp] = x;
     __syncthreads();
     if (warp == 0) {
-      int32_t w = warp_tot[lane];
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int32_t y = __shfl_up_sync(0xffffffffu, w, o);
-        if (lane >= o) w += y;
-      }
-      warp_tot[lane] = w;
+      warp_tot[lane] = warp_inclusive_scan(warp_tot[lane]);
     }
     __syncthreads();
     const int32_t start = carry + (warp > 0 ? warp_tot[warp - 1] : 0) + (x - tot);

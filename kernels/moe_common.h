@@ -70,6 +70,17 @@ struct alignas(sizeof(T) * VEC) Vec {
   T v[VEC];
 };
 
+// Inclusive scan of x over the 32 lanes of a warp (every lane must call it).
+__device__ __forceinline__ int32_t warp_inclusive_scan(int32_t x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Number of blocks for a grid-stride loop over n items with `threads` threads a block.

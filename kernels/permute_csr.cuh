@@ -45,21 +45,11 @@ __global__ void __launch_bounds__(kScanThreads)
     v[1] += v[0];
     v[2] += v[1];
     v[3] += v[2];
-    int32_t x = v[3];  // inclusive scan of the thread totals within the warp
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
-      if (lane >= o) x += y;
-    }
+    const int32_t x = warp_inclusive_scan(v[3]);  // the thread totals within the warp
     if (lane == 31) warp_tot[warp] = x;
     __syncthreads();
     if (warp == 0) {
-      int32_t w = lane < kWarpsScan ? warp_tot[lane] : 0;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int32_t y = __shfl_up_sync(0xffffffffu, w, o);
-        if (lane >= o) w += y;
-      }
+      const int32_t w = warp_inclusive_scan(lane < kWarpsScan ? warp_tot[lane] : 0);
       if (lane < kWarpsScan) warp_tot[lane] = w;
     }
     __syncthreads();
