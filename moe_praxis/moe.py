@@ -115,7 +115,7 @@ def _regrouped_experts(rows, keys, row_weights, *, weights, config: MoEConfig, n
     row_weights: optional [N] routing weights multiplied into the activation -> [N, M]
     outputs in the same slots (zeros for empty slots)."""
     rows = vma.vary(rows, tuple(vma.varying_axes(weights["wo"])))
-    perm, group_sizes, inv = exchange.regroup(keys, num_local)
+    perm, group_sizes, inv = exchange.regroup(keys, num_local, backend=backend)
     grouped = checkpoint_name(rows[perm], "moe_dispatched")
     if row_weights is not None:
         row_weights = vma.vary(row_weights, tuple(vma.varying_axes(rows)))[perm]

@@ -116,12 +116,12 @@ def _regroup_keys(src, pos, in_range, recv_mat, num_local):
     return jnp.where(in_range, le, num_local)
 
 
-def regroup(keys, num_local: int):
+def regroup(keys, num_local: int, *, backend: str = "auto"):
     """keys: [N] local expert of each received row (num_local = empty slot) -> (perm [N],
-    group_sizes [El] int32, inv [N]): rows[perm] are grouped by expert (stable), and
-    out[inv] puts grouped outputs back in the received slots."""
-    perm = jnp.argsort(keys, stable=True)
-    group_sizes = jnp.bincount(keys, length=num_local + 1)[:num_local].astype(jnp.int32)
+    group_sizes [El] int32, inv [N]): rows[perm] are grouped by expert (stable: ops.expert_sort,
+    its kernels on backend 'cuda'), and out[inv] puts grouped outputs back in the received
+    slots."""
+    perm, _, _, group_sizes = ops.expert_sort(keys, num_local, 1, backend=backend)
     inv = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
     return perm, group_sizes, inv
 
