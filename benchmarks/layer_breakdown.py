@@ -1,6 +1,6 @@
 """Per-stage GPU time of one jitted step, from a JAX profiler trace (`--breakdown`).
 
-The step runs `reps` times under jax.profiler.trace (benchmarks/trace.py); every kernel and
+The step runs `reps` times, pipelined, under jax.profiler.trace (benchmarks/trace.py); every kernel and
 memset on the GPU streams is attributed to the HLO instruction it ran for, then to a stage:
 
   1. the event's `hlo_op` argument (the profiler's stat), else the kernel's name read as an
@@ -137,7 +137,7 @@ def breakdown(fn, args, hlo_text: str, *, reps: int = 5) -> dict:
     GPU kernels, e.g. on the CPU."""
     index = hlo_index(hlo_text)
     with tempfile.TemporaryDirectory(prefix="layer_trace_") as tmp:
-        trace.traced(fn, args, reps, tmp)
+        trace.traced(fn, args, reps, tmp, pipelined=True)
         events = trace.gpu_stream_events(tmp)
         try:
             ops = sorted(trace.gpu_stream_events(tmp, "XLA Ops"), key=lambda e: e["ts"])
@@ -164,9 +164,10 @@ def breakdown(fn, args, hlo_text: str, *, reps: int = 5) -> dict:
 def idle_gaps(events: list[dict], reps: int, *, top: int = 8) -> dict:
     """Where the GPU waits inside a step: the gaps between the merged busy intervals of the
     kernel events (each with its "stage"), less the reps - 1 largest (between the traced
-    steps, each ended by the host's block_until_ready). Per step: idle_ms, gaps (how many over
-    5 us), by_next_stage ({stage of the kernel after the gap: ms}); largest: the `top` largest
-    gaps as (us, stage before, stage after, kernel after)."""
+    steps). Per step: idle_ms, gaps (how many over 5 us), by_next_stage ({stage of the kernel
+    after the gap: ms}); largest: the `top` largest gaps as (us, stage before, stage after,
+    kernel after); between_steps_ms: the mean of the gaps left out (the steps traced pipelined,
+    as breakdown() runs them: where the GPU waits for the host's next call)."""
     ev = sorted(events, key=lambda e: e["ts"])
     gaps, end, last = [], None, None
     for e in ev:
@@ -175,11 +176,13 @@ def idle_gaps(events: list[dict], reps: int, *, top: int = 8) -> dict:
         if end is None or e["ts"] + e["dur"] >= end:
             end, last = e["ts"] + e["dur"], e
     gaps.sort(key=lambda g: -g[0])
+    between = gaps[:max(reps - 1, 0)]
     inner = gaps[max(reps - 1, 0):]
     by_next = collections.Counter()
     for us, _, after in inner:
         by_next[after.get("stage", OTHER)] += us / 1e3 / reps
     return dict(idle_ms=sum(g[0] for g in inner) / 1e3 / reps,
+                between_steps_ms=sum(g[0] for g in between) / 1e3 / max(len(between), 1),
                 gaps=sum(g[0] > 5 for g in inner) / reps,
                 by_next_stage={
                     k: round(v, 4)
@@ -208,7 +211,8 @@ def table(name: str, result: dict, step_ms: float | None) -> str:
                  f"{[(n, round(ms, 3)) for n, ms in result['top_other']]}")
     idle = result.get("idle")
     if idle:
-        lines.append(f"GPU idle inside a step: {idle['idle_ms']:.3f} ms in {idle['gaps']:.0f} "
+        lines.append(f"GPU idle between pipelined steps: {idle['between_steps_ms']:.3f} ms; "
+                     f"inside a step: {idle['idle_ms']:.3f} ms in {idle['gaps']:.0f} "
                      f"gaps over 5 us; before (ms): {idle['by_next_stage']}; largest (us, "
                      f"stage before, stage after, kernel after): {idle['largest']}")
     return "\n".join(lines)

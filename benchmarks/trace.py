@@ -18,13 +18,19 @@ class NoGpuEvents(RuntimeError):
     """The trace holds no GPU stream events (a CPU run, or a profiler without CUPTI)."""
 
 
-def traced(fn, args, reps: int, trace_dir: str) -> None:
-    """Runs fn(*args) `reps` times (after one untraced call) under jax.profiler.trace."""
+def traced(fn, args, reps: int, trace_dir: str, *, pipelined: bool = False) -> None:
+    """Runs fn(*args) `reps` times (after one untraced call) under jax.profiler.trace, waiting
+    for each call, or with `pipelined` for the last only (as a training loop runs: what the GPU
+    then waits for between two calls is the host)."""
     jax.block_until_ready(fn(*args))
     shutil.rmtree(trace_dir, ignore_errors=True)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        out = None
         for _ in range(reps):
-            jax.block_until_ready(fn(*args))
+            out = fn(*args)
+            if not pipelined:
+                jax.block_until_ready(out)
+        jax.block_until_ready(out)
 
 
 def gpu_stream_events(trace_dir: str, line: str = "Stream") -> list[dict]:

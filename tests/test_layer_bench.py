@@ -131,6 +131,7 @@ def test_idle_gaps_inside_steps_not_between_them():
     assert res["by_next_stage"] == {"a": pytest.approx(15e-3), "c": pytest.approx(6e-3)}
     assert res["largest"][0][:3] == (15.0, "c", "a")
     assert all(g[0] < 100 for g in res["largest"])  # the 959 us between the steps left out
+    assert res["between_steps_ms"] == pytest.approx(959e-3)
 
 
 def _row(shape, load, method, ms, **kw):
