@@ -13,7 +13,8 @@ from tests import sample_util, testutil
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["deepseek", "qwen3"])
 def test_cached_equals_full_recompute_on_gpu(tmp_path, family):
-    rng = np.random.default_rng(testutil.seed())
+    s = testutil.seed()
+    rng = np.random.default_rng(s)
     job = sample_util.make_job(tmp_path / family,
                                family,
                                seed=int(rng.integers(1 << 30)),
@@ -24,9 +25,9 @@ def test_cached_equals_full_recompute_on_gpu(tmp_path, family):
     with jax.default_matmul_precision("highest"):  # float32, not TF32, GEMMs
         cached = sampler.sample(prompts, max_new_tokens=32, return_logits=True)
         full = sampler.sample(prompts, max_new_tokens=32, use_cache=False, return_logits=True)
-    assert cached.tokens == full.tokens
-    assert cached.dropped == 0 and full.dropped == 0
+    assert cached.tokens == full.tokens, f"seed={s}"
+    assert cached.dropped == 0 and full.dropped == 0, f"seed={s}"
     err = np.linalg.norm(cached.logits - full.logits, axis=-1) / np.linalg.norm(full.logits,
                                                                                 axis=-1)
-    assert err.max() < 1e-4, err.max()
+    assert err.max() < 1e-4, f"{err.max()} seed={s}"
     assert cached.decode_tokens_per_second > 0
