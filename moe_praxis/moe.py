@@ -155,8 +155,14 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
                                                backend=backend)
 
     with jax.named_scope("moe_dispatch"):
-        keep, cap_dropped = capacity.global_keep(r.expert_ids, r.weights, valid, config, layout,
-                                                 shard, t_global)
+        keep, cap_dropped = capacity.global_keep(r.expert_ids,
+                                                 r.weights,
+                                                 valid,
+                                                 config,
+                                                 layout,
+                                                 shard,
+                                                 t_global,
+                                                 backend=backend)
         d = sort.sort_copies(r.expert_ids, keep, config.num_experts, cap_dropped, backend=backend)
         w_sorted = sort.row_weights(r.weights, d)  # [R] float32
 

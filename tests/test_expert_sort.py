@@ -87,3 +87,20 @@ def test_more_experts_than_the_kernel_counts_sort_in_xla_with_a_warning(monkeypa
     assert "moe_expert_sort" not in targets and sorts >= 1
     assert any("expert_sort runs the XLA reference" in w and "num_experts=1032" in w
                for w in warned), warned
+
+
+@pytest.mark.parametrize("policy,xla_sorts", [("position", 0), ("weight", 1)])
+def test_capacity_paths_sort_by_expert_with_the_kernels(monkeypatch, policy, xla_sorts):
+    """With a capacity, the copies in priority order are sorted by expert with the kernels too:
+    'position' needs no other sort (its priority order is a fixed permutation), 'weight' keeps
+    XLA's sort of the routing weights."""
+    cfg = mp.MoEConfig(num_experts=8,
+                       top_k=2,
+                       d_model=64,
+                       d_ff=128,
+                       kernel_backend="cuda",
+                       capacity_factor=1.0,
+                       drop_policy=policy)
+    targets, sorts, _ = _cuda_targets(monkeypatch, cfg)
+    assert targets.count("moe_expert_sort") >= 2, targets  # the capacity's and the dispatch's
+    assert sorts == xla_sorts

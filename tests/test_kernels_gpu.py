@@ -410,9 +410,11 @@ def test_jit_grad_aux_loss_on_sharded_input():
         <= F32_TOL
 
 
-@pytest.mark.parametrize("extra",
-                         [{}, dict(score_func="sigmoid", num_expert_groups=4, group_topk=2)],
-                         ids=["softmax", "sigmoid-grouped"])
+@pytest.mark.parametrize("extra", [{},
+                                   dict(score_func="sigmoid", num_expert_groups=4, group_topk=2),
+                                   dict(capacity_factor=0.75, drop_policy="position"),
+                                   dict(capacity_factor=0.75, drop_policy="weight")],
+                         ids=["softmax", "sigmoid-grouped", "capacity-position", "capacity-weight"])
 def test_moe_block_cuda_backend_matches_xla(extra):
     s = ref.seed()
     cfg = dict(d_model=64, d_ff=128, num_experts=16, top_k=4, aux_loss_coeff=0.01, **extra)
@@ -436,6 +438,8 @@ def test_moe_block_cuda_backend_matches_xla(extra):
         lx, ox, gx = run(c_xla)
     np.testing.assert_array_equal(np.asarray(oc.tokens_per_expert),
                                   np.asarray(ox.tokens_per_expert))
+    assert int(oc.dropped_tokens) == int(ox.dropped_tokens), f"seed={s}"
+    assert (int(ox.dropped_tokens) > 0) == ("capacity_factor" in extra), f"seed={s}"
     assert ref.rel_err(oc.y, ox.y) <= 1e-5, f"seed={s}"
     assert abs(float(oc.aux_loss) - float(ox.aux_loss)) <= 1e-6 * abs(float(ox.aux_loss))
     for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(gx)):

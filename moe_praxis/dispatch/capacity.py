@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_praxis import ops
 from moe_praxis.config import MoEConfig
 from moe_praxis.resources import EPLayout, all_gather, psum
 
@@ -23,29 +24,40 @@ def _excl_cumsum(x, axis=0):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def capacity_keep(expert_ids, weights, valid, config: MoEConfig, capacity: int):
+def capacity_keep(expert_ids,
+                  weights,
+                  valid,
+                  config: MoEConfig,
+                  capacity: int,
+                  *,
+                  backend: str = "auto"):
     """[T, k] bool: which copies fit under `capacity` rows per expert, by `drop_policy`.
 
-    expert_ids, weights: [T, k] of ALL the tokens that compete; valid: [T] bool.
+    expert_ids, weights: [T, k] of ALL the tokens that compete; valid: [T] bool. The copies in
+    priority order are sorted by expert with ops.expert_sort (stable, so each expert's copies
+    stay in priority order; its kernels on backend 'cuda').
     """
     t, k = expert_ids.shape
     e = config.num_experts
     flat_e = jnp.where(valid[:, None], expert_ids, e).reshape(-1)
-    if config.drop_policy == "position":
-        key = (jnp.arange(k, dtype=jnp.int32)[None, :] * t +
-               jnp.arange(t, dtype=jnp.int32)[:, None]).reshape(-1)  # copy t*k+j -> j*T+t
-        by_prio = jnp.argsort(key, stable=True)
+    if config.drop_policy == "position":  # copy t*k+j in (j, t) order: no sort needed
+        by_prio = jnp.arange(t * k, dtype=jnp.int32).reshape(t, k).T.reshape(-1)
     else:
         by_prio = jnp.argsort(-weights.reshape(-1), stable=True)
-    by_expert = by_prio[jnp.argsort(flat_e[by_prio], stable=True)]  # sorted by (expert, prio)
-    sorted_e = flat_e[by_expert]
-    starts = jnp.searchsorted(sorted_e, jnp.arange(e + 1, dtype=flat_e.dtype), side="left")
-    pos_sorted = jnp.arange(t * k, dtype=jnp.int32) - starts[jnp.minimum(sorted_e, e)]
+    order, sorted_e, _, sizes = ops.expert_sort(flat_e[by_prio], e, 1, backend=backend)
+    by_expert = by_prio[order]  # sorted by (expert, priority)
+    pos_sorted = jnp.arange(t * k, dtype=jnp.int32) - _starts(sizes)[sorted_e]
     pos = jnp.zeros(t * k, jnp.int32).at[by_expert].set(pos_sorted)
     return (pos < capacity).reshape(t, k) & valid[:, None]
 
 
-def _position_keep(ids, valid, config: MoEConfig, layout: EPLayout, shard, t_global):
+def _starts(group_sizes):
+    """[E + 1] int32: where each expert's copies start in sorted order; E (the copies not kept)
+    after the last expert."""
+    return jnp.concatenate([jnp.zeros((1, ), jnp.int32), jnp.cumsum(group_sizes, dtype=jnp.int32)])
+
+
+def _position_keep(ids, valid, config: MoEConfig, layout: EPLayout, shard, t_global, backend):
     """drop_policy='position' keep mask [Tl, k], equal to the single-device one, from counts.
 
     Priority is (choice j, global token t). The position of copy (t, j) in expert e is
@@ -64,10 +76,9 @@ def _position_keep(ids, valid, config: MoEConfig, layout: EPLayout, shard, t_glo
     before_s = _excl_cumsum(every, axis=0)[shard]  # [k, E+1] earlier shards, same choice
 
     def rank_in_expert(col):  # [Tl] expert ids -> rank among earlier tokens of that expert
-        order = jnp.argsort(col, stable=True)
-        srt = col[order]
-        start = jnp.searchsorted(srt, jnp.arange(e + 1, dtype=col.dtype), side="left")
-        return jnp.zeros_like(col).at[order].set(jnp.arange(t_l, dtype=col.dtype) - start[srt])
+        order, srt, _, sizes = ops.expert_sort(col, e, 1, backend=backend)
+        return jnp.zeros_like(col).at[order].set(
+            jnp.arange(t_l, dtype=col.dtype) - _starts(sizes)[srt])
 
     rank = jax.vmap(rank_in_expert, in_axes=1, out_axes=1)(eid)  # [Tl, k]
     col = jnp.arange(k)[None, :]
@@ -75,7 +86,15 @@ def _position_keep(ids, valid, config: MoEConfig, layout: EPLayout, shard, t_glo
     return (pos < config.capacity(t_global)) & valid[:, None]
 
 
-def global_keep(ids, weights, valid, config: MoEConfig, layout: EPLayout, shard, t_global):
+def global_keep(ids,
+                weights,
+                valid,
+                config: MoEConfig,
+                layout: EPLayout,
+                shard,
+                t_global,
+                *,
+                backend: str = "auto"):
     """One token shard's keep mask [Tl, k], equal to the single-device one on the global batch
     of t_global tokens, and the global drop count [] int32 (psum-ed over the token axes).
 
@@ -91,11 +110,16 @@ def global_keep(ids, weights, valid, config: MoEConfig, layout: EPLayout, shard,
     if config.capacity_factor is None:
         return jnp.broadcast_to(valid[:, None], (t_l, k)), jnp.zeros((), jnp.int32)
     if config.drop_policy == "position":
-        keep = _position_keep(ids, valid, config, layout, shard, t_global)
+        keep = _position_keep(ids, valid, config, layout, shard, t_global, backend)
     else:
         ids_g = all_gather(ids, axes)
         valid_g = all_gather(valid.astype(jnp.int32), axes) > 0
         w_g = all_gather(jax.lax.stop_gradient(weights), axes)
-        keep_g = capacity_keep(ids_g, w_g, valid_g, config, config.capacity(t_global))
+        keep_g = capacity_keep(ids_g,
+                               w_g,
+                               valid_g,
+                               config,
+                               config.capacity(t_global),
+                               backend=backend)
         keep = jax.lax.dynamic_slice_in_dim(keep_g, shard * t_l, t_l, axis=0)
     return keep, psum(jnp.sum(valid[:, None] & ~keep, dtype=jnp.int32), axes)
