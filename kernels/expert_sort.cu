@@ -16,9 +16,9 @@
 //   3. scatter_kernel: one block per chunk; each warp takes a slice of the chunk, counts its
 //      keys, and after a prefix over the warps walks its slice 32 keys at a time: lanes with
 //      equal keys (__match_any_sync) take consecutive positions in lane order.
-// XLA's sort of the same keys (jnp.argsort: a cub radix sort) ran 18 kernels and, with command
-// buffers on, left the GPU idle about 0.3 ms per step of the Qwen3-like layer
-// (benchmarks/results/layer_breakdown_qwen3_gaps.json); these kernels are graph-safe.
+// XLA's sort of the same keys (jnp.argsort: a cub radix sort; with the gathers and counts around
+// it 18 kernels) left the GPU idle about 0.3 ms per step of the Qwen3-like layer with command
+// buffers on (benchmarks/results/layer_breakdown_qwen3_gaps.json); these kernels are graph-safe.
 #include <algorithm>
 
 #include "moe_common.h"

@@ -15,9 +15,11 @@ Backends ('auto' | 'xla' | 'cuda'):
         offsets, a stable scatter), for E <= 1024 (the kernel's counters live in shared memory);
         more experts run the reference with a warning. Both give the same integers: a stable
         sort has one answer.
-On the GPU, XLA's sort is a cub radix sort of 18 kernels that, with XLA's command buffers on,
-left the GPU idle about 0.3 ms per Qwen3-like step (docs/performance.md); the kernels are
-graph-safe. The outputs are integers: nothing to differentiate.
+On the GPU, XLA's sort is a cub radix sort (with the gathers and counts around it, 18 kernels in
+the Qwen3-like dispatch) that, with XLA's command buffers on, left the GPU idle about 0.3 ms per
+step (docs/performance.md); the kernels are graph-safe. Used by the dispatch (sort_copies), the
+capacity's keep mask and the expert-parallel regroup. The outputs are integers: nothing to
+differentiate.
 """
 
 from __future__ import annotations
