@@ -102,12 +102,14 @@ def test_fsdp_weight_gradients_are_reduce_scattered():
 
 
 @pytest.mark.slow
-def test_ragged_exchange_lowers_with_one_ragged_all_to_all_each_way():
+@pytest.mark.parametrize("mesh_name", ["dp2xfsdp2xep2", "ep2xtp2xdp2"])
+def test_ragged_exchange_lowers_with_one_ragged_all_to_all_each_way(mesh_name):
     """XLA:CPU cannot compile ragged_all_to_all, so here the ragged path is traced and lowered
-    (the GPU test below runs it)."""
+    (the GPU test below runs it). With tp the experts' outputs vary over tp too: the return
+    move (and its backward) must be typed so."""
     cfg = mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8, top_k=2, ep_exchange="ragged")
     params = mp.init_moe_params(jax.random.key(0), cfg)
-    mesh, res = make_mesh("dp2xfsdp2xep2")
+    mesh, res = make_mesh(mesh_name)
     layout = mp.ep_bootstrap(mesh, res, 8)
     fn = moe_lib.sharded_fn(cfg,
                             layout,

@@ -240,8 +240,10 @@ def ragged_exchange(x, row_tok, w_sorted, send_mat, layout, config: MoEConfig, e
     side = _overlapped(overlap)
     src, pos, in_range = _block_position(jnp.arange(bound, dtype=jnp.int32), my_recv)
     keys = _regroup_keys(src, pos, in_range, recv_mat, el)
-    out = vma.vary(experts(recv, keys, None), vary)
-    back = _ragged_move(out, (back_again, there), r_rows, axes, vary)  # [R, M], 0 if dropped
+    out = experts(recv, keys, None)  # varies over tp too where the experts are tp-sharded
+    vary_back = tuple(sorted(vma.varying_axes(out) | set(vary)))
+    back = _ragged_move(vma.vary(out, vary_back), (back_again, there), r_rows, axes,
+                        vary_back)  # [R, M], 0 if dropped
     y = combine_sorted(back, w_sorted, row_tok, t_l, True, backend=backend)
     return y, jnp.sum(send_tot - my_send), side
 
