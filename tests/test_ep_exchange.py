@@ -20,8 +20,10 @@ from jax.sharding import Mesh
 import moe_praxis as mp
 from moe_praxis import moe as moe_lib
 from moe_praxis.dispatch import exchange as exchange_lib
+from moe_praxis.ops import backend
 from tests.ep_util import (BATCH, D_FF, D_MODEL, SEQ, _compare_one, _loss_and_grads, _params,
                            _skewed, make_mesh)
+from tests.grouped_gemm_util import _fake_device
 from tests.testutil import seed as _seed
 
 
@@ -128,6 +130,42 @@ def test_ragged_exchange_lowers_with_one_ragged_all_to_all_each_way(mesh_name):
     assert text.count("ragged_all_to_all") == 4, text.count("ragged_all_to_all")
     with pytest.raises(ValueError, match="ep_exchange='padded'"):
         mp.moe_block(params, jnp.ones((64, D_MODEL)), cfg, mesh=mesh, resources=res)
+
+
+@pytest.mark.parametrize("kind", ["padded", "ragged"])
+@pytest.mark.parametrize("mesh_name", ["ep8", "dp2xfsdp2xep2", "ep2xtp2xdp2"])
+def test_exchange_lowered_for_cuda_builds_one_permute_index(monkeypatch, kind, mesh_name):
+    """fwd+bwd of the sharded block lowered for CUDA (faked Hopper): the exchange's permute, its
+    combine and their backwards read one permute index (moe_permute_index once; no permute or
+    unpermute building its own), and the copies and the received rows are sorted by the sort
+    kernels (the dispatch's and the regroup's moe_expert_sort), with no XLA sort."""
+    _fake_device(monkeypatch, 90, name="NVIDIA H200")
+    cfg = mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8, top_k=2, kernel_backend="cuda")
+    params = mp.init_moe_params(jax.random.key(0), cfg)
+    mesh, res = make_mesh(mesh_name)
+    layout = mp.ep_bootstrap(mesh, res, 8)
+    fn = moe_lib.sharded_fn(cfg,
+                            layout,
+                            mesh,
+                            kind=kind,
+                            seq_len=None,
+                            t_global=64,
+                            param_names=tuple(params),
+                            backend="cuda")
+    x, valid = jnp.ones((64, D_MODEL), jnp.bfloat16), jnp.ones((64, ), bool)
+    grad = jax.grad(lambda p, xx: jnp.sum(fn(p, xx, valid)[0].astype(jnp.float32)**2),
+                    argnums=(0, 1))
+    checks = [
+        jax.export.DisabledSafetyCheck.custom_call(t)
+        for t in list(backend.KERNELS) + ["ragged_all_to_all"]
+    ]
+    text = jax.export.export(jax.jit(grad), platforms=["cuda"],
+                             disabled_checks=checks)(params, x).mlir_module()
+    targets = re.findall(r"custom_call @(moe_\w+)", text)
+    assert targets.count("moe_permute_index") == 1, targets
+    assert "moe_permute" not in targets and "moe_unpermute" not in targets, targets
+    assert targets.count("moe_permute_indexed") == 2 and targets.count("moe_unpermute_indexed") == 2
+    assert targets.count("moe_expert_sort") == 2 and "stablehlo.sort" not in text
 
 
 class _FakeDevice:

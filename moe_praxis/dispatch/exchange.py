@@ -163,7 +163,8 @@ def padded_exchange(x, row_tok, w_sorted, send_mat, layout, config: MoEConfig, e
     ok = slot[None, :] < sent[:, None]
     slot_tok = jnp.where(ok, row_tok[idx], t_l).reshape(-1)  # [ep*C] token or Tl
     slot_w = jnp.where(ok, w_sorted[idx], 0.0).reshape(-1)
-    send_buf = ops.permute(x, slot_tok, backend=backend).reshape(ep, cap, -1)
+    index = ops.permute_index(slot_tok, t_l, backend=backend)  # for the permute and the combine
+    send_buf = ops.permute(x, slot_tok, backend=backend, index=index).reshape(ep, cap, -1)
     recv_mat = jax.lax.all_to_all(send_mat, axes, 0, 0, tiled=True)  # [src, El]
     recv_buf = jax.lax.all_to_all(send_buf, axes, 0, 0, tiled=True)  # [src, C, M]
     side = _overlapped(overlap)
@@ -177,7 +178,13 @@ def padded_exchange(x, row_tok, w_sorted, send_mat, layout, config: MoEConfig, e
         recv_w = jax.lax.all_to_all(slot_w.reshape(ep, cap), axes, 0, 0, tiled=True).reshape(-1)
     out = experts(recv_buf.reshape(ep * cap, -1), keys, recv_w)
     back = jax.lax.all_to_all(out.reshape(ep, cap, -1), axes, 0, 0, tiled=True)  # [dst, C, M]
-    y = combine_sorted(back.reshape(ep * cap, -1), slot_w, slot_tok, t_l, not fuse, backend=backend)
+    y = combine_sorted(back.reshape(ep * cap, -1),
+                       slot_w,
+                       slot_tok,
+                       t_l,
+                       not fuse,
+                       backend=backend,
+                       index=index)
     return y, jnp.sum(send_tot - sent), side
 
 
@@ -231,7 +238,8 @@ def ragged_exchange(x, row_tok, w_sorted, send_mat, layout, config: MoEConfig, e
     def nz(off, size):  # offsets of empty slices: 0 (never out of range)
         return jnp.where(size > 0, off, 0).astype(jnp.int32)
 
-    rows = ops.permute(x, row_tok, backend=backend)  # [R, M] expert-sorted
+    index = ops.permute_index(row_tok, t_l, backend=backend)  # for the permute and the combine
+    rows = ops.permute(x, row_tok, backend=backend, index=index)  # [R, M] expert-sorted
     recv_mat = jax.lax.all_to_all(send_mat, axes, 0, 0, tiled=True)  # [src, El]
     there = (nz(in_off[me], my_send), my_send, nz(out_off[me], my_send), my_recv)
     back_again = (nz(out_off[:, me], my_recv), my_recv, nz(in_off[:, me], my_recv), my_send)
@@ -244,7 +252,7 @@ def ragged_exchange(x, row_tok, w_sorted, send_mat, layout, config: MoEConfig, e
     vary_back = tuple(sorted(vma.varying_axes(out) | set(vary)))
     back = _ragged_move(vma.vary(out, vary_back), (back_again, there), r_rows, axes,
                         vary_back)  # [R, M], 0 if dropped
-    y = combine_sorted(back, w_sorted, row_tok, t_l, True, backend=backend)
+    y = combine_sorted(back, w_sorted, row_tok, t_l, True, backend=backend, index=index)
     return y, jnp.sum(send_tot - my_send), side
 
 
