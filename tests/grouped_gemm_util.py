@@ -2,7 +2,7 @@
 test_fp8_gpu.py, test_layer_bench.py): the float64 loop references written independently of the
 op, the group-size patterns and random inputs, the shapes and tolerances the CUDA and sm_80 tests
 share, the adaptive tile's cost model in Python, a faked GPU device for the CPU tests of the kernel
-choice, and the script that runs the kernels inside CUDA graphs in a child process."""
+choice and the lowering for CUDA on such a host (cuda_module), and the script that runs the kernels inside CUDA graphs in a child process."""
 
 import importlib
 import json
@@ -182,6 +182,16 @@ def _fake_device(monkeypatch, cc, name="NVIDIA A100-SXM4-80GB", smem=163 * 1024)
     monkeypatch.delenv(backend.ENV_GROUPED_GEMM, raising=False)
     monkeypatch.delenv(gg.ENV_TILE, raising=False)
     backend.reset_warnings()
+
+
+def cuda_module(fn, *args) -> str:
+    """The MLIR text of fn(*args) lowered for CUDA on this GPU-less host (jax.export; our FFI
+    targets and ragged_all_to_all have no compatibility guarantee, so their checks are off)."""
+    checks = [
+        jax.export.DisabledSafetyCheck.custom_call(t)
+        for t in list(backend.KERNELS) + ["ragged_all_to_all"]
+    ]
+    return jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
 
 
 # ------------------------------------------------- CUDA graphs (a child process)

@@ -14,10 +14,9 @@ import pytest
 import moe_praxis as mp
 from moe_praxis import ops
 from moe_praxis.dispatch import sort
-from moe_praxis.ops import backend
 from moe_praxis.ops.expert_sort import MAX_EXPERTS
 from tests import kernel_reference as ref
-from tests.grouped_gemm_util import _fake_device
+from tests.grouped_gemm_util import _fake_device, cuda_module
 
 
 @pytest.mark.parametrize("pattern", ["uniform", "skewed", "one", "empty", "dropped"])
@@ -61,11 +60,9 @@ def _cuda_targets(monkeypatch, cfg):
     def step(p, xx):
         return jax.grad(lambda a: jnp.sum(mp.moe_block(p, a, cfg).y.astype(jnp.float32)))(xx)
 
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in backend.KERNELS]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        text = jax.export.export(jax.jit(step), platforms=["cuda"],
-                                 disabled_checks=checks)(params, x).mlir_module()
+        text = cuda_module(jax.jit(step), params, x)
     return (re.findall(r"custom_call @(moe_\w+)",
                        text), text.count("stablehlo.sort"), [str(w.message) for w in caught])
 

@@ -21,7 +21,7 @@ import pytest
 import moe_praxis as mp
 from moe_praxis import ops
 from moe_praxis.ops import backend
-from tests.grouped_gemm_util import REPO, RTOL_16, _fake_device, _inputs
+from tests.grouped_gemm_util import REPO, RTOL_16, _fake_device, _inputs, cuda_module
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 
@@ -161,9 +161,7 @@ def test_env_var_is_read_in_one_place_and_documented():
 
 def _cuda_targets(fn, *args):
     """The moe_praxis FFI targets (and their `tile` attributes) of fn lowered for CUDA."""
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in backend.KERNELS]
-    exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
-    return re.findall(r"custom_call @(moe_\w+)", exp.mlir_module())
+    return re.findall(r"custom_call @(moe_\w+)", cuda_module(jax.jit(fn), *args))
 
 
 @pytest.mark.parametrize("cc,dtype,family", [(80, jnp.bfloat16, "sm80"), (86, jnp.float16, "sm80"),

@@ -14,11 +14,10 @@ import moe_praxis as mp
 from moe_praxis import experts, ops
 from moe_praxis.config import MoEConfig
 from moe_praxis.dispatch import sort
-from moe_praxis.ops import backend
 from moe_praxis.ops.permute import (permute_cuda, permute_index_cuda, permute_index_reference,
                                     permute_pair_cuda, unpermute_cuda)
 from tests import kernel_reference as ref
-from tests.grouped_gemm_util import _fake_device
+from tests.grouped_gemm_util import _fake_device, cuda_module
 
 F32_TOL = 1e-6
 
@@ -152,9 +151,7 @@ def test_lowered_block_backward_sums_gate_and_up_cotangents_in_the_unpermute(
     def step(p, xx):
         return jax.grad(lambda a: jnp.sum(mp.moe_block(p, a, cfg).y.astype(jnp.float32)))(xx)
 
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in backend.KERNELS]
-    exp = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=checks)(params, x)
-    text = exp.mlir_module()
+    text = cuda_module(jax.jit(step), params, x)
     targets = re.findall(r"custom_call @(moe_\w+)", text)
     assert targets.count("moe_permute_index") == 1, targets
     assert "moe_permute" not in targets and "moe_unpermute" not in targets, targets

@@ -40,7 +40,7 @@ def sort_copies(expert_ids,
     """expert_ids: [T, k]; keep: [T, k] bool (False = dropped or padded); dropped_tokens: []
     int32 (carried into the Dispatch) -> Dispatch, the kept copies sorted by expert (the stable
     sort of ops.expert_sort: its kernels on backend 'cuda')."""
-    t, k = expert_ids.shape
+    k = expert_ids.shape[1]
     flat_e = jnp.where(keep, expert_ids, num_experts).reshape(-1).astype(jnp.int32)
     order, sorted_e, row_map, group_sizes = ops.expert_sort(flat_e, num_experts, k, backend=backend)
     return Dispatch(order=order,
