@@ -23,6 +23,7 @@
 
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 namespace moe_gg {
 
@@ -83,6 +84,23 @@ extern "C" void moe_praxis_note_stream(cudaStream_t stream);
 
 namespace moe_gg {
 
+// The mainloop arguments of a kernel definition: CUTLASS's A and B pointer arrays, or, where the
+// Def declares kOwnMainloopArgs (the gathered mainloop, grouped_gemm_gather.cu), its own
+// Def::mainloop_args(g, extra).
+template <class Def, class = void>
+struct OwnMainloopArgs : std::false_type {};
+template <class Def>
+struct OwnMainloopArgs<Def, std::void_t<decltype(Def::kOwnMainloopArgs)>> : std::true_type {};
+
+template <class Def, class Arrays, class Extra>
+typename Def::Kernel::MainloopArguments mainloop_args(const Arrays& g, const Extra& extra) {
+  if constexpr (OwnMainloopArgs<Def>::value) {
+    return Def::mainloop_args(g, extra);
+  } else {
+    return {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b};
+  }
+}
+
 // Launches one CUTLASS kernel over the group arrays `g` with the problem shapes `shapes`;
 // `ws` / `ws_bytes`: room for CUTLASS's own workspace; *used: the bytes it took.
 template <class Def, class Arrays, class Extra>
@@ -93,7 +111,7 @@ ffi::Error launch_cutlass(cudaStream_t stream, int e, UnderlyingShape* shapes, c
   cutlass::KernelHardwareInfo hw = hardware_info<Def>(device);
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                 {e, shapes, nullptr},
-                                {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b},
+                                mainloop_args<Def>(g, extra),
                                 Def::epilogue_args(g, extra),
                                 hw};
   using RasterOptions = decltype(args.scheduler.raster_order);

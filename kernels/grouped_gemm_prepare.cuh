@@ -248,4 +248,28 @@ inline PrepareParams ragged_rows_prepare(const int32_t* group_sizes, int64_t e, 
   return p;
 }
 
+// Prepare parameters of the wgrad problem (ragged contraction): a [rows, k] (the group's rows),
+// b [rows, n] (the output gradient's), d [e] of k x n elements (zeroed for groups with no rows).
+inline PrepareParams ragged_k_prepare(const int32_t* group_sizes, int64_t e, int64_t rows,
+                                      int64_t k, int64_t n, const Element* a, const Element* b,
+                                      Element* d) {
+  PrepareParams p{};
+  p.group_sizes = group_sizes;
+  p.num_groups = static_cast<int>(e);
+  p.rows = rows;
+  p.ragged_k = true;
+  p.dim_a = static_cast<int>(k);  // GEMM M (0 for empty groups)
+  p.dim_b = static_cast<int>(n);  // GEMM N
+  p.a = a;
+  p.b = b;
+  p.d = d;
+  p.map_a = {0, k};
+  p.map_b = {0, n};
+  p.map_d = {k * n, 0};
+  p.zero_empty_experts = true;
+  p.zero_row = 0;
+  p.zero_expert = k * n;
+  return p;
+}
+
 }  // namespace moe_gg

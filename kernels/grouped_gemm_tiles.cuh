@@ -163,22 +163,28 @@ using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     typename Config::Epilogue,
     cutlass::epilogue::fusion::LinearCombination<Element, ElementAcc, void>>::CollectiveOp;
 
+// The plain epilogue's arguments over the group arrays g: D = accumulator, no C.
+template <class Kernel, class Arrays>
+typename Kernel::EpilogueArguments plain_epilogue_args(const Arrays& g) {
+  typename Kernel::EpilogueArguments a{};
+  a.thread.alpha = 1.0f;
+  a.thread.beta = 0.0f;
+  a.thread.alpha_ptr = nullptr;
+  a.thread.beta_ptr = nullptr;
+  a.ptr_C = nullptr;
+  a.dC = g.stride_d;
+  a.ptr_D = g.ptr_d;
+  a.dD = g.stride_d;
+  return a;
+}
+
 template <class LayoutA, class LayoutB, class Config>
 struct GemmDef : KernelFor<LayoutA, LayoutB, Config, PlainEpilogue<Config>> {
   using Kernel = typename KernelFor<LayoutA, LayoutB, Config, PlainEpilogue<Config>>::Kernel;
 
   template <class Arrays>
   static typename Kernel::EpilogueArguments epilogue_args(const Arrays& g, const EpilogueExtra&) {
-    typename Kernel::EpilogueArguments a{};
-    a.thread.alpha = 1.0f;
-    a.thread.beta = 0.0f;
-    a.thread.alpha_ptr = nullptr;
-    a.thread.beta_ptr = nullptr;
-    a.ptr_C = nullptr;
-    a.dC = g.stride_d;
-    a.ptr_D = g.ptr_d;
-    a.dD = g.stride_d;
-    return a;
+    return plain_epilogue_args<Kernel>(g);
   }
 };
 

@@ -28,22 +28,9 @@ ffi::Error GroupedGemmWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
   const Schedule sched{raster, swizzle, split_rows};
   return dispatch_tile(tile, sched, [&](auto cfg) {
     using Def = GemmDef<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, decltype(cfg)>;
-    PrepareParams p{};
-    p.group_sizes = group_sizes.typed_data();
-    p.num_groups = static_cast<int>(e);
-    p.rows = m;
-    p.ragged_k = true;
-    p.dim_a = static_cast<int>(k);  // GEMM M (0 for empty groups)
-    p.dim_b = static_cast<int>(n);  // GEMM N
-    p.a = as_elem(lhs.untyped_data());
-    p.b = as_elem(dout.untyped_data());
-    p.d = as_elem(drhs->untyped_data());
-    p.map_a = {0, k};
-    p.map_b = {0, n};
-    p.map_d = {k * n, 0};
-    p.zero_empty_experts = true;
-    p.zero_row = 0;
-    p.zero_expert = k * n;
+    PrepareParams p = ragged_k_prepare(group_sizes.typed_data(), e, m, k, n,
+                                       as_elem(lhs.untyped_data()), as_elem(dout.untyped_data()),
+                                       as_elem(drhs->untyped_data()));
     return run_grouped<Def>(stream, p, make_ld_stride<typename Def::StrideA>(k),
                             make_ld_stride<typename Def::StrideB>(n),
                             make_ld_stride<typename Def::StrideD>(n),

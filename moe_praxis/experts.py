@@ -32,6 +32,7 @@ from moe_praxis import ops
 from moe_praxis.config import MoEConfig
 from moe_praxis.ops import backend as ops_backend
 from moe_praxis.ops import fp8, fp8_fused, fp8_mixed, fp8_weights
+from moe_praxis.ops.gathered_gemm import gather_unsupported
 
 # Set to 1: use_cudnn_fusion=True where the fusion cannot run is an error, not a warning (for
 # jobs that must not silently run another kernel than the one asked for).
@@ -122,6 +123,24 @@ def reads_rows_twice(config: MoEConfig) -> bool:
     return config.gated and not config.fuse_gate_up and config.fp8 is None
 
 
+def gathers_rows(config: MoEConfig, x, weights, backend: str) -> bool:
+    """True where expert_ffn reads the rows from x by index (config.gather_rows; `tokens`):
+    on the XLA path, and on CUDA where the gathered kernels run these weights (elsewhere on
+    CUDA: False, with a warning naming why, and the block permutes as without the flag)."""
+    if not config.gather_rows:
+        return False
+    names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
+    ws = tuple(weights[n].astype(x.dtype) for n in names)
+    if ops_backend.op_backend(backend, "grouped_gemm") == "xla":
+        return True
+    why = gather_unsupported(x, ws, "cuda")
+    if why:
+        ops_backend.warn_once(
+            f"MoEConfig.gather_rows=True is not honoured here: {why}. The dispatch permutes the "
+            "rows instead.", RuntimeWarning)
+    return not why
+
+
 def expert_ffn(rows,
                group_sizes,
                weights,
@@ -130,7 +149,8 @@ def expert_ffn(rows,
                backend="auto",
                row_weights=None,
                rows_fp8=None,
-               rows_up=None):
+               rows_up=None,
+               tokens=None):
     """rows: [R, M]; group_sizes: [E]; weights: the expert weights of the parameter tree
     (moe.param_shapes: wi_up, wi_gate if gated [E, M, H], or wi_gate_up [E, M, 2H] with
     config.fuse_gate_up; wo [E, H, M]; other keys ignored) -> [R, M].
@@ -146,7 +166,13 @@ def expert_ffn(rows,
     kernels (config.fp8, fp8_kernels) instead of quantizing the rows again.
     rows_up: optional, the rows again (equal to rows; sort.dispatch_rows_pair's second) for the
     up projection, only where reads_rows_twice(config) (elsewhere it is an error).
+    tokens: optional (x [T, M], row_map [R], index) to read the rows from by index instead
+    (rows None; gathers_rows(config, ...)): ops.gathered_gemm's row map and permute index.
     """
+    if (tokens is None) == (rows is None):
+        raise ValueError("expert_ffn takes the rows or tokens=(x, row_map, index), one of them")
+    if tokens is not None and not config.gather_rows:
+        raise ValueError("expert_ffn: tokens are only read with MoEConfig.gather_rows=True")
     if rows_up is not None and not reads_rows_twice(config):
         raise ValueError("expert_ffn: rows_up is only for two projections reading the rows "
                          "(gated, fuse_gate_up=False, fp8=None); this config reads them once")
@@ -154,7 +180,7 @@ def expert_ffn(rows,
         _warn_cudnn_fallback(backend)
     if config.fp8 is not None:
         return _fp8_expert_ffn(rows, group_sizes, weights, config, row_weights, backend, rows_fp8)
-    dt = rows.dtype
+    dt = (rows if tokens is None else tokens[0]).dtype
     wo = weights["wo"]
     down = dict(act=config.activation, backend=backend)  # fuse_swiglu_bwd's ops' options
     if config.fuse_gate_up and config.fuse_swiglu_bwd:
@@ -172,15 +198,28 @@ def expert_ffn(rows,
         act = checkpoint_name(act, "ffn1")
         return checkpoint_name(ops.grouped_gemm(act, wo.astype(dt), group_sizes, backend=backend),
                                "ffn2")
-    up = checkpoint_name(
-        ops.grouped_gemm(rows if rows_up is None else rows_up,
-                         weights["wi_up"].astype(dt),
-                         group_sizes,
-                         backend=backend), "moe_up")
+    if tokens is not None:
+        names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
+        x, row_map, index = tokens
+        outs = ops.gathered_gemm(x,
+                                 row_map,
+                                 tuple(weights[n].astype(dt) for n in names),
+                                 group_sizes,
+                                 backend=backend,
+                                 index=index)
+        up = checkpoint_name(outs[-1], "moe_up")
+        gate = checkpoint_name(outs[0], "moe_gate") if config.gated else None
+    else:
+        up = checkpoint_name(
+            ops.grouped_gemm(rows if rows_up is None else rows_up,
+                             weights["wi_up"].astype(dt),
+                             group_sizes,
+                             backend=backend), "moe_up")
+        if config.gated:
+            gate = checkpoint_name(
+                ops.grouped_gemm(rows, weights["wi_gate"].astype(dt), group_sizes, backend=backend),
+                "moe_gate")
     if config.gated:
-        gate = checkpoint_name(
-            ops.grouped_gemm(rows, weights["wi_gate"].astype(dt), group_sizes, backend=backend),
-            "moe_gate")
         if config.fuse_swiglu_bwd:
             out = ops.swiglu_down(gate, up, wo.astype(dt), group_sizes, row_weights, **down)
             return checkpoint_name(out, "ffn2")

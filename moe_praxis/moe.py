@@ -43,7 +43,8 @@ from jax.sharding import PartitionSpec as P
 from moe_praxis import expert_weights, router_stats, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.dispatch import capacity, exchange, sort
-from moe_praxis.experts import FP8_GATHER, FP8_WEIGHTS, expert_ffn, fp8_kernels, reads_rows_twice
+from moe_praxis.experts import (FP8_GATHER, FP8_WEIGHTS, expert_ffn, fp8_kernels, gathers_rows,
+                                reads_rows_twice)
 from moe_praxis.ops import resolve_backend, vma
 from moe_praxis.params import check_params, init_moe_params, param_shapes
 from moe_praxis.resources import EPLayout, check_mesh_in_scope, ep_bootstrap, psum
@@ -177,18 +178,21 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
     with jax.named_scope("moe_experts"):
         weights = expert_weights.gather_expert_weights(params, layout, config)
         if layout.ep_size == 1:
-            rows_fp8 = rows_up = None
+            rows = rows_fp8 = rows_up = tokens = None
             index = sort.dispatch_index(d, t_l, backend=backend)  # one for all permutes
-            if fp8_kernels(config, backend) and FP8_GATHER not in weights:  # the permute writes
-                # the rows' FP8 operand too
+            w_axes = tuple(vma.varying_axes(weights["wo"]))
+            if gathers_rows(config, x, weights, backend):  # the projections read x by index
+                tokens = (vma.vary(x, w_axes), d.row_map, index)
+            elif fp8_kernels(config, backend) and FP8_GATHER not in weights:  # the permute
+                # writes the rows' FP8 operand too
                 rows, rows_fp8 = sort.dispatch_rows_fp8(x, d)
             elif reads_rows_twice(config):  # the gate and up projections' cotangents are summed
                 # in the permute's backward
                 rows, rows_up = sort.dispatch_rows_pair(x, d, backend=backend, index=index)
             else:
                 rows = sort.dispatch_rows(x, d, backend=backend, index=index)
-            w_axes = tuple(vma.varying_axes(weights["wo"]))
-            rows = vma.vary(checkpoint_name(rows, "moe_dispatched"), w_axes)
+            if rows is not None:
+                rows = vma.vary(checkpoint_name(rows, "moe_dispatched"), w_axes)
             if rows_up is not None:
                 rows_up = vma.vary(checkpoint_name(rows_up, "moe_dispatched"), w_axes)
             if rows_fp8 is not None:
@@ -198,7 +202,8 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
             # float32 after a float32 weighted combine.
             fuse = exchange.fuse_weights(layout)
             gather = config.gather_combine  # the weights go into the combine instead
-            row_w = vma.vary(w_sorted, tuple(vma.varying_axes(rows))) if fuse and not gather \
+            lhs = rows if tokens is None else tokens[0]
+            row_w = vma.vary(w_sorted, tuple(vma.varying_axes(lhs))) if fuse and not gather \
                 else None
             out = expert_ffn(rows,
                              d.group_sizes,
@@ -207,7 +212,8 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
                              backend=backend,
                              row_weights=row_w,
                              rows_fp8=rows_fp8,
-                             rows_up=rows_up)
+                             rows_up=rows_up,
+                             tokens=tokens)
             if gather:  # float32 where tp partial sums are added after it, as below
                 y = sort.combine_gather(out,
                                         vma.vary(r.weights, tuple(vma.varying_axes(out))),

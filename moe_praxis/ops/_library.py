@@ -55,6 +55,8 @@ KERNELS: dict[str, str] = {
     "moe_grouped_gemm_fwd": "MoeGroupedGemmFwd",
     "moe_grouped_gemm_dgrad": "MoeGroupedGemmDgrad",
     "moe_grouped_gemm_wgrad": "MoeGroupedGemmWgrad",
+    "moe_grouped_gemm_gather_fwd": "MoeGroupedGemmGatherFwd",
+    "moe_grouped_gemm_gather_wgrad": "MoeGroupedGemmGatherWgrad",
     "moe_grouped_gemm_swiglu_fwd": "MoeGroupedGemmSwigluFwd",
     "moe_grouped_gemm_dswiglu": "MoeGroupedGemmDswiglu",
     "moe_grouped_gemm_dswiglu_interleaved": "MoeGroupedGemmDswigluInterleaved",

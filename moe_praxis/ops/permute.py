@@ -122,6 +122,15 @@ def _unpermute_call(num_tokens, y, row_map, index, y2=None):
                          functools.partial(_unpermute_ref, num_tokens), y, y2, row_map, index)
 
 
+def unpermute_rows(y, row_map, num_tokens: int, index, y2=None):
+    """x[t] = the sum of y[r] (+ y2[r] where y2 is given) over t's rows, for backward passes (no
+    vjp): the unpermute kernel where lowered for CUDA (y2 needs `index`, permute_index_cuda's),
+    the reference elsewhere."""
+    if y2 is not None and index is None:
+        raise ValueError("unpermute_rows: summing two inputs (y2) needs the permute index")
+    return _unpermute_call(num_tokens, y, row_map, index, y2=y2)
+
+
 def _no_cotangent(index):
     return None if index is None else zero_cotangent(index)
 

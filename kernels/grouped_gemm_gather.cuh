@@ -1,0 +1,231 @@
+// The gathered-operand mainloop of the Hopper grouped GEMM (kernels/grouped_gemm_gather.cu):
+// CUTLASS's sm_90a pointer-array mainloop (MainloopSm90ArrayTmaGmmaWarpSpecialized) whose A
+// operand is read by row index from x [T, K] instead of by TMA from a permuted copy of x.
+//
+//   Gather::kRowsM (forward): A(m, k) = x[index[r0 + m], k]: the group's rows are x's rows.
+//   Gather::kRowsK (wgrad):   A(m, k) = x[index[r0 + k], m]: the group's rows are the
+//                             contraction (A = rows^T, M-major in shared memory).
+// r0 is the problem's first row in the expert-sorted order; an index out of [0, T) (a dropped
+// or padded row: row_map holds T there) reads a zero row, as the permute writes one.
+//
+// How: the kernels already run a second producer warp (MainloopAux) for mainloops that declare
+// an auxiliary load (CUTLASS's blockwise-scaled FP8 mainloop loads its scales there). Here the
+// MainloopAux warp loads A with cp.async, 16 bytes a lane, zero-filled past the problem's rows,
+// past K and for out-of-range indices, and arrives on the stage's full barrier when its copies
+// land (cp.async.mbarrier.arrive.noinc: 32 arrivals); the Mainloop warp loads only B by TMA
+// (its expect-tx is B's bytes). So a stage's barrier completes on 1 + 32 arrivals and B's
+// bytes, which is NumProducerThreadEvents = 33, as in CUTLASS's FP8 blockwise mainloop. The
+// consumer side (wgmma on the shared-memory tiles) is CUTLASS's, unchanged: A's tile has the
+// same swizzled layout as if TMA had written it. The A descriptors that CUTLASS still builds
+// per problem point at x and are never loaded from.
+//
+// The problem's r0 is read from an operand pointer array the prepare kernel fills: the output
+// rows (forward, ptr_D) or the output gradient rows (wgrad, ptr_B) start at r0 * rows_ld.
+#pragma once
+
+#include "grouped_gemm_tiles.cuh"
+
+#include "cute/arch/copy_sm80.hpp"
+#include "cutlass/arch/barrier.h"
+
+namespace moe_gg {
+
+enum class Gather { kRowsM, kRowsK };
+
+// The dispatch policy of the gathered mainloop: CUTLASS's, tagged with an auxiliary load (the
+// kernels then run the MainloopAux warp: HasAuxiliaryLoad below).
+template <int Stages, class ClusterShape, class KernelSchedule>
+struct GatherPolicy
+    : cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecialized<Stages, ClusterShape, KernelSchedule> {
+};
+
+// What the gathered mainloop reads besides CUTLASS's arguments.
+struct GatherArgs {
+  const Element* x;              // [x_rows, ld_x]
+  const int32_t* index;          // [rows]: x row of each expert-sorted row
+  int64_t x_rows;                // T: indices outside [0, T) read zeros
+  int64_t ld_x;                  // K (forward) or the wgrad's M
+  const Element* const* ptr_rows;  // per problem: its first row's address in rows_base
+  const Element* rows_base;
+  int64_t rows_ld;
+};
+
+// One problem's slice of the index and the bounds of its A operand.
+struct GatherSlice {
+  const int32_t* index;  // index + r0
+  int m;                 // the problem's M and K
+  int k;
+};
+
+}  // namespace moe_gg
+
+namespace cutlass::gemm::kernel::detail {
+template <int Stages, class ClusterShape, class KernelSchedule>
+struct HasAuxiliaryLoad<moe_gg::GatherPolicy<Stages, ClusterShape, KernelSchedule>>
+    : cute::true_type {};
+}  // namespace cutlass::gemm::kernel::detail
+
+namespace moe_gg {
+
+template <class Base, Gather kMode>
+struct GatherMainloop : Base {
+  using BasePolicy = typename Base::DispatchPolicy;
+  using DispatchPolicy = GatherPolicy<BasePolicy::Stages, typename BasePolicy::ClusterShape,
+                                      typename BasePolicy::Schedule>;
+  using typename Base::GmemTiledCopyB;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::TensorStorage;
+  using typename Base::TileShape;
+
+  static constexpr int NumProducerThreadEvents = 33;  // B's TMA arrival + 32 cp.async lanes
+  static_assert(cutlass::gemm::kernel::detail::HasAuxiliaryLoad_v<DispatchPolicy>,
+                "the kernels must run the MainloopAux warp that loads A");
+  static_assert(size<1>(typename BasePolicy::ClusterShape{}) == 1,
+                "a gathered A cannot be multicast: clusters of 1 column only");
+
+  static constexpr uint32_t TmaTransactionBytes = cutlass::bits_to_bytes(
+      size<0>(SmemLayoutB{}) * size<1>(SmemLayoutB{}) *
+      static_cast<uint32_t>(sizeof_bits<typename Base::ElementB>::value));
+
+  struct Arguments : Base::Arguments {
+    GatherArgs gather;
+  };
+  struct Params : Base::Params {
+    GatherArgs gather;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape problem_shapes, Arguments const& args,
+                                        void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) =
+        Base::to_underlying_arguments(problem_shapes, args, workspace);
+    p.tma_transaction_bytes = TmaTransactionBytes;
+    p.gather = args.gather;
+    return p;
+  }
+
+  template <class ProblemShapeMNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShapeMNKL const& problem_shape_mnkl,
+                                Params const& params) const {
+    auto t = Base::load_init(problem_shape_mnkl, params);
+    return cute::make_tuple(get<0>(t), get<1>(t), GatherSlice{params.gather.index, 0, 0});
+  }
+
+  template <class InputTensors, class ProblemShapeMNKL>
+  CUTLASS_DEVICE auto tensors_perform_update(InputTensors const& in, Params const& params,
+                                             ProblemShapeMNKL problem_shape_mnkl,
+                                             int32_t next_batch) {
+    const GatherArgs& g = params.gather;
+    const int64_t r0 = (g.ptr_rows[next_batch] - g.rows_base) / g.rows_ld;
+    GatherSlice s{g.index + r0, static_cast<int>(get<0>(problem_shape_mnkl)),
+                  static_cast<int>(get<2>(problem_shape_mnkl))};
+    return cute::make_tuple(get<0>(in), get<1>(in), s);
+  }
+
+  // Mainloop warp: B by TMA (CUTLASS's load without A).
+  template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator,
+            class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline,
+                           PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB, GatherSlice> const& load_inputs,
+                           cute::tuple<TensorMapA, TensorMapB> const& input_tensormaps,
+                           BlockCoord const& blk_coord, KTileIterator k_tile_iter,
+                           int k_tile_count, int thread_idx, uint32_t block_rank_in_cluster,
+                           TensorStorage& shared_tensors) {
+    if (!cute::elect_one_sync()) return;
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    constexpr uint32_t cluster_shape_x = get<0>(typename DispatchPolicy::ClusterShape());
+    const uint32_t cluster_x = block_rank_in_cluster % cluster_shape_x;
+    const uint32_t cluster_y = block_rank_in_cluster / cluster_shape_x;
+    Tensor gB_nkl = get<1>(load_inputs);
+    auto block_tma_b = params.tma_load_b.get_slice(cluster_x);
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    Tensor gB = gB_nkl(_, _, n_coord, _, l_coord);  // (BLK_N, BLK_K, k)
+    Tensor tBgB = block_tma_b.partition_S(gB);
+    Tensor tBsB = block_tma_b.partition_D(sB);
+    uint16_t mcast_mask_b = 0;
+    if constexpr (cute::is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
+      auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
+      for (int m = 0; m < size<0>(block_layout); ++m) {
+        mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_y, Int<0>{}));
+      }
+    }
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
+      copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b),
+           tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, smem_pipe_write.index()));
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+
+  // MainloopAux warp: A by row index with cp.async (16 bytes a lane). A tile is G gathered x
+  // rows of C contiguous elements: (BLK_M, BLK_K) for kRowsM, (BLK_K, BLK_M) for kRowsK. Lane l
+  // copies chunk l % kChunks of rows l / kChunks + j * kRowsPerPass, so a warp instruction
+  // reads whole 16-byte runs of kRowsPerPass rows.
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load_auxiliary(Params const& params, MainloopPipeline pipeline,
+                                     PipelineState smem_pipe_write,
+                                     cute::tuple<TensorA, TensorB, GatherSlice> const& load_inputs,
+                                     BlockCoord const& blk_coord, KTileIterator k_tile_iter,
+                                     int k_tile_count, int thread_idx,
+                                     uint32_t /*block_rank_in_cluster*/,
+                                     TensorStorage& shared_tensors) {
+    constexpr int kBlkM = size<0>(TileShape{});
+    constexpr int kBlkK = size<2>(TileShape{});
+    constexpr bool kRowsM = kMode == Gather::kRowsM;
+    constexpr int kG = kRowsM ? kBlkM : kBlkK;  // gathered rows of a tile
+    constexpr int kC = kRowsM ? kBlkK : kBlkM;  // contiguous elements of each
+    constexpr int kChunks = kC / 8;
+    static_assert(kC % 8 == 0 && 32 % kChunks == 0, "a warp covers whole rows of a tile");
+    constexpr int kRowsPerPass = 32 / kChunks;
+    static_assert(kG % kRowsPerPass == 0, "a tile is whole passes of the warp");
+
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    const GatherSlice s = get<2>(load_inputs);
+    const GatherArgs& g = params.gather;
+    const int lane = thread_idx % 32;
+    const int chunk = lane % kChunks;
+    const int sub = lane / kChunks;
+    const int m_coord = static_cast<int>(get<0>(blk_coord));
+    const int g_lim = kRowsM ? s.m : s.k;  // the problem's rows
+    const int c_lim = kRowsM ? s.k : s.m;  // x's columns
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      const int k_tile = static_cast<int>(*k_tile_iter);
+      const int stage = smem_pipe_write.index();
+      const int g0 = kRowsM ? m_coord * kBlkM : k_tile * kBlkK;
+      const int col = (kRowsM ? k_tile * kBlkK : m_coord * kBlkM) + chunk * 8;
+      const bool col_ok = col + 8 <= c_lim;  // c_lim % 8 == 0 (checked by the handler)
+      // unrolled by 4, not fully: this warp runs on the producers' 40 registers (setmaxnreg)
+#pragma unroll 4
+      for (int j = 0; j < kG / kRowsPerPass; ++j) {
+        const int r = sub + j * kRowsPerPass;
+        int64_t src_row = -1;
+        if (col_ok && g0 + r < g_lim) {
+          const int32_t t = __ldg(s.index + g0 + r);
+          if (t >= 0 && t < g.x_rows) src_row = t;
+        }
+        const bool ok = src_row >= 0;
+        const Element* src = g.x + (ok ? src_row * g.ld_x + col : 0);
+        auto& dst = kRowsM ? sA(r, chunk * 8, stage) : sA(chunk * 8, r, stage);
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+            *reinterpret_cast<const cute::uint128_t*>(src),
+            *reinterpret_cast<cute::uint128_t*>(&dst), ok);
+      }
+      pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+};
+
+}  // namespace moe_gg
