@@ -30,6 +30,8 @@ STAGES = [  # (stage, kind, regex)
     ("grouped GEMM fwd", "target", r"^moe_grouped_gemm_fwd$"),
     ("grouped GEMM dgrad", "target", r"^moe_grouped_gemm_dgrad$"),
     ("grouped GEMM wgrad", "target", r"^moe_grouped_gemm_wgrad$"),
+    ("gathered grouped GEMM fwd", "target", r"^moe_grouped_gemm_gather_fwd$"),
+    ("gathered grouped GEMM wgrad", "target", r"^moe_grouped_gemm_gather_wgrad$"),
     ("gate/up GEMM + SwiGLU fwd (fused)", "target", r"^moe_grouped_gemm_swiglu_fwd$"),
     ("FP8 grouped GEMM fwd / dgrad (nt)", "target", r"^moe_grouped_gemm_fp8_nt$"),
     ("FP8 grouped GEMM wgrad", "target", r"^moe_grouped_gemm_fp8_wgrad"),
