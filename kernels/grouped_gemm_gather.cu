@@ -20,46 +20,9 @@
 namespace moe_gg {
 namespace {
 
-constexpr const char* kWhoGather = "moe_praxis gathered grouped GEMM";
-
-// The gathered kernel of one tile configuration: CUTLASS's mainloop for these layouts wrapped
-// by GatherMainloop, the plain TMA-store epilogue.
+// The gathered kernel of one tile configuration with the plain TMA-store epilogue.
 template <class LayoutA, class Config, Gather kMode>
-struct GatherDef {
-  using Epilogue = PlainEpilogue<Config>;
-  using Inner = KernelFor<LayoutA, cutlass::layout::RowMajor, Config, Epilogue>;
-  using CollectiveMainloop = GatherMainloop<typename Inner::CollectiveMainloop, kMode>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  using TileConfig = Config;
-  static constexpr bool kAdaptive = false;
-  static constexpr bool kOwnMainloopArgs = true;
-
-  // extra: the gather arguments less ptr_rows, which is the output's (fwd: the group's first
-  // output row) or dout's (wgrad: its first row of the output gradient) pointer array.
-  template <class Arrays>
-  static typename Kernel::MainloopArguments mainloop_args(const Arrays& g, const GatherArgs& extra) {
-    typename Kernel::MainloopArguments a{};
-    a.ptr_A = g.ptr_a;
-    a.dA = g.stride_a;
-    a.ptr_B = g.ptr_b;
-    a.dB = g.stride_b;
-    a.gather = extra;
-    if constexpr (kMode == Gather::kRowsM) {
-      a.gather.ptr_rows = g.ptr_d;
-    } else {
-      a.gather.ptr_rows = g.ptr_b;
-    }
-    return a;
-  }
-
-  template <class Arrays>
-  static typename Kernel::EpilogueArguments epilogue_args(const Arrays& g, const GatherArgs&) {
-    return plain_epilogue_args<Kernel>(g);
-  }
+struct GatherDef : GatherKernelDef<LayoutA, Config, kMode, PlainEpilogue<Config>, PlainEpilogueArgs> {
 };
 
 // launch_cutlass must take this Def's own mainloop arguments: CUTLASS's four would also compile
@@ -72,52 +35,6 @@ template <class LayoutA, class A, class B, int kF, int kD, Gather kMode>
 struct GatherDef<LayoutA, Adaptive<A, B, kF, kD>, kMode>
     : AdaptivePair<GatherDef<LayoutA, A, kMode>, GatherDef<LayoutA, B, kMode>, kF, kD> {};
 
-template <class F>
-ffi::Error dispatch_gather_tile(int64_t tile, Schedule sched, F&& f) {
-  ffi::Error bad = check_schedule(sched);
-  if (bad.failure()) return bad;
-  switch (tile) {
-    case 1:
-      return f(PingpongSmall{});
-    case 10:
-      return f(AdaptiveWideThin11{});
-    case 11:
-      return f(PingpongMidC<1, 1>{});
-    default:
-      return ffi::Error::InvalidArgument(std::string(kWhoGather) + ": tile=" +
-                                         std::to_string(tile) +
-                                         " has no gathered kernel; valid: 1, 10, 11");
-  }
-}
-
-ffi::Error check_gather(const char* op, int64_t k, const ffi::Buffer<ffi::S32>& row_map,
-                        int64_t rows) {
-  if (static_cast<int64_t>(row_map.element_count()) != rows) {
-    return ffi::Error::InvalidArgument(std::string(kWhoGather) + " " + op + ": row_map has " +
-                                       std::to_string(row_map.element_count()) +
-                                       " entries; valid: one per output row (" +
-                                       std::to_string(rows) + ")");
-  }
-  if (k % 8 != 0) {
-    return ffi::Error::InvalidArgument(std::string(kWhoGather) + " " + op + ": x has " +
-                                       std::to_string(k) +
-                                       " columns; valid: a multiple of 8 (16-byte rows)");
-  }
-  return ffi::Error::Success();
-}
-
-// prepare + the gathered kernel(s) of Def: A's strides are x's (leading dimension k), B's and
-// D's n; extra: the gather arguments (ptr_rows filled by Def::mainloop_args).
-template <class Def>
-ffi::Error run_gather(cudaStream_t stream, const PrepareParams& p, int64_t k, int64_t n,
-                      const GatherArgs& extra, ffi::ResultBuffer<ffi::U8>& workspace,
-                      Schedule sched) {
-  return run_grouped<Def>(stream, p, make_ld_stride<typename Def::StrideA>(k),
-                          make_ld_stride<typename Def::StrideB>(n),
-                          make_ld_stride<typename Def::StrideD>(n),
-                          reinterpret_cast<uint8_t*>(workspace->untyped_data()),
-                          static_cast<int64_t>(workspace->size_bytes()), sched, extra);
-}
 
 ffi::Error GatherFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> row_map,
                          ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> group_sizes,
@@ -142,8 +59,8 @@ ffi::Error GatherFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
     PrepareParams p = ragged_rows_prepare(group_sizes.typed_data(), e, rows, k, n, xs,
                                           as_elem(rhs.untyped_data()), o, n);
     p.map_a = {0, 0};  // every problem's A is x (read by index)
-    return run_gather<Def>(stream, p, k, n, {xs, row_map.typed_data(), t, k, nullptr, o, n},
-                           workspace, sched);
+    const GatherExtra<EpilogueExtra> extra{{}, {xs, row_map.typed_data(), t, k, nullptr, o, n}};
+    return run_gather<Def>(stream, p, k, n, n, extra, workspace, sched);
   });
 }
 
@@ -172,8 +89,8 @@ ffi::Error GatherWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
     PrepareParams p = ragged_k_prepare(group_sizes.typed_data(), e, rows, k, n, xs, dy,
                                        as_elem(drhs->untyped_data()));
     p.map_a = {0, 0};  // every problem's A is x (read by index)
-    return run_gather<Def>(stream, p, k, n, {xs, row_map.typed_data(), t, k, nullptr, dy, n},
-                           workspace, sched);
+    const GatherExtra<EpilogueExtra> extra{{}, {xs, row_map.typed_data(), t, k, nullptr, dy, n}};
+    return run_gather<Def>(stream, p, k, n, n, extra, workspace, sched);
   });
 }
 

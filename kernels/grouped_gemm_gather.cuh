@@ -23,7 +23,7 @@
 // rows (forward, ptr_D) or the output gradient rows (wgrad, ptr_B) start at r0 * rows_ld.
 #pragma once
 
-#include "grouped_gemm_tiles.cuh"
+#include "grouped_gemm.cuh"
 
 #include "cute/arch/copy_sm80.hpp"
 #include "cutlass/arch/barrier.h"
@@ -48,6 +48,14 @@ struct GatherArgs {
   const Element* const* ptr_rows;  // per problem: its first row's address in rows_base
   const Element* rows_base;
   int64_t rows_ld;
+};
+
+// What a gathered kernel's launch reads besides the group arrays: its epilogue's extra (the
+// plain epilogue's is unused) and the gather arguments (ptr_rows filled by mainloop_args).
+template <class EpiExtra>
+struct GatherExtra {
+  EpiExtra epi;
+  GatherArgs gather;
 };
 
 // One problem's slice of the index and the bounds of its A operand.
@@ -227,5 +235,108 @@ struct GatherMainloop : Base {
     }
   }
 };
+
+// A gathered kernel definition (for run_grouped): CUTLASS's mainloop for LayoutA (B row-major)
+// wrapped by GatherMainloop, around the collective epilogue Epi; EpiArgs::make<Kernel>(g, epi)
+// builds the epilogue's arguments from the group arrays and GatherExtra's epi.
+template <class LayoutA, class Config, Gather kMode, class Epi, class EpiArgs>
+struct GatherKernelDef {
+  using Inner = KernelFor<LayoutA, cutlass::layout::RowMajor, Config, Epi>;
+  using CollectiveMainloop = GatherMainloop<typename Inner::CollectiveMainloop, kMode>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, Epi>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using TileConfig = Config;
+  static constexpr bool kAdaptive = false;
+  static constexpr bool kOwnMainloopArgs = true;
+
+  // ptr_rows: the output's pointer array (kRowsM: a problem's first output row) or dout's
+  // (kRowsK: its first row of the output gradient).
+  template <class Arrays, class EpiExtra>
+  static typename Kernel::MainloopArguments mainloop_args(const Arrays& g,
+                                                          const GatherExtra<EpiExtra>& extra) {
+    typename Kernel::MainloopArguments a{};
+    a.ptr_A = g.ptr_a;
+    a.dA = g.stride_a;
+    a.ptr_B = g.ptr_b;
+    a.dB = g.stride_b;
+    a.gather = extra.gather;
+    if constexpr (kMode == Gather::kRowsM) {
+      a.gather.ptr_rows = g.ptr_d;
+    } else {
+      a.gather.ptr_rows = g.ptr_b;
+    }
+    return a;
+  }
+
+  template <class Arrays, class EpiExtra>
+  static typename Kernel::EpilogueArguments epilogue_args(const Arrays& g,
+                                                          const GatherExtra<EpiExtra>& extra) {
+    return EpiArgs::template make<Kernel>(g, extra.epi);
+  }
+};
+
+// The plain TMA-store epilogue's arguments (EpiArgs of GatherKernelDef).
+struct PlainEpilogueArgs {
+  template <class Kernel, class Arrays, class EpiExtra>
+  static typename Kernel::EpilogueArguments make(const Arrays& g, const EpiExtra&) {
+    return plain_epilogue_args<Kernel>(g);
+  }
+};
+
+constexpr const char* kWhoGather = "moe_praxis gathered grouped GEMM";
+
+// The tiles the gathered kernels are built for (moe_praxis/ops/gathered_gemm.py, GATHER_TILES):
+// F<Config>() for tile 1, 10 or 11, else an error.
+template <class F>
+ffi::Error dispatch_gather_tile(int64_t tile, Schedule sched, F&& f) {
+  ffi::Error bad = check_schedule(sched);
+  if (bad.failure()) return bad;
+  switch (tile) {
+    case 1:
+      return f(PingpongSmall{});
+    case 10:
+      return f(AdaptiveWideThin11{});
+    case 11:
+      return f(PingpongMidC<1, 1>{});
+    default:
+      return ffi::Error::InvalidArgument(std::string(kWhoGather) + ": tile=" +
+                                         std::to_string(tile) +
+                                         " has no gathered kernel; valid: 1, 10, 11");
+  }
+}
+
+// The handlers' check of the gather: row_map has one entry per output row and x's rows are whole
+// 16-byte chunks.
+inline ffi::Error check_gather(const char* op, int64_t k, const ffi::Buffer<ffi::S32>& row_map,
+                        int64_t rows) {
+  if (static_cast<int64_t>(row_map.element_count()) != rows) {
+    return ffi::Error::InvalidArgument(std::string(kWhoGather) + " " + op + ": row_map has " +
+                                       std::to_string(row_map.element_count()) +
+                                       " entries; valid: one per output row (" +
+                                       std::to_string(rows) + ")");
+  }
+  if (k % 8 != 0) {
+    return ffi::Error::InvalidArgument(std::string(kWhoGather) + " " + op + ": x has " +
+                                       std::to_string(k) +
+                                       " columns; valid: a multiple of 8 (16-byte rows)");
+  }
+  return ffi::Error::Success();
+}
+
+// prepare + the gathered kernel(s) of Def: A's strides are x's (leading dimension k), B's b_ld,
+// D's d_ld.
+template <class Def, class EpiExtra>
+ffi::Error run_gather(cudaStream_t stream, const PrepareParams& p, int64_t k, int64_t b_ld,
+                      int64_t d_ld, const GatherExtra<EpiExtra>& extra,
+                      ffi::ResultBuffer<ffi::U8>& workspace, Schedule sched) {
+  return run_grouped<Def>(stream, p, make_ld_stride<typename Def::StrideA>(k),
+                          make_ld_stride<typename Def::StrideB>(b_ld),
+                          make_ld_stride<typename Def::StrideD>(d_ld),
+                          reinterpret_cast<uint8_t*>(workspace->untyped_data()),
+                          static_cast<int64_t>(workspace->size_bytes()), sched, extra);
+}
 
 }  // namespace moe_gg

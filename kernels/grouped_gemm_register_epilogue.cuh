@@ -78,19 +78,27 @@ template <template <class> class Op>
 using RegisterEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
     Op<cutlass::detail::TagToStrideC_t<cutlass::layout::RowMajor*>>>;
 
-// A kernel definition (KernelFor) around a register epilogue Op: the epilogue arguments from
-// the group arrays and the fused kernel's Extra.
+// A register epilogue's arguments: the group arrays' D pointers and strides and the fused
+// kernel's Extra.
+struct RegisterEpilogueArgs {
+  template <class Kernel, class Arrays, class Extra>
+  static typename Kernel::EpilogueArguments make(const Arrays& g, const Extra& extra) {
+    typename Kernel::EpilogueArguments a{};
+    a.ptr_D = g.ptr_d;
+    a.dD = g.stride_d;
+    a.extra = extra;
+    return a;
+  }
+};
+
+// A kernel definition (KernelFor) around a register epilogue Op.
 template <class LayoutA, class LayoutB, class Config, template <class> class Op>
 struct RegisterEpilogueDef : KernelFor<LayoutA, LayoutB, Config, RegisterEpilogue<Op>> {
   using Kernel = typename KernelFor<LayoutA, LayoutB, Config, RegisterEpilogue<Op>>::Kernel;
 
   template <class Arrays, class Extra>
   static typename Kernel::EpilogueArguments epilogue_args(const Arrays& g, const Extra& extra) {
-    typename Kernel::EpilogueArguments a{};
-    a.ptr_D = g.ptr_d;
-    a.dD = g.stride_d;
-    a.extra = extra;
-    return a;
+    return RegisterEpilogueArgs::make<Kernel>(g, extra);
   }
 };
 

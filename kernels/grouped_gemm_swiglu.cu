@@ -12,6 +12,7 @@
 // Hopper accumulator fragment a thread holds columns n and n + 1 of a row as consecutive
 // values, so each thread has whole (gate, up) pairs; a transpose within each quad of lanes
 // turns them into 8-byte stores of gate, up (de-interleaved) and the activation.
+#include "grouped_gemm_gather.cuh"
 #include "grouped_gemm_register_epilogue.cuh"
 
 namespace moe_gg {
@@ -131,6 +132,56 @@ struct SwigluDef
 template <class A, class B, int kF, int kD>
 struct SwigluDef<Adaptive<A, B, kF, kD>> : AdaptivePair<SwigluDef<A>, SwigluDef<B>, kF, kD> {};
 
+// The fused forward's checks: lhs (or x) [*, K], rhs [E, K, 2H] with H % 8 == 0, group_sizes
+// [E], gate / up / act [rows, H], row_weights [rows] where read.
+ffi::Error check_swiglu_fwd(const char* who, int64_t rows, const ffi::Buffer<ffi::BF16>& lhs,
+                            const ffi::Buffer<ffi::BF16>& rhs,
+                            const ffi::Buffer<ffi::S32>& group_sizes,
+                            const ffi::Buffer<ffi::F32>& row_weights,
+                            ffi::ResultBuffer<ffi::BF16>& gate, ffi::ResultBuffer<ffi::BF16>& up,
+                            ffi::ResultBuffer<ffi::BF16>& act, bool has_weight) {
+  auto ld = lhs.dimensions();
+  auto rd = rhs.dimensions();
+  if (ld.size() != 2 || rd.size() != 3 || ld[1] != rd[1] || rd[2] % 16 != 0 ||
+      group_sizes.element_count() != static_cast<size_t>(rd[0])) {
+    return moe_gg_common::shape_error(who, "fwd",
+                                      "lhs [M,K], rhs [E,K,2H] with H % 8 == 0, group_sizes [E]");
+  }
+  const size_t h = static_cast<size_t>(rd[2] / 2);
+  const size_t count = static_cast<size_t>(rows) * h;
+  if (gate->element_count() != count || up->element_count() != count ||
+      act->element_count() != count) {
+    return moe_gg_common::invalid(who, "fwd", "outputs must be [M, H]");
+  }
+  if (has_weight && row_weights.element_count() != static_cast<size_t>(rows)) {
+    return moe_gg_common::invalid(who, "fwd",
+                                  "row_weights must be [M=" + std::to_string(rows) + "]");
+  }
+  return ffi::Error::Success();
+}
+
+// The prepare parameters and the epilogue's extra of the fused forward over `rows` output rows
+// (a [rows, k] or the gathered x: the caller sets map_a).
+PrepareParams swiglu_prepare(const ffi::Buffer<ffi::S32>& group_sizes, int64_t e, int64_t rows,
+                             int64_t k, int64_t n, const Element* a,
+                             const ffi::Buffer<ffi::BF16>& rhs,
+                             ffi::ResultBuffer<ffi::BF16>& gate, ffi::ResultBuffer<ffi::BF16>& up,
+                             ffi::ResultBuffer<ffi::BF16>& act) {
+  // ptr_d[e]: the group's first row of gate (the epilogue's row offset)
+  PrepareParams p = ragged_rows_prepare(group_sizes.typed_data(), e, rows, k, n, a,
+                                        as_elem(rhs.untyped_data()),
+                                        as_elem(gate->untyped_data()), n / 2);
+  p.zero_also[0] = as_elem(up->untyped_data());
+  p.zero_also[1] = as_elem(act->untyped_data());
+  return p;
+}
+
+EpilogueExtra swiglu_extra(const PrepareParams& p, const ffi::Buffer<ffi::F32>& row_weights,
+                           bool has_weight, int64_t h) {
+  return EpilogueExtra{p.d, p.zero_also[0], p.zero_also[1],
+                       has_weight ? row_weights.typed_data() : nullptr, h};
+}
+
 ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> lhs,
                                     ffi::Buffer<ffi::BF16> rhs, ffi::Buffer<ffi::S32> group_sizes,
                                     ffi::Buffer<ffi::F32> row_weights,
@@ -139,42 +190,25 @@ ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> 
                                     ffi::ResultBuffer<ffi::BF16> act,
                                     ffi::ResultBuffer<ffi::U8> workspace, int64_t tile,
                                     int64_t raster, int64_t swizzle, int64_t split_rows, bool has_weight) {
-  auto ld = lhs.dimensions();
-  auto rd = rhs.dimensions();
-  if (ld.size() != 2 || rd.size() != 3 || ld[1] != rd[1] || rd[2] % 16 != 0 ||
-      group_sizes.element_count() != static_cast<size_t>(rd[0])) {
-    return moe_gg_common::shape_error(kWhoSwiglu, "fwd",
-                                      "lhs [M,K], rhs [E,K,2H] with H % 8 == 0, group_sizes [E]");
-  }
-  const int64_t m = ld[0], k = ld[1], e = rd[0], n = rd[2], h = n / 2;
-  if (gate->element_count() != static_cast<size_t>(m * h) ||
-      up->element_count() != static_cast<size_t>(m * h) ||
-      act->element_count() != static_cast<size_t>(m * h)) {
-    return moe_gg_common::invalid(kWhoSwiglu, "fwd", "outputs must be [M, H]");
-  }
-  if (has_weight && row_weights.element_count() != static_cast<size_t>(m)) {
-    return moe_gg_common::invalid(kWhoSwiglu, "fwd",
-                                  "row_weights must be [M=" + std::to_string(m) + "]");
-  }
+  const int64_t m = lhs.dimensions()[0];
+  ffi::Error bad = check_swiglu_fwd(kWhoSwiglu, m, lhs, rhs, group_sizes, row_weights, gate, up,
+                                    act, has_weight);
+  if (bad.failure()) return bad;
+  const int64_t k = lhs.dimensions()[1], e = rhs.dimensions()[0], n = rhs.dimensions()[2];
+  const int64_t h = n / 2;
   const Schedule sched{raster, swizzle, split_rows};
   auto run = [&](auto cfg) -> ffi::Error {
     using Def = SwigluDef<decltype(cfg)>;
-    // ptr_d[e]: the group's first row of gate (the epilogue's row offset)
-    PrepareParams p = ragged_rows_prepare(group_sizes.typed_data(), e, m, k, n,
-                                          as_elem(lhs.untyped_data()),
-                                          as_elem(rhs.untyped_data()),
-                                          as_elem(gate->untyped_data()), h);
-    p.zero_also[0] = as_elem(up->untyped_data());
-    p.zero_also[1] = as_elem(act->untyped_data());
-    EpilogueExtra extra{p.d, p.zero_also[0], p.zero_also[1],
-                        has_weight ? row_weights.typed_data() : nullptr, h};
+    PrepareParams p = swiglu_prepare(group_sizes, e, m, k, n, as_elem(lhs.untyped_data()), rhs,
+                                     gate, up, act);
+    EpilogueExtra extra = swiglu_extra(p, row_weights, has_weight, h);
     return run_grouped<Def>(stream, p, make_ld_stride<typename Def::StrideA>(k),
                             make_ld_stride<typename Def::StrideB>(n),
                             make_ld_stride<typename Def::StrideD>(h),
                             reinterpret_cast<uint8_t*>(workspace->untyped_data()),
                             static_cast<int64_t>(workspace->size_bytes()), sched, extra);
   };
-  ffi::Error bad = check_schedule(sched);
+  bad = check_schedule(sched);
   if (bad.failure()) return bad;
   switch (tile) {  // the tiles of TILE_CONFIGS this fused kernel is built for
     case 1:
@@ -198,6 +232,46 @@ ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> 
   }
 }
 
+// The fused forward reading x's rows by index (MoEConfig.gather_rows with fuse_gate_up): the
+// gathered mainloop (grouped_gemm_gather.cuh) with this epilogue. x [T, K], row_map [R] ->
+// gate, up, act [R, H]; tiles 1, 10, 11.
+template <class Config>
+struct GatherSwigluDef : GatherKernelDef<cutlass::layout::RowMajor, Config, Gather::kRowsM,
+                                         RegisterEpilogue<SwigluEpilogueArray>,
+                                         RegisterEpilogueArgs> {};
+
+template <class A, class B, int kF, int kD>
+struct GatherSwigluDef<Adaptive<A, B, kF, kD>>
+    : AdaptivePair<GatherSwigluDef<A>, GatherSwigluDef<B>, kF, kD> {};
+
+ffi::Error GatherSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
+                               ffi::Buffer<ffi::S32> row_map, ffi::Buffer<ffi::BF16> rhs,
+                               ffi::Buffer<ffi::S32> group_sizes,
+                               ffi::Buffer<ffi::F32> row_weights,
+                               ffi::ResultBuffer<ffi::BF16> gate, ffi::ResultBuffer<ffi::BF16> up,
+                               ffi::ResultBuffer<ffi::BF16> act,
+                               ffi::ResultBuffer<ffi::U8> workspace, int64_t tile, int64_t raster,
+                               int64_t swizzle, int64_t split_rows, bool has_weight) {
+  const int64_t rows = static_cast<int64_t>(row_map.element_count());
+  ffi::Error bad = check_swiglu_fwd(kWhoGather, rows, x, rhs, group_sizes, row_weights, gate, up,
+                                    act, has_weight);
+  if (bad.failure()) return bad;
+  const int64_t t = x.dimensions()[0], k = x.dimensions()[1], e = rhs.dimensions()[0];
+  const int64_t n = rhs.dimensions()[2], h = n / 2;
+  bad = check_gather("fused fwd", k, row_map, rows);
+  if (bad.failure()) return bad;
+  const Schedule sched{raster, swizzle, split_rows};
+  return dispatch_gather_tile(tile, sched, [&](auto cfg) {
+    using Def = GatherSwigluDef<decltype(cfg)>;
+    const Element* xs = as_elem(x.untyped_data());
+    PrepareParams p = swiglu_prepare(group_sizes, e, rows, k, n, xs, rhs, gate, up, act);
+    p.map_a = {0, 0};  // every problem's A is x (read by index)
+    const GatherExtra<EpilogueExtra> extra{swiglu_extra(p, row_weights, has_weight, h),
+                                           {xs, row_map.typed_data(), t, k, nullptr, p.d, h}};
+    return run_gather<Def>(stream, p, k, n, h, extra, workspace, sched);
+  });
+}
+
 }  // namespace
 }  // namespace moe_gg
 
@@ -211,6 +285,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmSwigluFwd, moe_gg::GroupedGemmSwiglu
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // gate [M, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // up [M, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // act [M, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
+                                  .Attr<int64_t>("tile")
+                                  .Attr<int64_t>("raster")
+                                  .Attr<int64_t>("swizzle")
+                                  .Attr<int64_t>("split_rows")
+                                  .Attr<bool>("has_weight"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmGatherSwigluFwd, moe_gg::GatherSwigluFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // x [T, K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_map [R]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // rhs [E, K, 2H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // group_sizes [E]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // row_weights [R]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // gate [R, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // up [R, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // act [R, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
                                   .Attr<int64_t>("tile")
                                   .Attr<int64_t>("raster")

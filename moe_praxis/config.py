@@ -94,10 +94,10 @@ class MoEConfig:
         ep > 1 the exchange's combine is used); it keeps the down projection's output for the
         weights' gradient (one more [T*k, M] activation).
       gather_rows: the gate and up projections read x's rows by the dispatch's row map
-        (ops.gathered_gemm; kernels/grouped_gemm_gather.cu with the Hopper kernels, bf16) instead
-        of a permuted [T*k, M] copy, which is then neither written nor kept for the backward.
-        Not with fuse_gate_up or fp8; single-EP-rank blocks; on CUDA where those kernels cannot
-        run, the permute path with a warning. Off until GPU-verified (docs/gathered_gemm.md).
+        (ops.gathered_gemm, ops.gathered_gate_up_swiglu: kernels/grouped_gemm_gather.cu, Hopper,
+        bf16) instead of a permuted [T*k, M] copy, neither written nor kept for the backward.
+        Not with fp8, nor fuse_gate_up with fuse_swiglu_bwd; single-EP-rank blocks; elsewhere on
+        CUDA the permute path with a warning. Off until GPU-verified (docs/gathered_gemm.md).
       kernel_backend: 'auto' (CUDA kernels where built and supported, else XLA), 'xla', 'cuda'.
       use_cudnn_fusion: ask for cuDNN's fused grouped GEMM + SwiGLU (needs SM100+ and the
         optional cudnn.jax). Not implemented yet, and it has run on no hardware: where it is not
@@ -259,10 +259,9 @@ class MoEConfig:
         if self.fuse_swiglu_bwd and (not self.gated or self.fp8 is not None):
             raise _err("fuse_swiglu_bwd", self.fuse_swiglu_bwd,
                        "needs gated=True and fp8=None (it fuses the bf16 SwiGLU backward)")
-        if self.gather_rows and (self.fuse_gate_up or self.fp8 is not None):
-            raise _err(
-                "gather_rows", True, "needs fuse_gate_up=False and fp8=None (the fused "
-                "gate/up and the FP8 GEMMs have no gathered kernels)")
+        no_gather = self.fp8 is not None or self.fuse_gate_up and self.fuse_swiglu_bwd
+        if self.gather_rows and no_gather:
+            raise _err("gather_rows", True, "needs fp8=None, not fuse_gate_up with fuse_swiglu_bwd")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _err("kernel_backend", self.kernel_backend, f"valid: {KERNEL_BACKENDS}")
         if self.fp8 not in FP8_RECIPES:

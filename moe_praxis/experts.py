@@ -32,6 +32,7 @@ from moe_praxis import ops
 from moe_praxis.config import MoEConfig
 from moe_praxis.ops import backend as ops_backend
 from moe_praxis.ops import fp8, fp8_fused, fp8_mixed, fp8_weights
+from moe_praxis.ops.gate_up import gathered_unsupported
 from moe_praxis.ops.gathered_gemm import gather_unsupported
 
 # Set to 1: use_cudnn_fusion=True where the fusion cannot run is an error, not a warning (for
@@ -129,11 +130,14 @@ def gathers_rows(config: MoEConfig, x, weights, backend: str) -> bool:
     CUDA: False, with a warning naming why, and the block permutes as without the flag)."""
     if not config.gather_rows:
         return False
-    names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
-    ws = tuple(weights[n].astype(x.dtype) for n in names)
     if ops_backend.op_backend(backend, "grouped_gemm") == "xla":
         return True
-    why = gather_unsupported(x, ws, "cuda")
+    if config.fuse_gate_up:
+        why = gathered_unsupported(x, weights["wi_gate_up"].astype(x.dtype), config.activation,
+                                   "cuda")
+    else:
+        names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
+        why = gather_unsupported(x, tuple(weights[n].astype(x.dtype) for n in names), "cuda")
     if why:
         ops_backend.warn_once(
             f"MoEConfig.gather_rows=True is not honoured here: {why}. The dispatch permutes the "
@@ -188,13 +192,24 @@ def expert_ffn(rows,
         out = ops.gate_up_swiglu_down(rows, w_gate_up, wo.astype(dt), group_sizes, row_weights,
                                       **down)
         return checkpoint_name(out, "ffn2")
-    if config.fuse_gate_up:
+    if config.fuse_gate_up and tokens is not None:
+        x, row_map, index = tokens
+        act = ops.gathered_gate_up_swiglu(x,
+                                          row_map,
+                                          weights["wi_gate_up"].astype(dt),
+                                          group_sizes,
+                                          row_weights,
+                                          act=config.activation,
+                                          backend=backend,
+                                          index=index)
+    elif config.fuse_gate_up:
         act = ops.gate_up_swiglu(rows,
                                  weights["wi_gate_up"].astype(dt),
                                  group_sizes,
                                  row_weights,
                                  act=config.activation,
                                  backend=backend)
+    if config.fuse_gate_up:
         act = checkpoint_name(act, "ffn1")
         return checkpoint_name(ops.grouped_gemm(act, wo.astype(dt), group_sizes, backend=backend),
                                "ffn2")

@@ -33,6 +33,7 @@ from tests.testutil import seed as _seed
 # the modules (ops.gathered_gemm and ops.permute are the functions)
 gm = importlib.import_module("moe_praxis.ops.gathered_gemm")
 pm = importlib.import_module("moe_praxis.ops.permute")
+gu = importlib.import_module("moe_praxis.ops.gate_up")
 
 F32_TOL = 1e-5
 BF16_TOL = 1e-2
@@ -191,6 +192,57 @@ def test_errors_name_the_value(monkeypatch):
     assert gm.gather_unsupported(x, (w, ), "cuda") == ""
 
 
+def _fused_case(seed, dtype, t=37, r=101, k=16, h=24, e=6, kind="skewed"):
+    x, rm, (w, ), gs, _ = _case(t, r, k, (2 * h, ), e, kind, dtype, seed)
+    keys = jax.random.split(jax.random.key(seed + 1), 2)
+    rw = jax.random.uniform(keys[0], (r, ), jnp.float32)
+    dact = jax.random.normal(keys[1], (r, h), jnp.float32).astype(dtype)
+    return x, rm, w, gs, rw, dact
+
+
+def _fused_grads(fn, x, w, rw, dact):
+    """(act, (dx, dw, drw)) of sum(fn(x, w, rw) * dact)."""
+
+    def loss(a, b, c):
+        out = fn(a, b, c)
+        return jnp.sum(out.astype(jnp.float32) * dact.astype(jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x, w, rw)
+    return out, grads
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gathered_gate_up_swiglu_equals_the_fused_op_on_permuted_rows(kind):
+    """ops.gathered_gate_up_swiglu (xla) against ops.gate_up_swiglu on permute(x): the act and
+    the gradients of x (through its own backward: unpermute, gathered wgrad), w and the row
+    weights (float32, 1e-5)."""
+    s = _seed()
+    x, rm, w, gs, rw, dact = _fused_case(s, jnp.float32, kind=kind)
+    got = _fused_grads(lambda a, b, c: ops.gathered_gate_up_swiglu(a, rm, b, gs, c, backend="xla"),
+                       x, w, rw, dact)
+    want = _fused_grads(
+        lambda a, b, c: ops.gate_up_swiglu(
+            ops.permute(a, rm, backend="xla"), b, gs, c, backend="xla"), x, w, rw, dact)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(a, b) <= F32_TOL, f"seed={s} kind={kind}"
+
+
+def test_gathered_gate_up_swiglu_errors(monkeypatch):
+    x = jnp.zeros((8, 16), jnp.bfloat16)
+    w = jnp.zeros((2, 16, 32), jnp.bfloat16)
+    rm = jnp.zeros((10, ), jnp.int32)
+    gs = jnp.array([5, 5], jnp.int32)
+    with pytest.raises(ValueError, match=r"row_weights must be \[R=10\], got \(8,\)"):
+        ops.gathered_gate_up_swiglu(x, rm, w, gs, jnp.zeros((8, )))
+    with pytest.raises(ValueError, match=r"w_gate_up .* are invalid; valid: \[E, K, 2H\]"):
+        ops.gathered_gate_up_swiglu(x, rm, jnp.zeros((2, 16, 31), jnp.bfloat16), gs)
+    _fake_device(monkeypatch, 90, name="NVIDIA H200")
+    assert gu.gathered_unsupported(x, w, "silu", "cuda") == ""
+    assert "silu" in gu.gathered_unsupported(x, w, "gelu", "cuda")
+    with pytest.raises(ValueError, match="cannot run the CUDA kernels here: act='gelu'"):
+        ops.gathered_gate_up_swiglu(x, rm, w, gs, act="gelu", backend="cuda")
+
+
 # ---------------------------------------------------------------------------------- GPU
 
 
@@ -238,6 +290,7 @@ BLOCK_CASES = {
     "capacity_drops": dict(capacity_factor=0.5),
     "dswiglu_epilogue": dict(fuse_swiglu_bwd=True),
     "gather_combine": dict(gather_combine=True),
+    "fused_gate_up": dict(fuse_gate_up=True),
 }
 
 
@@ -285,7 +338,8 @@ def test_block_keeps_no_dispatched_rows(gather_rows):
     assert bool(rows) != gather_rows, res
 
 
-def test_lowered_block_has_no_permute_of_x(monkeypatch):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_lowered_block_has_no_permute_of_x(monkeypatch, fuse):
     """moe_block fwd+bwd for CUDA on a faked Hopper with gather_rows: the gathered kernels and
     one indexed permute only (the combine's backward), against two with the permute path."""
     _fake_device(monkeypatch, 90, name="NVIDIA H200")
@@ -296,7 +350,8 @@ def test_lowered_block_has_no_permute_of_x(monkeypatch):
                            d_model=64,
                            d_ff=128,
                            kernel_backend="cuda",
-                           gather_rows=flag)
+                           gather_rows=flag,
+                           fuse_gate_up=fuse)
         params = mp.init_moe_params(jax.random.key(_seed()), cfg)
         params = {k: v.astype(jnp.bfloat16) for k, v in params.items()}
         x = jnp.ones((2, 16, cfg.d_model), jnp.bfloat16)
@@ -304,17 +359,19 @@ def test_lowered_block_has_no_permute_of_x(monkeypatch):
             lambda p, a: jnp.sum(mp.moe_block(p, a, cfg).y.astype(jnp.float32)), argnums=(0, 1))
         texts[flag] = re.findall(r"custom_call @(moe_\w+)", cuda_module(jax.jit(step), params, x))
     on, off = texts[True], texts[False]
-    assert on.count("moe_grouped_gemm_gather_fwd") == 2 and on.count(
-        "moe_grouped_gemm_gather_wgrad") == 2, on
+    fwd = "moe_grouped_gemm_gather_swiglu_fwd" if fuse else "moe_grouped_gemm_gather_fwd"
+    n = 1 if fuse else 2  # one fused gate/up GEMM, or the two projections
+    assert on.count(fwd) == n and on.count("moe_grouped_gemm_gather_wgrad") == n, on
     assert on.count("moe_permute_indexed") == 1 and off.count("moe_permute_indexed") == 2, (on, off)
-    assert "moe_grouped_gemm_gather_fwd" not in off, off
+    assert fwd not in off and "moe_grouped_gemm_gather_wgrad" not in off, off
 
 
 def test_gather_rows_config_errors_and_the_sm80_fallback(monkeypatch):
-    with pytest.raises(ValueError,
-                       match=r"MoEConfig.gather_rows=True is invalid: needs "
-                       r"fuse_gate_up=False and fp8=None"):
-        mp.MoEConfig(num_experts=4, top_k=1, d_model=8, d_ff=8, gather_rows=True, fuse_gate_up=True)
+    for bad in (dict(fuse_gate_up=True, fuse_swiglu_bwd=True), dict(fp8="blockwise")):
+        with pytest.raises(ValueError,
+                           match=r"MoEConfig.gather_rows=True is invalid: needs "
+                           r"fp8=None, not fuse_gate_up with fuse_swiglu_bwd"):
+            mp.MoEConfig(num_experts=4, top_k=1, d_model=128, d_ff=128, gather_rows=True, **bad)
     cfg = mp.MoEConfig(num_experts=4, top_k=1, d_model=8, d_ff=8, gather_rows=True)
     x = jnp.zeros((4, 8), jnp.bfloat16)
     weights = mp.init_moe_params(jax.random.key(0), cfg)
@@ -328,7 +385,11 @@ def test_gather_rows_config_errors_and_the_sm80_fallback(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [{}, dict(capacity_factor=0.75), dict(fuse_swiglu_bwd=True)])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, dict(capacity_factor=0.75),
+     dict(fuse_swiglu_bwd=True),
+     dict(fuse_gate_up=True)])
 def test_block_on_gpu_with_gather_rows_equals_the_permute_path(extra):
     """bf16 moe_block on the GPU, gather_rows against the permute path (both 'cuda'): outputs,
     drops and every gradient (bf16 tolerance; the GEMMs see the same bf16 operands)."""
@@ -351,3 +412,27 @@ def test_block_on_gpu_with_gather_rows_equals_the_permute_path(extra):
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
         assert np.isfinite(np.asarray(a, np.float32)).all(), tag
         assert rel_err(a, b) <= BF16_TOL, tag
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [tiles.TILE_CONFIGS[t] for t in gm.GATHER_TILES])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gathered_fused_kernel_equals_the_fused_kernel_on_permuted_rows(monkeypatch, kind, tile):
+    """The gathered fused forward (and its backward) against the fused kernel on the permuted
+    rows, same tile: act, dx, dw and the row weights' gradient (bf16, 1e-2), outputs poisoned."""
+    _cuda_or_skip()
+    monkeypatch.setenv(tiles.ENV_TILE, tile)
+    for t, r, k, n, e in GPU_SHAPES:
+        s = _seed()
+        x, rm, w, gs, rw, dact = _fused_case(s, jnp.bfloat16, t, r, k, n, e, kind)
+        _poison()
+        got = _fused_grads(
+            lambda a, b, c: ops.gathered_gate_up_swiglu(a, rm, b, gs, c, backend="cuda"), x, w, rw,
+            dact)
+        want = _fused_grads(
+            lambda a, b, c: ops.gate_up_swiglu(
+                ops.permute(a, rm, backend="cuda"), b, gs, c, backend="cuda"), x, w, rw, dact)
+        tag = f"seed={s} kind={kind} tile={tile} shape={(t, r, k, n, e)}"
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert np.isfinite(np.asarray(a, np.float32)).all(), tag
+            assert rel_err(a, b) <= BF16_TOL, tag

@@ -21,7 +21,8 @@ from moe_praxis.ops.backend import backend_info, resolve_backend
 from moe_praxis.ops.combine import combine, combine_reference
 from moe_praxis.ops.expert_sort import expert_sort, expert_sort_reference
 from moe_praxis.ops.gathered_gemm import gathered_gemm
-from moe_praxis.ops.gate_up import gate_up_swiglu, interleave_gate_up, split_gate_up
+from moe_praxis.ops.gate_up import (gate_up_swiglu, gathered_gate_up_swiglu, interleave_gate_up,
+                                    split_gate_up)
 from moe_praxis.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moe_praxis.ops.permute import (permute, permute_index, permute_pair, permute_reference,
                                     unpermute, unpermute2_reference, unpermute_reference)
@@ -43,6 +44,7 @@ __all__ = [
     "fp8_fused",
     "fp8_quant",
     "gate_up_swiglu",
+    "gathered_gate_up_swiglu",
     "gathered_gemm",
     "gate_up_swiglu_down",
     "grouped_gemm",

@@ -57,6 +57,7 @@ KERNELS: dict[str, str] = {
     "moe_grouped_gemm_wgrad": "MoeGroupedGemmWgrad",
     "moe_grouped_gemm_gather_fwd": "MoeGroupedGemmGatherFwd",
     "moe_grouped_gemm_gather_wgrad": "MoeGroupedGemmGatherWgrad",
+    "moe_grouped_gemm_gather_swiglu_fwd": "MoeGroupedGemmGatherSwigluFwd",
     "moe_grouped_gemm_swiglu_fwd": "MoeGroupedGemmSwigluFwd",
     "moe_grouped_gemm_dswiglu": "MoeGroupedGemmDswiglu",
     "moe_grouped_gemm_dswiglu_interleaved": "MoeGroupedGemmDswigluInterleaved",

@@ -75,36 +75,61 @@ def wgrad_reference(x, row_map, dout, group_sizes):
 # ------------------------------------------------------------------------- CUDA kernels
 
 
-def _call(op: str, out, x, row_map, b, group_sizes, config: str):
+def call_gathered(target: str,
+                  results,
+                  x,
+                  row_map,
+                  *args,
+                  num_groups: int,
+                  config: str,
+                  wgrad: bool = False,
+                  **attrs):
+    """One gathered kernel's FFI call (x and row_map first, then `args`): `results` plus the
+    workspace for `num_groups` groups and the row split's pieces of row_map's rows, with the
+    configuration's attributes (its tile in GATHER_TILES) and `attrs`. Returns the results."""
     tile, raster, swizzle, split_rows = parse_config(config)
     if tile not in GATHER_TILES:
-        raise ValueError(f"{TARGETS[op]}: config {config!r}: tile {TILE_CONFIGS[tile]!r} is not "
+        raise ValueError(f"{target}: config {config!r}: tile {TILE_CONFIGS[tile]!r} is not "
                          f"built; valid: {[TILE_CONFIGS[t] for t in GATHER_TILES]}")
-    if op == "wgrad":
+    if wgrad:
         split_rows = 0  # the wgrad's rows are its contraction
-    problems = num_problems(group_sizes.shape[0], row_map.shape[0], split_rows)
+    problems = num_problems(num_groups, row_map.shape[0], split_rows)
     ws = jax.ShapeDtypeStruct((workspace_bytes(problems, tile), ), jnp.uint8)
-    return ffi(TARGETS[op], (out, ws),
+    return ffi(target,
+               tuple(results) + (ws, ),
                x,
                row_map,
-               b,
-               group_sizes,
+               *args,
                tile=tile,
                raster=raster,
                swizzle=swizzle,
-               split_rows=split_rows)[0]
+               split_rows=split_rows,
+               **attrs)[:-1]
 
 
 def cuda_fwd(x, row_map, rhs, group_sizes, config: str):
     """The gathered forward kernel: x [T, K], row_map [R] int32, rhs [E, K, N] (bf16) -> [R, N]."""
     out = jax.ShapeDtypeStruct((row_map.shape[0], rhs.shape[2]), x.dtype)
-    return _call("fwd", out, x, row_map, rhs, group_sizes, config)
+    return call_gathered(TARGETS["fwd"], (out, ),
+                         x,
+                         row_map,
+                         rhs,
+                         group_sizes,
+                         num_groups=group_sizes.shape[0],
+                         config=config)[0]
 
 
 def cuda_wgrad(x, row_map, dout, group_sizes, config: str):
     """The gathered wgrad kernel: x [T, K], row_map [R], dout [R, N] -> drhs [E, K, N]."""
     out = jax.ShapeDtypeStruct((group_sizes.shape[0], x.shape[1], dout.shape[1]), x.dtype)
-    return _call("wgrad", out, x, row_map, dout, group_sizes, config)
+    return call_gathered(TARGETS["wgrad"], (out, ),
+                         x,
+                         row_map,
+                         dout,
+                         group_sizes,
+                         num_groups=group_sizes.shape[0],
+                         config=config,
+                         wgrad=True)[0]
 
 
 def gather_unsupported(x, rhs, backend: str = "auto") -> str:
@@ -139,7 +164,9 @@ def _fwd_outs(x, row_map, rhs, group_sizes, impl):
     return tuple(one(w) for w in rhs)
 
 
-def _wgrad(x, row_map, dout, group_sizes, impl):
+def gathered_wgrad(x, row_map, dout, group_sizes, impl: str):
+    """drhs [E, K, N] of the rows x[row_map] against dout [R, N]: the gathered wgrad kernel for
+    impl 'cuda' (where lowered for CUDA), else the reference. For backward passes (no vjp)."""
     if impl == "xla":
         return wgrad_reference(x, row_map, dout, group_sizes)
     cfg = gather_config("wgrad", row_map.shape[0], x.shape[1], dout.shape[1], group_sizes.shape[0])
@@ -168,12 +195,29 @@ def _vjp_bwd(impl, res, douts):
     else:
         dx = unpermute_rows(drows[0], row_map, t, index, drows[1] if len(drows) == 2 else None)
     drhs = tuple(
-        _wgrad(x, row_map, d, group_sizes, impl).astype(w.dtype) for d, w in zip(douts, rhs))
+        gathered_wgrad(x, row_map, d, group_sizes, impl).astype(w.dtype)
+        for d, w in zip(douts, rhs))
     d_index = None if index is None else zero_cotangent(index)
     return dx, zero_cotangent(row_map), d_index, drhs, zero_cotangent(group_sizes)
 
 
 _gathered.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def resolve_gathered(name: str, op: str, backend: str, unsupported, x, row_map, index):
+    """(impl, row_map as int32, index) of a gathered op `name`: impl 'cuda' where `op`'s backend
+    resolves to cuda (then unsupported() must be '', else a ValueError naming why: callers keep
+    the permute there) with the permute index made if not given, else 'xla' and no index."""
+    row_map = row_map.astype(jnp.int32)
+    if _backend.op_backend(backend, op) != "cuda":
+        return "xla", row_map, None
+    why = unsupported()
+    if why:
+        raise ValueError(f"{name} cannot run the CUDA kernels here: {why}; use the permute and "
+                         "the op on the permuted rows")
+    if index is None:
+        index = permute_index_cuda(row_map, x.shape[0])
+    return "cuda", row_map, index
 
 
 def gathered_gemm(x, row_map, rhs: tuple, group_sizes, *, backend: str = "auto", index=None):
@@ -192,16 +236,8 @@ def gathered_gemm(x, row_map, rhs: tuple, group_sizes, *, backend: str = "auto",
                              f"{group_sizes.shape[0]}, K={x.shape[1]}, N]")
     if not jnp.issubdtype(row_map.dtype, jnp.integer):
         raise ValueError(f"row_map must be integers, got dtype {row_map.dtype}")
-    impl = "xla"
-    if _backend.op_backend(backend, "grouped_gemm") == "cuda":
-        why = gather_unsupported(x, rhs, "cuda")
-        if why:
-            raise ValueError(f"gathered_gemm cannot run the CUDA kernels here: {why}; use the "
-                             "permute and ops.grouped_gemm")
-        impl = "cuda"
-    row_map = row_map.astype(jnp.int32)
-    if impl == "cuda" and index is None:
-        index = permute_index_cuda(row_map, x.shape[0])
+    impl, row_map, index = resolve_gathered("gathered_gemm", "grouped_gemm", backend,
+                                            lambda: gather_unsupported(x, rhs, "cuda"), x, row_map,
+                                            index)
     rhs = tuple(w.astype(x.dtype) for w in rhs)
-    return _gathered(x, row_map, index if impl == "cuda" else None, rhs,
-                     group_sizes.astype(jnp.int32), impl)
+    return _gathered(x, row_map, index, rhs, group_sizes.astype(jnp.int32), impl)
