@@ -32,6 +32,8 @@ STAGES = [  # (stage, kind, regex)
     ("grouped GEMM wgrad", "target", r"^moe_grouped_gemm_wgrad$"),
     ("gathered grouped GEMM fwd", "target", r"^moe_grouped_gemm_gather_fwd$"),
     ("gathered grouped GEMM wgrad", "target", r"^moe_grouped_gemm_gather_wgrad$"),
+    ("gathered gate/up GEMM + SwiGLU fwd (fused)", "target",
+     r"^moe_grouped_gemm_gather_swiglu_fwd$"),
     ("gate/up GEMM + SwiGLU fwd (fused)", "target", r"^moe_grouped_gemm_swiglu_fwd$"),
     ("FP8 grouped GEMM fwd / dgrad (nt)", "target", r"^moe_grouped_gemm_fp8_nt$"),
     ("FP8 grouped GEMM wgrad", "target", r"^moe_grouped_gemm_fp8_wgrad"),
