@@ -192,48 +192,13 @@ def expert_ffn(rows,
         out = ops.gate_up_swiglu_down(rows, w_gate_up, wo.astype(dt), group_sizes, row_weights,
                                       **down)
         return checkpoint_name(out, "ffn2")
-    if config.fuse_gate_up and tokens is not None:
-        x, row_map, index = tokens
-        act = ops.gathered_gate_up_swiglu(x,
-                                          row_map,
-                                          weights["wi_gate_up"].astype(dt),
-                                          group_sizes,
-                                          row_weights,
-                                          act=config.activation,
-                                          backend=backend,
-                                          index=index)
-    elif config.fuse_gate_up:
-        act = ops.gate_up_swiglu(rows,
-                                 weights["wi_gate_up"].astype(dt),
-                                 group_sizes,
-                                 row_weights,
-                                 act=config.activation,
-                                 backend=backend)
     if config.fuse_gate_up:
-        act = checkpoint_name(act, "ffn1")
+        act = checkpoint_name(
+            _fused_gate_up(rows, tokens, weights, group_sizes, row_weights, config, backend),
+            "ffn1")
         return checkpoint_name(ops.grouped_gemm(act, wo.astype(dt), group_sizes, backend=backend),
                                "ffn2")
-    if tokens is not None:
-        names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
-        x, row_map, index = tokens
-        outs = ops.gathered_gemm(x,
-                                 row_map,
-                                 tuple(weights[n].astype(dt) for n in names),
-                                 group_sizes,
-                                 backend=backend,
-                                 index=index)
-        up = checkpoint_name(outs[-1], "moe_up")
-        gate = checkpoint_name(outs[0], "moe_gate") if config.gated else None
-    else:
-        up = checkpoint_name(
-            ops.grouped_gemm(rows if rows_up is None else rows_up,
-                             weights["wi_up"].astype(dt),
-                             group_sizes,
-                             backend=backend), "moe_up")
-        if config.gated:
-            gate = checkpoint_name(
-                ops.grouped_gemm(rows, weights["wi_gate"].astype(dt), group_sizes, backend=backend),
-                "moe_gate")
+    gate, up = _projections(rows, rows_up, tokens, weights, group_sizes, config, backend)
     if config.gated:
         if config.fuse_swiglu_bwd:
             out = ops.swiglu_down(gate, up, wo.astype(dt), group_sizes, row_weights, **down)
@@ -246,6 +211,45 @@ def expert_ffn(rows,
     act = checkpoint_name(act, "ffn1")
     out = ops.grouped_gemm(act, wo.astype(dt), group_sizes, backend=backend)
     return checkpoint_name(out, "ffn2")
+
+
+def _fused_gate_up(rows, tokens, weights, group_sizes, row_weights, config: MoEConfig, backend):
+    """The fused gate/up projection's activation [R, H], from the rows or (tokens) from x by
+    index."""
+    opts = dict(act=config.activation, backend=backend)
+    if tokens is None:
+        return ops.gate_up_swiglu(rows, weights["wi_gate_up"].astype(rows.dtype), group_sizes,
+                                  row_weights, **opts)
+    x, row_map, index = tokens
+    return ops.gathered_gate_up_swiglu(x,
+                                       row_map,
+                                       weights["wi_gate_up"].astype(x.dtype),
+                                       group_sizes,
+                                       row_weights,
+                                       index=index,
+                                       **opts)
+
+
+def _projections(rows, rows_up, tokens, weights, group_sizes, config: MoEConfig, backend):
+    """(gate or None where not gated, up), each [R, H] under its checkpoint name: grouped GEMMs
+    of the rows (rows_up for up where given) or (tokens) one gathered op reading x by index."""
+    names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
+    if tokens is not None:
+        x, row_map, index = tokens
+        outs = ops.gathered_gemm(x,
+                                 row_map,
+                                 tuple(weights[n].astype(x.dtype) for n in names),
+                                 group_sizes,
+                                 backend=backend,
+                                 index=index)
+    else:
+        lhs = {"wi_gate": rows, "wi_up": rows if rows_up is None else rows_up}
+        outs = tuple(
+            ops.grouped_gemm(lhs[n], weights[n].astype(rows.dtype), group_sizes, backend=backend)
+            for n in names)
+    up = checkpoint_name(outs[-1], "moe_up")
+    gate = checkpoint_name(outs[0], "moe_gate") if config.gated else None
+    return gate, up
 
 
 def _fp8_expert_ffn(rows, group_sizes, weights, config: MoEConfig, row_weights, backend, rows_fp8):
