@@ -305,8 +305,16 @@ def _block_grads(cfg, params, x, mesh=None, resources=None):
     return o, g
 
 
+# single-EP-rank meshes (the gathered path runs where ep == 1): tensor parallelism (tp-varying
+# weights), and fsdp (weights gathered over the token axis)
+BLOCK_MESHES = {
+    "dp4xtp2": ((4, 2), ("dp", "tp"), dict(dp="dp", tp="tp")),
+    "fsdp4xtp2": ((4, 2), ("fsdp", "tp"), dict(fsdp="fsdp", tp="tp")),
+}
+
+
 @pytest.mark.parametrize("case", BLOCK_CASES)
-@pytest.mark.parametrize("mesh_name", [None, "dp4xtp2"])
+@pytest.mark.parametrize("mesh_name", [None, *BLOCK_MESHES])
 def test_block_with_gather_rows_equals_the_permute_path(case, mesh_name):
     """Outputs, drops and every gradient equal the permute path's (float32, 1e-5)."""
     s = _seed()
@@ -315,8 +323,9 @@ def test_block_with_gather_rows_equals_the_permute_path(case, mesh_name):
     x = jax.random.normal(jax.random.key(s + 1), (4, 16, 16), jnp.float32)
     mesh = resources = None
     if mesh_name:
-        devs = np.array(jax.devices("cpu")[:8]).reshape(4, 2)
-        mesh, resources = Mesh(devs, ("dp", "tp")), mp.MeshResources(dp="dp", tp="tp")
+        shape, names, roles = BLOCK_MESHES[mesh_name]
+        devs = np.array(jax.devices("cpu")[:8]).reshape(shape)
+        mesh, resources = Mesh(devs, names), mp.MeshResources(**roles)
     got = _block_grads(dataclasses.replace(base, gather_rows=True), params, x, mesh, resources)
     want = _block_grads(base, params, x, mesh, resources)
     tag = f"seed={s} case={case} mesh={mesh_name}"
