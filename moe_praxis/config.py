@@ -96,8 +96,8 @@ class MoEConfig:
       gather_rows: the gate and up projections read x's rows by the dispatch's row map
         (ops.gathered_gemm, ops.gathered_gate_up_swiglu: kernels/grouped_gemm_gather.cu, Hopper,
         bf16) instead of a permuted [T*k, M] copy, neither written nor kept for the backward.
-        Not with fp8, nor fuse_gate_up with fuse_swiglu_bwd; single-EP-rank blocks; elsewhere on
-        CUDA the permute path with a warning. Off until GPU-verified (docs/gathered_gemm.md).
+        Not with fp8, nor fuse_gate_up with fuse_swiglu_bwd (under EP the experts read the
+        exchanged rows by the regroup's order); elsewhere on CUDA the permute with a warning. Off until GPU-verified (docs/gathered_gemm.md).
       kernel_backend: 'auto' (CUDA kernels where built and supported, else XLA), 'xla', 'cuda'.
       use_cudnn_fusion: ask for cuDNN's fused grouped GEMM + SwiGLU (needs SM100+ and the
         optional cudnn.jax). Not implemented yet, and it has run on no hardware: where it is not

@@ -117,7 +117,11 @@ def _regrouped_experts(rows, keys, row_weights, *, weights, config: MoEConfig, n
     outputs in the same slots (zeros for empty slots)."""
     rows = vma.vary(rows, tuple(vma.varying_axes(weights["wo"])))
     perm, group_sizes, inv = exchange.regroup(keys, num_local, backend=backend)
-    grouped = checkpoint_name(rows[perm], "moe_dispatched")
+    grouped = tokens = None
+    if gathers_rows(config, rows, weights, backend):  # the projections read rows[perm] by index
+        tokens = (rows, perm, None)
+    else:
+        grouped = checkpoint_name(rows[perm], "moe_dispatched")
     if row_weights is not None:
         row_weights = vma.vary(row_weights, tuple(vma.varying_axes(rows)))[perm]
     out = expert_ffn(grouped,
@@ -125,7 +129,8 @@ def _regrouped_experts(rows, keys, row_weights, *, weights, config: MoEConfig, n
                      weights,
                      config,
                      backend=backend,
-                     row_weights=row_weights)
+                     row_weights=row_weights,
+                     tokens=tokens)
     return out[inv]
 
 

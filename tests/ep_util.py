@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import Mesh
 
 import moe_praxis as mp
+from moe_praxis import moe as moe_lib
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 
@@ -168,3 +169,19 @@ def _compare_one(got, ref, msg):
     for name in rp:
         if name != "expert_bias":
             assert rel_err(gp[name], rp[name]) < RTOL, f"{msg} d{name}"
+
+
+def sharded_block(cfg, mesh_name, kind, backend_name):
+    """(fn, params, mesh, resources): moe_lib.sharded_fn of cfg on the mesh `mesh_name` with
+    the exchange `kind`, for 64 tokens."""
+    params = mp.init_moe_params(jax.random.key(0), cfg)
+    mesh, res = make_mesh(mesh_name)
+    fn = moe_lib.sharded_fn(cfg,
+                            mp.ep_bootstrap(mesh, res, cfg.num_experts),
+                            mesh,
+                            kind=kind,
+                            seq_len=None,
+                            t_global=64,
+                            param_names=tuple(params),
+                            backend=backend_name)
+    return fn, params, mesh, res

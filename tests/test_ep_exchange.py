@@ -18,10 +18,9 @@ import pytest
 from jax.sharding import Mesh
 
 import moe_praxis as mp
-from moe_praxis import moe as moe_lib
 from moe_praxis.dispatch import exchange as exchange_lib
 from tests.ep_util import (BATCH, D_FF, D_MODEL, SEQ, _compare_one, _loss_and_grads, _params,
-                           _skewed, make_mesh)
+                           _skewed, make_mesh, sharded_block)
 from tests.grouped_gemm_util import _fake_device, cuda_module
 from tests.testutil import seed as _seed
 
@@ -102,22 +101,6 @@ def test_fsdp_weight_gradients_are_reduce_scattered():
     assert not [s for s in shapes["all-reduce"] if s.count(",") == 2], shapes
 
 
-def _sharded_block(cfg, mesh_name, kind, backend_name):
-    """(fn, params, mesh, resources): moe_lib.sharded_fn of cfg on the mesh `mesh_name` with
-    the exchange `kind`, for 64 tokens."""
-    params = mp.init_moe_params(jax.random.key(0), cfg)
-    mesh, res = make_mesh(mesh_name)
-    fn = moe_lib.sharded_fn(cfg,
-                            mp.ep_bootstrap(mesh, res, cfg.num_experts),
-                            mesh,
-                            kind=kind,
-                            seq_len=None,
-                            t_global=64,
-                            param_names=tuple(params),
-                            backend=backend_name)
-    return fn, params, mesh, res
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", ["dp2xfsdp2xep2", "ep2xtp2xdp2"])
 def test_ragged_exchange_lowers_with_one_ragged_all_to_all_each_way(mesh_name):
@@ -125,7 +108,7 @@ def test_ragged_exchange_lowers_with_one_ragged_all_to_all_each_way(mesh_name):
     (the GPU test below runs it). With tp the experts' outputs vary over tp too: the return
     move (and its backward) must be typed so."""
     cfg = mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8, top_k=2, ep_exchange="ragged")
-    fn, params, mesh, res = _sharded_block(cfg, mesh_name, "ragged", "xla")
+    fn, params, mesh, res = sharded_block(cfg, mesh_name, "ragged", "xla")
     x, valid = jnp.ones((64, D_MODEL)), jnp.ones((64, ), bool)
     text = jax.jit(fn).lower(params, x, valid).as_text()
     assert text.count("ragged_all_to_all") == 2, text.count("ragged_all_to_all")
@@ -146,7 +129,7 @@ def test_exchange_lowered_for_cuda_builds_one_permute_index(monkeypatch, kind, m
     kernels (the dispatch's and the regroup's moe_expert_sort), with no XLA sort."""
     _fake_device(monkeypatch, 90, name="NVIDIA H200")
     cfg = mp.MoEConfig(d_model=D_MODEL, d_ff=D_FF, num_experts=8, top_k=2, kernel_backend="cuda")
-    fn, params, _, _ = _sharded_block(cfg, mesh_name, kind, "cuda")
+    fn, params, _, _ = sharded_block(cfg, mesh_name, kind, "cuda")
     x, valid = jnp.ones((64, D_MODEL), jnp.bfloat16), jnp.ones((64, ), bool)
     grad = jax.grad(lambda p, xx: jnp.sum(fn(p, xx, valid)[0].astype(jnp.float32)**2),
                     argnums=(0, 1))

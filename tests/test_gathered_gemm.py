@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 import moe_praxis as mp
 from moe_praxis import experts, ops
 from moe_praxis.ops import grouped_gemm_tiles as tiles
+from tests.ep_util import sharded_block
 from tests.grouped_gemm_util import KINDS, _cuda_or_skip, _fake_device, cuda_module, make_sizes
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
@@ -305,11 +306,13 @@ def _block_grads(cfg, params, x, mesh=None, resources=None):
     return o, g
 
 
-# single-EP-rank meshes (the gathered path runs where ep == 1): tensor parallelism (tp-varying
-# weights), and fsdp (weights gathered over the token axis)
+# meshes: tensor parallelism (tp-varying weights), fsdp (weights gathered over a token axis) and
+# expert parallelism (the experts read the exchanged rows by the regroup's order)
 BLOCK_MESHES = {
     "dp4xtp2": ((4, 2), ("dp", "tp"), dict(dp="dp", tp="tp")),
     "fsdp4xtp2": ((4, 2), ("fsdp", "tp"), dict(fsdp="fsdp", tp="tp")),
+    "dp2xfsdp2xep2": ((2, 2, 2), ("dp", "fsdp", "ep"), dict(dp="dp", fsdp="fsdp", ep="ep")),
+    "ep2xtp2xdp2": ((2, 2, 2), ("ep", "tp", "dp"), dict(ep="ep", tp="tp", dp="dp")),
 }
 
 
@@ -373,6 +376,28 @@ def test_lowered_block_has_no_permute_of_x(monkeypatch, fuse):
     assert on.count(fwd) == n and on.count("moe_grouped_gemm_gather_wgrad") == n, on
     assert on.count("moe_permute_indexed") == 1 and off.count("moe_permute_indexed") == 2, (on, off)
     assert fwd not in off and "moe_grouped_gemm_gather_wgrad" not in off, off
+
+
+@pytest.mark.parametrize("mesh_name", ["ep8", "dp2xfsdp2xep2"])
+def test_lowered_expert_parallel_block_reads_the_exchanged_rows_by_index(monkeypatch, mesh_name):
+    """The sharded block's fwd+bwd for CUDA on a faked Hopper with gather_rows under expert
+    parallelism: the experts run the gathered kernels on the exchanged rows (two forwards, two
+    wgrads), none of the plain forwards."""
+    _fake_device(monkeypatch, 90, name="NVIDIA H200")
+    cfg = mp.MoEConfig(d_model=16,
+                       d_ff=32,
+                       num_experts=8,
+                       top_k=2,
+                       kernel_backend="cuda",
+                       gather_rows=True)
+    fn, params, _, _ = sharded_block(cfg, mesh_name, "padded", "cuda")
+    x, valid = jnp.ones((64, 16), jnp.bfloat16), jnp.ones((64, ), bool)
+    grad = jax.value_and_grad(lambda p, a: jnp.sum(fn(p, a, valid)[0].astype(jnp.float32)**2),
+                              argnums=(0, 1))
+    targets = re.findall(r"custom_call @(moe_\w+)", cuda_module(jax.jit(grad), params, x))
+    assert targets.count("moe_grouped_gemm_gather_fwd") == 2, targets
+    assert targets.count("moe_grouped_gemm_gather_wgrad") == 2, targets
+    assert targets.count("moe_grouped_gemm_fwd") == 1, targets  # the down projection only
 
 
 def test_gather_rows_config_errors_and_the_sm80_fallback(monkeypatch):
