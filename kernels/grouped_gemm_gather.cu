@@ -48,18 +48,16 @@ ffi::Error GatherFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
     return moe_gg_common::shape_error(kWhoGather, "fwd",
                                       "x [T,K], rhs [E,K,N], group_sizes [E], out [R,N]");
   }
-  const int64_t t = xd[0], k = xd[1], e = rd[0], n = rd[2], rows = od[0];
-  ffi::Error bad = check_gather("fwd", k, row_map, rows);
-  if (bad.failure()) return bad;
+  const int64_t k = xd[1], e = rd[0], n = rd[2], rows = od[0];
   const Schedule sched{raster, swizzle, split_rows};
-  return dispatch_gather_tile(tile, sched, [&](auto cfg) {
+  return dispatch_gather("fwd", x, row_map, rows, tile, sched, [&](auto cfg) {
     using Def = GatherDef<cutlass::layout::RowMajor, decltype(cfg), Gather::kRowsM>;
     const Element* xs = as_elem(x.untyped_data());
     Element* o = as_elem(out->untyped_data());
     PrepareParams p = ragged_rows_prepare(group_sizes.typed_data(), e, rows, k, n, xs,
                                           as_elem(rhs.untyped_data()), o, n);
     p.map_a = {0, 0};  // every problem's A is x (read by index)
-    const GatherExtra<EpilogueExtra> extra{{}, {xs, row_map.typed_data(), t, k, nullptr, o, n}};
+    const GatherExtra<EpilogueExtra> extra{{}, gather_args(x, row_map, o, n)};
     return run_gather<Def>(stream, p, k, n, n, extra, workspace, sched);
   });
 }
@@ -78,18 +76,16 @@ ffi::Error GatherWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
     return moe_gg_common::shape_error(kWhoGather, "wgrad",
                                       "x [T,K], dout [R,N], group_sizes [E], drhs [E,K,N]");
   }
-  const int64_t t = xd[0], k = xd[1], n = od[1], rows = od[0];
-  ffi::Error bad = check_gather("wgrad", k, row_map, rows);
-  if (bad.failure()) return bad;
+  const int64_t k = xd[1], n = od[1], rows = od[0];
   const Schedule sched{raster, swizzle, split_rows};
-  return dispatch_gather_tile(tile, sched, [&](auto cfg) {
+  return dispatch_gather("wgrad", x, row_map, rows, tile, sched, [&](auto cfg) {
     using Def = GatherDef<cutlass::layout::ColumnMajor, decltype(cfg), Gather::kRowsK>;
     const Element* xs = as_elem(x.untyped_data());
     const Element* dy = as_elem(dout.untyped_data());
     PrepareParams p = ragged_k_prepare(group_sizes.typed_data(), e, rows, k, n, xs, dy,
                                        as_elem(drhs->untyped_data()));
     p.map_a = {0, 0};  // every problem's A is x (read by index)
-    const GatherExtra<EpilogueExtra> extra{{}, {xs, row_map.typed_data(), t, k, nullptr, dy, n}};
+    const GatherExtra<EpilogueExtra> extra{{}, gather_args(x, row_map, dy, n)};
     return run_gather<Def>(stream, p, k, n, n, extra, workspace, sched);
   });
 }

@@ -239,17 +239,17 @@ struct GatherMainloop : Base {
 // A gathered kernel definition (for run_grouped): CUTLASS's mainloop for LayoutA (B row-major)
 // wrapped by GatherMainloop, around the collective epilogue Epi; EpiArgs::make<Kernel>(g, epi)
 // builds the epilogue's arguments from the group arrays and GatherExtra's epi.
+template <Gather kMode>
+struct GatherWrap {
+  template <class Base>
+  using type = GatherMainloop<Base, kMode>;
+};
+
 template <class LayoutA, class Config, Gather kMode, class Epi, class EpiArgs>
-struct GatherKernelDef {
-  using Inner = KernelFor<LayoutA, cutlass::layout::RowMajor, Config, Epi>;
-  using CollectiveMainloop = GatherMainloop<typename Inner::CollectiveMainloop, kMode>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, Epi>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  using TileConfig = Config;
-  static constexpr bool kAdaptive = false;
+struct GatherKernelDef : KernelFor<LayoutA, cutlass::layout::RowMajor, Config, Epi,
+                                   GatherWrap<kMode>::template type> {
+  using Kernel = typename KernelFor<LayoutA, cutlass::layout::RowMajor, Config, Epi,
+                                    GatherWrap<kMode>::template type>::Kernel;
   static constexpr bool kOwnMainloopArgs = true;
 
   // ptr_rows: the output's pointer array (kRowsM: a problem's first output row) or dout's
@@ -324,6 +324,25 @@ inline ffi::Error check_gather(const char* op, int64_t k, const ffi::Buffer<ffi:
                                        " columns; valid: a multiple of 8 (16-byte rows)");
   }
   return ffi::Error::Success();
+}
+
+// The gathered handlers' common part: check the gather (row_map against the output rows, x's
+// rows whole 16-byte chunks), then F<Config>() for the tile (dispatch_gather_tile).
+template <class F>
+ffi::Error dispatch_gather(const char* op, const ffi::Buffer<ffi::BF16>& x,
+                           const ffi::Buffer<ffi::S32>& row_map, int64_t rows, int64_t tile,
+                           Schedule sched, F&& f) {
+  ffi::Error bad = check_gather(op, x.dimensions()[1], row_map, rows);
+  if (bad.failure()) return bad;
+  return dispatch_gather_tile(tile, sched, std::forward<F>(f));
+}
+
+// The gather arguments over x [T, K] by row_map; a problem's first row is read from the output
+// (or output gradient) pointer array, whose rows start at rows_base with rows_ld elements.
+inline GatherArgs gather_args(const ffi::Buffer<ffi::BF16>& x, const ffi::Buffer<ffi::S32>& row_map,
+                              const Element* rows_base, int64_t rows_ld) {
+  return GatherArgs{as_elem(x.untyped_data()), row_map.typed_data(), x.dimensions()[0],
+                    x.dimensions()[1], nullptr, rows_base, rows_ld};
 }
 
 // prepare + the gathered kernel(s) of Def: A's strides are x's (leading dimension k), B's b_ld,

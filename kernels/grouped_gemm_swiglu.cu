@@ -256,18 +256,16 @@ ffi::Error GatherSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   ffi::Error bad = check_swiglu_fwd(kWhoGather, rows, x, rhs, group_sizes, row_weights, gate, up,
                                     act, has_weight);
   if (bad.failure()) return bad;
-  const int64_t t = x.dimensions()[0], k = x.dimensions()[1], e = rhs.dimensions()[0];
+  const int64_t k = x.dimensions()[1], e = rhs.dimensions()[0];
   const int64_t n = rhs.dimensions()[2], h = n / 2;
-  bad = check_gather("fused fwd", k, row_map, rows);
-  if (bad.failure()) return bad;
   const Schedule sched{raster, swizzle, split_rows};
-  return dispatch_gather_tile(tile, sched, [&](auto cfg) {
+  return dispatch_gather("fused fwd", x, row_map, rows, tile, sched, [&](auto cfg) {
     using Def = GatherSwigluDef<decltype(cfg)>;
     const Element* xs = as_elem(x.untyped_data());
     PrepareParams p = swiglu_prepare(group_sizes, e, rows, k, n, xs, rhs, gate, up, act);
     p.map_a = {0, 0};  // every problem's A is x (read by index)
     const GatherExtra<EpilogueExtra> extra{swiglu_extra(p, row_weights, has_weight, h),
-                                           {xs, row_map.typed_data(), t, k, nullptr, p.d, h}};
+                                           gather_args(x, row_map, p.d, h)};
     return run_gather<Def>(stream, p, k, n, h, extra, workspace, sched);
   });
 }

@@ -132,18 +132,24 @@ struct EpilogueExtra {
   int64_t ld;                 // row length of the three outputs
 };
 
-// The CUTLASS kernel of one tile configuration around a collective epilogue.
-template <class LayoutA, class LayoutB, class Config, class CollectiveEpilogueT>
+// CUTLASS's collective mainloop as the builder makes it (KernelFor's default Wrap).
+template <class Mainloop>
+using BuilderMainloop = Mainloop;
+
+// The CUTLASS kernel of one tile configuration around a collective epilogue; Wrap<M> is the
+// collective mainloop made from the builder's M (the gathered kernels wrap it).
+template <class LayoutA, class LayoutB, class Config, class CollectiveEpilogueT,
+          template <class> class Wrap = BuilderMainloop>
 struct KernelFor {
   static constexpr int kAlignment = 8;  // 16 bytes of bf16
   using CollectiveEpilogue = CollectiveEpilogueT;
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using CollectiveMainloop = Wrap<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment,
       Element, LayoutB*, kAlignment, ElementAcc, typename Config::Tile,
       typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      typename Config::Kernel>::CollectiveOp;
+      typename Config::Kernel>::CollectiveOp>;
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;

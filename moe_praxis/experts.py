@@ -45,6 +45,8 @@ FP8_GATHER = "fp8_gather"
 # beforehand (quantize_expert_weights); the FP8 GEMMs read them instead of quantizing
 FP8_WEIGHTS = "fp8_weights"
 EXPERT_WEIGHTS = ("wi_gate", "wi_up", "wo")
+# the first projection's weights (separate, or fused with fuse_gate_up)
+WI = ("wi_gate", "wi_up", "wi_gate_up")
 
 
 def quantize_expert_weights(params: dict, config: MoEConfig, *, transposed=None) -> dict:
@@ -132,12 +134,13 @@ def gathers_rows(config: MoEConfig, x, weights, backend: str) -> bool:
         return False
     if ops_backend.op_backend(backend, "grouped_gemm") == "xla":
         return True
+    # the weights as expert_ffn casts them (shapes and dtypes only: nothing traced)
+    cast = {n: jax.ShapeDtypeStruct(w.shape, x.dtype) for n, w in weights.items() if n in WI}
     if config.fuse_gate_up:
-        why = gathered_unsupported(x, weights["wi_gate_up"].astype(x.dtype), config.activation,
-                                   "cuda")
+        why = gathered_unsupported(x, cast["wi_gate_up"], config.activation, "cuda")
     else:
         names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
-        why = gather_unsupported(x, tuple(weights[n].astype(x.dtype) for n in names), "cuda")
+        why = gather_unsupported(x, tuple(cast[n] for n in names), "cuda")
     if why:
         ops_backend.warn_once(
             f"MoEConfig.gather_rows=True is not honoured here: {why}. The dispatch permutes the "

@@ -194,9 +194,15 @@ def _vjp_bwd(impl, res, douts):
             unpermute2_reference(drows[0], drows[1], row_map, t)
     else:
         dx = unpermute_rows(drows[0], row_map, t, index, drows[1] if len(drows) == 2 else None)
-    drhs = tuple(
-        gathered_wgrad(x, row_map, d, group_sizes, impl).astype(w.dtype)
-        for d, w in zip(douts, rhs))
+    if impl == "xla":  # the rows gathered again, once for both wgrads
+        rows = permute_reference(x, row_map)
+        drhs = tuple(
+            grouped_gemm_wgrad_reference(rows, d, group_sizes).astype(w.dtype)
+            for d, w in zip(douts, rhs))
+    else:
+        drhs = tuple(
+            gathered_wgrad(x, row_map, d, group_sizes, impl).astype(w.dtype)
+            for d, w in zip(douts, rhs))
     d_index = None if index is None else zero_cotangent(index)
     return dx, zero_cotangent(row_map), d_index, drhs, zero_cotangent(group_sizes)
 
