@@ -10,14 +10,16 @@
 //
 // How: the kernels already run a second producer warp (MainloopAux) for mainloops that declare
 // an auxiliary load (CUTLASS's blockwise-scaled FP8 mainloop loads its scales there). Here the
-// MainloopAux warp loads A with cp.async, 16 bytes a lane, zero-filled past the problem's rows,
-// past K and for out-of-range indices, and arrives on the stage's full barrier when its copies
-// land (cp.async.mbarrier.arrive.noinc: 32 arrivals); the Mainloop warp loads only B by TMA
-// (its expect-tx is B's bytes). So a stage's barrier completes on 1 + 32 arrivals and B's
-// bytes, which is NumProducerThreadEvents = 33, as in CUTLASS's FP8 blockwise mainloop. The
-// consumer side (wgmma on the shared-memory tiles) is CUTLASS's, unchanged: A's tile has the
-// same swizzled layout as if TMA had written it. The A descriptors that CUTLASS still builds
-// per problem point at x and are never loaded from.
+// Mainloop and MainloopAux warps both load A with cp.async, half of each tile's rows each,
+// 16 bytes a lane, zero-filled past the problem's rows, past K and for out-of-range indices,
+// and each lane arrives on the stage's full barrier when its copies land
+// (cp.async.mbarrier.arrive.noinc: 64 arrivals); one lane of the Mainloop warp also loads B by
+// TMA (its expect-tx is B's bytes). So a stage's barrier completes on 1 + 64 arrivals and B's
+// bytes: NumProducerThreadEvents = 65. (One warp alone, issuing each tile's 1024 copies with
+// their index loads, ran the Qwen3-like forward at a fifth of the TMA kernels' speed on an
+// H200.) The consumer side (wgmma on the shared-memory tiles) is CUTLASS's, unchanged: A's
+// tile has the same swizzled layout as if TMA had written it. The A descriptors that CUTLASS
+// still builds per problem point at x and are never loaded from.
 //
 // The problem's r0 is read from an operand pointer array the prepare kernel fills: the output
 // rows (forward, ptr_D) or the output gradient rows (wgrad, ptr_B) start at r0 * rows_ld.
@@ -88,7 +90,7 @@ struct GatherMainloop : Base {
   using typename Base::TensorStorage;
   using typename Base::TileShape;
 
-  static constexpr int NumProducerThreadEvents = 33;  // B's TMA arrival + 32 cp.async lanes
+  static constexpr int NumProducerThreadEvents = 65;  // B's TMA arrival + 2 warps' cp.async lanes
   static_assert(cutlass::gemm::kernel::detail::HasAuxiliaryLoad_v<DispatchPolicy>,
                 "the kernels must run the MainloopAux warp that loads A");
   static_assert(size<1>(typename BasePolicy::ClusterShape{}) == 1,
@@ -134,7 +136,84 @@ struct GatherMainloop : Base {
     return cute::make_tuple(get<0>(in), get<1>(in), s);
   }
 
-  // Mainloop warp: B by TMA (CUTLASS's load without A).
+  // A's tile is G gathered x rows of C contiguous elements: (BLK_M, BLK_K) for kRowsM,
+  // (BLK_K, BLK_M) for kRowsK. Two warps copy it (the Mainloop and MainloopAux warps, each on
+  // the producers' 40 registers): lane l copies chunk l % kChunks (8 elements, 16 bytes) of row
+  // l / kChunks + j * kRowsPerPass for the passes j of its warp (j = part + 2i), so a warp
+  // instruction reads whole 16-byte runs of kRowsPerPass rows.
+  static constexpr bool kRowsM = kMode == Gather::kRowsM;
+  static constexpr int kBlkM = size<0>(TileShape{});
+  static constexpr int kBlkK = size<2>(TileShape{});
+  static constexpr int kG = kRowsM ? kBlkM : kBlkK;  // gathered rows of a tile
+  static constexpr int kC = kRowsM ? kBlkK : kBlkM;  // contiguous elements of each
+  static constexpr int kChunks = kC / 8;
+  static_assert(kC % 8 == 0 && 32 % kChunks == 0, "a warp covers whole rows of a tile");
+  static constexpr int kRowsPerPass = 32 / kChunks;
+  static constexpr int kPassesPerWarp = kG / kRowsPerPass / 2;
+  static_assert(kG % (4 * kRowsPerPass) == 0, "a tile is whole quads of each warp's passes");
+  // A lane's destinations repeat every 8 rows with one stride when A's atom is the 128-byte
+  // swizzle (8 rows of 128 bytes, rows 8 apart in atoms 1024 bytes apart, which the swizzle's
+  // bits [7, 10) do not see), so each lane keeps two offsets and a step.
+  using SwizzleAtomA = cute::conditional_t<kRowsM, cute::GMMA::Layout_K_SW128_Atom<Element>,
+                                           cute::GMMA::Layout_MN_SW128_Atom<Element>>;
+  static_assert(cute::is_same_v<typename Base::SmemLayoutAtomA, SwizzleAtomA>,
+                "A's shared-memory atom must be the 128-byte swizzle the gather's offsets assume");
+  static_assert((4 * kRowsPerPass) % 8 == 0, "a lane's quad of passes spans whole swizzle atoms");
+
+  // One lane's part of a tile's copies: where its rows' chunks land and which rows it reads.
+  struct LaneCopies {
+    uint32_t smem;        // stage 0's address of its pass i = 0 (i even) ...
+    uint32_t smem_odd;    // ... and of i = 1 (i odd)
+    uint32_t quad_step;   // the address step of two passes of i (i -> i + 2)
+    uint32_t stage_step;  // the address step of a stage
+    int row;              // its first row in the tile
+    int chunk;
+  };
+
+  CUTLASS_DEVICE static LaneCopies lane_copies(TensorStorage& shared_tensors, int part,
+                                                int lane) {
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    const int chunk = lane % kChunks;
+    const int row = lane / kChunks + part * kRowsPerPass;
+    const auto at = [&](int r, int stage) {
+      return cute::cast_smem_ptr_to_uint(kRowsM ? &sA(r, chunk * 8, stage)
+                                                : &sA(chunk * 8, r, stage));
+    };
+    const uint32_t a0 = at(row, 0);
+    return LaneCopies{a0, at(row + 2 * kRowsPerPass, 0), at(row + 4 * kRowsPerPass, 0) - a0,
+                      at(row, 1) - a0, row, chunk};
+  }
+
+  // One stage of one warp's copies: cp.async of 16 bytes a lane (zero-filled past the problem's
+  // rows, past x's columns and for indices outside [0, T)), then the lane's arrival on the
+  // stage's full barrier when its copies land (cp.async.mbarrier.arrive.noinc).
+  CUTLASS_DEVICE static void copy_stage(const GatherArgs& g, const GatherSlice& s,
+                                        const LaneCopies& lc, int m_coord, int k_tile,
+                                        int stage) {
+    const int g0 = kRowsM ? m_coord * kBlkM : k_tile * kBlkK;
+    const int col = (kRowsM ? k_tile * kBlkK : m_coord * kBlkM) + lc.chunk * 8;
+    const int c_lim = kRowsM ? s.k : s.m;  // x's columns (a multiple of 8: the handler's check)
+    // rows of this tile the lane may read: none when its columns are past x's
+    const int lim = col + 8 <= c_lim ? (kRowsM ? s.m : s.k) - g0 - lc.row : 0;
+    const int32_t* index = s.index + g0 + lc.row;
+    const Element* x_col = g.x + col;
+    const uint32_t x_rows = static_cast<uint32_t>(g.x_rows);
+    const int ld_x = static_cast<int>(g.ld_x);  // < 2^31: the handler's check
+    const uint32_t dst0 = lc.smem + stage * lc.stage_step;
+    const uint32_t dst1 = lc.smem_odd + stage * lc.stage_step;
+#pragma unroll 4
+    for (int i = 0; i < kPassesPerWarp; ++i) {
+      const int r = 2 * i * kRowsPerPass;  // from the lane's first row
+      const int32_t t = r < lim ? __ldg(index + r) : -1;
+      const bool ok = static_cast<uint32_t>(t) < x_rows;
+      const Element* src = x_col + static_cast<int64_t>(ok ? t : 0) * ld_x;
+      const uint32_t dst = ((i & 1) ? dst1 : dst0) + (i >> 1) * lc.quad_step;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                   "r"(ok ? 16 : 0));
+    }
+  }
+
+  // Mainloop warp: B by TMA (one lane, CUTLASS's load without A) and its half of A's rows.
   template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator,
             class BlockCoord>
   CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline,
@@ -144,7 +223,7 @@ struct GatherMainloop : Base {
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter,
                            int k_tile_count, int thread_idx, uint32_t block_rank_in_cluster,
                            TensorStorage& shared_tensors) {
-    if (!cute::elect_one_sync()) return;
+    const bool tma_lane = cute::elect_one_sync();
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
     constexpr uint32_t cluster_shape_x = get<0>(typename DispatchPolicy::ClusterShape());
     const uint32_t cluster_x = block_rank_in_cluster % cluster_shape_x;
@@ -162,21 +241,25 @@ struct GatherMainloop : Base {
         mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_y, Int<0>{}));
       }
     }
+    const GatherSlice s = get<2>(load_inputs);
+    const LaneCopies lc = lane_copies(shared_tensors, 0, thread_idx % 32);
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(smem_pipe_write);
-      auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
-      copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b),
-           tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, smem_pipe_write.index()));
+      if (tma_lane) {
+        auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
+        copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b),
+             tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, smem_pipe_write.index()));
+      }
+      copy_stage(params.gather, s, lc, static_cast<int>(m_coord),
+                 static_cast<int>(*k_tile_iter), smem_pipe_write.index());
+      pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
       ++k_tile_iter;
       ++smem_pipe_write;
     }
   }
 
-  // MainloopAux warp: A by row index with cp.async (16 bytes a lane). A tile is G gathered x
-  // rows of C contiguous elements: (BLK_M, BLK_K) for kRowsM, (BLK_K, BLK_M) for kRowsK. Lane l
-  // copies chunk l % kChunks of rows l / kChunks + j * kRowsPerPass, so a warp instruction
-  // reads whole 16-byte runs of kRowsPerPass rows.
+  // MainloopAux warp: the other half of A's rows.
   template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load_auxiliary(Params const& params, MainloopPipeline pipeline,
                                      PipelineState smem_pipe_write,
@@ -185,50 +268,14 @@ struct GatherMainloop : Base {
                                      int k_tile_count, int thread_idx,
                                      uint32_t /*block_rank_in_cluster*/,
                                      TensorStorage& shared_tensors) {
-    constexpr int kBlkM = size<0>(TileShape{});
-    constexpr int kBlkK = size<2>(TileShape{});
-    constexpr bool kRowsM = kMode == Gather::kRowsM;
-    constexpr int kG = kRowsM ? kBlkM : kBlkK;  // gathered rows of a tile
-    constexpr int kC = kRowsM ? kBlkK : kBlkM;  // contiguous elements of each
-    constexpr int kChunks = kC / 8;
-    static_assert(kC % 8 == 0 && 32 % kChunks == 0, "a warp covers whole rows of a tile");
-    constexpr int kRowsPerPass = 32 / kChunks;
-    static_assert(kG % kRowsPerPass == 0, "a tile is whole passes of the warp");
-
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     const GatherSlice s = get<2>(load_inputs);
-    const GatherArgs& g = params.gather;
-    const int lane = thread_idx % 32;
-    const int chunk = lane % kChunks;
-    const int sub = lane / kChunks;
+    const LaneCopies lc = lane_copies(shared_tensors, 1, thread_idx % 32);
     const int m_coord = static_cast<int>(get<0>(blk_coord));
-    const int g_lim = kRowsM ? s.m : s.k;  // the problem's rows
-    const int c_lim = kRowsM ? s.k : s.m;  // x's columns
-
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(smem_pipe_write);
-      const int k_tile = static_cast<int>(*k_tile_iter);
-      const int stage = smem_pipe_write.index();
-      const int g0 = kRowsM ? m_coord * kBlkM : k_tile * kBlkK;
-      const int col = (kRowsM ? k_tile * kBlkK : m_coord * kBlkM) + chunk * 8;
-      const bool col_ok = col + 8 <= c_lim;  // c_lim % 8 == 0 (checked by the handler)
-      // unrolled by 4, not fully: this warp runs on the producers' 40 registers (setmaxnreg)
-#pragma unroll 4
-      for (int j = 0; j < kG / kRowsPerPass; ++j) {
-        const int r = sub + j * kRowsPerPass;
-        int64_t src_row = -1;
-        if (col_ok && g0 + r < g_lim) {
-          const int32_t t = __ldg(s.index + g0 + r);
-          if (t >= 0 && t < g.x_rows) src_row = t;
-        }
-        const bool ok = src_row >= 0;
-        const Element* src = g.x + (ok ? src_row * g.ld_x + col : 0);
-        auto& dst = kRowsM ? sA(r, chunk * 8, stage) : sA(chunk * 8, r, stage);
-        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-            *reinterpret_cast<const cute::uint128_t*>(src),
-            *reinterpret_cast<cute::uint128_t*>(&dst), ok);
-      }
+      copy_stage(params.gather, s, lc, m_coord, static_cast<int>(*k_tile_iter),
+                 smem_pipe_write.index());
       pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
       ++k_tile_iter;
       ++smem_pipe_write;
@@ -310,8 +357,8 @@ ffi::Error dispatch_gather_tile(int64_t tile, Schedule sched, F&& f) {
 
 // The handlers' check of the gather: row_map has one entry per output row and x's rows are whole
 // 16-byte chunks.
-inline ffi::Error check_gather(const char* op, int64_t k, const ffi::Buffer<ffi::S32>& row_map,
-                        int64_t rows) {
+inline ffi::Error check_gather(const char* op, int64_t t, int64_t k,
+                               const ffi::Buffer<ffi::S32>& row_map, int64_t rows) {
   if (static_cast<int64_t>(row_map.element_count()) != rows) {
     return ffi::Error::InvalidArgument(std::string(kWhoGather) + " " + op + ": row_map has " +
                                        std::to_string(row_map.element_count()) +
@@ -323,6 +370,11 @@ inline ffi::Error check_gather(const char* op, int64_t k, const ffi::Buffer<ffi:
                                        std::to_string(k) +
                                        " columns; valid: a multiple of 8 (16-byte rows)");
   }
+  if (t > INT32_MAX || k > INT32_MAX) {
+    return ffi::Error::InvalidArgument(std::string(kWhoGather) + " " + op + ": x is [" +
+                                       std::to_string(t) + ", " + std::to_string(k) +
+                                       "]; valid: fewer than 2^31 rows and columns");
+  }
   return ffi::Error::Success();
 }
 
@@ -332,7 +384,7 @@ template <class F>
 ffi::Error dispatch_gather(const char* op, const ffi::Buffer<ffi::BF16>& x,
                            const ffi::Buffer<ffi::S32>& row_map, int64_t rows, int64_t tile,
                            Schedule sched, F&& f) {
-  ffi::Error bad = check_gather(op, x.dimensions()[1], row_map, rows);
+  ffi::Error bad = check_gather(op, x.dimensions()[0], x.dimensions()[1], row_map, rows);
   if (bad.failure()) return bad;
   return dispatch_gather_tile(tile, sched, std::forward<F>(f));
 }
