@@ -3,8 +3,8 @@
     python -m benchmarks.bench_gather [--shapes qwen3,deepseek_ep4] [--dists balanced,skewed]
                                       [--reps 7] [--json FILE]
 
-On one Hopper GPU, per shape (T tokens, K = d_model, N = d_ff, E experts, k = top_k; R = T*k
-expert-sorted rows, a random row map of every token k times) and group distribution, times
+On one Hopper GPU, per shape of benchmarks.layer (T tokens, K = d_model, N = d_ff, E experts,
+k = top_k; R = T*k expert-sorted rows, a random row map of every token k times) and group distribution, times
 (benchmarks.timing.time_paired, interleaved rounds, median):
 
   gather fwd       ops.gathered_gemm.cuda_fwd(x, row_map, w): A read from x by row index
@@ -34,17 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.grouped_gemm_cases import group_sizes
+from benchmarks.layer_cases import SHAPES
 from benchmarks.timing import rel_err, time_paired
-from moe_praxis.ops import permute as permute_ops
+from moe_praxis.ops.permute import permute_cuda
 
 ga = importlib.import_module("moe_praxis.ops.gathered_gemm")
 gg = importlib.import_module("moe_praxis.ops.grouped_gemm")
 
-# name: (T, K, N, E, k), as benchmarks.layer's shapes of the same names
-SHAPES = {
-    "qwen3": (16384, 2048, 768, 128, 8),
-    "deepseek_ep4": (8192, 7168, 2048, 64, 8),
-}
 CHECK_TOL = 1e-2
 
 
@@ -59,24 +55,26 @@ def _inputs(t, k, n, e, top_k, dist):
     return x, row_map, w, dout, gs
 
 
-def run_point(name, dist, reps):
-    t, k, n, e, top_k = SHAPES[name]
+def point_fns(sh, dist):
+    """({label: jitted fn(x, row_map)}, x, row_map, GEMM FLOPs, (fwd config, wgrad config))
+    of one benchmarks.layer_cases.Shape and group distribution."""
+    t, k, n, e, top_k = sh.t, sh.m, sh.h, sh.e, sh.k
     r = t * top_k
     x, row_map, w, dout, gs = _inputs(t, k, n, e, top_k, dist)
     cf, cw = ga.gather_config("fwd", r, k, n, e), ga.gather_config("wgrad", r, k, n, e)
     rows = x[row_map]
     fns = {
-        "gather fwd":
-        jax.jit(lambda x, m: ga.cuda_fwd(x, m, w, gs, cf)),
-        "tma fwd":
-        jax.jit(lambda x, m: gg.cuda_fwd(rows, w, gs, cf)),
-        "permute+tma fwd":
-        jax.jit(lambda x, m: gg.cuda_fwd(permute_ops.permute(x, m, backend="cuda"), w, gs, cf)),
-        "gather wgrad":
-        jax.jit(lambda x, m: ga.cuda_wgrad(x, m, dout, gs, cw)),
-        "tma wgrad":
-        jax.jit(lambda x, m: gg.cuda_wgrad(rows, dout, gs, cw)),
+        "gather fwd": jax.jit(lambda x, m: ga.cuda_fwd(x, m, w, gs, cf)),
+        "tma fwd": jax.jit(lambda x, m: gg.cuda_fwd(rows, w, gs, cf)),
+        "permute+tma fwd": jax.jit(lambda x, m: gg.cuda_fwd(permute_cuda(x, m, None), w, gs, cf)),
+        "gather wgrad": jax.jit(lambda x, m: ga.cuda_wgrad(x, m, dout, gs, cw)),
+        "tma wgrad": jax.jit(lambda x, m: gg.cuda_wgrad(rows, dout, gs, cw)),
     }
+    return fns, x, row_map, 2.0 * r * k * n, (cf, cw)
+
+
+def run_point(name, dist, reps):
+    fns, x, row_map, flops, (cf, cw) = point_fns(SHAPES[name], dist)
     errs = {
         "gather fwd": rel_err(fns["gather fwd"](x, row_map), fns["tma fwd"](x, row_map)),
         "gather wgrad": rel_err(fns["gather wgrad"](x, row_map), fns["tma wgrad"](x, row_map)),
@@ -86,7 +84,6 @@ def run_point(name, dist, reps):
             raise SystemExit(f"check {name} {dist} {label} against the TMA kernel: "
                              f"rel err {err} > {CHECK_TOL}")
     secs = time_paired(fns, x, row_map, reps=reps, min_sample_s=0.02, spin_up_s=0.5)
-    flops = 2.0 * r * k * n
     out = []
     for label, s in secs.items():
         base = secs["tma wgrad" if "wgrad" in label else "tma fwd"]
