@@ -45,12 +45,15 @@ CHECK_TOL = 1e-2
 
 
 def _inputs(t, k, n, e, top_k, dist):
+    """x, a random row map of every token top_k times, w, dout (drawn on the device: at the
+    DeepSeek-like shapes w alone is 0.9 G values) and the group sizes."""
     r = t * top_k
+    kx, kw, kd = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (t, k), jnp.bfloat16)
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
     row_map = jnp.asarray(rng.permutation(np.repeat(np.arange(t), top_k)).astype(np.int32))
-    w = jnp.asarray(rng.standard_normal((e, k, n)) / np.sqrt(k), jnp.bfloat16)
-    dout = jnp.asarray(rng.standard_normal((r, n)), jnp.bfloat16)
+    w = (jax.random.normal(kw, (e, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    dout = jax.random.normal(kd, (r, n), jnp.bfloat16)
     gs = jnp.asarray(group_sizes(dist, r, e))
     return x, row_map, w, dout, gs
 
