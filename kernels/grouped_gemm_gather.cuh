@@ -17,7 +17,11 @@
 // TMA (its expect-tx is B's bytes). So a stage's barrier completes on 1 + 64 arrivals and B's
 // bytes: NumProducerThreadEvents = 65. (One warp alone, issuing each tile's 1024 copies with
 // their index loads, ran the Qwen3-like forward at a fifth of the TMA kernels' speed on an
-// H200.) The consumer side (wgmma on the shared-memory tiles) is CUTLASS's, unchanged: A's
+// H200.) Each warp loads the x rows of its share of a stage with one coalesced load per 32 rows
+// (a lane per row) and hands them to the copying lanes by shuffles: the forward's once per tile
+// (its rows are the tile's at every K-tile), the wgrad's a stage ahead. (Each lane loading its
+// rows' indices one by one before their copies stalled both kernels on those loads: Nsight
+// Compute, benchmarks/results/ncu_gather_two_warps.txt.) The consumer side (wgmma on the shared-memory tiles) is CUTLASS's, unchanged: A's
 // tile has the same swizzled layout as if TMA had written it. The A descriptors that CUTLASS
 // still builds per problem point at x and are never loaded from.
 //
@@ -166,46 +170,78 @@ struct GatherMainloop : Base {
     uint32_t smem_odd;    // ... and of i = 1 (i odd)
     uint32_t quad_step;   // the address step of two passes of i (i -> i + 2)
     uint32_t stage_step;  // the address step of a stage
-    int row;              // its first row in the tile
+    int sub;              // its row within each pass
+    int part;             // its warp's passes: j = part + 2i
     int chunk;
   };
+
+  // A warp's rows of a tile: kWarpRows, in pass order (warp row w is row w % kRowsPerPass of
+  // the warp's pass w / kRowsPerPass). Lane l holds the x row of warp rows l + 32q, q < kSlots,
+  // loaded with one coalesced load per slot, and the copying lanes take theirs by shuffles.
+  static constexpr int kWarpRows = kPassesPerWarp * kRowsPerPass;
+  static constexpr int kSlots = kWarpRows / 32;
+  static_assert(kWarpRows % 32 == 0 && 32 % kRowsPerPass == 0,
+                "a warp's rows are whole slots of 32 and no pass spans two slots");
+  struct WarpRows {
+    int32_t t[kSlots];  // x rows; -1 past the problem's rows
+  };
+
+  // The rows of the tile whose gathered rows start at g0 (lim: the problem's rows from g0).
+  CUTLASS_DEVICE static WarpRows warp_rows(const GatherSlice& s, int g0, int lim, int part,
+                                           int lane) {
+    WarpRows r;
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kSlots; ++q) {
+      const int w = lane + 32 * q;
+      const int row = w % kRowsPerPass + (part + 2 * (w / kRowsPerPass)) * kRowsPerPass;
+      r.t[q] = row < lim ? __ldg(s.index + g0 + row) : -1;
+    }
+    return r;
+  }
+
+  // The first gathered row of a stage's tile and the problem's rows from it.
+  CUTLASS_DEVICE static int tile_g0(int m_coord, int k_tile) {
+    return kRowsM ? m_coord * kBlkM : k_tile * kBlkK;
+  }
+  CUTLASS_DEVICE static int tile_lim(const GatherSlice& s, int g0) {
+    return (kRowsM ? s.m : s.k) - g0;
+  }
 
   CUTLASS_DEVICE static LaneCopies lane_copies(TensorStorage& shared_tensors, int part,
                                                 int lane) {
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     const int chunk = lane % kChunks;
-    const int row = lane / kChunks + part * kRowsPerPass;
+    const int sub = lane / kChunks;
+    const int row = sub + part * kRowsPerPass;
     const auto at = [&](int r, int stage) {
       return cute::cast_smem_ptr_to_uint(kRowsM ? &sA(r, chunk * 8, stage)
                                                 : &sA(chunk * 8, r, stage));
     };
     const uint32_t a0 = at(row, 0);
     return LaneCopies{a0, at(row + 2 * kRowsPerPass, 0), at(row + 4 * kRowsPerPass, 0) - a0,
-                      at(row, 1) - a0, row, chunk};
+                      at(row, 1) - a0, sub, part, chunk};
   }
 
   // One stage of one warp's copies: cp.async of 16 bytes a lane (zero-filled past the problem's
-  // rows, past x's columns and for indices outside [0, T)), then the lane's arrival on the
+  // rows, past x's columns and for indices outside [0, T)), each lane's x row shuffled from the
+  // lane holding it (rows: the warp's rows of this stage's tile), then the lane's arrival on the
   // stage's full barrier when its copies land (cp.async.mbarrier.arrive.noinc).
   CUTLASS_DEVICE static void copy_stage(const GatherArgs& g, const GatherSlice& s,
-                                        const LaneCopies& lc, int m_coord, int k_tile,
-                                        int stage) {
-    const int g0 = kRowsM ? m_coord * kBlkM : k_tile * kBlkK;
+                                        const LaneCopies& lc, const WarpRows& rows, int m_coord,
+                                        int k_tile, int stage) {
     const int col = (kRowsM ? k_tile * kBlkK : m_coord * kBlkM) + lc.chunk * 8;
-    const int c_lim = kRowsM ? s.k : s.m;  // x's columns (a multiple of 8: the handler's check)
-    // rows of this tile the lane may read: none when its columns are past x's
-    const int lim = col + 8 <= c_lim ? (kRowsM ? s.m : s.k) - g0 - lc.row : 0;
-    const int32_t* index = s.index + g0 + lc.row;
+    // x's columns are a multiple of 8 (the handler's check): a lane's 8 are all in or all out
+    const bool col_ok = col + 8 <= (kRowsM ? s.k : s.m);
     const Element* x_col = g.x + col;
     const uint32_t x_rows = static_cast<uint32_t>(g.x_rows);
     const int ld_x = static_cast<int>(g.ld_x);  // < 2^31: the handler's check
     const uint32_t dst0 = lc.smem + stage * lc.stage_step;
     const uint32_t dst1 = lc.smem_odd + stage * lc.stage_step;
-#pragma unroll 4
+    CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kPassesPerWarp; ++i) {
-      const int r = 2 * i * kRowsPerPass;  // from the lane's first row
-      const int32_t t = r < lim ? __ldg(index + r) : -1;
-      const bool ok = static_cast<uint32_t>(t) < x_rows;
+      const int w0 = i * kRowsPerPass;  // the pass's first warp row
+      const int32_t t = __shfl_sync(0xffffffffu, rows.t[w0 / 32], w0 % 32 + lc.sub);
+      const bool ok = col_ok && static_cast<uint32_t>(t) < x_rows;
       const Element* src = x_col + static_cast<int64_t>(ok ? t : 0) * ld_x;
       const uint32_t dst = ((i & 1) ? dst1 : dst0) + (i >> 1) * lc.quad_step;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
@@ -242,17 +278,26 @@ struct GatherMainloop : Base {
       }
     }
     const GatherSlice s = get<2>(load_inputs);
-    const LaneCopies lc = lane_copies(shared_tensors, 0, thread_idx % 32);
+    const int lane = thread_idx % 32;
+    const LaneCopies lc = lane_copies(shared_tensors, 0, lane);
+    const int m = static_cast<int>(m_coord);
+    const int g0 = tile_g0(m, static_cast<int>(*k_tile_iter));
+    WarpRows rows = warp_rows(s, g0, tile_lim(s, g0), 0, lane);
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
+      const int k_tile = static_cast<int>(*k_tile_iter);
+      const WarpRows cur = rows;
+      if constexpr (!kRowsM) {  // the next K-tile's rows, a stage ahead
+        const int g1 = tile_g0(m, k_tile + 1);
+        rows = warp_rows(s, g1, k_tile_count > 1 ? tile_lim(s, g1) : 0, 0, lane);
+      }
       pipeline.producer_acquire(smem_pipe_write);
       if (tma_lane) {
         auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
         copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b),
              tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, smem_pipe_write.index()));
       }
-      copy_stage(params.gather, s, lc, static_cast<int>(m_coord),
-                 static_cast<int>(*k_tile_iter), smem_pipe_write.index());
+      copy_stage(params.gather, s, lc, cur, m, k_tile, smem_pipe_write.index());
       pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
       ++k_tile_iter;
       ++smem_pipe_write;
@@ -269,13 +314,21 @@ struct GatherMainloop : Base {
                                      uint32_t /*block_rank_in_cluster*/,
                                      TensorStorage& shared_tensors) {
     const GatherSlice s = get<2>(load_inputs);
-    const LaneCopies lc = lane_copies(shared_tensors, 1, thread_idx % 32);
-    const int m_coord = static_cast<int>(get<0>(blk_coord));
+    const int lane = thread_idx % 32;
+    const LaneCopies lc = lane_copies(shared_tensors, 1, lane);
+    const int m = static_cast<int>(get<0>(blk_coord));
+    const int g0 = tile_g0(m, static_cast<int>(*k_tile_iter));
+    WarpRows rows = warp_rows(s, g0, tile_lim(s, g0), 1, lane);
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
+      const int k_tile = static_cast<int>(*k_tile_iter);
+      const WarpRows cur = rows;
+      if constexpr (!kRowsM) {
+        const int g1 = tile_g0(m, k_tile + 1);
+        rows = warp_rows(s, g1, k_tile_count > 1 ? tile_lim(s, g1) : 0, 1, lane);
+      }
       pipeline.producer_acquire(smem_pipe_write);
-      copy_stage(params.gather, s, lc, m_coord, static_cast<int>(*k_tile_iter),
-                 smem_pipe_write.index());
+      copy_stage(params.gather, s, lc, cur, m, k_tile, smem_pipe_write.index());
       pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
       ++k_tile_iter;
       ++smem_pipe_write;
