@@ -98,7 +98,7 @@ class MoEConfig:
         bf16) instead of a permuted [T*k, M] copy, neither written nor kept for the backward.
         Not with fp8, nor fuse_gate_up with fuse_swiglu_bwd (under EP the experts read the
         exchanged rows by the regroup's order); elsewhere on CUDA the permute with a warning.
-        Off: correct on an H200 but about half the permute path's speed (docs/gathered_gemm.md).
+        Off: correct on an H200 but about 0.8x the permute path's speed (docs/gathered_gemm.md).
       kernel_backend: 'auto' (CUDA kernels where built and supported, else XLA), 'xla', 'cuda'.
       use_cudnn_fusion: ask for cuDNN's fused grouped GEMM + SwiGLU (needs SM100+ and the
         optional cudnn.jax). Not implemented yet, and it has run on no hardware: where it is not
