@@ -57,7 +57,9 @@ ffi::Error GatherFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
     PrepareParams p = ragged_rows_prepare(group_sizes.typed_data(), e, rows, k, n, xs,
                                           as_elem(rhs.untyped_data()), o, n);
     p.map_a = {0, 0};  // every problem's A is x (read by index)
-    const GatherExtra<EpilogueExtra> extra{{}, gather_args(x, row_map, o, n)};
+    GatherExtra<EpilogueExtra> extra{};
+    ffi::Error bad = gather_args(x, row_map, o, n, &extra.gather);
+    if (bad.failure()) return bad;
     return run_gather<Def>(stream, p, k, n, n, extra, workspace, sched);
   });
 }
@@ -85,7 +87,9 @@ ffi::Error GatherWgradImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
     PrepareParams p = ragged_k_prepare(group_sizes.typed_data(), e, rows, k, n, xs, dy,
                                        as_elem(drhs->untyped_data()));
     p.map_a = {0, 0};  // every problem's A is x (read by index)
-    const GatherExtra<EpilogueExtra> extra{{}, gather_args(x, row_map, dy, n)};
+    GatherExtra<EpilogueExtra> extra{};
+    ffi::Error bad = gather_args(x, row_map, dy, n, &extra.gather);
+    if (bad.failure()) return bad;
     return run_gather<Def>(stream, p, k, n, n, extra, workspace, sched);
   });
 }

@@ -8,22 +8,20 @@
 // r0 is the problem's first row in the expert-sorted order; an index out of [0, T) (a dropped
 // or padded row: row_map holds T there) reads a zero row, as the permute writes one.
 //
-// How: the kernels already run a second producer warp (MainloopAux) for mainloops that declare
-// an auxiliary load (CUTLASS's blockwise-scaled FP8 mainloop loads its scales there). Here the
-// Mainloop and MainloopAux warps both load A with cp.async, half of each tile's rows each,
-// 16 bytes a lane, zero-filled past the problem's rows, past K and for out-of-range indices,
-// and each lane arrives on the stage's full barrier when its copies land
-// (cp.async.mbarrier.arrive.noinc: 64 arrivals); one lane of the Mainloop warp also loads B by
-// TMA (its expect-tx is B's bytes). So a stage's barrier completes on 1 + 64 arrivals and B's
-// bytes: NumProducerThreadEvents = 65. (One warp alone, issuing each tile's 1024 copies with
-// their index loads, ran the Qwen3-like forward at a fifth of the TMA kernels' speed on an
-// H200.) Each warp loads the x rows of its share of a stage with one coalesced load per 32 rows
-// (a lane per row) and hands them to the copying lanes by shuffles: the forward's once per tile
-// (its rows are the tile's at every K-tile), the wgrad's a stage ahead. (Each lane loading its
-// rows' indices one by one before their copies stalled both kernels on those loads: Nsight
-// Compute, benchmarks/results/ncu_gather_two_warps.txt.) The consumer side (wgmma on the shared-memory tiles) is CUTLASS's, unchanged: A's
-// tile has the same swizzled layout as if TMA had written it. The A descriptors that CUTLASS
-// still builds per problem point at x and are never loaded from.
+// How: the Mainloop warp loads A one row at a time by TMA. A tensor map over x with a box of one
+// row of 64 elements (128 bytes) and the 128-byte swizzle writes each gathered row straight
+// into its row of A's swizzled shared-memory tile: the swizzle XORs the 16-byte chunk index with
+// bits [7, 10) of the destination address, which for a row r of a 1024-byte aligned atom are
+// r % 8, as for a box of 8 rows (the layout CUTLASS's TMA of A writes). Each lane loads the x
+// rows of 32 of a stage's rows with one coalesced load (a lane per row) and issues their boxes
+// (the forward's rows once per tile, the wgrad's a stage ahead); a row outside the problem or
+// an index outside [0, T) loads row T, outside the map: TMA fills it with zeros and still counts
+// its bytes. The stage's barrier expects A's bytes and B's (one TMA for B), so the producer
+// side is CUTLASS's with one arrival, and the MainloopAux warp does not run. (Copying A with
+// cp.async instead, 16 bytes a lane, ran the gathered forward at 1.76x and the wgrad at 2.07x the
+// TMA kernels' time on permuted rows with two warps copying: benchmarks/archive.md.)
+// The consumer side (wgmma on the shared-memory tiles) is CUTLASS's, unchanged. The A
+// descriptors that CUTLASS still builds per problem point at x and are never loaded from.
 //
 // The problem's r0 is read from an operand pointer array the prepare kernel fills: the output
 // rows (forward, ptr_D) or the output gradient rows (wgrad, ptr_B) start at r0 * rows_ld.
@@ -38,13 +36,6 @@ namespace moe_gg {
 
 enum class Gather { kRowsM, kRowsK };
 
-// The dispatch policy of the gathered mainloop: CUTLASS's, tagged with an auxiliary load (the
-// kernels then run the MainloopAux warp: HasAuxiliaryLoad below).
-template <int Stages, class ClusterShape, class KernelSchedule>
-struct GatherPolicy
-    : cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecialized<Stages, ClusterShape, KernelSchedule> {
-};
-
 // What the gathered mainloop reads besides CUTLASS's arguments.
 struct GatherArgs {
   const Element* x;              // [x_rows, ld_x]
@@ -54,6 +45,7 @@ struct GatherArgs {
   const Element* const* ptr_rows;  // per problem: its first row's address in rows_base
   const Element* rows_base;
   int64_t rows_ld;
+  CUtensorMap x_rows_map;  // x [x_rows, ld_x] in boxes of one row of 64 elements, 128-byte swizzle
 };
 
 // What a gathered kernel's launch reads besides the group arrays: its epilogue's extra (the
@@ -73,19 +65,11 @@ struct GatherSlice {
 
 }  // namespace moe_gg
 
-namespace cutlass::gemm::kernel::detail {
-template <int Stages, class ClusterShape, class KernelSchedule>
-struct HasAuxiliaryLoad<moe_gg::GatherPolicy<Stages, ClusterShape, KernelSchedule>>
-    : cute::true_type {};
-}  // namespace cutlass::gemm::kernel::detail
-
 namespace moe_gg {
 
 template <class Base, Gather kMode>
 struct GatherMainloop : Base {
-  using BasePolicy = typename Base::DispatchPolicy;
-  using DispatchPolicy = GatherPolicy<BasePolicy::Stages, typename BasePolicy::ClusterShape,
-                                      typename BasePolicy::Schedule>;
+  using typename Base::DispatchPolicy;
   using typename Base::GmemTiledCopyB;
   using typename Base::MainloopPipeline;
   using typename Base::PipelineState;
@@ -94,15 +78,30 @@ struct GatherMainloop : Base {
   using typename Base::TensorStorage;
   using typename Base::TileShape;
 
-  static constexpr int NumProducerThreadEvents = 65;  // B's TMA arrival + 2 warps' cp.async lanes
-  static_assert(cutlass::gemm::kernel::detail::HasAuxiliaryLoad_v<DispatchPolicy>,
-                "the kernels must run the MainloopAux warp that loads A");
-  static_assert(size<1>(typename BasePolicy::ClusterShape{}) == 1,
+  static_assert(size<1>(typename DispatchPolicy::ClusterShape{}) == 1,
                 "a gathered A cannot be multicast: clusters of 1 column only");
 
+  // A's tile is G gathered x rows of C contiguous elements: (BLK_M, BLK_K) for kRowsM,
+  // (BLK_K, BLK_M) for kRowsK, loaded as G x kBoxes boxes of one row of 64 elements.
+  static constexpr bool kRowsM = kMode == Gather::kRowsM;
+  static constexpr int kBlkM = size<0>(TileShape{});
+  static constexpr int kBlkK = size<2>(TileShape{});
+  static constexpr int kG = kRowsM ? kBlkM : kBlkK;  // gathered rows of a tile
+  static constexpr int kC = kRowsM ? kBlkK : kBlkM;  // contiguous elements of each
+  static constexpr int kBoxC = 64;                   // a box: 128 bytes, the swizzle's width
+  static constexpr int kBoxes = kC / kBoxC;          // boxes per gathered row
+  static constexpr int kSlots = kG / 32;             // gathered rows per lane
+  static_assert(kC % kBoxC == 0 && kG % 32 == 0, "a tile is whole boxes and 32-row slots");
+  using SwizzleAtomA = cute::conditional_t<kRowsM, cute::GMMA::Layout_K_SW128_Atom<Element>,
+                                           cute::GMMA::Layout_MN_SW128_Atom<Element>>;
+  static_assert(cute::is_same_v<typename Base::SmemLayoutAtomA, SwizzleAtomA>,
+                "A's shared-memory atom must be the 128-byte swizzle the row boxes write");
+
+  // A's and B's bytes: every box counts its 128 bytes, zero-filled or not.
   static constexpr uint32_t TmaTransactionBytes = cutlass::bits_to_bytes(
-      size<0>(SmemLayoutB{}) * size<1>(SmemLayoutB{}) *
-      static_cast<uint32_t>(sizeof_bits<typename Base::ElementB>::value));
+      (size<0>(SmemLayoutA{}) * size<1>(SmemLayoutA{}) +
+       size<0>(SmemLayoutB{}) * size<1>(SmemLayoutB{})) *
+      static_cast<uint32_t>(sizeof_bits<Element>::value));
 
   struct Arguments : Base::Arguments {
     GatherArgs gather;
@@ -140,61 +139,22 @@ struct GatherMainloop : Base {
     return cute::make_tuple(get<0>(in), get<1>(in), s);
   }
 
-  // A's tile is G gathered x rows of C contiguous elements: (BLK_M, BLK_K) for kRowsM,
-  // (BLK_K, BLK_M) for kRowsK. Two warps copy it (the Mainloop and MainloopAux warps, each on
-  // the producers' 40 registers): lane l copies chunk l % kChunks (8 elements, 16 bytes) of row
-  // l / kChunks + j * kRowsPerPass for the passes j of its warp (j = part + 2i), so a warp
-  // instruction reads whole 16-byte runs of kRowsPerPass rows.
-  static constexpr bool kRowsM = kMode == Gather::kRowsM;
-  static constexpr int kBlkM = size<0>(TileShape{});
-  static constexpr int kBlkK = size<2>(TileShape{});
-  static constexpr int kG = kRowsM ? kBlkM : kBlkK;  // gathered rows of a tile
-  static constexpr int kC = kRowsM ? kBlkK : kBlkM;  // contiguous elements of each
-  static constexpr int kChunks = kC / 8;
-  static_assert(kC % 8 == 0 && 32 % kChunks == 0, "a warp covers whole rows of a tile");
-  static constexpr int kRowsPerPass = 32 / kChunks;
-  static constexpr int kPassesPerWarp = kG / kRowsPerPass / 2;
-  static_assert(kG % (4 * kRowsPerPass) == 0, "a tile is whole quads of each warp's passes");
-  // A lane's destinations repeat every 8 rows with one stride when A's atom is the 128-byte
-  // swizzle (8 rows of 128 bytes, rows 8 apart in atoms 1024 bytes apart, which the swizzle's
-  // bits [7, 10) do not see), so each lane keeps two offsets and a step.
-  using SwizzleAtomA = cute::conditional_t<kRowsM, cute::GMMA::Layout_K_SW128_Atom<Element>,
-                                           cute::GMMA::Layout_MN_SW128_Atom<Element>>;
-  static_assert(cute::is_same_v<typename Base::SmemLayoutAtomA, SwizzleAtomA>,
-                "A's shared-memory atom must be the 128-byte swizzle the gather's offsets assume");
-  static_assert((4 * kRowsPerPass) % 8 == 0, "a lane's quad of passes spans whole swizzle atoms");
-
-  // One lane's part of a tile's copies: where its rows' chunks land and which rows it reads.
-  struct LaneCopies {
-    uint32_t smem;        // stage 0's address of its pass i = 0 (i even) ...
-    uint32_t smem_odd;    // ... and of i = 1 (i odd)
-    uint32_t quad_step;   // the address step of two passes of i (i -> i + 2)
-    uint32_t stage_step;  // the address step of a stage
-    int sub;              // its row within each pass
-    int part;             // its warp's passes: j = part + 2i
-    int chunk;
-  };
-
-  // A warp's rows of a tile: kWarpRows, in pass order (warp row w is row w % kRowsPerPass of
-  // the warp's pass w / kRowsPerPass). Lane l holds the x row of warp rows l + 32q, q < kSlots,
-  // loaded with one coalesced load per slot, and the copying lanes take theirs by shuffles.
-  static constexpr int kWarpRows = kPassesPerWarp * kRowsPerPass;
-  static constexpr int kSlots = kWarpRows / 32;
-  static_assert(kWarpRows % 32 == 0 && 32 % kRowsPerPass == 0,
-                "a warp's rows are whole slots of 32 and no pass spans two slots");
-  struct WarpRows {
-    int32_t t[kSlots];  // x rows; -1 past the problem's rows
+  // A lane's rows of a tile: rows lane + 32q of the tile's gathered rows, as x rows (x_rows,
+  // outside the map, for rows past the problem's and indices outside [0, T)), loaded with one
+  // coalesced load per slot.
+  struct LaneRows {
+    int32_t t[kSlots];
   };
 
   // The rows of the tile whose gathered rows start at g0 (lim: the problem's rows from g0).
-  CUTLASS_DEVICE static WarpRows warp_rows(const GatherSlice& s, int g0, int lim, int part,
-                                           int lane) {
-    WarpRows r;
+  CUTLASS_DEVICE static LaneRows lane_rows(const GatherSlice& s, int g0, int lim, int lane,
+                                           uint32_t x_rows) {
+    LaneRows r;
     CUTLASS_PRAGMA_UNROLL
     for (int q = 0; q < kSlots; ++q) {
-      const int w = lane + 32 * q;
-      const int row = w % kRowsPerPass + (part + 2 * (w / kRowsPerPass)) * kRowsPerPass;
-      r.t[q] = row < lim ? __ldg(s.index + g0 + row) : -1;
+      const int row = lane + 32 * q;
+      const int32_t t = row < lim ? __ldg(s.index + g0 + row) : -1;
+      r.t[q] = static_cast<uint32_t>(t) < x_rows ? t : static_cast<int32_t>(x_rows);
     }
     return r;
   }
@@ -207,49 +167,48 @@ struct GatherMainloop : Base {
     return (kRowsM ? s.m : s.k) - g0;
   }
 
-  CUTLASS_DEVICE static LaneCopies lane_copies(TensorStorage& shared_tensors, int part,
-                                                int lane) {
+  // Stage 0's shared-memory address of the lane's row of slot 0, box 0 (the row's first byte:
+  // the swizzle moves chunks within the row), and the steps of a slot, a box and a stage.
+  struct LaneDst {
+    uint32_t base;
+    uint32_t slot_step;
+    uint32_t box_step;
+    uint32_t stage_step;
+  };
+
+  CUTLASS_DEVICE static LaneDst lane_dst(TensorStorage& shared_tensors, int lane) {
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
-    const int chunk = lane % kChunks;
-    const int sub = lane / kChunks;
-    const int row = sub + part * kRowsPerPass;
-    const auto at = [&](int r, int stage) {
-      return cute::cast_smem_ptr_to_uint(kRowsM ? &sA(r, chunk * 8, stage)
-                                                : &sA(chunk * 8, r, stage));
+    const auto at = [&](int r, int c, int stage) {
+      return cute::cast_smem_ptr_to_uint(kRowsM ? &sA(r, c, stage) : &sA(c, r, stage)) & ~127u;
     };
-    const uint32_t a0 = at(row, 0);
-    return LaneCopies{a0, at(row + 2 * kRowsPerPass, 0), at(row + 4 * kRowsPerPass, 0) - a0,
-                      at(row, 1) - a0, sub, part, chunk};
+    const uint32_t a0 = at(lane, 0, 0);
+    return LaneDst{a0, kSlots > 1 ? at(lane + 32, 0, 0) - a0 : 0u,
+                   kBoxes > 1 ? at(lane, kBoxC, 0) - a0 : 0u, at(lane, 0, 1) - a0};
   }
 
-  // One stage of one warp's copies: cp.async of 16 bytes a lane (zero-filled past the problem's
-  // rows, past x's columns and for indices outside [0, T)), each lane's x row shuffled from the
-  // lane holding it (rows: the warp's rows of this stage's tile), then the lane's arrival on the
-  // stage's full barrier when its copies land (cp.async.mbarrier.arrive.noinc).
-  CUTLASS_DEVICE static void copy_stage(const GatherArgs& g, const GatherSlice& s,
-                                        const LaneCopies& lc, const WarpRows& rows, int m_coord,
-                                        int k_tile, int stage) {
-    const int col = (kRowsM ? k_tile * kBlkK : m_coord * kBlkM) + lc.chunk * 8;
-    // x's columns are a multiple of 8 (the handler's check): a lane's 8 are all in or all out
-    const bool col_ok = col + 8 <= (kRowsM ? s.k : s.m);
-    const Element* x_col = g.x + col;
-    const uint32_t x_rows = static_cast<uint32_t>(g.x_rows);
-    const int ld_x = static_cast<int>(g.ld_x);  // < 2^31: the handler's check
-    const uint32_t dst0 = lc.smem + stage * lc.stage_step;
-    const uint32_t dst1 = lc.smem_odd + stage * lc.stage_step;
+  // One stage of a lane's boxes: its kSlots rows, kBoxes boxes each, on the stage's barrier.
+  CUTLASS_DEVICE static void load_stage(const GatherArgs& g, const LaneDst& d,
+                                        const LaneRows& rows, int col0, int stage,
+                                        uint64_t* full_barrier) {
+    const uint64_t map = reinterpret_cast<uint64_t>(&g.x_rows_map);
+    const uint32_t bar = cute::cast_smem_ptr_to_uint(full_barrier);
+    const uint32_t dst0 = d.base + stage * d.stage_step;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kPassesPerWarp; ++i) {
-      const int w0 = i * kRowsPerPass;  // the pass's first warp row
-      const int32_t t = __shfl_sync(0xffffffffu, rows.t[w0 / 32], w0 % 32 + lc.sub);
-      const bool ok = col_ok && static_cast<uint32_t>(t) < x_rows;
-      const Element* src = x_col + static_cast<int64_t>(ok ? t : 0) * ld_x;
-      const uint32_t dst = ((i & 1) ? dst1 : dst0) + (i >> 1) * lc.quad_step;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                   "r"(ok ? 16 : 0));
+    for (int q = 0; q < kSlots; ++q) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int b = 0; b < kBoxes; ++b) {
+        const uint32_t dst = dst0 + q * d.slot_step + b * d.box_step;
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+            " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+            "l"(map), "r"(col0 + b * kBoxC), "r"(rows.t[q]), "r"(bar)
+            : "memory");
+      }
     }
   }
 
-  // Mainloop warp: B by TMA (one lane, CUTLASS's load without A) and its half of A's rows.
+  // Mainloop warp: B by TMA (one lane, CUTLASS's load without A) and A's rows by TMA (every
+  // lane, its 32-row slots).
   template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator,
             class BlockCoord>
   CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline,
@@ -277,59 +236,30 @@ struct GatherMainloop : Base {
         mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_y, Int<0>{}));
       }
     }
+    const GatherArgs& g = params.gather;
     const GatherSlice s = get<2>(load_inputs);
     const int lane = thread_idx % 32;
-    const LaneCopies lc = lane_copies(shared_tensors, 0, lane);
+    const uint32_t x_rows = static_cast<uint32_t>(g.x_rows);  // < 2^31: the handler's check
+    const LaneDst d = lane_dst(shared_tensors, lane);
     const int m = static_cast<int>(m_coord);
     const int g0 = tile_g0(m, static_cast<int>(*k_tile_iter));
-    WarpRows rows = warp_rows(s, g0, tile_lim(s, g0), 0, lane);
+    LaneRows rows = lane_rows(s, g0, tile_lim(s, g0), lane, x_rows);
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       const int k_tile = static_cast<int>(*k_tile_iter);
-      const WarpRows cur = rows;
+      const LaneRows cur = rows;
       if constexpr (!kRowsM) {  // the next K-tile's rows, a stage ahead
         const int g1 = tile_g0(m, k_tile + 1);
-        rows = warp_rows(s, g1, k_tile_count > 1 ? tile_lim(s, g1) : 0, 0, lane);
+        rows = lane_rows(s, g1, k_tile_count > 1 ? tile_lim(s, g1) : 0, lane, x_rows);
       }
       pipeline.producer_acquire(smem_pipe_write);
+      auto* full_barrier = pipeline.producer_get_barrier(smem_pipe_write);
       if (tma_lane) {
-        auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
-        copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b),
+        copy(params.tma_load_b.with(get<1>(input_tensormaps), *full_barrier, mcast_mask_b),
              tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, smem_pipe_write.index()));
       }
-      copy_stage(params.gather, s, lc, cur, m, k_tile, smem_pipe_write.index());
-      pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
-      ++k_tile_iter;
-      ++smem_pipe_write;
-    }
-  }
-
-  // MainloopAux warp: the other half of A's rows.
-  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
-  CUTLASS_DEVICE void load_auxiliary(Params const& params, MainloopPipeline pipeline,
-                                     PipelineState smem_pipe_write,
-                                     cute::tuple<TensorA, TensorB, GatherSlice> const& load_inputs,
-                                     BlockCoord const& blk_coord, KTileIterator k_tile_iter,
-                                     int k_tile_count, int thread_idx,
-                                     uint32_t /*block_rank_in_cluster*/,
-                                     TensorStorage& shared_tensors) {
-    const GatherSlice s = get<2>(load_inputs);
-    const int lane = thread_idx % 32;
-    const LaneCopies lc = lane_copies(shared_tensors, 1, lane);
-    const int m = static_cast<int>(get<0>(blk_coord));
-    const int g0 = tile_g0(m, static_cast<int>(*k_tile_iter));
-    WarpRows rows = warp_rows(s, g0, tile_lim(s, g0), 1, lane);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 0; --k_tile_count) {
-      const int k_tile = static_cast<int>(*k_tile_iter);
-      const WarpRows cur = rows;
-      if constexpr (!kRowsM) {
-        const int g1 = tile_g0(m, k_tile + 1);
-        rows = warp_rows(s, g1, k_tile_count > 1 ? tile_lim(s, g1) : 0, 1, lane);
-      }
-      pipeline.producer_acquire(smem_pipe_write);
-      copy_stage(params.gather, s, lc, cur, m, k_tile, smem_pipe_write.index());
-      pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
+      const int col0 = kRowsM ? k_tile * kBlkK : m * kBlkM;
+      load_stage(g, d, cur, col0, smem_pipe_write.index(), full_barrier);
       ++k_tile_iter;
       ++smem_pipe_write;
     }
@@ -423,6 +353,11 @@ inline ffi::Error check_gather(const char* op, int64_t t, int64_t k,
                                        std::to_string(k) +
                                        " columns; valid: a multiple of 8 (16-byte rows)");
   }
+  if (t == 0) {
+    return ffi::Error::InvalidArgument(std::string(kWhoGather) + " " + op +
+                                       ": x has no rows; valid: at least one (empty x: the "
+                                       "permute path)");
+  }
   if (t > INT32_MAX || k > INT32_MAX) {
     return ffi::Error::InvalidArgument(std::string(kWhoGather) + " " + op + ": x is [" +
                                        std::to_string(t) + ", " + std::to_string(k) +
@@ -442,12 +377,28 @@ ffi::Error dispatch_gather(const char* op, const ffi::Buffer<ffi::BF16>& x,
   return dispatch_gather_tile(tile, sched, std::forward<F>(f));
 }
 
-// The gather arguments over x [T, K] by row_map; a problem's first row is read from the output
-// (or output gradient) pointer array, whose rows start at rows_base with rows_ld elements.
-inline GatherArgs gather_args(const ffi::Buffer<ffi::BF16>& x, const ffi::Buffer<ffi::S32>& row_map,
-                              const Element* rows_base, int64_t rows_ld) {
-  return GatherArgs{as_elem(x.untyped_data()), row_map.typed_data(), x.dimensions()[0],
-                    x.dimensions()[1], nullptr, rows_base, rows_ld};
+// The gather arguments over x [T, K] by row_map (a problem's first row is read from the output
+// or output gradient pointer array, whose rows start at rows_base with rows_ld elements), with
+// the tensor map of x's rows (GatherArgs::x_rows_map); an error if the driver rejects it.
+inline ffi::Error gather_args(const ffi::Buffer<ffi::BF16>& x, const ffi::Buffer<ffi::S32>& row_map,
+                              const Element* rows_base, int64_t rows_ld, GatherArgs* g) {
+  const int64_t t = x.dimensions()[0], k = x.dimensions()[1];
+  *g = GatherArgs{as_elem(x.untyped_data()), row_map.typed_data(), t, k, nullptr, rows_base,
+                  rows_ld, {}};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(t)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k) * sizeof(Element)};
+  const cuuint32_t box[2] = {64, 1};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+      &g->x_rows_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<Element*>(g->x), dims,
+      strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return ffi::Error::Internal(std::string(kWhoGather) + ": cuTensorMapEncodeTiled failed (" +
+                                std::to_string(static_cast<int>(r)) + ") for x [" +
+                                std::to_string(t) + ", " + std::to_string(k) + "]");
+  }
+  return ffi::Error::Success();
 }
 
 // prepare + the gathered kernel(s) of Def: A's strides are x's (leading dimension k), B's b_ld,

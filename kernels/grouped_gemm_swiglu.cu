@@ -264,8 +264,9 @@ ffi::Error GatherSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
     const Element* xs = as_elem(x.untyped_data());
     PrepareParams p = swiglu_prepare(group_sizes, e, rows, k, n, xs, rhs, gate, up, act);
     p.map_a = {0, 0};  // every problem's A is x (read by index)
-    const GatherExtra<EpilogueExtra> extra{swiglu_extra(p, row_weights, has_weight, h),
-                                           gather_args(x, row_map, p.d, h)};
+    GatherExtra<EpilogueExtra> extra{swiglu_extra(p, row_weights, has_weight, h), {}};
+    ffi::Error bad_map = gather_args(x, row_map, p.d, h, &extra.gather);
+    if (bad_map.failure()) return bad_map;
     return run_gather<Def>(stream, p, k, n, h, extra, workspace, sched);
   });
 }

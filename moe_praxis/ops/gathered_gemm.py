@@ -134,7 +134,10 @@ def cuda_wgrad(x, row_map, dout, group_sizes, config: str):
 
 def gather_unsupported(x, rhs, backend: str = "auto") -> str:
     """'' where the gathered kernels run these inputs (backend resolving to cuda, the Hopper
-    grouped GEMM family, bf16 x and weights, K and N multiples of 8), else why not."""
+    grouped GEMM family, bf16 x and weights, K and N multiples of 8, x with rows: its tensor
+    map needs one), else why not."""
+    if x.shape[0] == 0:
+        return "x has no rows (the gathered kernels' tensor map of x needs at least one)"
     if _backend.op_backend(backend, "grouped_gemm") != "cuda":
         return f"the grouped GEMM runs the XLA reference here (kernel_backend={backend!r})"
     family, why = _backend.grouped_gemm_kernel(dtype=x.dtype)
