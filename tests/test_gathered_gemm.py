@@ -191,6 +191,7 @@ def test_errors_name_the_value(monkeypatch):
     monkeypatch.delenv(ops.backend.ENV_GROUPED_GEMM)
     assert "bf16" in gm.gather_unsupported(x.astype(jnp.float32), (w, ), "cuda")
     assert gm.gather_unsupported(x, (w, ), "cuda") == ""
+    assert "x has no rows" in gm.gather_unsupported(x[:0], (w, ), "cuda")
 
 
 def _fused_case(seed, dtype, t=37, r=101, k=16, h=24, e=6, kind="skewed"):
