@@ -9,13 +9,15 @@
 // or padded row: row_map holds T there) reads a zero row, as the permute writes one.
 //
 // How: the kernels already run a second producer warp (MainloopAux) for mainloops that declare
-// an auxiliary load (CUTLASS's blockwise-scaled FP8 mainloop loads its scales there). Here the
-// Mainloop and MainloopAux warps both load A with cp.async, half of each tile's rows each,
-// 16 bytes a lane, zero-filled past the problem's rows, past K and for out-of-range indices,
-// and each lane arrives on the stage's full barrier when its copies land
-// (cp.async.mbarrier.arrive.noinc: 64 arrivals); one lane of the Mainloop warp also loads B by
-// TMA (its expect-tx is B's bytes). So a stage's barrier completes on 1 + 64 arrivals and B's
-// bytes: NumProducerThreadEvents = 65. (One warp alone, issuing each tile's 1024 copies with
+// an auxiliary load (CUTLASS's blockwise-scaled FP8 mainloop loads its scales there); our copy
+// of the ping-pong kernel (kernels/grouped_gemm_gather_pingpong.cuh) runs a third in place of
+// its idle Epilogue-load warp. The Mainloop warp and the MainloopAux warps (kParts: 3 with the
+// ping-pong kernel, 2 with CUTLASS's cooperative one) load A with cp.async, a share of each
+// tile's rows each, 16 bytes a lane, zero-filled past the problem's rows, past K and for
+// out-of-range indices, and each lane arrives on the stage's full barrier when its copies land
+// (cp.async.mbarrier.arrive.noinc: 32 kParts arrivals); one lane of the Mainloop warp also
+// loads B by TMA (its expect-tx is B's bytes). So a stage's barrier completes on 1 + 32 kParts
+// arrivals and B's bytes: NumProducerThreadEvents. (One warp alone, issuing each tile's 1024 copies with
 // their index loads, ran the Qwen3-like forward at a fifth of the TMA kernels' speed on an
 // H200.) Each warp loads the x rows of its share of a stage with one coalesced load per 32 rows
 // (a lane per row) and hands them to the copying lanes by shuffles: the forward's once per tile
@@ -30,6 +32,7 @@
 #pragma once
 
 #include "grouped_gemm.cuh"
+#include "grouped_gemm_gather_pingpong.cuh"
 
 #include "cute/arch/copy_sm80.hpp"
 #include "cutlass/arch/barrier.h"
@@ -38,11 +41,24 @@ namespace moe_gg {
 
 enum class Gather { kRowsM, kRowsK };
 
-// The dispatch policy of the gathered mainloop: CUTLASS's, tagged with an auxiliary load (the
-// kernels then run the MainloopAux warp: HasAuxiliaryLoad below).
-template <int Stages, class ClusterShape, class KernelSchedule>
-struct GatherPolicy
-    : cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecialized<Stages, ClusterShape, KernelSchedule> {
+// The dispatch policy of the gathered mainloop: CUTLASS's members, tagged with an auxiliary load
+// (the kernels then run MainloopAux warps: HasAuxiliaryLoad below). A ping-pong base schedule
+// selects our copy of CUTLASS's ping-pong kernel (kernels/grouped_gemm_gather_pingpong.cuh),
+// whose warps 0-2 copy A; a cooperative one CUTLASS's kernel, whose warps 0-1 copy A.
+template <int Stages_, class ClusterShape_, class BaseSchedule>
+struct GatherPolicy {
+  static constexpr int Stages = Stages_;
+  static constexpr int PipelineAsyncMmaStages = 1;
+  using ClusterShape = ClusterShape_;
+  using ArchTag = cutlass::arch::Sm90;
+  static constexpr bool kPingpong =
+      cute::is_base_of_v<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong, BaseSchedule>;
+  static_assert(kPingpong || cute::is_base_of_v<
+                                 cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                 BaseSchedule>,
+                "the gathered kernels are the pointer-array ping-pong or cooperative ones");
+  using Schedule = cute::conditional_t<kPingpong, KernelGatherPingpong, BaseSchedule>;
+  static constexpr int kCopyWarps = kPingpong ? 3 : 2;
 };
 
 // What the gathered mainloop reads besides CUTLASS's arguments.
@@ -94,7 +110,8 @@ struct GatherMainloop : Base {
   using typename Base::TensorStorage;
   using typename Base::TileShape;
 
-  static constexpr int NumProducerThreadEvents = 65;  // B's TMA arrival + 2 warps' cp.async lanes
+  static constexpr int kParts = DispatchPolicy::kCopyWarps;  // warps copying A
+  static constexpr int NumProducerThreadEvents = 1 + 32 * kParts;  // B's TMA + the copying lanes
   static_assert(cutlass::gemm::kernel::detail::HasAuxiliaryLoad_v<DispatchPolicy>,
                 "the kernels must run the MainloopAux warp that loads A");
   static_assert(size<1>(typename BasePolicy::ClusterShape{}) == 1,
@@ -141,10 +158,10 @@ struct GatherMainloop : Base {
   }
 
   // A's tile is G gathered x rows of C contiguous elements: (BLK_M, BLK_K) for kRowsM,
-  // (BLK_K, BLK_M) for kRowsK. Two warps copy it (the Mainloop and MainloopAux warps, each on
+  // (BLK_K, BLK_M) for kRowsK. kParts warps copy it (warp p of the producer warp group, each on
   // the producers' 40 registers): lane l copies chunk l % kChunks (8 elements, 16 bytes) of row
-  // l / kChunks + j * kRowsPerPass for the passes j of its warp (j = part + 2i), so a warp
-  // instruction reads whole 16-byte runs of kRowsPerPass rows.
+  // l / kChunks + j * kRowsPerPass for the passes j of its warp (j = p + kParts * i, j < kPasses),
+  // so a warp instruction reads whole 16-byte runs of kRowsPerPass rows.
   static constexpr bool kRowsM = kMode == Gather::kRowsM;
   static constexpr int kBlkM = size<0>(TileShape{});
   static constexpr int kBlkK = size<2>(TileShape{});
@@ -153,38 +170,49 @@ struct GatherMainloop : Base {
   static constexpr int kChunks = kC / 8;
   static_assert(kC % 8 == 0 && 32 % kChunks == 0, "a warp covers whole rows of a tile");
   static constexpr int kRowsPerPass = 32 / kChunks;
-  static constexpr int kPassesPerWarp = kG / kRowsPerPass / 2;
-  static_assert(kG % (4 * kRowsPerPass) == 0, "a tile is whole quads of each warp's passes");
+  static_assert(kG % kRowsPerPass == 0, "a tile is whole passes");
+  static constexpr int kPasses = kG / kRowsPerPass;                     // of the tile
+  static constexpr int kMaxPasses = (kPasses + kParts - 1) / kParts;  // of a warp
   // A lane's destinations repeat every 8 rows with one stride when A's atom is the 128-byte
   // swizzle (8 rows of 128 bytes, rows 8 apart in atoms 1024 bytes apart, which the swizzle's
-  // bits [7, 10) do not see), so each lane keeps two offsets and a step.
+  // bits [7, 10) do not see). A warp's passes are kParts * kRowsPerPass rows apart, so a lane's
+  // destinations cycle through kOffsets swizzle phases: it keeps kOffsets offsets and a step.
+  static constexpr int kPassRows = kParts * kRowsPerPass;
+  static constexpr int kOffsets = kPassRows % 8 == 0 ? 1 : kPassRows % 4 == 0 ? 2
+                                                        : kPassRows % 2 == 0 ? 4 : 8;
   using SwizzleAtomA = cute::conditional_t<kRowsM, cute::GMMA::Layout_K_SW128_Atom<Element>,
                                            cute::GMMA::Layout_MN_SW128_Atom<Element>>;
   static_assert(cute::is_same_v<typename Base::SmemLayoutAtomA, SwizzleAtomA>,
                 "A's shared-memory atom must be the 128-byte swizzle the gather's offsets assume");
-  static_assert((4 * kRowsPerPass) % 8 == 0, "a lane's quad of passes spans whole swizzle atoms");
+  static_assert((kOffsets * kPassRows) % 8 == 0, "a lane's cycle spans whole swizzle atoms");
+  static_assert((kOffsets + 1) * kPassRows <= kG, "a lane's offsets and step lie in the tile");
 
   // One lane's part of a tile's copies: where its rows' chunks land and which rows it reads.
   struct LaneCopies {
-    uint32_t smem;        // stage 0's address of its pass i = 0 (i even) ...
-    uint32_t smem_odd;    // ... and of i = 1 (i odd)
-    uint32_t quad_step;   // the address step of two passes of i (i -> i + 2)
-    uint32_t stage_step;  // the address step of a stage
-    int sub;              // its row within each pass
-    int part;             // its warp's passes: j = part + 2i
+    uint32_t smem[kOffsets];  // stage 0's address of its pass i, for i % kOffsets
+    uint32_t cycle_step;      // the address step of kOffsets passes (i -> i + kOffsets)
+    uint32_t stage_step;      // the address step of a stage
+    int sub;                  // its row within each pass
+    int part;                 // its warp's passes: j = part + kParts * i
     int chunk;
   };
 
-  // A warp's rows of a tile: kWarpRows, in pass order (warp row w is row w % kRowsPerPass of
-  // the warp's pass w / kRowsPerPass). Lane l holds the x row of warp rows l + 32q, q < kSlots,
-  // loaded with one coalesced load per slot, and the copying lanes take theirs by shuffles.
-  static constexpr int kWarpRows = kPassesPerWarp * kRowsPerPass;
-  static constexpr int kSlots = kWarpRows / 32;
-  static_assert(kWarpRows % 32 == 0 && 32 % kRowsPerPass == 0,
-                "a warp's rows are whole slots of 32 and no pass spans two slots");
+  // A warp's rows of a tile: up to kWarpRows, in pass order (warp row w is row w % kRowsPerPass
+  // of the warp's pass w / kRowsPerPass). Lane l holds the x row of warp rows l + 32q,
+  // q < kSlots, loaded with one coalesced load per slot, and the copying lanes take theirs by
+  // shuffles.
+  static constexpr int kWarpRows = kMaxPasses * kRowsPerPass;
+  static constexpr int kSlots = (kWarpRows + 31) / 32;
+  static_assert(32 % kRowsPerPass == 0, "no pass spans two slots");
   struct WarpRows {
     int32_t t[kSlots];  // x rows; -1 past the problem's rows
   };
+
+  // The warp's part: warp p of the producer warp group (the Mainloop warp is 0, the MainloopAux
+  // warps 1 and, in our ping-pong kernel, 2).
+  CUTLASS_DEVICE static int warp_part() {
+    return cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
+  }
 
   // The rows of the tile whose gathered rows start at g0 (lim: the problem's rows from g0).
   CUTLASS_DEVICE static WarpRows warp_rows(const GatherSlice& s, int g0, int lim, int part,
@@ -193,8 +221,9 @@ struct GatherMainloop : Base {
     CUTLASS_PRAGMA_UNROLL
     for (int q = 0; q < kSlots; ++q) {
       const int w = lane + 32 * q;
-      const int row = w % kRowsPerPass + (part + 2 * (w / kRowsPerPass)) * kRowsPerPass;
-      r.t[q] = row < lim ? __ldg(s.index + g0 + row) : -1;
+      const int j = part + kParts * (w / kRowsPerPass);  // its pass
+      const int row = w % kRowsPerPass + j * kRowsPerPass;
+      r.t[q] = w < kWarpRows && j < kPasses && row < lim ? __ldg(s.index + g0 + row) : -1;
     }
     return r;
   }
@@ -210,16 +239,22 @@ struct GatherMainloop : Base {
   CUTLASS_DEVICE static LaneCopies lane_copies(TensorStorage& shared_tensors, int part,
                                                 int lane) {
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
-    const int chunk = lane % kChunks;
-    const int sub = lane / kChunks;
-    const int row = sub + part * kRowsPerPass;
+    LaneCopies lc;
+    lc.chunk = lane % kChunks;
+    lc.sub = lane / kChunks;
+    lc.part = part;
+    const int row = lc.sub + part * kRowsPerPass;
     const auto at = [&](int r, int stage) {
-      return cute::cast_smem_ptr_to_uint(kRowsM ? &sA(r, chunk * 8, stage)
-                                                : &sA(chunk * 8, r, stage));
+      return cute::cast_smem_ptr_to_uint(kRowsM ? &sA(r, lc.chunk * 8, stage)
+                                                : &sA(lc.chunk * 8, r, stage));
     };
-    const uint32_t a0 = at(row, 0);
-    return LaneCopies{a0, at(row + 2 * kRowsPerPass, 0), at(row + 4 * kRowsPerPass, 0) - a0,
-                      at(row, 1) - a0, sub, part, chunk};
+    CUTLASS_PRAGMA_UNROLL
+    for (int o = 0; o < kOffsets; ++o) {
+      lc.smem[o] = at(row + o * kPassRows, 0);
+    }
+    lc.cycle_step = at(row + kOffsets * kPassRows, 0) - lc.smem[0];
+    lc.stage_step = at(row, 1) - lc.smem[0];
+    return lc;
   }
 
   // One stage of one warp's copies: cp.async of 16 bytes a lane (zero-filled past the problem's
@@ -235,21 +270,23 @@ struct GatherMainloop : Base {
     const Element* x_col = g.x + col;
     const uint32_t x_rows = static_cast<uint32_t>(g.x_rows);
     const int ld_x = static_cast<int>(g.ld_x);  // < 2^31: the handler's check
-    const uint32_t dst0 = lc.smem + stage * lc.stage_step;
-    const uint32_t dst1 = lc.smem_odd + stage * lc.stage_step;
+    const uint32_t stage_off = stage * lc.stage_step;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kPassesPerWarp; ++i) {
+    for (int i = 0; i < kMaxPasses; ++i) {
+      if (kPasses % kParts != 0 && i == kMaxPasses - 1 && lc.part + kParts * i >= kPasses) {
+        break;  // this warp has one pass fewer (warp-uniform)
+      }
       const int w0 = i * kRowsPerPass;  // the pass's first warp row
       const int32_t t = __shfl_sync(0xffffffffu, rows.t[w0 / 32], w0 % 32 + lc.sub);
       const bool ok = col_ok && static_cast<uint32_t>(t) < x_rows;
       const Element* src = x_col + static_cast<int64_t>(ok ? t : 0) * ld_x;
-      const uint32_t dst = ((i & 1) ? dst1 : dst0) + (i >> 1) * lc.quad_step;
+      const uint32_t dst = lc.smem[i % kOffsets] + (i / kOffsets) * lc.cycle_step + stage_off;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                    "r"(ok ? 16 : 0));
     }
   }
 
-  // Mainloop warp: B by TMA (one lane, CUTLASS's load without A) and its half of A's rows.
+  // Mainloop warp: B by TMA (one lane, CUTLASS's load without A) and its part (0) of A's rows.
   template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator,
             class BlockCoord>
   CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline,
@@ -304,7 +341,7 @@ struct GatherMainloop : Base {
     }
   }
 
-  // MainloopAux warp: the other half of A's rows.
+  // MainloopAux warps: their parts (warp_part(): 1, and 2 in our ping-pong kernel) of A's rows.
   template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load_auxiliary(Params const& params, MainloopPipeline pipeline,
                                      PipelineState smem_pipe_write,
@@ -315,17 +352,18 @@ struct GatherMainloop : Base {
                                      TensorStorage& shared_tensors) {
     const GatherSlice s = get<2>(load_inputs);
     const int lane = thread_idx % 32;
-    const LaneCopies lc = lane_copies(shared_tensors, 1, lane);
+    const int part = warp_part();
+    const LaneCopies lc = lane_copies(shared_tensors, part, lane);
     const int m = static_cast<int>(get<0>(blk_coord));
     const int g0 = tile_g0(m, static_cast<int>(*k_tile_iter));
-    WarpRows rows = warp_rows(s, g0, tile_lim(s, g0), 1, lane);
+    WarpRows rows = warp_rows(s, g0, tile_lim(s, g0), part, lane);
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       const int k_tile = static_cast<int>(*k_tile_iter);
       const WarpRows cur = rows;
       if constexpr (!kRowsM) {
         const int g1 = tile_g0(m, k_tile + 1);
-        rows = warp_rows(s, g1, k_tile_count > 1 ? tile_lim(s, g1) : 0, 1, lane);
+        rows = warp_rows(s, g1, k_tile_count > 1 ? tile_lim(s, g1) : 0, part, lane);
       }
       pipeline.producer_acquire(smem_pipe_write);
       copy_stage(params.gather, s, lc, cur, m, k_tile, smem_pipe_write.index());
