@@ -21,9 +21,10 @@
 // (a lane per row) and hands them to the copying lanes by shuffles: the forward's once per tile
 // (its rows are the tile's at every K-tile), the wgrad's a stage ahead. (Each lane loading its
 // rows' indices one by one before their copies stalled both kernels on those loads: Nsight
-// Compute, benchmarks/results/ncu_gather_two_warps.txt.) The consumer side (wgmma on the shared-memory tiles) is CUTLASS's, unchanged: A's
-// tile has the same swizzled layout as if TMA had written it. The A descriptors that CUTLASS
-// still builds per problem point at x and are never loaded from.
+// Compute, benchmarks/results/ncu_gather_two_warps.txt.) The consumer side (wgmma on the
+// shared-memory tiles) is CUTLASS's, unchanged: A's tile has the same swizzled layout as if TMA
+// had written it. The A descriptors that CUTLASS still builds per problem point at x and are
+// never loaded from.
 //
 // The problem's r0 is read from an operand pointer array the prepare kernel fills: the output
 // rows (forward, ptr_D) or the output gradient rows (wgrad, ptr_B) start at r0 * rows_ld.
