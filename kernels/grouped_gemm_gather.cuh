@@ -23,9 +23,10 @@
 // (a lane per row) and hands them to the copying lanes by shuffles: the forward's once per tile
 // (its rows are the tile's at every K-tile), the wgrad's a stage ahead. (Each lane loading its
 // rows' indices one by one before their copies stalled both kernels on those loads: Nsight
-// Compute, benchmarks/results/ncu_gather_two_warps.txt.) The consumer side (wgmma on the shared-memory tiles) is CUTLASS's, unchanged: A's
-// tile has the same swizzled layout as if TMA had written it. The A descriptors that CUTLASS
-// still builds per problem point at x and are never loaded from.
+// Compute, benchmarks/results/ncu_gather_two_warps.txt.) The consumer side (wgmma on the
+// shared-memory tiles) is CUTLASS's, unchanged: A's tile has the same swizzled layout as if TMA
+// had written it. The A descriptors that CUTLASS still builds per problem point at x and are
+// never loaded from.
 //
 // The problem's r0 is read from an operand pointer array the prepare kernel fills: the output
 // rows (forward, ptr_D) or the output gradient rows (wgrad, ptr_B) start at r0 * rows_ld.
@@ -286,6 +287,35 @@ struct GatherMainloop : Base {
     }
   }
 
+  // One warp's copies of A over a tile's K-tiles (its part of each stage's rows), each stage
+  // acquired, per_stage(k_tile_iter, stage) run (the Mainloop warp's TMA of B), copied and
+  // committed.
+  template <class KTileIterator, class PerStage>
+  CUTLASS_DEVICE static void copy_tile(Params const& params, MainloopPipeline& pipeline,
+                                       PipelineState smem_pipe_write, const GatherSlice& s,
+                                       TensorStorage& shared_tensors, int m,
+                                       KTileIterator k_tile_iter, int k_tile_count, int part,
+                                       int lane, PerStage&& per_stage) {
+    const LaneCopies lc = lane_copies(shared_tensors, part, lane);
+    const int g0 = tile_g0(m, static_cast<int>(*k_tile_iter));
+    WarpRows rows = warp_rows(s, g0, tile_lim(s, g0), part, lane);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      const int k_tile = static_cast<int>(*k_tile_iter);
+      const WarpRows cur = rows;
+      if constexpr (!kRowsM) {  // the next K-tile's rows, a stage ahead
+        const int g1 = tile_g0(m, k_tile + 1);
+        rows = warp_rows(s, g1, k_tile_count > 1 ? tile_lim(s, g1) : 0, part, lane);
+      }
+      pipeline.producer_acquire(smem_pipe_write);
+      per_stage(k_tile_iter, smem_pipe_write);
+      copy_stage(params.gather, s, lc, cur, m, k_tile, smem_pipe_write.index());
+      pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+
   // Mainloop warp: B by TMA (one lane, CUTLASS's load without A) and its part (0) of A's rows.
   template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator,
             class BlockCoord>
@@ -314,31 +344,16 @@ struct GatherMainloop : Base {
         mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_y, Int<0>{}));
       }
     }
-    const GatherSlice s = get<2>(load_inputs);
-    const int lane = thread_idx % 32;
-    const LaneCopies lc = lane_copies(shared_tensors, 0, lane);
-    const int m = static_cast<int>(m_coord);
-    const int g0 = tile_g0(m, static_cast<int>(*k_tile_iter));
-    WarpRows rows = warp_rows(s, g0, tile_lim(s, g0), 0, lane);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 0; --k_tile_count) {
-      const int k_tile = static_cast<int>(*k_tile_iter);
-      const WarpRows cur = rows;
-      if constexpr (!kRowsM) {  // the next K-tile's rows, a stage ahead
-        const int g1 = tile_g0(m, k_tile + 1);
-        rows = warp_rows(s, g1, k_tile_count > 1 ? tile_lim(s, g1) : 0, 0, lane);
-      }
-      pipeline.producer_acquire(smem_pipe_write);
-      if (tma_lane) {
-        auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
-        copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b),
-             tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, smem_pipe_write.index()));
-      }
-      copy_stage(params.gather, s, lc, cur, m, k_tile, smem_pipe_write.index());
-      pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
-      ++k_tile_iter;
-      ++smem_pipe_write;
-    }
+    copy_tile(params, pipeline, smem_pipe_write, get<2>(load_inputs), shared_tensors,
+              static_cast<int>(m_coord), k_tile_iter, k_tile_count, 0, thread_idx % 32,
+              [&](const KTileIterator& it, const PipelineState& stage) {
+                if (tma_lane) {
+                  auto* tma_barrier = pipeline.producer_get_barrier(stage);
+                  copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier,
+                                              mcast_mask_b),
+                       tBgB(_, _, _, *it), tBsB(_, _, _, stage.index()));
+                }
+              });
   }
 
   // MainloopAux warps: their parts (warp_part(): 1, and 2 in our ping-pong kernel) of A's rows.
@@ -350,27 +365,9 @@ struct GatherMainloop : Base {
                                      int k_tile_count, int thread_idx,
                                      uint32_t /*block_rank_in_cluster*/,
                                      TensorStorage& shared_tensors) {
-    const GatherSlice s = get<2>(load_inputs);
-    const int lane = thread_idx % 32;
-    const int part = warp_part();
-    const LaneCopies lc = lane_copies(shared_tensors, part, lane);
-    const int m = static_cast<int>(get<0>(blk_coord));
-    const int g0 = tile_g0(m, static_cast<int>(*k_tile_iter));
-    WarpRows rows = warp_rows(s, g0, tile_lim(s, g0), part, lane);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 0; --k_tile_count) {
-      const int k_tile = static_cast<int>(*k_tile_iter);
-      const WarpRows cur = rows;
-      if constexpr (!kRowsM) {
-        const int g1 = tile_g0(m, k_tile + 1);
-        rows = warp_rows(s, g1, k_tile_count > 1 ? tile_lim(s, g1) : 0, part, lane);
-      }
-      pipeline.producer_acquire(smem_pipe_write);
-      copy_stage(params.gather, s, lc, cur, m, k_tile, smem_pipe_write.index());
-      pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
-      ++k_tile_iter;
-      ++smem_pipe_write;
-    }
+    copy_tile(params, pipeline, smem_pipe_write, get<2>(load_inputs), shared_tensors,
+              static_cast<int>(get<0>(blk_coord)), k_tile_iter, k_tile_count, warp_part(),
+              thread_idx % 32, [](const KTileIterator&, const PipelineState&) {});
   }
 };
 
