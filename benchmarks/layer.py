@@ -50,6 +50,13 @@ Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
                        convention (= 1.25 per copy) and Praxis's default 2.0, both at the
                        num_groups of --gshard-groups where cf 2.5 runs fwd+bwd fastest (each
                        timed alone), with the share of copies it drops
+  torch, torch compile, torch ideal
+                       the PyTorch peer (benchmarks/layer_torch.py): a TorchTitan-style layer
+                       (stable sort by expert, row gather, torch._grouped_mm with device offsets,
+                       index_add_ combine), eager and torch.compile'd, timed with CUDA events
+                       after the JAX methods, checked against 'xla' first; 'torch ideal' is
+                       torch's own dense GEMMs of the expert shapes. Without PyTorch or a GPU
+                       for it: skipped with one line. Column x torch: the faster torch row / ms
   ideal                the dense bf16 GEMMs of the expert shapes on T*k rows: 3 (fwd) or 9
                        (fwd+bwd); and the roofline ideal (computed, not timed): the ideal plus
                        reading the expert weights once (fwd) or twice and writing their
@@ -93,6 +100,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import os
 import platform
 import sys
 import time
@@ -103,6 +111,7 @@ import jax.numpy as jnp
 import jaxlib
 
 from benchmarks import bench_kernels, layer_breakdown, layer_fp8w, layer_report, layer_sweep
+from benchmarks import layer_torch
 from benchmarks import layer_cases as lc
 from benchmarks.layer_check import CHECKED, _failure, _is_oom, check_against_xla
 from benchmarks import gpu_clocks, trace
@@ -284,7 +293,7 @@ def time_unit(sh: Shape, opts, load: str, pass_: str) -> list[dict]:
     """All methods of one (shape, load, pass), timed interleaved -> rows."""
     timed, rows = {}, []
     for method in sh.methods:
-        if method == "gshard":
+        if method in ("gshard", "torch"):
             continue
         row = dict(shape=sh.name, load=load, pass_=pass_, method=method)
         key = (method, pass_)
@@ -352,6 +361,12 @@ def _timed(fns, rows, opts) -> dict:
 def main(argv=None) -> int:
     opts = layer_report.parse_args(argv)
     t0 = time.time()
+    if "torch" in opts.methods:  # torch allocates beside JAX: no preallocated 75% for JAX
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        why = layer_torch.unavailable()
+        if why:
+            print(f"note: method 'torch' skipped: {why}", flush=True)
+            opts.methods = [m for m in opts.methods if m != "torch"]
     cuda = ops.backend_info()["cuda"]
     backend = "cuda" if cuda["usable"] and not opts.quick else "xla"
     notes = []
@@ -405,10 +420,18 @@ def main(argv=None) -> int:
             result["skew"][name] = measure_skew(sh)
             loads.append("skewed")
         for load in loads:
-            for pass_ in lc.PASSES:
-                rows = time_unit(sh, opts, load, pass_)
+            by_pass = {p: time_unit(sh, opts, load, p) for p in lc.PASSES}
+            if "torch" in methods:  # after the JAX methods, in the same process
+                trows, check = layer_torch.rows(sh, load, opts.reps)
+                if check is not None:
+                    result["checks"].append(dict(shape=name, method="torch", **check))
+                    print(f"check {name} torch against xla: {check}", flush=True)
+                for r in trows:
+                    by_pass[r["pass_"]].append(r)
+            for pass_, rows in by_pass.items():
                 rows += layer_fp8w.amortized(rows, opts.microbatches, rows_per_expert)
                 layer_report.derive(rows, sh.shape, pass_, copy_bw)
+                layer_torch.x_torch(rows)
                 for r in rows:
                     r["tokens"] = shape.t
                 if load == "skewed":

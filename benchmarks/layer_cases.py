@@ -73,7 +73,7 @@ BLOCK_METHODS = {
     "layer+fuse": (dict(kernel_backend="cuda", fuse_gate_up=True), True),
 }
 # 'cuda+fp8w', 'fp8-quant': FP8 with the weights quantized once per step (layer_fp8w)
-METHODS = tuple(BLOCK_METHODS) + ("cuda+fp8w", "fp8-quant", "gshard", "ideal")
+METHODS = tuple(BLOCK_METHODS) + ("cuda+fp8w", "fp8-quant", "gshard", "torch", "ideal")
 # method -> the grouped GEMM kernel family it forces while its steps are traced
 # (ops.backend.force_grouped_gemm): 'cuda-sm80' runs the sm_80 kernels on any GPU from 8.0 (on
 # a Hopper GPU too, beside 'cuda' with the Hopper ones, in one process).

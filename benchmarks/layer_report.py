@@ -181,7 +181,7 @@ def _method(r: dict) -> str:
 def table(rows: list[dict]) -> str:
     out = [
         "| shape | load | pass | method | ms | TFLOP/s | % of ideal | % of roofline | x GShard "
-        "| peak GB | target | PASS/FAIL |", "|" + "---|" * 12
+        "| x torch | peak GB | target | PASS/FAIL |", "|" + "---|" * 13
     ]
     for r in rows:
         load = r["load"]
@@ -192,6 +192,7 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['shape']} | {load} | {r['pass_']} | {_method(r)} | {ms} | "
                    f"{_f(r.get('tflops'), '.0f')} | {_f(r.get('pct_ideal'), '.0f')} | "
                    f"{_f(r.get('pct_roofline'), '.0f')} | {_f(r.get('x_gshard'), '.2f')} | "
+                   f"{_f(r.get('x_torch'), '.2f')} | "
                    f"{peak} | {r.get('target', '-')} | {r.get('verdict', '-')} |")
     return "\n".join(out)
 
