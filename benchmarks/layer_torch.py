@@ -196,12 +196,20 @@ def rows(jax_shape, load: str, reps: int) -> tuple[list[dict], dict | None]:
             dict(shape=name, load=load, pass_=p, method=m, status=f"skipped: {why}")
             for p in lc.PASSES for m in METHODS
         ], None
-    peer = Peer(jax_shape)
-    if load == "skewed":
-        peer.router = to_torch(jax_shape.skew[0]).float()
-        with torch.no_grad():
-            peer.x.add_(to_torch(jax_shape.skew[1]).to(peer.x.dtype))
-    check = peer.check(jax_shape) if load == "balanced" else None
+    try:
+        peer = Peer(jax_shape)
+        if load == "skewed":
+            peer.router = to_torch(jax_shape.skew[0]).float()
+            with torch.no_grad():
+                peer.x.add_(to_torch(jax_shape.skew[1]).to(peer.x.dtype))
+        check = peer.check(jax_shape) if load == "balanced" else None
+    except Exception as ex:  # noqa: BLE001 - the peer failing must not end the JAX run
+        why = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"
+        print(f"  torch peer at {name} {load}: {why}", flush=True)
+        return [
+            dict(shape=name, load=load, pass_=p, method=m, status=why) for p in lc.PASSES
+            for m in METHODS
+        ], None
     out = []
     for pass_ in lc.PASSES:
         fns = {
