@@ -78,29 +78,33 @@ class HfImported(LanguageModel):
 
     def model(self) -> pax_fiddle.Config:
         s = self.SPEC
-        return models.transformer_lm(vocab_size=s.vocab_size,
-                                     model_dims=s.model_dims,
-                                     hidden_dims=s.moe_hidden_dims,
-                                     num_layers=s.num_layers,
-                                     num_heads=s.num_heads,
-                                     dim_per_head=s.head_dim,
-                                     num_experts=s.num_experts,
-                                     top_k=s.top_k,
-                                     moe_hidden_dims=s.moe_hidden_dims,
-                                     aux_loss_coeff=s.aux_loss_coeff,
-                                     repeat=self.REPEAT,
-                                     fprop_dtype=self.FPROP_DTYPE,
-                                     remat=self.REMAT,
-                                     moe_fields=self.moe_fields(),
-                                     num_kv_heads=s.num_kv_heads,
-                                     qk_norm=s.qk_norm,
-                                     qk_norm_epsilon=s.norm_epsilon,
-                                     rope_max_wavelength=s.rope_theta,
-                                     tie_embeddings=s.tie_embeddings,
-                                     scale_embedding=False,
-                                     norm_epsilon=s.norm_epsilon,
-                                     attention_bias=False,
-                                     softmax_bias=False)
+        lm = models.transformer_lm(vocab_size=s.vocab_size,
+                                   model_dims=s.model_dims,
+                                   hidden_dims=s.moe_hidden_dims,
+                                   num_layers=s.num_layers,
+                                   num_heads=s.num_heads,
+                                   dim_per_head=s.head_dim,
+                                   num_experts=s.num_experts,
+                                   top_k=s.top_k,
+                                   moe_hidden_dims=s.moe_hidden_dims,
+                                   aux_loss_coeff=s.aux_loss_coeff,
+                                   repeat=self.REPEAT,
+                                   fprop_dtype=self.FPROP_DTYPE,
+                                   remat=self.REMAT,
+                                   moe_fields=self.moe_fields(),
+                                   num_kv_heads=s.num_kv_heads,
+                                   qk_norm=s.qk_norm,
+                                   qk_norm_epsilon=s.norm_epsilon,
+                                   rope_max_wavelength=s.rope_theta,
+                                   tie_embeddings=s.tie_embeddings,
+                                   scale_embedding=False,
+                                   norm_epsilon=s.norm_epsilon,
+                                   attention_bias=False,
+                                   softmax_bias=False)
+        # logits scaled by 1/sqrt(head_dim), as transformers does, also where head_dim is not
+        # model_dims / num_heads (Qwen3-MoE: 128 vs 2048 / 32)
+        models.set_attention(lm, scale_query_by_dim_per_head=True)
+        return lm
 
     def moe_fields(self) -> dict:
         return dict(score_func="softmax",

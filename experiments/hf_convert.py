@@ -175,14 +175,10 @@ class Plan:
 
         out = {p: np.zeros(s, np.float32) for p, s in self.shapes.items()}
         filled = {p: 0 for p in self.shapes}
-        bar = tqdm(total=shards.nbytes(),
-                   unit="B",
-                   unit_scale=True,
-                   desc="import",
-                   disable=not progress)
+        bar = tqdm(total=len(shards.headers), unit="tensor", desc="import", disable=not progress)
         for path, name, x in shards.tensors():
             bar.set_postfix_str(path.name, refresh=False)
-            bar.update(x.nbytes)
+            bar.update(1)
             if name in self.ignored:
                 continue
             x = np.asarray(x, np.float32)

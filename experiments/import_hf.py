@@ -176,6 +176,9 @@ def import_checkpoint(model_dir,
     del params
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{job_log_dir.name}.import.", dir=job_log_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # a directory as mkdir makes it, not mkdtemp's private one
     try:
         ckpts = Checkpoints(tmp / "checkpoints", prep.config.train.max_checkpoints,
                             fns.abstract_state)
