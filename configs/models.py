@@ -18,6 +18,7 @@ from praxis import base_layer, pax_fiddle
 from praxis.layers import activations, embedding_softmax, normalizations, transformer_models
 from praxis.layers import transformers
 
+from moe_praxis.praxis.attention import GroupedQueryAttention
 from moe_praxis.praxis.stack import DenseFirstRepeated
 
 
@@ -84,6 +85,11 @@ def transformer_lm(
     norm_epsilon: float = 1e-6,
     attention_bias: bool = True,
     softmax_bias: bool = True,
+    num_kv_heads: Optional[int] = None,
+    attention_impl: str = "auto",
+    qk_norm: Optional[str] = None,
+    qk_norm_epsilon: float = 1e-6,
+    rope_max_wavelength: float = 10_000,
 ) -> pax_fiddle.Config:
     """A decoder-only LM: tied byte embedding/softmax, rotary attention, pre-norm blocks.
 
@@ -102,6 +108,11 @@ def transformer_lm(
     norm_epsilon: every RMSNorm's epsilon. attention_bias / softmax_bias: biases on the
       attention projections / the output layer (Praxis's default; published MoE checkpoints
       have neither).
+    The self-attention is ``moe_praxis.praxis.attention.GroupedQueryAttention``:
+    num_kv_heads: key/value heads (None: num_heads, multi-head attention with Praxis
+      DotProductAttention's variables); attention_impl: 'auto', 'xla' or 'cudnn';
+      qk_norm: None, 'per_head' or 'full' RMSNorm of queries and keys (qk_norm_epsilon);
+      rope_max_wavelength: the rotary embedding's base (its max_timescale).
     Returns pax_fiddle.Config[TransformerLm]; inputs [B, S] int32 -> logits [B, S, V].
     """
     import jax.numpy as jnp
@@ -164,8 +175,14 @@ def transformer_lm(
     layer.norm_policy = "pre"
     if norm == "rms":
         layer.ln_tpl = copy.deepcopy(rms)
-    layer.tr_atten_tpl.use_rotary_position_emb = True
-    layer.tr_atten_tpl.internal_enable_per_dim_scale = False
+    layer.tr_atten_tpl = pax_fiddle.Config(GroupedQueryAttention,
+                                           num_kv_heads=num_kv_heads,
+                                           attention_impl=attention_impl,
+                                           qk_norm=qk_norm,
+                                           qk_norm_epsilon=qk_norm_epsilon,
+                                           use_rotary_position_emb=True,
+                                           internal_enable_per_dim_scale=False)
+    layer.tr_atten_tpl.rotary_position_emb_tpl.max_timescale = rope_max_wavelength
     layer.tr_atten_tpl.use_bias = attention_bias
     layer.tr_fflayer_tpl.use_gated_activation = True
     layer.tr_fflayer_tpl.activation_tpl = pax_fiddle.Config(activations.SiLU)
@@ -224,14 +241,35 @@ def num_layers(lm: pax_fiddle.Config) -> int:
     return st.num_layers
 
 
-def moe_layer_configs(lm: pax_fiddle.Config) -> list:
-    """Every MoEFeedForward config inside a model config (each template once)."""
+def attention_configs(lm: pax_fiddle.Config) -> list:
+    """Every GroupedQueryAttention config inside a model config (each template once; none in
+    a config recorded before the model used it: Praxis's DotProductAttention)."""
+    return _configs_of(lm, GroupedQueryAttention)
+
+
+def set_attention(lm: pax_fiddle.Config, **fields) -> None:
+    """Sets GroupedQueryAttention fields (attention_impl, packed_input, padded_rows, ...) on
+    every attention layer of a model config; a config without one is left as it is."""
+    for cfg in attention_configs(lm):
+        for name, value in fields.items():
+            if not hasattr(cfg, name):
+                raise ValueError(f"set_attention: {name}={value!r}: GroupedQueryAttention has "
+                                 f"no field {name!r}")
+            setattr(cfg, name, value)
+
+
+def _configs_of(lm: pax_fiddle.Config, cls) -> list:
     found = []
 
     def visit(value, state):
-        if isinstance(value, fdl.Buildable) and fdl.get_callable(value) is moe_layer_class():
+        if isinstance(value, fdl.Buildable) and fdl.get_callable(value) is cls:
             found.append(value)
         return state.map_children(value)
 
     daglish.MemoizedTraversal.run(visit, lm)
     return found
+
+
+def moe_layer_configs(lm: pax_fiddle.Config) -> list:
+    """Every MoEFeedForward config inside a model config (each template once)."""
+    return _configs_of(lm, moe_layer_class())
