@@ -13,7 +13,8 @@ peak memory. No checkpoint is written after the import (disk: the checkpoint of 
 model's float32 parameters and Adam moments is about 36 GB).
 
 Options: --work DIR (default /tmp/hf_qwen3_4l) --layers 4 --steps 20 --batch 8 --seq 2048
---dtype bfloat16 --out benchmarks/results/hf_import_train.json
+--dtype bfloat16 --tiny (small widths: checks the script on a CPU in seconds)
+--out benchmarks/results/hf_import_train.json
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ QWEN3_30B_A3B = dict(vocab_size=151936,
                      model_type="qwen3_moe",
                      architectures=["Qwen3MoeForCausalLM"],
                      torch_dtype="bfloat16")
+# --tiny: the same layout at widths a CPU runs in seconds (a check of the script, not a timing)
+TINY = dict(vocab_size=512,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--tiny", action="store_true", help="small widths, for a CPU check")
     p.add_argument("--out", default="benchmarks/results/hf_import_train.json")
     return p
 
@@ -102,13 +113,14 @@ def layer_tensors(cfg: dict, l: int, rng) -> dict:
     return out
 
 
-def write_model(model_dir: Path, layers: int) -> dict:
-    """The Hugging Face folder of a random ``layers``-layer Qwen3-30B-A3B-shaped model."""
+def write_model(model_dir: Path, layers: int, tiny: bool = False) -> dict:
+    """The Hugging Face folder of a random ``layers``-layer Qwen3-30B-A3B-shaped model (its
+    widths, or TINY's)."""
     import ml_dtypes
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    cfg = dict(QWEN3_30B_A3B, num_hidden_layers=layers)
+    cfg = dict(QWEN3_30B_A3B, num_hidden_layers=layers, **(TINY if tiny else {}))
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=1))
     rng = np.random.default_rng(0)
@@ -166,7 +178,7 @@ def main(argv=None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     model_dir, job = work / "model", work / "job"
     t0 = time.perf_counter()
-    write_model(model_dir, args.layers)
+    write_model(model_dir, args.layers, args.tiny)
     t_write = time.perf_counter() - t0
     t0 = time.perf_counter()
     import_hf.import_checkpoint(model_dir,
