@@ -10,15 +10,15 @@ Fiddle's ``--fdl_config=NAME`` flag.
 Presets:
   Tiny          ~1M params; trains on a laptop CPU in about a minute (the ``make run`` default).
   SmallGpu      ~0.4B params (8 experts, 8 layers); one GPU.
-  Mixtral8x7B   Mixtral-8x7B layer shapes (M=4096, H=14336, E=8, k=2, 32 layers, 32 heads,
-                vocab 32000); 64 GPUs as dp2 x fsdp4 x ep8 (fsdp on d_model).
+  Mixtral8x7B   Mixtral-8x7B layer shapes (M=4096, H=14336, E=8, k=2, 32 layers, 32 query
+                heads and 8 key/value heads, rotary base 1e6, vocab 32000); 64 GPUs as dp2 x fsdp4 x ep8 (fsdp on d_model).
   DeepSeekV3    DeepSeek-V3 (M=7168, expert H=2048, E=256, k=8, 61 layers of which the first
                 3 dense, 128 heads of 128, vocab 129280; sigmoid group-limited routing with
                 the trained expert bias, 1 shared expert; plain multi-head attention stands
                 in for its MLA); 256 GPUs as fsdp8 x ep32.
   Qwen3Moe      Qwen3-30B-A3B's MoE (M=2048, E=128 of H=768, k=8, softmax with norm_topk,
-                no shared expert, 48 layers; plain multi-head attention stands in for its
-                GQA); 32 GPUs as fsdp4 x ep8.
+                no shared expert, 48 layers; 32 query heads and 4 key/value heads of 128 with
+                per-head q/k RMSNorm, rotary base 1e6); 32 GPUs as fsdp4 x ep8.
 
 Data: ``data.path`` (documents) through ``data.tokenizer`` ('bytes', a SentencePiece or Hugging
 Face tokenizer file); by default every preset trains on pydoc's text as bytes. The presets
@@ -78,6 +78,14 @@ class LanguageModel:
     FP8: Optional[str] = None
     # MoEFeedForward.fp8_gemms: 'auto' (FP8 where it pays: moe_praxis.ops.fp8_rule) or 'all'.
     FP8_GEMMS = "auto"
+    # Attention (moe_praxis.praxis.attention.GroupedQueryAttention). NUM_KV_HEADS None: one
+    # key/value head per query head (multi-head attention). ATTENTION_IMPL: 'auto', 'xla' or
+    # 'cudnn'. QK_NORM: None, 'per_head' or 'full'. ROPE_MAX_WAVELENGTH: the rotary base.
+    NUM_KV_HEADS: Optional[int] = None
+    ATTENTION_IMPL = "auto"
+    QK_NORM: Optional[str] = None
+    QK_NORM_EPSILON = 1e-6
+    ROPE_MAX_WAVELENGTH = 10_000
     # Data. DATA_SOURCE None: 'text' when DATA_PATH is set, else 'pydoc'.
     DATA_SOURCE: Optional[str] = None
     DATA_PATH: Optional[str] = None
@@ -125,7 +133,12 @@ class LanguageModel:
                                      fuse_gate_up=self.FUSE_GATE_UP,
                                      first_k_dense=self.FIRST_K_DENSE,
                                      aux_loss_type=self.AUX_LOSS_TYPE,
-                                     moe_fields=self.moe_fields())
+                                     moe_fields=self.moe_fields(),
+                                     num_kv_heads=self.NUM_KV_HEADS,
+                                     attention_impl=self.ATTENTION_IMPL,
+                                     qk_norm=self.QK_NORM,
+                                     qk_norm_epsilon=self.QK_NORM_EPSILON,
+                                     rope_max_wavelength=self.ROPE_MAX_WAVELENGTH)
 
     def moe_fields(self) -> dict:
         """The MoE layers' routing and shared-expert fields, from the knobs."""
@@ -261,6 +274,8 @@ class Mixtral8x7B(_Cluster):
     MODEL_DIMS = 4096
     HIDDEN_DIMS = 14336
     NUM_HEADS = 32
+    NUM_KV_HEADS = 8
+    ROPE_MAX_WAVELENGTH = 1_000_000
     NUM_EXPERTS = 8
     TOP_K = 2
     BATCH_SIZE = 64
@@ -310,8 +325,8 @@ class DeepSeekV3(_Cluster):
 class Qwen3Moe(_Cluster):
     """Qwen3-30B-A3B's MoE shapes and routing (128 fine-grained experts of H=768, top-8,
     softmax with the 8 weights renormalised, no shared expert, every layer MoE) on 32 GPUs
-    (fsdp4 x ep8). Plain multi-head attention stands in for its grouped-query attention with
-    q/k norms.
+    (fsdp4 x ep8), with its attention: 32 query heads, 4 key/value heads, per-head q/k RMSNorm,
+    rotary base 1e6.
     Trains on pydoc as bytes unless given data.path and data.tokenizer (<Qwen3's tokenizer.json>)."""
     VOCAB_SIZE = 151936
     NUM_LAYERS = 48
@@ -319,6 +334,9 @@ class Qwen3Moe(_Cluster):
     HIDDEN_DIMS = 6144
     MOE_HIDDEN_DIMS = 768
     NUM_HEADS = 32
+    NUM_KV_HEADS = 4
+    QK_NORM = "per_head"
+    ROPE_MAX_WAVELENGTH = 1_000_000
     DIM_PER_HEAD = 128
     NUM_EXPERTS = 128
     TOP_K = 8

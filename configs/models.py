@@ -7,6 +7,7 @@ H hidden_dims, E num_experts, k top_k, V vocab_size.
 
 from __future__ import annotations
 
+import copy
 from typing import Optional, Sequence
 
 import fiddle as fdl
@@ -17,6 +18,7 @@ from praxis import base_layer, pax_fiddle
 from praxis.layers import activations, embedding_softmax, normalizations, transformer_models
 from praxis.layers import transformers
 
+from moe_praxis.praxis.attention import GroupedQueryAttention
 from moe_praxis.praxis.stack import DenseFirstRepeated
 
 
@@ -78,6 +80,16 @@ def transformer_lm(
     first_k_dense: int = 0,
     aux_loss_type: str = "switch",
     moe_fields: Optional[dict] = None,
+    tie_embeddings: bool = True,
+    scale_embedding: bool = True,
+    norm_epsilon: float = 1e-6,
+    attention_bias: bool = True,
+    softmax_bias: bool = True,
+    num_kv_heads: Optional[int] = None,
+    attention_impl: str = "auto",
+    qk_norm: Optional[str] = None,
+    qk_norm_epsilon: float = 1e-6,
+    rope_max_wavelength: float = 10_000,
 ) -> pax_fiddle.Config:
     """A decoder-only LM: tied byte embedding/softmax, rotary attention, pre-norm blocks.
 
@@ -89,6 +101,18 @@ def transformer_lm(
       None; with ``first_k_dense`` too it is ``moe_praxis.praxis.stack.DenseFirstRepeated``:
       that many dense layers, then ``num_layers - first_k_dense`` scanned MoE blocks.
     moe_fields: MoEFeedForward fields for the MoE layers (``moe_layer_tpl``'s layer_fields).
+    tie_embeddings: one [M, V] matrix for the embedding and the output layer (False: Praxis's
+      ``Embedding`` [V, M] and a ``FullSoftmax`` of their own, as most published checkpoints).
+    scale_embedding: the embedding looked up scaled by sqrt(M) (the byte models' tied
+      embedding, std 1/M; False for imported checkpoints, which never scale).
+    norm_epsilon: every RMSNorm's epsilon. attention_bias / softmax_bias: biases on the
+      attention projections / the output layer (Praxis's default; published MoE checkpoints
+      have neither).
+    The self-attention is ``moe_praxis.praxis.attention.GroupedQueryAttention``:
+    num_kv_heads: key/value heads (None: num_heads, multi-head attention with Praxis
+      DotProductAttention's variables); attention_impl: 'auto', 'xla' or 'cudnn';
+      qk_norm: None, 'per_head' or 'full' RMSNorm of queries and keys (qk_norm_epsilon);
+      rope_max_wavelength: the rotary embedding's base (its max_timescale).
     Returns pax_fiddle.Config[TransformerLm]; inputs [B, S] int32 -> logits [B, S, V].
     """
     import jax.numpy as jnp
@@ -117,15 +141,27 @@ def transformer_lm(
     # default Xavier) puts that own-token logit near sqrt(M), far above ln(V) for a wide model.
     # The token vectors start small (RMS 1/sqrt(M), as GPT-2's std-0.02 tied embedding); the
     # pre-norm blocks see them normalised.
-    lm.softmax_tpl = pax_fiddle.Config(embedding_softmax.SharedEmbeddingSoftmax,
-                                       input_dims=model_dims,
-                                       num_classes=vocab_size,
-                                       scale_sqrt_depth=True,
-                                       params_init=pax_fiddle.Config(base_layer.WeightInit,
-                                                                     method="gaussian",
-                                                                     scale=1.0 / model_dims))
+    init = pax_fiddle.Config(base_layer.WeightInit, method="gaussian", scale=1.0 / model_dims)
+    if tie_embeddings:
+        lm.softmax_tpl = pax_fiddle.Config(embedding_softmax.SharedEmbeddingSoftmax,
+                                           input_dims=model_dims,
+                                           num_classes=vocab_size,
+                                           scale_sqrt_depth=scale_embedding,
+                                           params_init=init)
+    else:
+        lm.separate_embedding_tpl = pax_fiddle.Config(embedding_softmax.Embedding,
+                                                      input_dims=model_dims,
+                                                      num_classes=vocab_size,
+                                                      scale_sqrt_depth=scale_embedding,
+                                                      params_init=init)
+        lm.softmax_tpl = pax_fiddle.Config(embedding_softmax.FullSoftmax,
+                                           input_dims=model_dims,
+                                           num_classes=vocab_size,
+                                           params_init=init)
+    lm.softmax_tpl.feed_forward_tpl.has_bias = softmax_bias
+    rms = pax_fiddle.Config(normalizations.RmsNorm, epsilon=norm_epsilon)
     if norm == "rms":
-        lm.final_ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
+        lm.final_ln_tpl = copy.deepcopy(rms)
 
     block = pax_fiddle.Config(transformers.StackedTransformer)
     block.model_dims = model_dims
@@ -138,13 +174,20 @@ def transformer_lm(
     layer = block.transformer_layer_params_tpl
     layer.norm_policy = "pre"
     if norm == "rms":
-        layer.ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
-    layer.tr_atten_tpl.use_rotary_position_emb = True
-    layer.tr_atten_tpl.internal_enable_per_dim_scale = False
+        layer.ln_tpl = copy.deepcopy(rms)
+    layer.tr_atten_tpl = pax_fiddle.Config(GroupedQueryAttention,
+                                           num_kv_heads=num_kv_heads,
+                                           attention_impl=attention_impl,
+                                           qk_norm=qk_norm,
+                                           qk_norm_epsilon=qk_norm_epsilon,
+                                           use_rotary_position_emb=True,
+                                           internal_enable_per_dim_scale=False)
+    layer.tr_atten_tpl.rotary_position_emb_tpl.max_timescale = rope_max_wavelength
+    layer.tr_atten_tpl.use_bias = attention_bias
     layer.tr_fflayer_tpl.use_gated_activation = True
     layer.tr_fflayer_tpl.activation_tpl = pax_fiddle.Config(activations.SiLU)
     if norm == "rms":
-        layer.tr_fflayer_tpl.ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
+        layer.tr_fflayer_tpl.ln_tpl = copy.deepcopy(rms)
     moe = moe_layer_tpl(top_k=top_k,
                         moe_hidden_dims=moe_hidden_dims or hidden_dims,
                         aux_loss_coeff=aux_loss_coeff,
@@ -152,7 +195,7 @@ def transformer_lm(
                         aux_loss_type=aux_loss_type,
                         **(moe_fields or {}))
     if norm == "rms":
-        moe.ln_tpl = pax_fiddle.Config(normalizations.RmsNorm)
+        moe.ln_tpl = copy.deepcopy(rms)
     block.moe_layer_tpl = moe
 
     if repeat:
@@ -198,14 +241,35 @@ def num_layers(lm: pax_fiddle.Config) -> int:
     return st.num_layers
 
 
-def moe_layer_configs(lm: pax_fiddle.Config) -> list:
-    """Every MoEFeedForward config inside a model config (each template once)."""
+def attention_configs(lm: pax_fiddle.Config) -> list:
+    """Every GroupedQueryAttention config inside a model config (each template once; none in
+    a config recorded before the model used it: Praxis's DotProductAttention)."""
+    return _configs_of(lm, GroupedQueryAttention)
+
+
+def set_attention(lm: pax_fiddle.Config, **fields) -> None:
+    """Sets GroupedQueryAttention fields (attention_impl, packed_input, padded_rows, ...) on
+    every attention layer of a model config; a config without one is left as it is."""
+    for cfg in attention_configs(lm):
+        for name, value in fields.items():
+            if not hasattr(cfg, name):
+                raise ValueError(f"set_attention: {name}={value!r}: GroupedQueryAttention has "
+                                 f"no field {name!r}")
+            setattr(cfg, name, value)
+
+
+def _configs_of(lm: pax_fiddle.Config, cls) -> list:
     found = []
 
     def visit(value, state):
-        if isinstance(value, fdl.Buildable) and fdl.get_callable(value) is moe_layer_class():
+        if isinstance(value, fdl.Buildable) and fdl.get_callable(value) is cls:
             found.append(value)
         return state.map_children(value)
 
     daglish.MemoizedTraversal.run(visit, lm)
     return found
+
+
+def moe_layer_configs(lm: pax_fiddle.Config) -> list:
+    """Every MoEFeedForward config inside a model config (each template once)."""
+    return _configs_of(lm, moe_layer_class())

@@ -29,13 +29,17 @@ class _OneGpu(LanguageModel):
 @register
 class Qwen3MoeGpu(_OneGpu):
     """One H200, MoE-dominated: 6 Qwen3-MoE-like layers (M=2048, 128 experts of H=768, top-8,
-    16 heads of 128) on bytes, gate and up unfused (so FP8 applies); 3.7B parameters, about
+    Qwen3-30B-A3B's attention: 32 query and 4 key/value heads of 128, per-head q/k RMSNorm,
+    rotary base 1e6) on bytes, gate and up unfused (so FP8 applies); 3.7B parameters, about
     60 GB of float32 parameters and Adam state. The bf16 baseline of Qwen3MoeGpuFp8."""
     NUM_LAYERS = 6
     MODEL_DIMS = 2048
     HIDDEN_DIMS = 6144
     MOE_HIDDEN_DIMS = 768
-    NUM_HEADS = 16
+    NUM_HEADS = 32
+    NUM_KV_HEADS = 4
+    QK_NORM = "per_head"
+    ROPE_MAX_WAVELENGTH = 1_000_000
     NUM_EXPERTS = 128
     TOP_K = 8
     AUX_LOSS_COEFF = 1e-3
@@ -52,7 +56,8 @@ class Qwen3MoeGpuFp8(Qwen3MoeGpu):
 @register
 class MixtralMoeGpu(_OneGpu):
     """One H200, MoE-dominated at Mixtral-8x7B's layer shapes: 2 layers of M=4096, 8 experts of
-    H=14336, top-2, 32 heads of 128, on bytes; 16384 tokens a step, 4096 rows per expert; 3.0B
+    H=14336, top-2, Mixtral's attention (32 query and 8 key/value heads of 128, rotary base
+    1e6), on bytes; 16384 tokens a step, 4096 rows per expert; 3.0B
     parameters, about 47 GB of float32 parameters, gradients and Adam state. The bf16
     baseline of MixtralMoeGpuFp8."""
     NUM_LAYERS = 2
@@ -60,6 +65,8 @@ class MixtralMoeGpu(_OneGpu):
     HIDDEN_DIMS = 14336
     MOE_HIDDEN_DIMS = 14336
     NUM_HEADS = 32
+    NUM_KV_HEADS = 8
+    ROPE_MAX_WAVELENGTH = 1_000_000
     NUM_EXPERTS = 8
     TOP_K = 2
     BATCH_SIZE = 8

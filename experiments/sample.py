@@ -100,6 +100,8 @@ def decode_config(model_cfg, *, dropless: bool = True):
             moe.ep_buffer_factor = None
         if moe.aux_loss_type == "sequence":  # it needs whole sequences, a step has one token
             moe.aux_loss_type = "switch"  # (aux losses are not part of the output)
+    # The sampler's rows are left-padded prompts: the attention applies the mask as given.
+    models.set_attention(cfg, padded_rows=True)
     return cfg
 
 

@@ -280,6 +280,8 @@ def prepare(cfg: pax_fiddle.Config,
         raise ConfigError(f"--fdl.model must be a pax_fiddle.Config of a TransformerLm, got "
                           f"{type(model_cfg).__name__}")
     tok = _set_vocab(model_cfg, parts["data"], job_log_dir)
+    # Packed documents: cuDNN attention runs its packed-segments route (moe_praxis.attention).
+    models.set_attention(model_cfg, packed_input=parts["data"].packing == "documents")
     try:  # what Praxis would assert or overwrite, and the MoE layers' fields, before tracing
         stack.check(model_cfg)
     except ValueError as e:

@@ -20,6 +20,8 @@ from moe_praxis.praxis.stack import DenseFirstRepeated
 from praxis import base_layer
 from praxis import pax_fiddle
 
+from tests import decode_util
+
 B, T, V, P = 2, 8, 32, 3
 
 
@@ -51,25 +53,9 @@ def test_extend_step_equals_fprop(first_k_dense):
     variables = {k: v for k, v in variables.items() if k != base_layer.DECODE_CACHE}
     assert "dense" in variables["params"]["transformer"]
 
-    def fprop(v):
-        with _ctx():
-            out, upd = lm.apply(v, ids, pad, start_time_step=P, mutable=[base_layer.DECODE_CACHE])
-        return out.logits, upd[base_layer.DECODE_CACHE]
-
-    logits, cache = jax.jit(fprop)(variables)
+    logits, cache = decode_util.prefill(lm, variables, ids, P)
     assert "dense" in cache["transformer"]  # the dense layers keep their own caches
-
-    def step(v, cache, tok):
-        with _ctx():
-            out, upd = lm.apply(dict(v, **{base_layer.DECODE_CACHE: cache}),
-                                tok,
-                                method=lm.extend_step,
-                                mutable=[base_layer.DECODE_CACHE])
-        return out.logits, upd[base_layer.DECODE_CACHE]
-
-    step = jax.jit(step)
-    for t in range(P, T):
-        got, cache = step(variables, cache, ids[:, t])
+    for t, got, cache in decode_util.extend_steps(lm, variables, cache, ids, P):
         want = np.asarray(logits[:, t])
         err = np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want)
         assert err < 1e-5, (t, err)
