@@ -279,6 +279,14 @@ def test_bad_prompts_and_job_dirs(tmp_path):
         sample.check_prompts([[1] * 60], 5, 64, 256)
     with pytest.raises(sample.SampleError, match="outside the vocabulary"):
         sample.check_prompts([[300]], 1, 64, 256)
+    # no positive limit fits: how much too long the prompt is, never a limit <= 0
+    for n, why in ((580, "alone exceeds the model's context of 64 tokens .* by 516 tokens"),
+                   (64, "alone fills the model's context of 64 tokens .* no room for a new token")):
+        with pytest.raises(sample.SampleError,
+                           match=f"prompt 0 is {n} tokens: the prompt {why}; "
+                           "shorten it to at most 63 tokens") as e:
+            sample.check_prompts([[1] * n], 64, 64, 256)
+        assert "--max_new_tokens <=" not in str(e.value)
     with pytest.raises(sample.SampleError, match="holds no config.json"):
         sample.recorded_config(tmp_path)
     (tmp_path / "config.json").write_text(sample_util.config_json("tiny"))
