@@ -105,10 +105,12 @@ def decode_config(model_cfg, *, dropless: bool = True):
 
 def recorded_config(job_log_dir):
     """The experiment config recorded in ``job_log_dir``. Raises SampleError (one line) for a
-    directory without a recorded config or without a checkpoint."""
+    directory that does not exist (naming the runs beside it with a close name), or one without
+    a recorded config or without a checkpoint."""
     job_log_dir = Path(job_log_dir).absolute()
     ckpt_dir = job_log_dir / "checkpoints"
     try:
+        jobdir.check_readable(job_log_dir)  # a mistyped directory: the runs beside it
         cfg = jobdir.load_recorded(job_log_dir)
     except jobdir.JobDirError as e:
         raise SampleError(str(e)) from None
