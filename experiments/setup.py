@@ -35,6 +35,10 @@ class ConfigError(ValueError):
 # ------------------------------------------------------------------ lengths from num_steps
 
 
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
 def resolve_lengths(cfg, recorded=None) -> None:
     """Fixes, in ``cfg``, every length derived from ``train.num_steps`` when the job starts:
     ``optimizer.decay_steps=0`` becomes the schedule's length, ``recorded``'s (the job
@@ -47,9 +51,9 @@ def resolve_lengths(cfg, recorded=None) -> None:
     def length(c):
         opt, train = getattr(c, "optimizer", None), getattr(c, "train", None)
         if isinstance(opt, fdl.Buildable) and isinstance(train, fdl.Buildable) and \
-                opt.decay_steps == 0:
+                opt.decay_steps == 0 and _positive_int(train.num_steps):
             return opt, train.num_steps
-        return opt, None
+        return opt, None  # (a bad num_steps is reported as train.num_steps when train is built)
 
     if recorded is not None:
         opt, steps = length(recorded)

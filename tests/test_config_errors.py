@@ -59,6 +59,9 @@ def _one_line_exit_2(capsys, *args) -> str:
      "configs.experiments: use_expert_parallel"),
     ("--fdl_config_file=/nope.json",
      "--fdl_config_file='/nope.json' does not load: FileNotFoundError: No such file"),
+    ("--fdl.train.num_steps='ten'", "--fdl.train: TrainConfig.num_steps='ten' is invalid: must "
+     "be a positive int"),
+    ("--fdl.train.num_steps=-5", "--fdl.train: TrainConfig.num_steps=-5 is invalid"),
     ("--fdl.model.model_dims=96", "model.model_dims=96 differs from model.stacked_transformer_tpl"
      ".model_dims=128: TransformerLm gives the stack its own model_dims"),
     (f"{TPL}.norm_policy='post'", "model.stacked_transformer_tpl.moe_layer_tpl.norm_policy='post'"
@@ -70,6 +73,7 @@ def test_config_and_flag_errors_are_one_line_before_tracing(arg, pattern, tmp_pa
     job = tmp_path / "job"
     line = _one_line_exit_2(capsys, arg, f"--job_log_dir={job}")
     assert pattern in line, line
+    assert "decay_steps" not in line  # a field derived from the one given is not named
     assert not job.exists()
 
 
