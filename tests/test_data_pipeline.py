@@ -18,6 +18,7 @@ from pydoc_data import topics
 from configs import base, experiments
 from experiments import documents, packing, pipeline, setup, token_cache
 from experiments import tokenizer as tokenizer_lib
+from experiments.train_tokenizer import train_tokenizer
 from experiments import tokenizer_copy
 
 # ------------------------------------------------------------------------------ fixtures
@@ -50,11 +51,8 @@ def toks(corpus, tmp_path_factory):
     files, _ = documents.find_files(str(corpus))
     texts = [t for f in files for t in documents.read_documents(f)]
     return {
-        "bpe":
-        tokenizer_lib.train_tokenizer(texts, "bpe", 600, out / "tokenizer.json"),
-        "sentencepiece":
-        tokenizer_lib.train_tokenizer(tokenizer_lib._lines(texts), "sentencepiece", 600,
-                                      out / "sp.model"),
+        "bpe": train_tokenizer(texts, "bpe", 600, out / "tokenizer.json"),
+        "sentencepiece": train_tokenizer(texts, "sentencepiece", 600, out / "sp.model"),
     }
 
 
@@ -116,7 +114,10 @@ def test_ids_equal_the_librarys_encode_and_bytes_sum_to_the_text(toks, corpus, k
             ids, nb = tok.encode_with_bytes(text)
             assert list(ids) == lib_encode(text) == tok.encode(text)
             assert int(nb.sum()) == len(text.encode("utf-8")) and np.all(nb >= 0)
-            assert tok.decode(ids) == text or kind == "sentencepiece"  # SP normalises spaces
+            assert tok.decode(ids) == text  # lossless: whitespace, newlines and tabs kept
+    texts = [t for f in files for t in documents.read_documents(f)]
+    assert [tok.decode(tok.encode(t)) for t in texts] == texts
+    assert tokenizer_lib.dropped_by(tok) == []
     assert tok.eos_id is not None and tok.vocab_size == 600
     again = tokenizer_lib.load_tokenizer(str(tok.path))
     assert again.sha256 == tok.sha256 and type(again) is type(tok)
@@ -158,6 +159,15 @@ def test_batches_equal_the_librarys_encode_and_each_token_its_bytes(toks, corpus
         if kind == "bpe" and "</s>" not in text:  # each token its own bytes
             byte_of = _gpt2_byte_of_char()
             pieces = [bytes(byte_of[c] for c in tok.tok.id_to_token(int(i))) for i in ids]
+            assert b"".join(pieces) == text.encode("utf-8")
+            np.testing.assert_array_equal(nb, [len(p) for p in pieces])
+        if kind == "sentencepiece":  # each piece its own bytes of the text: <0xNN> one byte
+            pieces = [tok.sp.IdToPiece(int(i)) for i in ids]
+            pieces = [
+                bytes([int(p[3:5], 16)])
+                if tok.sp.IsByte(int(i)) else p.replace("\u2581", " ").encode()
+                for p, i in zip(pieces, ids)
+            ]
             assert b"".join(pieces) == text.encode("utf-8")
             np.testing.assert_array_equal(nb, [len(p) for p in pieces])
     if kind == "bpe":

@@ -17,7 +17,7 @@ from pydoc_data import topics
 
 from configs import models
 from experiments import documents, packing
-from experiments import tokenizer as tokenizer_lib
+from experiments.train_tokenizer import train_tokenizer
 from experiments.steps import _model_inputs, _segments
 from tests.main_util import ROOT, SMALL, main_env, records, run_main
 
@@ -74,15 +74,10 @@ def folder(tmp_path_factory):
     texts = [t for f in files for t in documents.read_documents(f)]
     tok = tmp_path_factory.mktemp("tok")
     return {
-        "compile_cache":
-        tmp_path_factory.mktemp("compile_cache"),
-        "dir":
-        d,
-        "bpe":
-        tokenizer_lib.train_tokenizer(texts, "bpe", 512, tok / "tokenizer.json").path,
-        "sentencepiece":
-        tokenizer_lib.train_tokenizer(tokenizer_lib._lines(texts), "sentencepiece", 512,
-                                      tok / "sp.model").path,
+        "compile_cache": tmp_path_factory.mktemp("compile_cache"),
+        "dir": d,
+        "bpe": train_tokenizer(texts, "bpe", 512, tok / "tokenizer.json").path,
+        "sentencepiece": train_tokenizer(texts, "sentencepiece", 512, tok / "sp.model").path,
     }
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from experiments import main as main_lib
 from experiments import sample
-from experiments import tokenizer as tokenizer_lib
+from experiments.train_tokenizer import train_tokenizer
 from experiments import tokenizer_copy
 from tests import sample_util, testutil
 from tests.flagutil import parse, reset_flags  # noqa: F401  (autouse fixture)
@@ -43,10 +43,9 @@ def jobs(tmp_path_factory):
     tok_dir = tmp_path_factory.mktemp("tok")
     toks = {
         "bpe":
-        tokenizer_lib.train_tokenizer(texts, "bpe", VOCAB["bpe"], tok_dir / "tokenizer.json"),
+        train_tokenizer(texts, "bpe", VOCAB["bpe"], tok_dir / "tokenizer.json"),
         "sentencepiece":
-        tokenizer_lib.train_tokenizer(tokenizer_lib._lines(texts), "sentencepiece",
-                                      VOCAB["sentencepiece"], tok_dir / "sp.model"),
+        train_tokenizer(texts, "sentencepiece", VOCAB["sentencepiece"], tok_dir / "sp.model"),
     }
     made = {}
     for kind, tok in toks.items():
