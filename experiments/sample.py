@@ -142,7 +142,11 @@ def load_sampler(job_log_dir, *, devices=None, mesh=None, dropless: bool = True)
         exp_configs.use_mesh(cfg, **mesh)
     cfg.model = decode_config(cfg.model, dropless=dropless)
     try:
-        prep = setup.prepare(cfg, devices=devices, job_log_dir=job_log_dir, load_data=False)
+        prep = setup.prepare(cfg,
+                             devices=devices,
+                             job_log_dir=job_log_dir,
+                             load_data=False,
+                             tokenizer_given=False)  # the job's own copy
     except setup.ConfigError as e:
         raise SampleError(f"the config recorded in {job_log_dir} does not set up: {e}") from None
     fns = make_step_fns(prep)
