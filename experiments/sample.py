@@ -35,7 +35,11 @@ from experiments import tokenizer_copy
 from experiments.checkpoints import Checkpoints
 from experiments.decoding import Sampler, Samples  # noqa: F401  (this module's API)
 from experiments.errors import one_line
-from experiments.sampling import SampleError, check_prompts, check_settings  # noqa: F401
+from experiments.sampling import (
+    SampleError,
+    check_prompts,
+    check_settings,  # noqa: F401
+    fitting_new_tokens)
 from experiments.steps import make_step_fns
 
 # ------------------------------------------------------------------------------ tokenizer
@@ -173,6 +177,7 @@ class Continuations:
     samples: Samples  # the token ids (prompts with BOS where the data added one), timings
     tokenizer: PromptTokenizer
     step: int  # the checkpoint's
+    settings: dict  # what was sampled with (max_new_tokens resolved where it was None)
 
 
 def continuations(job_log_dir,
@@ -184,12 +189,15 @@ def continuations(job_log_dir,
                   stop_at_eos: bool = False,
                   progress: bool = False) -> Continuations:
     """``generate`` and ``--mode=sample``: the prompts encoded with the job's tokenizer and
-    continued by its newest checkpoint. settings: ``check_settings``'s keywords. Every setting
-    and prompt is checked before anything is restored (SampleError, one line)."""
+    continued by its newest checkpoint. settings: ``check_settings``'s keywords
+    (``max_new_tokens`` None: as many as fit, ``fitting_new_tokens``). Every setting and prompt
+    is checked before anything is restored (SampleError, one line)."""
     check_settings(**settings)
     cfg = recorded_config(job_log_dir)
     tok = job_tokenizer(job_log_dir, cfg.data)
     prompt_ids = [tok.encode(p) for p in prompts]
+    if settings["max_new_tokens"] is None:  # as many as fit
+        settings = {**settings, "max_new_tokens": fitting_new_tokens(prompt_ids, cfg.data.seq_len)}
     check_prompts(prompt_ids, settings["max_new_tokens"], cfg.data.seq_len, tok.vocab_size)
     sampler = load_sampler(job_log_dir)
     out = sampler.sample(prompt_ids,
@@ -201,13 +209,13 @@ def continuations(job_log_dir,
     texts = [tok.decode([t for t in ids if t != tok.eos_id]) for ids in out.tokens]
     n = out.num_samples
     return Continuations([texts[i * n:(i + 1) * n] for i in range(len(prompts))], out, tok,
-                         sampler.step)
+                         sampler.step, settings)
 
 
 def generate(job_log_dir,
              prompts: Sequence[str],
              *,
-             max_new_tokens: int,
+             max_new_tokens: int | None = None,
              temperature: float = 0.0,
              top_k: int = 0,
              top_p: float = 1.0,
@@ -216,7 +224,8 @@ def generate(job_log_dir,
              use_cache: bool = True) -> list[list[str]]:
     """Continuations of each prompt (a list of ``num_samples`` strings per prompt: the decoded
     ids, EOS left out) by the newest checkpoint of ``job_log_dir``; settings as
-    ``experiments.sampling`` describes."""
+    ``experiments.sampling`` describes (``max_new_tokens`` None: the context minus the longest
+    prompt)."""
     settings = dict(max_new_tokens=max_new_tokens,
                     temperature=temperature,
                     top_k=top_k,

@@ -26,8 +26,9 @@ from experiments.errors import SampleError
 
 def check_settings(*, max_new_tokens, temperature, top_k, top_p, num_samples) -> None:
     """Raises SampleError naming the first setting out of range and what is valid."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise SampleError(f"--max_new_tokens={max_new_tokens!r} is invalid: give an int >= 1")
+    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
+        raise SampleError(f"--max_new_tokens={max_new_tokens!r} is invalid: give an int >= 1 (or "
+                          "leave it unset: as many as fit the context)")
     if not temperature >= 0 or not math.isfinite(temperature):
         raise SampleError(f"--temperature={temperature!r} is invalid: give a finite value >= 0 "
                           "(0 = greedy)")
@@ -38,6 +39,13 @@ def check_settings(*, max_new_tokens, temperature, top_k, top_p, num_samples) ->
                           "nucleus)")
     if not isinstance(num_samples, int) or num_samples < 1:
         raise SampleError(f"--num_samples={num_samples!r} is invalid: give an int >= 1")
+
+
+def fitting_new_tokens(prompt_ids: Sequence[Sequence[int]], context: int) -> int:
+    """The most new tokens every prompt has room for in a context of ``context`` tokens: the
+    context minus the longest prompt (at least 1; ``check_prompts`` refuses a prompt that
+    leaves no room)."""
+    return max(context - max((len(ids) for ids in prompt_ids), default=0), 1)
 
 
 def check_prompts(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, context: int,
