@@ -189,6 +189,13 @@ def test_bytes_tokenizer_and_bad_tokenizer_files(tmp_path):
 
 def test_job_dir_keeps_the_tokenizer_and_refuses_another(toks, tmp_path):
     job = tmp_path / "job"
+    job.mkdir()
+    for mode in (0o750, 0o755):  # the kept copy's folder is as open as the job directory
+        other = tmp_path / f"job{mode:o}"
+        other.mkdir()
+        other.chmod(mode)
+        tokenizer_copy.keep_in_job_dir(other, toks["bpe"])
+        assert (other / "tokenizer").stat().st_mode & 0o7777 == mode
     tokenizer_copy.keep_in_job_dir(job, toks["bpe"])
     kept = tokenizer_copy.job_tokenizer(job)
     assert kept.sha256 == toks["bpe"].sha256 and kept.path.parent == job / "tokenizer"
