@@ -335,6 +335,7 @@ def test_bad_data_configs(toks, corpus, tmp_path):
     (small / "a.txt").write_text("just a few words")
     with pytest.raises(ValueError, match=r"leaves \d+ tokens in the train split"):
         pipeline.load_token_dataset(_cfg(small, tmp_path, toks["bpe"]), progress=False)
+    assert list((tmp_path / "cache").iterdir()) == []  # its tokenized entry is not left behind
     with pytest.raises(ValueError, match=r"held-out split .* less than one batch"):
         pipeline.load_token_dataset(_cfg(corpus, tmp_path, toks["bpe"], batch_size=4096),
                                     progress=False)
