@@ -241,6 +241,8 @@ def main(argv, stop_signals=None) -> int:
                              job_log_dir=job_log_dir,
                              progress=not _NO_PROGRESS.value,
                              tokenizer_given=tokenizer_given(cfg, recorded))
+    except setup.DataError as e:  # the files, not the config
+        raise UsageError(str(e)) from None
     except setup.ConfigError as e:
         raise UsageError(f"invalid config: {e}") from None
     chief = jax.process_index() == 0

@@ -32,6 +32,12 @@ class ConfigError(ValueError):
     """An experiment config that cannot run; raised before anything is compiled."""
 
 
+class DataError(ConfigError):
+    """Data that cannot be used (a missing or unreadable file, a tokenizer file that does not
+    load, a corpus too small for one example) under a config that may be fine: its message
+    names the file or ``data.`` field."""
+
+
 # ------------------------------------------------------------------ lengths from num_steps
 
 
@@ -230,7 +236,7 @@ def _set_vocab(model_cfg, data_cfg: base.DataConfig, job_log_dir, tokenizer_give
             if job_log_dir is not None:
                 tokenizer_copy.check_job_tokenizer(job_log_dir, tok)
     except ValueError as e:
-        raise ConfigError(f"--fdl.data: {e}") from e
+        raise DataError(str(e)) from e
     if model_cfg.vocab_size is None:
         model_cfg.vocab_size = -(-tok.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         model_cfg.softmax_tpl.num_classes = model_cfg.vocab_size
@@ -307,7 +313,7 @@ def prepare(cfg: pax_fiddle.Config,
     try:
         dataset = data_lib.load_dataset(exp.data, tok, progress=progress)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--fdl.data: {e}") from e
+        raise DataError(str(e)) from e
     return Prepared(config=exp,
                     mesh=mesh,
                     model_config=model_cfg,

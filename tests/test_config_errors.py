@@ -77,6 +77,20 @@ def test_config_and_flag_errors_are_one_line_before_tracing(arg, pattern, tmp_pa
     assert not job.exists()
 
 
+@pytest.mark.parametrize("data, pattern", [
+    ("--fdl.data.path='{tmp}/missing'", "data.path='{tmp}/missing': no such file or directory"),
+    ("--fdl.data.tokenizer='{tmp}/no.model'", "data.tokenizer='{tmp}/no.model': no such file"),
+])
+def test_a_data_error_under_a_valid_config_is_not_called_an_invalid_config(
+        data, pattern, tmp_path, capsys, nothing_traced):
+    job = tmp_path / "job"
+    corpus = f"--fdl.data.path='{tmp_path}'" if "tokenizer" in data else "--no_progress"
+    (tmp_path / "a.txt").write_text("some text")
+    line = _one_line_exit_2(capsys, data.format(tmp=tmp_path), corpus, f"--job_log_dir={job}")
+    assert line.startswith("experiments.main: error: " + pattern.format(tmp=tmp_path)), line
+    assert not job.exists()
+
+
 def test_fiddler_after_fdl_config_is_one_line(capsys, nothing_traced, tmp_path):
     line = _one_line_exit_2(capsys, "--fdl_config=tiny", "--fiddler=use_mesh(shapes=(2, 4))",
                             f"--job_log_dir={tmp_path}")
