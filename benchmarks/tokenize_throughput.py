@@ -22,7 +22,7 @@ from pathlib import Path
 from pydoc_data import topics
 
 from experiments import documents, token_cache
-from experiments import tokenizer as tokenizer_lib
+from experiments.train_tokenizer import train_tokenizer
 
 
 def _corpus(d: Path, mb: float, files: int) -> list[Path]:
@@ -76,8 +76,7 @@ def main(argv=None) -> int:
         texts = [topics.topics[k] for k in sorted(topics.topics)]
         for kind in args.kinds.split(","):
             out = d / ("tokenizer.json" if kind == "bpe" else "sp.model")
-            src = texts if kind == "bpe" else tokenizer_lib._lines(texts)
-            tok = tokenizer_lib.train_tokenizer(src, kind, args.vocab_size, out)
+            tok = train_tokenizer(texts, kind, args.vocab_size, out)
             rows.append(measure(kind, tok, files, args.repeats))
     print(f"{'tokenizer':<14} {'vocab':>6} {'MB':>7} {'docs':>7} {'tokens':>10} {'s':>7} "
           f"{'cpu s':>7} {'MB/s':>7} {'MB/cpu-s':>9}")

@@ -176,6 +176,15 @@ def config_and_job_dir():
     return cfg, name, job_log_dir, recorded
 
 
+def tokenizer_given(cfg, recorded) -> bool:
+    """Whether this run names a tokenizer of its own (an override of ``data.tokenizer``, or a
+    config whose tokenizer is not the one ``recorded``), rather than running the job
+    directory's recorded config, whose tokenizer is the job's kept copy."""
+    paths = [a.split("=", 1)[0].strip() for a in flags.FLAGS["fdl_set"].value]
+    return recorded is None or "data.tokenizer" in paths or \
+        cfg.data.tokenizer != recorded.data.tokenizer
+
+
 # ------------------------------------------------------------------------------ multi-host
 
 
@@ -228,7 +237,12 @@ def main(argv, stop_signals=None) -> int:
     import jax
 
     try:
-        prep = setup.prepare(cfg, job_log_dir=job_log_dir, progress=not _NO_PROGRESS.value)
+        prep = setup.prepare(cfg,
+                             job_log_dir=job_log_dir,
+                             progress=not _NO_PROGRESS.value,
+                             tokenizer_given=tokenizer_given(cfg, recorded))
+    except setup.DataError as e:  # the files, not the config
+        raise UsageError(str(e)) from None
     except setup.ConfigError as e:
         raise UsageError(f"invalid config: {e}") from None
     chief = jax.process_index() == 0

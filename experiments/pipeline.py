@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 
 import grain
 import jax
@@ -118,7 +119,8 @@ def load_token_dataset(config: DataConfig,
                        *,
                        progress: bool = True) -> TokenDataset:
     """The documents of ``config.path`` tokenized (cached) and split. Raises ValueError
-    (DocumentError, TokenizerError) naming the problem."""
+    (DocumentError, TokenizerError) naming the problem; a cache entry this call built for a
+    corpus it then refuses (too small to split) is removed."""
     tok = tok or load_tokenizer(config.tokenizer)
     files, skipped = documents.find_files(config.path)
     corpus = token_cache.build_or_load(files,
@@ -128,6 +130,17 @@ def load_token_dataset(config: DataConfig,
                                        add_eos=_add_eos(config, tok),
                                        cache_dir=config.cache_dir,
                                        progress=progress)
+    try:
+        return _dataset(config, tok, corpus, skipped)
+    except ValueError:
+        if corpus.built:  # refused: the entry this call built is not left behind
+            shutil.rmtree(corpus.path, ignore_errors=True)
+        raise
+
+
+def _dataset(config: DataConfig, tok: Tokenizer, corpus: token_cache.TokenizedCorpus,
+             skipped: int) -> TokenDataset:
+    """The dataset of a tokenized corpus, split; raises ValueError where it cannot train."""
     meta = corpus.meta
     n = len(corpus.tokens)
     if n and int(np.max(corpus.tokens)) >= tok.vocab_size:  # a cache that is not this tokenizer's

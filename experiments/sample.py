@@ -35,7 +35,11 @@ from experiments import tokenizer_copy
 from experiments.checkpoints import Checkpoints
 from experiments.decoding import Sampler, Samples  # noqa: F401  (this module's API)
 from experiments.errors import one_line
-from experiments.sampling import SampleError, check_prompts, check_settings  # noqa: F401
+from experiments.sampling import (
+    SampleError,
+    check_prompts,
+    check_settings,  # noqa: F401
+    fitting_new_tokens)
 from experiments.steps import make_step_fns
 
 # ------------------------------------------------------------------------------ tokenizer
@@ -107,10 +111,12 @@ def decode_config(model_cfg, *, dropless: bool = True):
 
 def recorded_config(job_log_dir):
     """The experiment config recorded in ``job_log_dir``. Raises SampleError (one line) for a
-    directory without a recorded config or without a checkpoint."""
+    directory that does not exist (naming the runs beside it with a close name), or one without
+    a recorded config or without a checkpoint."""
     job_log_dir = Path(job_log_dir).absolute()
     ckpt_dir = job_log_dir / "checkpoints"
     try:
+        jobdir.check_readable(job_log_dir)  # a mistyped directory: the runs beside it
         cfg = jobdir.load_recorded(job_log_dir)
     except jobdir.JobDirError as e:
         raise SampleError(str(e)) from None
@@ -142,7 +148,11 @@ def load_sampler(job_log_dir, *, devices=None, mesh=None, dropless: bool = True)
         exp_configs.use_mesh(cfg, **mesh)
     cfg.model = decode_config(cfg.model, dropless=dropless)
     try:
-        prep = setup.prepare(cfg, devices=devices, job_log_dir=job_log_dir, load_data=False)
+        prep = setup.prepare(cfg,
+                             devices=devices,
+                             job_log_dir=job_log_dir,
+                             load_data=False,
+                             tokenizer_given=False)  # the job's own copy
     except setup.ConfigError as e:
         raise SampleError(f"the config recorded in {job_log_dir} does not set up: {e}") from None
     fns = make_step_fns(prep)
@@ -169,6 +179,7 @@ class Continuations:
     samples: Samples  # the token ids (prompts with BOS where the data added one), timings
     tokenizer: PromptTokenizer
     step: int  # the checkpoint's
+    settings: dict  # what was sampled with (max_new_tokens resolved where it was None)
 
 
 def continuations(job_log_dir,
@@ -180,12 +191,15 @@ def continuations(job_log_dir,
                   stop_at_eos: bool = False,
                   progress: bool = False) -> Continuations:
     """``generate`` and ``--mode=sample``: the prompts encoded with the job's tokenizer and
-    continued by its newest checkpoint. settings: ``check_settings``'s keywords. Every setting
-    and prompt is checked before anything is restored (SampleError, one line)."""
+    continued by its newest checkpoint. settings: ``check_settings``'s keywords
+    (``max_new_tokens`` None: as many as fit, ``fitting_new_tokens``). Every setting and prompt
+    is checked before anything is restored (SampleError, one line)."""
     check_settings(**settings)
     cfg = recorded_config(job_log_dir)
     tok = job_tokenizer(job_log_dir, cfg.data)
     prompt_ids = [tok.encode(p) for p in prompts]
+    if settings["max_new_tokens"] is None:  # as many as fit
+        settings = {**settings, "max_new_tokens": fitting_new_tokens(prompt_ids, cfg.data.seq_len)}
     check_prompts(prompt_ids, settings["max_new_tokens"], cfg.data.seq_len, tok.vocab_size)
     sampler = load_sampler(job_log_dir)
     out = sampler.sample(prompt_ids,
@@ -197,13 +211,13 @@ def continuations(job_log_dir,
     texts = [tok.decode([t for t in ids if t != tok.eos_id]) for ids in out.tokens]
     n = out.num_samples
     return Continuations([texts[i * n:(i + 1) * n] for i in range(len(prompts))], out, tok,
-                         sampler.step)
+                         sampler.step, settings)
 
 
 def generate(job_log_dir,
              prompts: Sequence[str],
              *,
-             max_new_tokens: int,
+             max_new_tokens: int | None = None,
              temperature: float = 0.0,
              top_k: int = 0,
              top_p: float = 1.0,
@@ -212,7 +226,8 @@ def generate(job_log_dir,
              use_cache: bool = True) -> list[list[str]]:
     """Continuations of each prompt (a list of ``num_samples`` strings per prompt: the decoded
     ids, EOS left out) by the newest checkpoint of ``job_log_dir``; settings as
-    ``experiments.sampling`` describes."""
+    ``experiments.sampling`` describes (``max_new_tokens`` None: the context minus the longest
+    prompt)."""
     settings = dict(max_new_tokens=max_new_tokens,
                     temperature=temperature,
                     top_k=top_k,

@@ -1,7 +1,7 @@
 """``python -m experiments.main --mode=sample``: the flags and the report of ``experiments.sample``.
 
   python -m experiments.main --mode=sample --job_log_dir=runs/tiny --prompt="def main(" \\
-      --max_new_tokens=64 --temperature=0.8 --top_p=0.95 --num_samples=2
+      --max_new_tokens=48 --temperature=0.8 --top_p=0.95 --num_samples=2
 
 Prints each prompt with its continuations, then the prefill time, decode tokens/s and ms per
 token; ``--output_json=F`` writes them with the token ids and log-probabilities. Nothing else is
@@ -28,8 +28,10 @@ _PROMPT = _define(flags.DEFINE_multi_string, "prompt", [],
                   "a prompt to continue (repeatable; with --prompts_file, these come first).")
 _PROMPTS_FILE = _define(flags.DEFINE_string, "prompts_file", None,
                         "a UTF-8 text file of prompts, one per line (empty lines are an error).")
-_MAX_NEW_TOKENS = _define(flags.DEFINE_integer, "max_new_tokens", 64,
-                          "tokens generated per continuation.")
+_MAX_NEW_TOKENS = _define(
+    flags.DEFINE_integer, "max_new_tokens", None,
+    "tokens generated per continuation; default: as many as fit, the model's context "
+    "(data.seq_len) minus the longest prompt's tokens.")
 _TEMPERATURE = _define(flags.DEFINE_float, "temperature", 0.0, "softmax temperature; 0 = greedy.")
 _TOP_K = _define(flags.DEFINE_integer, "top_k", 0,
                  "draw from the k most likely tokens only (0 = all).")
@@ -99,7 +101,7 @@ def run(job_log_dir, *, progress: bool) -> int:
                                seed=_SEED.value,
                                stop_at_eos=_STOP_AT_EOS.value,
                                progress=progress)
-    out, tok = got.samples, got.tokenizer
+    out, tok, settings = got.samples, got.tokenizer, got.settings  # max_new_tokens resolved
     n = out.num_samples
     results = []
     for i, p in enumerate(prompts):

@@ -26,8 +26,9 @@ from experiments.errors import SampleError
 
 def check_settings(*, max_new_tokens, temperature, top_k, top_p, num_samples) -> None:
     """Raises SampleError naming the first setting out of range and what is valid."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise SampleError(f"--max_new_tokens={max_new_tokens!r} is invalid: give an int >= 1")
+    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
+        raise SampleError(f"--max_new_tokens={max_new_tokens!r} is invalid: give an int >= 1 (or "
+                          "leave it unset: as many as fit the context)")
     if not temperature >= 0 or not math.isfinite(temperature):
         raise SampleError(f"--temperature={temperature!r} is invalid: give a finite value >= 0 "
                           "(0 = greedy)")
@@ -40,10 +41,18 @@ def check_settings(*, max_new_tokens, temperature, top_k, top_p, num_samples) ->
         raise SampleError(f"--num_samples={num_samples!r} is invalid: give an int >= 1")
 
 
+def fitting_new_tokens(prompt_ids: Sequence[Sequence[int]], context: int) -> int:
+    """The most new tokens every prompt has room for in a context of ``context`` tokens: the
+    context minus the longest prompt (at least 1; ``check_prompts`` refuses a prompt that
+    leaves no room)."""
+    return max(context - max((len(ids) for ids in prompt_ids), default=0), 1)
+
+
 def check_prompts(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, context: int,
                   vocab_size: int) -> None:
-    """Raises SampleError for no prompt, an empty one, a token outside [0, vocab_size) or a
-    prompt + max_new_tokens longer than the model's context."""
+    """Raises SampleError for no prompt, an empty one, a token outside [0, vocab_size), a
+    prompt that leaves no room for one new token in the model's context (how much too long it
+    is), or a prompt + max_new_tokens longer than the context (the largest limit that fits)."""
     if not prompt_ids:
         raise SampleError("no prompt given: pass --prompt=TEXT (repeatable) or --prompts_file=F")
     for i, ids in enumerate(prompt_ids):
@@ -53,6 +62,13 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, cont
         if bad:
             raise SampleError(f"prompt {i} holds token ids {bad[:3]} outside the vocabulary "
                               f"[0, {vocab_size})")
+        if len(ids) >= context:  # no positive --max_new_tokens fits
+            over = (f"alone exceeds the model's context of {context} tokens (data.seq_len) by "
+                    f"{len(ids) - context} tokens" if len(ids) > context else
+                    f"alone fills the model's context of {context} tokens (data.seq_len), "
+                    "leaving no room for a new token")
+            raise SampleError(f"prompt {i} is {len(ids)} tokens: the prompt {over}; shorten it "
+                              f"to at most {context - 1} tokens")
         if len(ids) + max_new_tokens > context:
             raise SampleError(
                 f"prompt {i} is {len(ids)} tokens: with --max_new_tokens={max_new_tokens} that is "

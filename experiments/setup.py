@@ -32,7 +32,17 @@ class ConfigError(ValueError):
     """An experiment config that cannot run; raised before anything is compiled."""
 
 
+class DataError(ConfigError):
+    """Data that cannot be used (a missing or unreadable file, a tokenizer file that does not
+    load, a corpus too small for one example) under a config that may be fine: its message
+    names the file or ``data.`` field."""
+
+
 # ------------------------------------------------------------------ lengths from num_steps
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def resolve_lengths(cfg, recorded=None) -> None:
@@ -47,9 +57,9 @@ def resolve_lengths(cfg, recorded=None) -> None:
     def length(c):
         opt, train = getattr(c, "optimizer", None), getattr(c, "train", None)
         if isinstance(opt, fdl.Buildable) and isinstance(train, fdl.Buildable) and \
-                opt.decay_steps == 0:
+                opt.decay_steps == 0 and _positive_int(train.num_steps):
             return opt, train.num_steps
-        return opt, None
+        return opt, None  # (a bad num_steps is reported as train.num_steps when train is built)
 
     if recorded is not None:
         opt, steps = length(recorded)
@@ -209,22 +219,24 @@ def _validate(exp: base.ExperimentConfig, model_cfg, mesh_shape: tuple) -> None:
 VOCAB_MULTIPLE = 128  # a vocabulary taken from the tokenizer is rounded up to a multiple of it
 
 
-def _set_vocab(model_cfg, data_cfg: base.DataConfig, job_log_dir):
-    """The tokenizer (the job directory's copy when it keeps one, which must be the same file)
-    and the model's vocabulary: the tokenizer's rounded up to ``VOCAB_MULTIPLE`` when the
-    experiment leaves ``model.vocab_size`` unset; a set one must hold the tokenizer."""
+def _set_vocab(model_cfg, data_cfg: base.DataConfig, job_log_dir, tokenizer_given: bool = True):
+    """The tokenizer and the model's vocabulary: the tokenizer's rounded up to
+    ``VOCAB_MULTIPLE`` when the experiment leaves ``model.vocab_size`` unset; a set one must
+    hold the tokenizer. Where the job directory keeps a tokenizer copy, it is used when the
+    tokenizer was not given by the user (``tokenizer_given=False``) or its original file is
+    gone; a tokenizer given must be the kept one."""
     spec = data_cfg.tokenizer
     try:
         kept = tokenizer_copy.job_tokenizer_path(job_log_dir) if job_log_dir is not None else None
-        if kept is not None and spec != tokenizer_lib.BYTES and not Path(
-                spec).expanduser().exists():
-            tok = tokenizer_copy.job_tokenizer(job_log_dir)  # the original file is gone
+        if kept is not None and spec != tokenizer_lib.BYTES and (
+                not tokenizer_given or not Path(spec).expanduser().exists()):
+            tok = tokenizer_copy.job_tokenizer(job_log_dir)  # checked against its hash
         else:
             tok = tokenizer_lib.load_tokenizer(spec)
             if job_log_dir is not None:
                 tokenizer_copy.check_job_tokenizer(job_log_dir, tok)
     except ValueError as e:
-        raise ConfigError(f"--fdl.data: {e}") from e
+        raise DataError(str(e)) from e
     if model_cfg.vocab_size is None:
         model_cfg.vocab_size = -(-tok.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         model_cfg.softmax_tpl.num_classes = model_cfg.vocab_size
@@ -253,13 +265,17 @@ def prepare(cfg: pax_fiddle.Config,
             devices=None,
             job_log_dir=None,
             progress: bool = False,
-            load_data: bool = True) -> Prepared:
+            load_data: bool = True,
+            tokenizer_given: bool = True) -> Prepared:
     """Validates and builds an experiment config and reads its data. No tracing, no
     compilation. Raises ConfigError naming the problem.
 
     devices: the devices of the mesh (default: all, over every process; fake host devices
       for ``experiments.validate``).
     job_log_dir: the job directory; a tokenizer it keeps must be the one the config names.
+    tokenizer_given: False where the config's ``data.tokenizer`` is the job directory's recorded
+      one, not one the user gave (eval, resume and sampling of a job as it is): the job's
+      checksummed copy is used, whatever the original path holds now.
     progress: draw the tokenizing progress bar (a corpus not yet in the cache).
     load_data: read the dataset (sampling does not need it: ``Prepared.dataset`` stays None).
     """
@@ -279,7 +295,7 @@ def prepare(cfg: pax_fiddle.Config,
     if not isinstance(model_cfg, pax_fiddle.Config):
         raise ConfigError(f"--fdl.model must be a pax_fiddle.Config of a TransformerLm, got "
                           f"{type(model_cfg).__name__}")
-    tok = _set_vocab(model_cfg, parts["data"], job_log_dir)
+    tok = _set_vocab(model_cfg, parts["data"], job_log_dir, tokenizer_given)
     # Packed documents: cuDNN attention runs its packed-segments route (moe_praxis.attention).
     models.set_attention(model_cfg, packed_input=parts["data"].packing == "documents")
     try:  # what Praxis would assert or overwrite, and the MoE layers' fields, before tracing
@@ -299,7 +315,7 @@ def prepare(cfg: pax_fiddle.Config,
     try:
         dataset = data_lib.load_dataset(exp.data, tok, progress=progress)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--fdl.data: {e}") from e
+        raise DataError(str(e)) from e
     return Prepared(config=exp,
                     mesh=mesh,
                     model_config=model_cfg,

@@ -14,38 +14,28 @@ library for ids only and reads each token's bytes from a table of the vocabulary
 A job directory keeps the copy it trained with (``TOKENIZER_DIR``: the file and its hash);
 ``job_tokenizer(job_log_dir)`` loads it.
 
-Training one offline on the same documents a run reads (``experiments.documents``):
-
-  python -m experiments.tokenizer --data corpus/ --vocab_size 8000 --kind bpe \
-      --out corpus.tokenizer.json
-  python -m experiments.tokenizer --data corpus/ --vocab_size 8000 --kind sentencepiece \
-      --out corpus.model
+Training one on the documents a run reads: ``experiments.train_tokenizer``. A SentencePiece
+model that does not round-trip text (``dropped_by``: newlines, tabs, runs of spaces, as
+SentencePiece's default normalization drops them) is loaded with a one-line warning naming
+what it drops.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import itertools
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import NamedTuple, Optional
 
 import numpy as np
 import sentencepiece as spm
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
-
-from experiments import documents
+from tokenizers import pre_tokenizers
 
 BYTES = "bytes"
-KINDS = ("sentencepiece", "bpe")
-# special tokens of the BPE tokenizers trained here
-BPE_SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
 
 
 class TokenizerError(ValueError):
@@ -94,6 +84,39 @@ def _flat(pairs) -> EncodedBatch:
     cat = lambda xs: np.concatenate(xs).astype(np.uint32) if xs else np.zeros(0, np.uint32
                                                                               )  # noqa: E731
     return EncodedBatch(cat(ids), cat(nbytes), lens)
+
+
+def _table_batch(texts, ids, table: np.ndarray, offsets_bytes) -> EncodedBatch:
+    """Documents encoded as ``ids`` (a list per document), each token's bytes read from
+    ``table`` [vocab] (what the token stands for in the text); a document whose bytes do not sum
+    to its text (an added token matched in the text, a normalizer that changed it) takes its
+    bytes from ``offsets_bytes(text)`` (the library's offsets)."""
+    lens = np.fromiter(map(len, ids), np.int64, len(ids))
+    ids = np.fromiter(itertools.chain.from_iterable(ids), np.uint32, int(lens.sum()))
+    nbytes = table[ids]
+    ends = np.cumsum(lens)
+    summed = np.concatenate([[0], np.cumsum(nbytes, dtype=np.int64)])
+    want = np.fromiter((len(t.encode("utf-8")) for t in texts), np.int64, len(texts))
+    for d in np.flatnonzero(summed[ends] - summed[ends - lens] != want):
+        nbytes[ends[d] - lens[d]:ends[d]] = offsets_bytes(texts[d])
+    return EncodedBatch(ids, nbytes, lens)
+
+
+# what a lossless tokenizer keeps: decode(encode(probe)) == probe for each
+LOSSLESS_PROBES = {
+    "newlines": "a\nb\n\nc\n",
+    "tabs": "a\tb\t\tc",
+    "runs of spaces": "a  b    c",
+    "leading spaces": "  a",
+    "trailing spaces": "a  ",
+}
+_warned: set = set()  # the tokenizer files already warned about
+
+
+def dropped_by(tok) -> list[str]:
+    """What ``tok`` loses in decode(encode(text)): the names of ``LOSSLESS_PROBES`` it does
+    not round-trip (empty for a lossless tokenizer)."""
+    return [k for k, probe in LOSSLESS_PROBES.items() if tok.decode(tok.encode(probe)) != probe]
 
 
 class Tokenizer:
@@ -160,6 +183,26 @@ class SentencePieceTokenizer(Tokenizer):
         self.vocab_size = self.sp.GetPieceSize()
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
         self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+        self.piece_bytes = self._piece_bytes()
+        dropped = dropped_by(self)
+        if dropped and str(path) not in _warned:
+            _warned.add(str(path))
+            print(
+                f"experiments.tokenizer: warning: the SentencePiece model {path} does not "
+                f"round-trip text: decode(encode(text)) drops or changes {', '.join(dropped)}, "
+                "so a model trained with it cannot write them; `python -m "
+                "experiments.train_tokenizer --kind sentencepiece` trains one that keeps them",
+                file=sys.stderr,
+                flush=True)
+
+    def _piece_bytes(self) -> np.ndarray:
+        """[vocab] the bytes of text each piece stands for: a byte piece 1, a control or
+        unknown piece 0, any other its text with U+2581 as a space (right where the model does
+        not normalize the text; ``_table_batch`` checks each document's sum)."""
+        sp = self.sp
+        return np.fromiter((1 if sp.IsByte(i) else 0 if sp.IsControl(i) or sp.IsUnknown(i) else len(
+            sp.IdToPiece(i).replace("\u2581", " ").encode("utf-8"))
+                            for i in range(self.vocab_size)), np.uint32, self.vocab_size)
 
     def encode(self, text: str) -> list[int]:
         return self.sp.EncodeAsIds(text)
@@ -171,11 +214,16 @@ class SentencePieceTokenizer(Tokenizer):
         return ids, _ends_to_counts(ends, len(text.encode("utf-8")))
 
     def encode_with_bytes(self, text):
-        return self._with_bytes(text, self.sp.encode(text, out_type="proto"))
+        enc = self.encode_batch([text])
+        return enc.ids.astype(np.int32), enc.token_bytes.astype(np.int64)
 
     def encode_batch(self, texts):
-        protos = self.sp.encode(texts, out_type="proto", num_threads=os.cpu_count())
-        return _flat([self._with_bytes(t, p) for t, p in zip(texts, protos)])
+        """Ids only from the library (over the cores), each token's bytes from
+        ``piece_bytes``; a document where they do not sum to its text (a normalizing model)
+        takes them from the pieces' offsets."""
+        ids = self.sp.encode(texts, out_type=int, num_threads=os.cpu_count() or 1)
+        return _table_batch(texts, ids, self.piece_bytes,
+                            lambda t: self._with_bytes(t, self.sp.encode(t, out_type="proto"))[1])
 
     def decode(self, ids) -> str:
         return self.sp.DecodeIds([int(i) for i in ids])
@@ -238,23 +286,14 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def encode_batch(self, texts):
         """Byte-level: ids only from the library (no offsets), each token's bytes from
-        ``byte_len``; a document whose bytes do not sum to its text (an added token matched in
-        the text, a normalizer that changed it) takes its bytes from the offsets. Otherwise
-        the offsets of every document."""
+        ``byte_len`` (``_table_batch``). Otherwise the offsets of every document."""
         if self.byte_len is None:
             encs = self.tok.encode_batch(texts, add_special_tokens=False)
             return _flat([self._with_bytes(t, e) for t, e in zip(texts, encs)])
         ids = [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
-        lens = np.fromiter(map(len, ids), np.int64, len(ids))
-        ids = np.fromiter(itertools.chain.from_iterable(ids), np.uint32, int(lens.sum()))
-        nbytes = self.byte_len[ids]
-        ends = np.cumsum(lens)
-        summed = np.concatenate([[0], np.cumsum(nbytes, dtype=np.int64)])
-        want = np.fromiter((len(t.encode("utf-8")) for t in texts), np.int64, len(texts))
-        for d in np.flatnonzero(summed[ends] - summed[ends - lens] != want):
-            nbytes[ends[d] - lens[d]:ends[d]] = self._with_bytes(
-                texts[d], self.tok.encode(texts[d], add_special_tokens=False))[1]
-        return EncodedBatch(ids, nbytes, lens)
+        return _table_batch(
+            texts, ids, self.byte_len,
+            lambda t: self._with_bytes(t, self.tok.encode(t, add_special_tokens=False))[1])
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -286,93 +325,3 @@ def load_tokenizer(spec: str) -> Tokenizer:
     tok = HuggingFaceTokenizer(p) if head == b"{" else SentencePieceTokenizer(p)
     tok.sha256 = file_sha256(p)
     return tok
-
-
-# ----------------------------------------------------------------------------- training
-
-
-def train_tokenizer(texts, kind: str, vocab_size: int, out) -> Tokenizer:
-    """Trains a ``kind`` ('sentencepiece': unigram with byte fallback; 'bpe': byte-level BPE)
-    tokenizer of ``vocab_size`` on the iterable ``texts`` and writes it to ``out``."""
-    out = Path(out)
-    if kind not in KINDS:
-        raise TokenizerError(f"--kind={kind!r} is invalid: one of {', '.join(KINDS)}")
-    if vocab_size < 260:
-        raise TokenizerError(f"--vocab_size={vocab_size} is invalid: at least 260 (the 256 "
-                             "bytes and the special tokens)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    if kind == "bpe":
-        tok = tokenizers.Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size,
-                                      special_tokens=list(BPE_SPECIALS),
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                      show_progress=False)
-        tok.train_from_iterator(texts, trainer=trainer)
-        tok.save(str(tmp))
-    else:
-        with tempfile.TemporaryDirectory() as d:
-            try:
-                spm.SentencePieceTrainer.Train(sentence_iterator=iter(texts),
-                                               model_prefix=f"{d}/m",
-                                               vocab_size=vocab_size,
-                                               model_type="unigram",
-                                               byte_fallback=True,
-                                               character_coverage=0.9995,
-                                               pad_id=0,
-                                               unk_id=1,
-                                               bos_id=2,
-                                               eos_id=3,
-                                               max_sentence_length=1 << 16,
-                                               num_threads=os.cpu_count() or 1,
-                                               minloglevel=2)
-            except RuntimeError as e:
-                raise TokenizerError(f"SentencePiece training failed: "
-                                     f"{' '.join(str(e).split())[:200]}") from e
-            shutil.copyfile(f"{d}/m.model", tmp)
-    os.replace(tmp, out)
-    return load_tokenizer(str(out))
-
-
-def _lines(texts):
-    """SentencePiece trains on sentences: the non-empty lines of each document."""
-    for t in texts:
-        for line in t.splitlines():
-            if line.strip():
-                yield line
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.tokenizer",
-                                 description="Train a tokenizer on the documents of --data.")
-    ap.add_argument("--data", required=True, help="a file, directory or glob (as data.path)")
-    ap.add_argument("--vocab_size", type=int, required=True)
-    ap.add_argument("--kind", choices=KINDS, required=True)
-    ap.add_argument("--out", required=True, help="the tokenizer file to write")
-    ap.add_argument("--text_field", default="text", help="the field of .jsonl / .parquet")
-    args = ap.parse_args(argv)
-    try:
-        files, _ = documents.find_files(args.data)
-        texts = (doc for f in files for doc in documents.read_documents(f, args.text_field))
-        if args.kind == "sentencepiece":
-            texts = _lines(texts)
-        tok = train_tokenizer(texts, args.kind, args.vocab_size, args.out)
-    except (TokenizerError, documents.DocumentError) as e:
-        print(f"experiments.tokenizer: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    print(
-        json.dumps({
-            "out": str(tok.path),
-            "kind": args.kind,
-            "vocab_size": tok.vocab_size,
-            "bos_id": tok.bos_id,
-            "eos_id": tok.eos_id,
-            "sha256": tok.sha256
-        }))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

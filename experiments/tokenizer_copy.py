@@ -63,12 +63,14 @@ def job_tokenizer(job_log_dir) -> Tokenizer:
 
 def keep_in_job_dir(job_log_dir, tok: Tokenizer) -> None:
     """Copies the tokenizer file and its hash into ``job_log_dir/tokenizer`` (atomically: a
-    temporary directory renamed into place); nothing for bytes or when already kept."""
+    temporary directory renamed into place; its permissions those of ``job_log_dir``); nothing
+    for bytes or when already kept."""
     if tok.path is None or job_tokenizer_path(job_log_dir) is not None:
         return
     job_log_dir = Path(job_log_dir)
     job_log_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=job_log_dir))
+    os.chmod(tmp, job_log_dir.stat().st_mode & 0o7777)  # mkdtemp's 0700: the job's own mode
     shutil.copyfile(tok.path, tmp / tok.path.name)
     (tmp / HASH_FILE).write_text(f"{tok.sha256}  {tok.path.name}\n")
     os.replace(tmp, job_log_dir / TOKENIZER_DIR)

@@ -59,6 +59,9 @@ def _one_line_exit_2(capsys, *args) -> str:
      "configs.experiments: use_expert_parallel"),
     ("--fdl_config_file=/nope.json",
      "--fdl_config_file='/nope.json' does not load: FileNotFoundError: No such file"),
+    ("--fdl.train.num_steps='ten'", "--fdl.train: TrainConfig.num_steps='ten' is invalid: must "
+     "be a positive int"),
+    ("--fdl.train.num_steps=-5", "--fdl.train: TrainConfig.num_steps=-5 is invalid"),
     ("--fdl.model.model_dims=96", "model.model_dims=96 differs from model.stacked_transformer_tpl"
      ".model_dims=128: TransformerLm gives the stack its own model_dims"),
     (f"{TPL}.norm_policy='post'", "model.stacked_transformer_tpl.moe_layer_tpl.norm_policy='post'"
@@ -70,6 +73,21 @@ def test_config_and_flag_errors_are_one_line_before_tracing(arg, pattern, tmp_pa
     job = tmp_path / "job"
     line = _one_line_exit_2(capsys, arg, f"--job_log_dir={job}")
     assert pattern in line, line
+    assert "decay_steps" not in line  # a field derived from the one given is not named
+    assert not job.exists()
+
+
+@pytest.mark.parametrize("data, pattern", [
+    ("--fdl.data.path='{tmp}/missing'", "data.path='{tmp}/missing': no such file or directory"),
+    ("--fdl.data.tokenizer='{tmp}/no.model'", "data.tokenizer='{tmp}/no.model': no such file"),
+])
+def test_a_data_error_under_a_valid_config_is_not_called_an_invalid_config(
+        data, pattern, tmp_path, capsys, nothing_traced):
+    job = tmp_path / "job"
+    corpus = f"--fdl.data.path='{tmp_path}'" if "tokenizer" in data else "--no_progress"
+    (tmp_path / "a.txt").write_text("some text")
+    line = _one_line_exit_2(capsys, data.format(tmp=tmp_path), corpus, f"--job_log_dir={job}")
+    assert line.startswith("experiments.main: error: " + pattern.format(tmp=tmp_path)), line
     assert not job.exists()
 
 

@@ -18,6 +18,7 @@ from pydoc_data import topics
 from configs import base, experiments
 from experiments import documents, packing, pipeline, setup, token_cache
 from experiments import tokenizer as tokenizer_lib
+from experiments.train_tokenizer import train_tokenizer
 from experiments import tokenizer_copy
 
 # ------------------------------------------------------------------------------ fixtures
@@ -50,11 +51,8 @@ def toks(corpus, tmp_path_factory):
     files, _ = documents.find_files(str(corpus))
     texts = [t for f in files for t in documents.read_documents(f)]
     return {
-        "bpe":
-        tokenizer_lib.train_tokenizer(texts, "bpe", 600, out / "tokenizer.json"),
-        "sentencepiece":
-        tokenizer_lib.train_tokenizer(tokenizer_lib._lines(texts), "sentencepiece", 600,
-                                      out / "sp.model"),
+        "bpe": train_tokenizer(texts, "bpe", 600, out / "tokenizer.json"),
+        "sentencepiece": train_tokenizer(texts, "sentencepiece", 600, out / "sp.model"),
     }
 
 
@@ -116,7 +114,10 @@ def test_ids_equal_the_librarys_encode_and_bytes_sum_to_the_text(toks, corpus, k
             ids, nb = tok.encode_with_bytes(text)
             assert list(ids) == lib_encode(text) == tok.encode(text)
             assert int(nb.sum()) == len(text.encode("utf-8")) and np.all(nb >= 0)
-            assert tok.decode(ids) == text or kind == "sentencepiece"  # SP normalises spaces
+            assert tok.decode(ids) == text  # lossless: whitespace, newlines and tabs kept
+    texts = [t for f in files for t in documents.read_documents(f)]
+    assert [tok.decode(tok.encode(t)) for t in texts] == texts
+    assert tokenizer_lib.dropped_by(tok) == []
     assert tok.eos_id is not None and tok.vocab_size == 600
     again = tokenizer_lib.load_tokenizer(str(tok.path))
     assert again.sha256 == tok.sha256 and type(again) is type(tok)
@@ -160,6 +161,15 @@ def test_batches_equal_the_librarys_encode_and_each_token_its_bytes(toks, corpus
             pieces = [bytes(byte_of[c] for c in tok.tok.id_to_token(int(i))) for i in ids]
             assert b"".join(pieces) == text.encode("utf-8")
             np.testing.assert_array_equal(nb, [len(p) for p in pieces])
+        if kind == "sentencepiece":  # each piece its own bytes of the text: <0xNN> one byte
+            pieces = [tok.sp.IdToPiece(int(i)) for i in ids]
+            pieces = [
+                bytes([int(p[3:5], 16)])
+                if tok.sp.IsByte(int(i)) else p.replace("\u2581", " ").encode()
+                for p, i in zip(pieces, ids)
+            ]
+            assert b"".join(pieces) == text.encode("utf-8")
+            np.testing.assert_array_equal(nb, [len(p) for p in pieces])
     if kind == "bpe":
         assert tok.byte_len is not None and tok.byte_len[tok.eos_id] == 0
 
@@ -179,6 +189,13 @@ def test_bytes_tokenizer_and_bad_tokenizer_files(tmp_path):
 
 def test_job_dir_keeps_the_tokenizer_and_refuses_another(toks, tmp_path):
     job = tmp_path / "job"
+    job.mkdir()
+    for mode in (0o750, 0o755):  # the kept copy's folder is as open as the job directory
+        other = tmp_path / f"job{mode:o}"
+        other.mkdir()
+        other.chmod(mode)
+        tokenizer_copy.keep_in_job_dir(other, toks["bpe"])
+        assert (other / "tokenizer").stat().st_mode & 0o7777 == mode
     tokenizer_copy.keep_in_job_dir(job, toks["bpe"])
     kept = tokenizer_copy.job_tokenizer(job)
     assert kept.sha256 == toks["bpe"].sha256 and kept.path.parent == job / "tokenizer"
@@ -318,6 +335,7 @@ def test_bad_data_configs(toks, corpus, tmp_path):
     (small / "a.txt").write_text("just a few words")
     with pytest.raises(ValueError, match=r"leaves \d+ tokens in the train split"):
         pipeline.load_token_dataset(_cfg(small, tmp_path, toks["bpe"]), progress=False)
+    assert list((tmp_path / "cache").iterdir()) == []  # its tokenized entry is not left behind
     with pytest.raises(ValueError, match=r"held-out split .* less than one batch"):
         pipeline.load_token_dataset(_cfg(corpus, tmp_path, toks["bpe"], batch_size=4096),
                                     progress=False)

@@ -4,6 +4,7 @@ text with a SentencePiece and a BPE tokenizer trained here, and two processes (j
 reading disjoint rows of each batch and training as one process does."""
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pydoc_data import topics
 
 from configs import models
 from experiments import documents, packing
-from experiments import tokenizer as tokenizer_lib
+from experiments.train_tokenizer import train_tokenizer
 from experiments.steps import _model_inputs, _segments
 from tests.main_util import ROOT, SMALL, main_env, records, run_main
 
@@ -74,15 +75,10 @@ def folder(tmp_path_factory):
     texts = [t for f in files for t in documents.read_documents(f)]
     tok = tmp_path_factory.mktemp("tok")
     return {
-        "compile_cache":
-        tmp_path_factory.mktemp("compile_cache"),
-        "dir":
-        d,
-        "bpe":
-        tokenizer_lib.train_tokenizer(texts, "bpe", 512, tok / "tokenizer.json").path,
-        "sentencepiece":
-        tokenizer_lib.train_tokenizer(tokenizer_lib._lines(texts), "sentencepiece", 512,
-                                      tok / "sp.model").path,
+        "compile_cache": tmp_path_factory.mktemp("compile_cache"),
+        "dir": d,
+        "bpe": train_tokenizer(texts, "bpe", 512, tok / "tokenizer.json").path,
+        "sentencepiece": train_tokenizer(texts, "sentencepiece", 512, tok / "sp.model").path,
     }
 
 
@@ -132,13 +128,24 @@ def test_cli_sentencepiece_kill_and_resume_is_bitwise(folder, tmp_path):
 
 
 def test_cli_bpe_trains_evaluates_and_refuses_another_tokenizer(folder, tmp_path):
+    """Eval of the job as it is uses its own tokenizer copy, though a new file now sits at the
+    path it was trained from; a tokenizer the user gives must be the kept one."""
     job = tmp_path / "job"
     steps = ["--fdl.train.num_steps=2", "--fdl.train.eval_every=2"]
-    _run(folder, [f"--job_log_dir={job}", *_flags(folder, "bpe", tmp_path, *steps)])
+    mine = {**folder, "bpe": tmp_path / "tokenizer.json"}
+    shutil.copyfile(folder["bpe"], mine["bpe"])
+    _run(folder, [f"--job_log_dir={job}", *_flags(mine, "bpe", tmp_path, *steps)])
+    shutil.copyfile(folder["sentencepiece"], mine["bpe"])  # a new file at the original path
     p = _run(folder, [f"--job_log_dir={job}", "--mode=eval", "--no_progress"])
     result = json.loads(p.stdout[p.stdout.index("\n{") + 1:])
     assert result["step"] == 2 and result["heldout_bits_per_byte"] > 0
     assert result["heldout_loss"] == pytest.approx(records(job, "eval")[-1]["heldout_loss"])
+    p = _run(folder, [
+        f"--job_log_dir={job}", "--mode=eval", "--no_progress",
+        f"--fdl.data.tokenizer='{mine['bpe']}'"
+    ],
+             check=False)
+    assert p.returncode == 2 and "was trained with the tokenizer" in p.stderr, p.stderr
     p = _run(folder, [f"--job_log_dir={job}", *_flags(folder, "sentencepiece", tmp_path, *steps)],
              check=False)
     assert p.returncode == 2 and "experiments.main: error:" in p.stderr

@@ -288,5 +288,5 @@ def test_mesh_override_after_the_sharding_was_written_is_refused():
 def test_missing_text_path_is_a_config_error(tmp_path):
     parse("--fdl.data.source='text'", f"--fdl.data.path='{tmp_path / 'missing'}'")
     cfg, _ = main_lib.config_from_flags()
-    with pytest.raises(setup.ConfigError, match=r"--fdl.data: .*missing': no such file or dir"):
+    with pytest.raises(setup.DataError, match=r"^data.path='.*missing': no such file or dir"):
         setup.prepare(cfg)

@@ -6,7 +6,10 @@ tests/test_data_pipeline_e2e.py, on a tokenized corpus.)
 Runs use the Tiny model with a smaller batch (8 x 32 bytes) to stay within the suite's time
 budget; the README's 200-step numbers are for the default Tiny run (`make run`)."""
 
+import ast
 import json
+import re
+import shlex
 import signal
 import struct
 import subprocess
@@ -103,6 +106,56 @@ def test_train_writes_everything_and_loss_falls(tmp_path):
                  check=False)
     assert p.returncode == 2
     assert "the checkpoint of step 40" in p.stderr and "does not fit" in p.stderr
+
+
+def _docs_commands_on_runs_tiny() -> list[list[str]]:
+    """The arguments of every `python -m experiments.main` command in README.md and
+    docs/experiments.md that reads runs/tiny (the job `make run` makes), backslash-continued
+    lines joined, comments left out."""
+    found = []
+    for doc in ("README.md", "docs/experiments.md"):
+        text = (ROOT / doc).read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            line = line.split("  #")[0].strip()
+            if re.match(r"(\.venv/bin/)?python -m experiments\.main ", line) and \
+                    "--job_log_dir=runs/tiny" in line:
+                found.append(shlex.split(line)[3:])
+    return found
+
+
+def test_the_docs_eval_and_sample_commands_run_on_a_trained_tiny_job(tmp_path):
+    """Each eval and sample command of the README and docs/experiments.md, and the docs'
+    ``generate`` example, runs as written on a Tiny job (its context of 64 tokens: the
+    README's sample command takes --max_new_tokens's default, what fits), trained 2 steps."""
+    cache = tmp_path / "compile_cache"
+    job = tmp_path / "runs" / "tiny"
+    run_main([
+        f"--job_log_dir={job}", "--fdl.train.num_steps=2", "--fdl.train.eval_every=2",
+        "--fdl.train.eval_batches=1", "--fdl.data.batch_size=8", "--no_progress"
+    ],
+             compile_cache=cache)
+    commands = _docs_commands_on_runs_tiny()
+    modes = sorted(a for c in commands for a in c if a.startswith("--mode="))
+    assert modes == ["--mode=eval", "--mode=sample", "--mode=sample"], commands
+    for args in commands:
+        args = [a.replace("runs/tiny", str(job)) for a in args]
+        p = run_main(args, compile_cache=cache)
+        if "--mode=eval" in args:
+            assert json.loads(p.stdout[p.stdout.index("\n{") + 1:])["step"] == 2
+        else:
+            assert "=== prompt 0: 'def main('" in p.stdout and "tokens/s" in p.stdout, p.stdout
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs/experiments.md").read_text(), re.S)
+    [block] = [b for b in blocks if 'generate("runs/tiny"' in b]
+    p = subprocess.run(
+        [sys.executable, "-c", block.replace("runs/tiny", str(job))],
+        cwd=ROOT,
+        env=main_env(1, cache),
+        capture_output=True,
+        text=True,
+        timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    texts = ast.literal_eval(p.stdout.strip().splitlines()[-1])
+    assert len(texts) == 1 and len(texts[0]) == 2 and all(isinstance(t, str) for t in texts[0])
 
 
 def test_sigterm_and_resume_reproduce_the_uninterrupted_losses(tmp_path):

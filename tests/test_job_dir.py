@@ -236,16 +236,18 @@ def test_the_schedule_length_is_fixed_at_the_first_start(tmp_path, capsys, no_tr
 
 
 def test_a_mode_that_reads_a_job_creates_nothing(tmp_path, capsys):
-    """--mode=eval of a mistyped directory is one line naming the close run and creates
-    nothing; of a directory without checkpoints (the real trainer) it writes nothing there."""
+    """--mode=eval or --mode=sample of a mistyped directory is one line naming the close run
+    and creates nothing; eval of a directory without checkpoints (the real trainer) writes
+    nothing there."""
     runs = tmp_path / "runs"
     (runs / "tiny").mkdir(parents=True)
     jobdir.record(runs / "tiny", experiments.tiny())
-    assert _start("--mode=eval", f"--job_log_dir={runs / 'tinyy'}") == 2
-    line = _error_line(capsys)
-    assert f"--job_log_dir='{runs / 'tinyy'}' does not exist" in line
-    assert f"did you mean {runs / 'tiny'}?" in line
-    assert sorted(p.name for p in runs.iterdir()) == ["tiny"]
+    for mode in (["--mode=eval"], ["--mode=sample", "--prompt=def main("]):
+        assert _start(*mode, f"--job_log_dir={runs / 'tinyy'}") == 2
+        line = _error_line(capsys)
+        assert f"--job_log_dir='{runs / 'tinyy'}' does not exist" in line, (mode, line)
+        assert f"did you mean {runs / 'tiny'}?" in line, (mode, line)
+        assert sorted(p.name for p in runs.iterdir()) == ["tiny"]
     before = sorted(p.name for p in (runs / "tiny").iterdir())
     assert _start("--mode=eval", f"--job_log_dir={runs / 'tiny'}") == 2
     assert "needs a checkpoint" in _error_line(capsys)

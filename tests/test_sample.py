@@ -268,6 +268,19 @@ def test_bad_settings(kw, fix):
         sample.check_settings(**{**settings, **kw})
 
 
+def test_the_default_new_tokens_are_what_fits():
+    """--max_new_tokens unset: the context minus the longest prompt; a prompt filling the
+    context is then refused by check_prompts, not given a limit <= 0."""
+    assert sample.fitting_new_tokens([[1] * 9], 64) == 55
+    assert sample.fitting_new_tokens([[1] * 9, [2] * 20, [3]], 64) == 44
+    sample.check_prompts([[1] * 9, [2] * 20], sample.fitting_new_tokens([[1] * 9, [2] * 20], 64),
+                         64, 256)
+    with pytest.raises(sample.SampleError, match="prompt 1 is 70 tokens: the prompt alone exceeds"):
+        sample.check_prompts([[1], [1] * 70], sample.fitting_new_tokens([[1], [1] * 70], 64), 64,
+                             256)
+    sample.check_settings(max_new_tokens=None, temperature=0.0, top_k=0, top_p=1.0, num_samples=1)
+
+
 def test_bad_prompts_and_job_dirs(tmp_path):
     with pytest.raises(sample.SampleError, match="prompt 1 is empty"):
         sample.check_prompts([[1], []], 4, 64, 256)
@@ -279,6 +292,14 @@ def test_bad_prompts_and_job_dirs(tmp_path):
         sample.check_prompts([[1] * 60], 5, 64, 256)
     with pytest.raises(sample.SampleError, match="outside the vocabulary"):
         sample.check_prompts([[300]], 1, 64, 256)
+    # no positive limit fits: how much too long the prompt is, never a limit <= 0
+    for n, why in ((580, "alone exceeds the model's context of 64 tokens .* by 516 tokens"),
+                   (64, "alone fills the model's context of 64 tokens .* no room for a new token")):
+        with pytest.raises(sample.SampleError,
+                           match=f"prompt 0 is {n} tokens: the prompt {why}; "
+                           "shorten it to at most 63 tokens") as e:
+            sample.check_prompts([[1] * n], 64, 64, 256)
+        assert "--max_new_tokens <=" not in str(e.value)
     with pytest.raises(sample.SampleError, match="holds no config.json"):
         sample.recorded_config(tmp_path)
     (tmp_path / "config.json").write_text(sample_util.config_json("tiny"))

@@ -23,7 +23,7 @@ import pytest
 
 from experiments import main as main_lib
 from experiments import sample
-from experiments import tokenizer as tokenizer_lib
+from experiments.train_tokenizer import train_tokenizer
 from experiments import tokenizer_copy
 from tests import sample_util, testutil
 from tests.flagutil import parse, reset_flags  # noqa: F401  (autouse fixture)
@@ -43,10 +43,9 @@ def jobs(tmp_path_factory):
     tok_dir = tmp_path_factory.mktemp("tok")
     toks = {
         "bpe":
-        tokenizer_lib.train_tokenizer(texts, "bpe", VOCAB["bpe"], tok_dir / "tokenizer.json"),
+        train_tokenizer(texts, "bpe", VOCAB["bpe"], tok_dir / "tokenizer.json"),
         "sentencepiece":
-        tokenizer_lib.train_tokenizer(tokenizer_lib._lines(texts), "sentencepiece",
-                                      VOCAB["sentencepiece"], tok_dir / "sp.model"),
+        train_tokenizer(texts, "sentencepiece", VOCAB["sentencepiece"], tok_dir / "sp.model"),
     }
     made = {}
     for kind, tok in toks.items():
@@ -62,7 +61,7 @@ def jobs(tmp_path_factory):
 
 
 def _settings(**kw):
-    return dict(max_new_tokens=NEW, temperature=0.0, top_k=0, top_p=1.0, num_samples=1, **kw)
+    return {**dict(max_new_tokens=NEW, temperature=0.0, top_k=0, top_p=1.0, num_samples=1), **kw}
 
 
 def test_greedy_cached_equals_recompute_with_the_jobs_tokenizer(jobs):
@@ -128,3 +127,20 @@ def test_a_missing_or_changed_tokenizer_copy_is_one_line(jobs, tmp_path, damage,
     parse("--mode=sample", f"--job_log_dir={job}", "--prompt=Hi")
     with pytest.raises(main_lib.UsageError, match=message):
         main_lib.main(["main"])
+
+
+@pytest.mark.slow
+def test_a_new_file_at_the_tokenizers_path_leaves_the_job_on_its_own_copy(jobs, tmp_path):
+    """The job's checksummed copy is what sampling uses, whatever the path it was trained from
+    holds now (another tokenizer here)."""
+    _, tok = jobs["bpe"]
+    path = tmp_path / "tokenizer.json"
+    shutil.copyfile(tok.path, path)
+    data = {"path": str(tmp_path), "tokenizer": str(path), "add_bos": True}
+    job = sample_util.make_job(tmp_path / "job", "tiny", data=data)
+    shutil.copyfile(jobs["sentencepiece"][1].path, path)  # a new file at the original path
+    got = sample.continuations(job, PROMPTS, _settings(max_new_tokens=4))
+    assert got.tokenizer.sha256 == tok.sha256
+    assert got.samples.prompts == [[tok.bos_id] + tok.encode(p) for p in PROMPTS]
+    assert got.texts == [[tok.decode([t for t in ids if t != tok.eos_id])]
+                         for ids in got.samples.tokens]
