@@ -124,7 +124,7 @@ def synthetic_batch(data, vocab: int, rng: np.random.Generator) -> dict:
     return batch
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.e2e",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--exp", help="a registered experiment (--exp of the main)")
@@ -148,6 +148,11 @@ def parse_args(argv=None):
                    default=[],
                    metavar="PATH=VALUE",
                    help="override a config leaf, as experiments.main's --fdl_set")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     opts = p.parse_args(argv)
     if (opts.exp is None) == (opts.summary is None):
         p.error("give --exp NAME (run it) or --summary DIR (tabulate earlier runs), one of them")
