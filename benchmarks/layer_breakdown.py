@@ -134,11 +134,13 @@ def _instruction(event: dict, index: dict, ops: list[dict]) -> tuple[dict | None
     return None, "none"
 
 
-def breakdown(fn, args, hlo_text: str, *, reps: int = 5) -> dict:
+def breakdown(fn, args, hlo_text: str, *, reps: int = 5, classify=stage_of) -> dict:
     """Per-stage GPU time of fn(*args) (a compiled step; hlo_text: its compiled HLO): {stages: {stage: {ms, kernels}},
     gpu_ms (per step), attributed (how many events by each route), top_other: the largest
-    kernels left in OTHER}. Raises trace.NoGpuEvents (with the reason) where the trace has no
-    GPU kernels, e.g. on the CPU."""
+    kernels left in OTHER, top_kernels: {stage: the 3 largest kernels (name, ms per step)}}.
+    classify(info, kernel name) -> stage (default stage_of: the MoE layer's stages; the
+    end-to-end step's parts: benchmarks.e2e_parts.part_of). Raises trace.NoGpuEvents (with
+    the reason) where the trace has no GPU kernels, e.g. on the CPU."""
     index = hlo_index(hlo_text)
     with tempfile.TemporaryDirectory(prefix="layer_trace_") as tmp:
         trace.traced(fn, args, reps, tmp, pipelined=True)
@@ -149,19 +151,22 @@ def breakdown(fn, args, hlo_text: str, *, reps: int = 5) -> dict:
             ops = []
     stages = collections.defaultdict(lambda: dict(ms=0.0, kernels=0.0))
     how = collections.Counter()
-    other = collections.Counter()
+    by_kernel = collections.defaultdict(collections.Counter)
     for e in events:
         info, route = _instruction(e, index, ops)
         how[route] += 1
-        stage = e["stage"] = stage_of(info, e["name"])
+        stage = e["stage"] = classify(info, e["name"])
         stages[stage]["ms"] += e["dur"] / 1e3 / reps
         stages[stage]["kernels"] += 1 / reps
-        if stage == OTHER:
-            other[e["name"][:80]] += e["dur"] / 1e3 / reps
+        by_kernel[stage][e["name"][:80]] += e["dur"] / 1e3 / reps
     return dict(stages=dict(stages),
                 gpu_ms=sum(s["ms"] for s in stages.values()),
                 attributed=dict(how),
-                top_other=other.most_common(5),
+                top_other=by_kernel[OTHER].most_common(5),
+                top_kernels={
+                    k: c.most_common(3)
+                    for k, c in by_kernel.items()
+                },
                 idle=idle_gaps(events, reps))
 
 
@@ -197,15 +202,17 @@ def idle_gaps(events: list[dict], reps: int, *, top: int = 8) -> dict:
                          for us, b, a in inner[:top]])
 
 
-def table(name: str, result: dict, step_ms: float | None) -> str:
-    """Markdown: one row per stage (ms per step, share of the GPU time, kernels per step)."""
+def table(name: str, result: dict, step_ms: float | None, order=None) -> str:
+    """Markdown: one row per stage (ms per step, share of the GPU time, kernels per step), in
+    ``order`` (default: this module's stages)."""
     gpu = result["gpu_ms"]
     busy = f", GPU busy {100 * gpu / step_ms:.0f}% of the {step_ms:.3f} ms step" if step_ms else ""
     lines = [
         f"{name}: {gpu:.3f} ms of GPU kernels per step{busy}",
         "| stage | ms | % of GPU time | kernels |", "|---|---|---|---|"
     ]
-    order = [s for s, _, _ in STAGES] + [s for s, _ in KERNEL_NAMES] + [OTHER]
+    if order is None:
+        order = [s for s, _, _ in STAGES] + [s for s, _ in KERNEL_NAMES] + [OTHER]
     for stage in dict.fromkeys(order):
         if stage in result["stages"]:
             s = result["stages"][stage]

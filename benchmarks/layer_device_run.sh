@@ -18,16 +18,9 @@ BUDGET=${1:-540}
 SHAPES=${2:-mixtral,qwen3,deepseek}
 shift 2 2>/dev/null
 TAG=${SHAPES//,/_}
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv
-  python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
-} > "$OUT/env_layer.txt" 2>&1
-cat "$OUT/env_layer.txt"
-if ! python3 -c "from moe_praxis.ops import backend; ok, why = backend.load_library(); print(why); raise SystemExit(0 if ok else 1)" 2>&1 | tee -a "$OUT/env_layer.txt"; then
-  echo "carried library not loadable: building here"
-  python3 -m moe_praxis.build_kernels --jobs 16 2>&1 | tee "$OUT/build.log"
-fi
+source "$(dirname "$0")/device_common.sh"
+device_env "$OUT/env_layer.txt"
+ensure_library "$OUT" | tee -a "$OUT/env_layer.txt"
 START=$(date +%s)
 timeout $(( BUDGET + 60 )) python3 -m benchmarks.layer --shapes "$SHAPES" --time-budget "$BUDGET" \
   --json "$OUT/layer_bench_$TAG.json" "$@" > "$OUT/layer_$TAG.log" 2>&1

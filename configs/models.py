@@ -18,8 +18,13 @@ from praxis import base_layer, pax_fiddle
 from praxis.layers import activations, embedding_softmax, normalizations, transformer_models
 from praxis.layers import transformers
 
+from moe_praxis.praxis import remat as remat_lib
 from moe_praxis.praxis.attention import GroupedQueryAttention
 from moe_praxis.praxis.stack import DenseFirstRepeated
+
+# 'full': Praxis's remat as the presets configure it with REMAT=True (a repeated stack
+# recomputes each layer whole); 'none': no remat; the others: moe_praxis.praxis.remat.POLICIES.
+REMAT_POLICIES = ("full", "none") + tuple(remat_lib.POLICIES)
 
 
 def moe_layer_class():
@@ -74,7 +79,7 @@ def transformer_lm(
     aux_loss_coeff: float = 0.01,
     repeat: bool = False,
     fprop_dtype: str = "float32",
-    remat: bool = False,
+    remat: bool | str = False,
     norm: str = "rms",
     fuse_gate_up: bool = False,
     first_k_dense: int = 0,
@@ -113,6 +118,9 @@ def transformer_lm(
       DotProductAttention's variables); attention_impl: 'auto', 'xla' or 'cudnn';
       qk_norm: None, 'per_head' or 'full' RMSNorm of queries and keys (qk_norm_epsilon);
       rope_max_wavelength: the rotary embedding's base (its max_timescale).
+    remat: Praxis's StackedTransformer.remat (True or False: ``remat_policy`` reads both as
+      'full' in a repeated stack, whose scan saves nothing), or a name of REMAT_POLICIES
+      (``set_remat``).
     Returns pax_fiddle.Config[TransformerLm]; inputs [B, S] int32 -> logits [B, S, V].
     """
     import jax.numpy as jnp
@@ -170,7 +178,6 @@ def transformer_lm(
     block.dim_per_head = dim_per_head
     block.num_experts = num_experts
     block.gating_func = "topk"
-    block.remat = remat
     layer = block.transformer_layer_params_tpl
     layer.norm_policy = "pre"
     if norm == "rms":
@@ -219,7 +226,49 @@ def transformer_lm(
                             if moe_layers is None else list(moe_layers))
         stack = block
     lm.stacked_transformer_tpl = stack
+    if isinstance(remat, bool):
+        block.remat = remat  # Praxis's remat, as every preset configured it
+    else:
+        set_remat(lm, remat)
     return lm
+
+
+def set_remat(lm: pax_fiddle.Config, policy: str) -> None:
+    """Puts a remat policy (REMAT_POLICIES) on a model config, through Praxis's own fields:
+    'full' is Praxis's block remat (a repeated stack's scan saving nothing: each layer
+    recomputed whole; an unrolled stack with Praxis's default block policy), 'none' no remat
+    (a repeated stack's scan saving everything), a name of moe_praxis.praxis.remat.POLICIES
+    the policy of the scan (repeated stack) or of the block's remat (unrolled stack)."""
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"remat={policy!r} is invalid; valid: True, False, "
+                         f"{', '.join(REMAT_POLICIES)}")
+    block, st = stack_block(lm), lm.stacked_transformer_tpl
+    ckpt = transformers.AutodiffCheckpointType
+    repeated = hasattr(st, "x_times")
+    block.remat = policy == "full" or (policy != "none" and not repeated)
+    block.checkpoint_policy = policy if policy in remat_lib.POLICIES and not repeated else (
+        ckpt.SAVE_DOT_EXCEPT_LOGITS_FFN1)  # Praxis's default
+    if repeated:
+        st.checkpoint_policy = {
+            "full": ckpt.SAVE_NOTHING,
+            "none": ckpt.SAVE_EVERYTHING
+        }.get(policy, policy)
+
+
+def remat_policy(lm: pax_fiddle.Config) -> str:
+    """The remat policy of a model config (REMAT_POLICIES; another Praxis policy by its value)."""
+    block, st = stack_block(lm), lm.stacked_transformer_tpl
+    ckpt = transformers.AutodiffCheckpointType
+    if hasattr(st, "x_times"):
+        if block.remat or st.checkpoint_policy == ckpt.SAVE_NOTHING:
+            return "full"
+        return "none" if st.checkpoint_policy == ckpt.SAVE_EVERYTHING else str(
+            getattr(st.checkpoint_policy, "value", st.checkpoint_policy))
+    if not block.remat:
+        return "none"
+    if block.checkpoint_policy == ckpt.SAVE_DOT_EXCEPT_LOGITS_FFN1:
+        return "full"
+    return str(getattr(block.checkpoint_policy, "value", block.checkpoint_policy))
 
 
 def stack_block(lm: pax_fiddle.Config) -> pax_fiddle.Config:

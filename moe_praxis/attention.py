@@ -173,3 +173,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, atten_mask: jax.Array, plan
                                           scale=scale,
                                           mask_type=cudnn_fa.MaskType.PADDING_CAUSAL,
                                           qkv_layout="BTNH")
+
+
+def routes() -> list[str]:
+    """The route lines logged so far in this process (one per distinct choice)."""
+    return sorted(_LOGGED)

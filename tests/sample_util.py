@@ -51,8 +51,11 @@ class DeepSeekSmall(_Small, exp.DeepSeekV3):
 
 
 class Qwen3Small(_Small, exp.Qwen3Moe):
-    """2 scanned MoE layers, softmax top-k renormalised, no shared expert."""
+    """2 scanned MoE layers, softmax top-k renormalised, no shared expert; Qwen3's attention
+    (grouped-query, per-head q/k norms) with 4 query and 2 key/value heads."""
     NUM_LAYERS = 2
+    NUM_HEADS = 4
+    NUM_KV_HEADS = 2
     TOP_K = 4
 
 

@@ -213,8 +213,10 @@ def test_gpu_presets_trace_on_fake_devices():
     assert qw["mesh"] == {"data": 1, "fsdp": 4, "expert": 8}
 
     # Parameter counts from the layer shapes, written out independently:
-    def lm_params(v, m, layers, heads, dh, e, h_moe, dense=0, h=0, shared=0):
-        attn = 4 * m * heads * dh + 3 * heads * dh + m  # q,k,v,o weights + q,k,v and o biases
+    def lm_params(v, m, layers, heads, dh, e, h_moe, dense=0, h=0, shared=0, kv=None, qk=0):
+        kv = kv or heads  # key/value heads; qk: the query/key norms' scales of a layer
+        # q,k,v,o weights + q,k,v and o biases + the q/k norms
+        attn = 2 * m * heads * dh + 2 * m * kv * dh + (heads + 2 * kv) * dh + m + qk
         # router + gate/up/down + the shared experts' gate/up/down (the expert bias is
         # non-trainable: not a parameter)
         moe = m * e + 3 * e * m * h_moe + 3 * m * shared
@@ -223,11 +225,11 @@ def test_gpu_presets_trace_on_fake_devices():
         return (v * m + v + dense * (attn + ffn + norms) + (layers - dense) * (attn + moe + norms) +
                 m)  # tied emb, logit bias, final norm
 
-    assert mx["num_params"] == lm_params(32000, 4096, 32, 32, 128, 8, 14336)
+    assert mx["num_params"] == lm_params(32000, 4096, 32, 32, 128, 8, 14336, kv=8)
     # DeepSeek-V3: 3 dense layers (H=18432), 1 shared expert of 2048
     assert ds["num_params"] == lm_params(129280, 7168, 61, 128, 128, 256, 2048, 3, 18432, 2048)
     assert ds["num_params"] == 687_345_360_128  # docs/experiments.md
-    assert qw["num_params"] == lm_params(151936, 2048, 48, 32, 128, 128, 768)
+    assert qw["num_params"] == lm_params(151936, 2048, 48, 32, 128, 128, 768, kv=4, qk=2 * 128)
     assert sg["num_params"] == lm_params(256, 1024, 8, 16, 64, 8, 2048)
     for r in (mx, ds, qw):
         assert r["loss"] == [[], "float32"]

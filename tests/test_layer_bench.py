@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import e2e
 from benchmarks import layer_breakdown as lb
 from benchmarks import layer_cases as lc
 from benchmarks import layer_check
@@ -173,11 +174,17 @@ def test_options_and_device_script_knobs_are_documented():
     assert {"--shapes", "--methods", "--skew", "--breakdown", "--json", "--quick"} <= opts
     missing = sorted(o for o in opts if o not in text)
     assert not missing, f"options missing from docs/performance.md: {missing}"
-    unknown = set(re.findall(r"`(--[a-z-]+)", text)) - opts
-    assert not unknown, f"docs/performance.md names options the benchmark lacks: {unknown}"
+    e2e_opts = long_options(e2e.build_parser())  # the end-to-end benchmark's, also there
+    missing = sorted(o for o in e2e_opts if o not in text)
+    assert not missing, f"benchmarks.e2e options missing from docs/performance.md: {missing}"
+    unknown = set(re.findall(r"`(--[a-z-]+)", text)) - opts - e2e_opts
+    assert not unknown, f"docs/performance.md names options the benchmarks lack: {unknown}"
     script = (ROOT / "benchmarks/layer_device_run.sh").read_text()
     knobs = set(re.findall(r"\$\{([A-Z_]+):-", script)) - {"OUT", "PYTHONPATH", "XLA_FLAGS"}
     assert "BREAKDOWN_S" in knobs
+    script = (ROOT / "benchmarks/e2e_device_run.sh").read_text()
+    knobs |= set(re.findall(r"\$\{([A-Z_]+):-", script)) - {"OUT", "PYTHONPATH", "XLA_FLAGS"}
+    assert {"RUNS", "BREAKDOWN"} <= knobs
     for knob in knobs:
         assert knob in text, f"device-script knob {knob} is not in docs/performance.md"
 

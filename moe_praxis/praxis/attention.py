@@ -160,9 +160,10 @@ class GroupedQueryAttention(attentions.DotProductAttention):
         """query_vec [B, T, D], key_vec, value_vec [B, S, D], atten_mask [B|1, 1, T|1, S]
         (Praxis's additive mask), segment positions [B, T] / [B, S] (rotary) -> ([B, T, D],
         None: no probabilities exist on the fused routes)."""
-        q = self._norm("query_norm", self.query(query_vec))  # [B, T, N, H]
-        k = self._norm("key_norm", self.key(key_vec))  # [B, S, K, H]
-        v = self.value(value_vec)  # [B, S, K, H]
+        # The projections carry Praxis's checkpoint names (remat policies may keep them).
+        q = self._norm("query_norm", checkpoint_name(self.query(query_vec), "query_proj"))
+        k = self._norm("key_norm", checkpoint_name(self.key(key_vec), "key_proj"))
+        v = checkpoint_name(self.value(value_vec), "value_proj")  # [B, S, K, H]
         if self.use_rotary_position_emb:
             q = self.rotary_position_emb(q, query_segment_pos)
             k = self.rotary_position_emb(k, key_segment_pos)

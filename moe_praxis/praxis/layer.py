@@ -29,6 +29,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from praxis import base_layer
 from praxis import pax_fiddle
 from praxis.layers import activations as activations_lib
@@ -365,7 +366,7 @@ class MoEFeedForward(base_layer.BaseLayer):
             x = inputs
         x = self._shard(x, split)
         out = self._moe(x, paddings)
-        y = self._shard(out.y, split)
+        y = checkpoint_name(self._shard(out.y, split), "moe_out")  # a remat policy may keep it
         for name, value in moe_summaries(out, paddings, int(np.prod(x.shape[:-1])),
                                          self.moe_config).items():
             self.add_summary(name, value)
