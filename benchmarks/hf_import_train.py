@@ -30,7 +30,14 @@ import time
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from experiments import import_hf, jobdir, setup, steps
+from experiments.checkpoints import Checkpoints
+from experiments.hf_checkpoint import read_config
 
 QWEN3_30B_A3B = dict(vocab_size=151936,
                      hidden_size=2048,
@@ -84,8 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def layer_tensors(cfg: dict, l: int, rng) -> dict:
     """Layer ``l``'s tensors as Qwen3-MoE names and lays them out, bfloat16, std 0.02."""
-    import ml_dtypes
-
     m, n, k, d = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
                   cfg["head_dim"])
     e, h = cfg["num_experts"], cfg["moe_intermediate_size"]
@@ -116,10 +121,6 @@ def layer_tensors(cfg: dict, l: int, rng) -> dict:
 def write_model(model_dir: Path, layers: int, tiny: bool = False) -> dict:
     """The Hugging Face folder of a random ``layers``-layer Qwen3-30B-A3B-shaped model (its
     widths, or TINY's)."""
-    import ml_dtypes
-    from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     cfg = dict(QWEN3_30B_A3B, num_hidden_layers=layers, **(TINY if tiny else {}))
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -170,10 +171,6 @@ def _du(path: Path) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from experiments import import_hf, jobdir, setup, steps
-    from experiments.checkpoints import Checkpoints
-    from experiments.hf_checkpoint import read_config
-
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     model_dir, job = work / "model", work / "job"

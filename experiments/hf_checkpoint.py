@@ -209,9 +209,6 @@ class Shards:
         got = self.headers.get(name)
         return None if got is None else got[1]
 
-    def nbytes(self) -> int:
-        return sum(p.stat().st_size for p in self.files)
-
     def tensors(self) -> Iterator[tuple[Path, str, np.ndarray]]:
         """(file, name, array) of every tensor, one shard file open at a time."""
         safe_open = _require_safetensors()

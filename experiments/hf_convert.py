@@ -35,7 +35,9 @@ import dataclasses
 import re
 from typing import Callable
 
+import jax
 import numpy as np
+from tqdm import tqdm
 
 from configs.hf import HfModel
 from experiments.hf_checkpoint import INDEX, HfImportError, Shards
@@ -152,8 +154,6 @@ class Plan:
     def check_params(self, abstract_params) -> None:
         """Every parameter of the model (a tree of ShapeDtypeStruct) is filled by some tensor,
         and every destination exists with a fitting shape."""
-        import jax
-
         leaves = {
             tuple(getattr(k, "key", getattr(k, "name", k)) for k in path): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]
@@ -171,8 +171,6 @@ class Plan:
 
     def read(self, shards: Shards, *, progress: bool = True) -> dict:
         """{path: float32 array} of every parameter, the tensors read one shard at a time."""
-        from tqdm import tqdm
-
         out = {p: np.zeros(s, np.float32) for p, s in self.shapes.items()}
         filled = {p: 0 for p in self.shapes}
         bar = tqdm(total=len(shards.headers), unit="tensor", desc="import", disable=not progress)

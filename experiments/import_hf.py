@@ -30,9 +30,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+
 from configs.hf import ARCHS, imported_experiment
+from experiments import hf_convert, jobdir, setup, steps, tokenizer_copy
+from experiments.checkpoints import Checkpoints
 from experiments.hf_checkpoint import TOKENIZER, HfImportError, Shards, read_config
-from experiments import hf_convert
 
 FPROP_DTYPES = ("float32", "bfloat16")
 
@@ -117,12 +121,6 @@ def import_checkpoint(model_dir,
     """Writes the job directory ``job_log_dir`` of the checkpoint in ``model_dir`` (see the
     module docstring); returns its path. Raises HfImportError (one line) before writing
     anything for an input this port cannot import."""
-    import jax
-    import jax.numpy as jnp
-
-    from experiments import jobdir, setup, steps, tokenizer_copy
-    from experiments.checkpoints import Checkpoints
-
     model_dir = Path(model_dir).absolute()
     job_log_dir = Path(job_log_dir).absolute()
     spec = read_config(model_dir, arch)

@@ -271,3 +271,22 @@ def test_sample_eval_and_finetune_commands(tmp_path):
     steps = [r["step"] for r in records(job, "train")]
     assert steps and steps[0] == 1 and steps[-1] == 2
     assert sorted(int(d.name) for d in (job / "checkpoints").iterdir()) == [0, 2]
+
+
+@pytest.mark.slow
+def test_import_train_benchmark_tiny(tmp_path):
+    """benchmarks/hf_import_train.py end to end at its --tiny widths (a scanned, rematerialised
+    stack of Qwen3-MoE layers written without transformers): the import reads the folder it
+    wrote and the train steps give finite losses. Speed is the GPU run's output, not tested."""
+    from benchmarks import hf_import_train
+
+    out = tmp_path / "bench.json"
+    assert hf_import_train.main([
+        "--tiny", "--work",
+        str(tmp_path / "work"), "--layers", "2", "--steps", "2", "--batch", "8", "--seq", "16",
+        "--dtype", "float32", "--out",
+        str(out)
+    ]) == 0
+    row = json.loads(out.read_text())["result"]
+    assert row["layers"] == 2 and len(row["losses"]) == 2
+    assert all(np.isfinite(row["losses"])) and row["tokens_per_s"] > 0
