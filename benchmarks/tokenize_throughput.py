@@ -1,12 +1,17 @@
 r"""Tokenization throughput of the data pipeline's cache build (``experiments.token_cache``):
-MB/s of UTF-8 text from files to memory-mapped token arrays, with a byte-level BPE
-``tokenizer.json`` and a SentencePiece model trained here on pydoc's topics (nothing is
-downloaded). The corpus: the topics, copied to make ``--mb`` MB, in ``--files`` .jsonl files
-(one document per topic copy). Prints a table and writes JSON: wall MB/s and MB per CPU-second
-(the process's user + system time over all its threads), since a shared machine's load lowers
-the first and barely the second; the load average before and after is in ``meta``.
+MB/s of UTF-8 text from files to memory-mapped token arrays, on varied text: the source of every
+module of this Python's standard library (tests included), each module one ``.txt`` document,
+no text repeated (a repeated text would be cheap for a BPE cache). A byte-level BPE
+``tokenizer.json`` and a lossless SentencePiece model are trained here on the first
+``--train_mb`` MB of it (``experiments.train_tokenizer``; nothing is downloaded).
 
-  python -m benchmarks.tokenize_throughput --mb 16 --out benchmarks/results/tokenize_throughput.json
+Prints a table and writes JSON: wall MB/s of the build (one process: ``--workers`` threads
+across files, each encoding batches of documents with the library's own threads) and MB per
+CPU-second (user + system time of the process over all its threads), with the machine's load
+average (``os.getloadavg``) before and after each build: a shared machine's load lowers wall
+MB/s and barely MB per CPU-second.
+
+  python -m benchmarks.tokenize_throughput --out benchmarks/results/tokenize_throughput.json
 """
 
 from __future__ import annotations
@@ -15,43 +20,74 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
-from pydoc_data import topics
-
-from experiments import documents, token_cache
+from experiments import token_cache
 from experiments.train_tokenizer import train_tokenizer
 
 
-def _corpus(d: Path, mb: float, files: int) -> list[Path]:
-    docs = [topics.topics[k] for k in sorted(topics.topics)]
-    per = sum(len(t.encode()) for t in docs)
-    copies = max(1, round(mb * 1e6 / per))
-    paths = []
-    for i in range(files):
-        p = d / f"part{i:03d}.jsonl"  # a document per line: a topic, once per copy
-        mine = [f"{c}:{t}" for c in range(i, copies, files) for t in docs]
-        p.write_text("".join(json.dumps({"text": t}) + "\n" for t in mine))
-        paths.append(p)
-    return paths
+def stdlib_sources(limit_mb: float = 0.0) -> list[Path]:
+    """Every ``.py`` file of the standard library (site-packages left out), sorted; the first
+    ``limit_mb`` MB of them when given."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    if limit_mb:
+        total, kept = 0, []
+        for p in files:
+            if total >= limit_mb * 1e6:
+                break
+            kept.append(p)
+            total += p.stat().st_size
+        files = kept
+    return files
 
 
-def measure(kind: str, tok, files, repeats: int) -> dict:
+def _corpus(d: Path, sources: list[Path]) -> list[Path]:
+    """The sources as UTF-8 ``.txt`` documents (a file that is not UTF-8 left out)."""
+    out = []
+    for i, src in enumerate(sources):
+        try:
+            text = src.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if "\0" in text or not text:
+            continue
+        p = d / f"{i:05d}_{src.stem}.txt"
+        p.write_text(text, encoding="utf-8")
+        out.append(p)
+    return out
+
+
+def measure(kind: str, tok, files, repeats: int, workers) -> dict:
     best = None
-    for r in range(repeats):
-        with tempfile.TemporaryDirectory() as cache:
+    for _ in range(repeats):
+        cache = tempfile.mkdtemp()
+        try:
+            load0 = os.getloadavg()
             t0, c0 = time.perf_counter(), time.process_time()
-            c = token_cache.build_or_load(files, tok, add_eos=True, cache_dir=cache, progress=False)
+            c = token_cache.build_or_load(files,
+                                          tok,
+                                          add_eos=True,
+                                          cache_dir=cache,
+                                          progress=False,
+                                          workers=workers)
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
         if best is None or dt < best["seconds"]:
             best = {
                 "seconds": dt,
                 "cpu_seconds": dc,
                 "bytes": c.meta["bytes"],
                 "tokens": c.meta["tokens"],
-                "documents": c.meta["documents"]
+                "documents": c.meta["documents"],
+                "files": c.meta["files"],
+                "load_average_before": load0,
+                "load_average_after": os.getloadavg(),
             }
     best["mb_per_s"] = best["bytes"] / best["seconds"] / 1e6
     best["mb_per_cpu_s"] = best["bytes"] / best["cpu_seconds"] / 1e6
@@ -62,28 +98,35 @@ def measure(kind: str, tok, files, repeats: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mb", type=float, default=16.0, help="corpus size in MB of text")
-    ap.add_argument("--files", type=int, default=8, help="files the corpus is written as")
-    ap.add_argument("--vocab_size", type=int, default=4000)
+    ap.add_argument("--mb", type=float, default=0.0, help="the first MB of the sources (0: all)")
+    ap.add_argument("--train_mb", type=float, default=2.0, help="MB the tokenizers train on")
+    ap.add_argument("--vocab_size", type=int, default=8000)
     ap.add_argument("--repeats", type=int, default=2, help="builds per tokenizer; the best kept")
+    ap.add_argument("--workers",
+                    type=int,
+                    default=None,
+                    help="files tokenized at once (default: token_cache's, the cores)")
     ap.add_argument("--kinds", default="bpe,sentencepiece")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args(argv)
     rows, load_before = [], os.getloadavg()
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
-        files = _corpus(d, args.mb, args.files)
-        texts = [topics.topics[k] for k in sorted(topics.topics)]
+        (d / "corpus").mkdir()
+        files = _corpus(d / "corpus", stdlib_sources(args.mb))
+        train_files = _corpus(d, stdlib_sources(args.train_mb))
+        texts = [p.read_text(encoding="utf-8") for p in train_files]
         for kind in args.kinds.split(","):
             out = d / ("tokenizer.json" if kind == "bpe" else "sp.model")
             tok = train_tokenizer(texts, kind, args.vocab_size, out)
-            rows.append(measure(kind, tok, files, args.repeats))
-    print(f"{'tokenizer':<14} {'vocab':>6} {'MB':>7} {'docs':>7} {'tokens':>10} {'s':>7} "
-          f"{'cpu s':>7} {'MB/s':>7} {'MB/cpu-s':>9}")
+            rows.append(measure(kind, tok, files, args.repeats, args.workers))
+    print(f"{'tokenizer':<14} {'vocab':>6} {'MB':>7} {'files':>6} {'tokens':>10} {'s':>7} "
+          f"{'cpu s':>7} {'MB/s':>7} {'MB/cpu-s':>9} {'load before/after':>18}")
     for r in rows:
-        print(f"{r['kind']:<14} {r['vocab_size']:>6} {r['bytes'] / 1e6:>7.1f} {r['documents']:>7} "
+        load = f"{r['load_average_before'][0]:.2f}/{r['load_average_after'][0]:.2f}"
+        print(f"{r['kind']:<14} {r['vocab_size']:>6} {r['bytes'] / 1e6:>7.1f} {r['files']:>6} "
               f"{r['tokens']:>10} {r['seconds']:>7.2f} {r['cpu_seconds']:>7.2f} "
-              f"{r['mb_per_s']:>7.2f} {r['mb_per_cpu_s']:>9.2f}")
+              f"{r['mb_per_s']:>7.2f} {r['mb_per_cpu_s']:>9.2f} {load:>18}")
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
           f"({os.cpu_count()} cpus)")
     if args.out:
@@ -93,7 +136,8 @@ def main(argv=None) -> int:
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),
             "python": platform.python_version(),
-            "files": args.files,
+            "corpus": "the standard library's .py sources, one .txt document each",
+            "workers": args.workers,
         }
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0

@@ -10,11 +10,12 @@ another entry is built.
 
 A build writes a temporary directory ``.tmp.<key>.<pid>`` and renames it into place when
 everything is written; an interrupted build leaves only a temporary directory, which no
-reader trusts (the next build of that key removes it). Files are tokenized in parallel
-(threads: the tokenizer libraries encode outside the GIL), ``ENCODE_BATCH`` documents per
-library call, with a tqdm bar of documents and MB/s. A build holds one batch in memory: each
-file's tokens go to a shard on disk as they are encoded, and the shards are joined through
-memory maps; a reader maps the arrays (``np.load(mmap_mode="r")``) and reads the windows and
+reader trusts (the next build of that key removes it). Consecutive files are grouped into
+shards of about ``SHARD_BYTES`` of text, tokenized in parallel by threads (the tokenizer
+libraries encode outside the GIL and over the cores), ``ENCODE_BATCH`` documents per library
+call (a call spans small files), with a tqdm bar of documents and MB/s. A build holds one batch
+per thread in memory: each shard's tokens go to disk as they are encoded, and the shards are
+joined through memory maps; a reader maps the arrays (``np.load(mmap_mode="r")``) and reads the windows and
 rows it needs.
 """
 
@@ -41,6 +42,7 @@ from experiments.tokenizer import EncodedBatch, Tokenizer
 
 FORMAT = 2  # bump when the layout changes
 ENCODE_BATCH = 256  # documents encoded per library call
+SHARD_BYTES = 1 << 20  # of files' text tokenized as one shard (one worker's task)
 # a file's shard while building: raw arrays, appended batch by batch
 SHARD_FIELDS = (("tokens", np.uint32), ("bytes", np.uint32), ("lens", np.int64))
 
@@ -104,12 +106,14 @@ def _with_specials(enc: EncodedBatch, bos, eos) -> EncodedBatch:
     return EncodedBatch(ids, nbytes, lens)
 
 
-def _tokenize_file(i: int, f: Path, tok: Tokenizer, text_field: str, add_bos: bool, add_eos: bool,
-                   tmp: Path, progress) -> dict:
-    """Writes shard ``i`` of file ``f`` into ``tmp``: raw arrays of its tokens, their bytes and
-    the document lengths (``SHARD_FIELDS``), appended one encoded batch at a time."""
+def _tokenize_files(i: int, files, tok: Tokenizer, text_field: str, add_bos: bool, add_eos: bool,
+                    tmp: Path, progress) -> dict:
+    """Writes shard ``i`` of ``files`` (consecutive files, their documents in order) into
+    ``tmp``: raw arrays of its tokens, their bytes and the document lengths (``SHARD_FIELDS``),
+    appended one encoded batch of up to ``ENCODE_BATCH`` documents at a time (a batch spans
+    files: many small files are encoded together)."""
     bos, eos = tok.bos_id if add_bos else None, tok.eos_id if add_eos else None
-    docs = documents.read_documents(f, text_field)
+    docs = (d for f in files for d in documents.read_documents(f, text_field))
     n_docs = n_bytes = 0
     with contextlib.ExitStack() as stack:
         outs = [stack.enter_context(open(tmp / f"{i:06d}.{n}", "wb")) for n, _ in SHARD_FIELDS]
@@ -121,6 +125,21 @@ def _tokenize_file(i: int, f: Path, tok: Tokenizer, text_field: str, add_bos: bo
             n_docs, n_bytes = n_docs + len(batch), n_bytes + nbytes
             progress(nbytes, len(batch))
     return {"documents": n_docs, "bytes": n_bytes}
+
+
+def _groups(files, workers: int) -> list[list]:
+    """Consecutive files in groups of about ``SHARD_BYTES`` (fewer bytes where that would
+    leave under 4 groups per worker): a group is one shard, one worker's task."""
+    sizes = [os.stat(f).st_size for f in files]
+    target = max(1, min(SHARD_BYTES, sum(sizes) // (4 * workers)))
+    groups, size = [[]], 0
+    for f, n in zip(files, sizes):
+        if groups[-1] and size + n > target:
+            groups.append([])
+            size = 0
+        groups[-1].append(f)
+        size += n
+    return groups
 
 
 class _Progress:
@@ -156,24 +175,24 @@ def _shard(tmp: Path, i: int, name: str, dtype) -> np.ndarray:
     return np.memmap(p, dtype, mode="r") if p.stat().st_size else np.zeros(0, dtype)
 
 
-def _merge(tmp: Path, n_files: int) -> tuple[int, int]:
-    """Joins the per-file shards into one ``.npy`` per field, copied shard by shard through
+def _merge(tmp: Path, n_shards: int) -> tuple[int, int]:
+    """Joins the shards into one ``.npy`` per field, copied shard by shard through
     memory maps (no field is ever whole in memory), and removes the shards."""
     lens = np.concatenate([np.fromfile(tmp / f"{i:06d}.lens", np.int64)
-                           for i in range(n_files)] + [np.zeros(0, np.int64)])
+                           for i in range(n_shards)] + [np.zeros(0, np.int64)])
     total = int(lens.sum())
     np.save(tmp / "doc_starts.npy", np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
     for field, name in (("tokens", "tokens.npy"), ("bytes", "token_bytes.npy")):
         out = np.lib.format.open_memmap(tmp / name, mode="w+", dtype=np.uint32, shape=(total, ))
         at = 0
-        for i in range(n_files):
+        for i in range(n_shards):
             part = _shard(tmp, i, field, np.uint32)
             out[at:at + len(part)] = part
             at += len(part)
             del part
         out.flush()
         del out
-    for i in range(n_files):
+    for i in range(n_shards):
         for n, _ in SHARD_FIELDS:
             (tmp / f"{i:06d}.{n}").unlink()
     return total, len(lens)
@@ -209,14 +228,15 @@ def build_or_load(files,
         # threads: the libraries encode outside the GIL (and over the cores: sentencepiece's
         # num_threads, tokenizers' rayon pool), so one reads and parses a file while another
         # encodes; more threads than cores would only wait
-        workers = workers or min(len(files), os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(max(workers, 1)) as pool:
+        workers = max(1, workers or min(len(files), os.cpu_count() or 1))
+        groups = _groups(files, workers)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             parts = list(
                 pool.map(
-                    lambda a: _tokenize_file(a[0], a[1], tok, text_field, add_bos, add_eos, tmp,
-                                             progress), enumerate(files)))
+                    lambda a: _tokenize_files(a[0], a[1], tok, text_field, add_bos, add_eos, tmp,
+                                              progress), enumerate(groups)))
         progress.close()
-        n_tokens, n_docs = _merge(tmp, len(files))
+        n_tokens, n_docs = _merge(tmp, len(groups))
         meta = {
             "files": len(files),
             "documents": n_docs,

@@ -8,11 +8,12 @@ SentencePiece model (the ``sentencepiece`` package), or a path to a Hugging Face
 ``encode_with_bytes`` also returns, per token, the UTF-8 bytes of ``text`` it covers (they sum
 to ``len(text.encode())``): the denominator of bits per byte. ``encode_batch(texts)`` encodes
 many documents in one library call into flat arrays (``EncodedBatch``), the tokenized cache's
-input; for a byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3, Qwen, DeepSeek) it asks the
-library for ids only and reads each token's bytes from a table of the vocabulary.
+input; for a SentencePiece model and a byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3,
+Qwen, DeepSeek) it asks the library for ids only and reads each token's bytes from a table of
+the vocabulary (``_table_batch``; the offsets only for a document whose bytes do not add up).
 
-A job directory keeps the copy it trained with (``TOKENIZER_DIR``: the file and its hash);
-``job_tokenizer(job_log_dir)`` loads it.
+A job directory keeps the copy it trained with (``experiments.tokenizer_copy``: the file and
+its hash); ``tokenizer_copy.job_tokenizer(job_log_dir)`` loads it.
 
 Training one on the documents a run reads: ``experiments.train_tokenizer``. A SentencePiece
 model that does not round-trip text (``dropped_by``: newlines, tabs, runs of spaces, as

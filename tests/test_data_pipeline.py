@@ -237,6 +237,29 @@ def test_cache_holds_the_encoded_documents_is_reused_and_rebuilt(toks, corpus, t
     assert list(w2.tokens[w2.doc_starts[3]:w2.doc_starts[4]]) == tok.encode("a different document")
 
 
+@pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
+def test_many_small_files_are_encoded_many_documents_per_call(toks, tmp_path, monkeypatch, kind):
+    """Small files are grouped into shards: one library call encodes documents of many files
+    (the library's batch parallelism and its per-call cost then pay off), and the corpus is
+    each document's own encoding, in file order."""
+    tok = toks[kind]
+    rng = np.random.default_rng()
+    words = np.array(["def", "x", "  ", "\n", "return", "café", "\t", "(", ")", ":", "1"])
+    texts = ["".join(rng.choice(words, rng.integers(1, 40))) for _ in range(80)]
+    folder = tmp_path / "small"
+    folder.mkdir()
+    for i, t in enumerate(texts):
+        (folder / f"{i:03d}.txt").write_text(t, encoding="utf-8")
+    files, _ = documents.find_files(str(folder))
+    calls = []
+    real = tok.encode_batch
+    monkeypatch.setattr(tok, "encode_batch", lambda batch: calls.append(len(batch)) or real(batch))
+    got = token_cache.build_or_load(files, tok, cache_dir=tmp_path / "c", progress=False, workers=2)
+    assert sum(calls) == 80 and len(calls) <= 16, calls  # about 4 groups a worker, not 80
+    for d, t in enumerate(texts):
+        assert list(got.tokens[got.doc_starts[d]:got.doc_starts[d + 1]]) == tok.encode(t)
+
+
 def test_an_interrupted_build_leaves_nothing_trusted(toks, corpus, tmp_path, monkeypatch):
     tok = toks["sentencepiece"]
     files, _ = documents.find_files(str(corpus))
