@@ -128,11 +128,13 @@ class Peer:
         n = min(CHECK_TOKENS, self.shape.t)
         cfg = lc.config(self.shape, kernel_backend="xla")
 
-        def loss(x):
-            out = mp.moe_block(jax_shape.params, x, cfg)
-            return jnp.sum(out.y.astype(jnp.float32) * jax_shape.cot[:n].astype(jnp.float32)), out.y
+        def loss(x, params, cot):  # arrays as arguments: no weights captured as constants
+            out = mp.moe_block(params, x, cfg)
+            return jnp.sum(out.y.astype(jnp.float32) * cot.astype(jnp.float32)), out.y
 
-        (_, y_ref), dx_ref = jax.jit(jax.value_and_grad(loss, has_aux=True))(jax_shape.x[:n])
+        (_, y_ref), dx_ref = jax.jit(jax.value_and_grad(loss, has_aux=True))(jax_shape.x[:n],
+                                                                             jax_shape.params,
+                                                                             jax_shape.cot[:n])
         x = self.x.detach()[:n].clone().requires_grad_(True)
         y = moe_layer(x, self.router, *self.w, self.routing, self.shape.k, self.bias)
         (dx, ) = torch.autograd.grad((y.float() * self.cot[:n].float()).sum(), [x])
