@@ -182,13 +182,17 @@ def transformer_lm(
     layer.norm_policy = "pre"
     if norm == "rms":
         layer.ln_tpl = copy.deepcopy(rms)
-    layer.tr_atten_tpl = pax_fiddle.Config(GroupedQueryAttention,
-                                           num_kv_heads=num_kv_heads,
-                                           attention_impl=attention_impl,
-                                           qk_norm=qk_norm,
-                                           qk_norm_epsilon=qk_norm_epsilon,
-                                           use_rotary_position_emb=True,
-                                           internal_enable_per_dim_scale=False)
+    layer.tr_atten_tpl = pax_fiddle.Config(
+        GroupedQueryAttention,
+        num_kv_heads=num_kv_heads,
+        attention_impl=attention_impl,
+        qk_norm=qk_norm,
+        qk_norm_epsilon=qk_norm_epsilon,
+        use_rotary_position_emb=True,
+        internal_enable_per_dim_scale=False,
+        # queries scaled by 1/sqrt(dim_per_head), not
+        # Praxis's default 1/sqrt(model_dims / num_heads)
+        scale_query_by_dim_per_head=dim_per_head is not None)
     layer.tr_atten_tpl.rotary_position_emb_tpl.max_timescale = rope_max_wavelength
     layer.tr_atten_tpl.use_bias = attention_bias
     layer.tr_fflayer_tpl.use_gated_activation = True

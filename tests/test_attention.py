@@ -368,3 +368,29 @@ def test_cudnn_route_matches_xla_route(packed, kv_heads):
     got, want = jax.jit(lambda: run(cudnn))(), jax.jit(lambda: run(xla))()
     for name, a, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert _rel(a, w) < 2e-2, (name, _rel(a, w))
+
+
+@pytest.mark.parametrize("dim_per_head, want", [(None, 8), (16, 16)])
+def test_transformer_lm_scales_queries_by_the_head_dim(dim_per_head, want):
+    """With dim_per_head given (Qwen3-like: 32 heads of 128 at d_model 2048), the logits are
+    scaled by 1/sqrt(dim_per_head), not Praxis's 1/sqrt(model_dims / num_heads)."""
+    lm = models.transformer_lm(model_dims=32,
+                               hidden_dims=64,
+                               num_layers=1,
+                               num_heads=4,
+                               num_experts=4,
+                               dim_per_head=dim_per_head)
+    tpl = lm.stacked_transformer_tpl.transformer_layer_params_tpl.tr_atten_tpl
+    layer = base_layer.instantiate(
+        pax_fiddle.Config(tpl.__fn_or_cls__,
+                          name="atten",
+                          input_dim=32,
+                          hidden_dim=32,
+                          num_heads=4,
+                          dim_per_head=dim_per_head or 8,
+                          **{
+                              k: getattr(tpl, k)
+                              for k in ("scale_query_by_dim_per_head",
+                                        "internal_enable_per_dim_scale")
+                          }))
+    assert layer._scale() == pytest.approx(want**-0.5, rel=1e-6)
