@@ -1,4 +1,4 @@
-"""The whole MoE layer on one device (issue 23): `python -m benchmarks.layer`.
+"""The whole MoE layer on one device: `python -m benchmarks.layer`.
 
     python -m benchmarks.layer [--shapes mixtral,qwen3,deepseek] [--methods LIST]
         [--skew | --no-skew] [--breakdown] [--json PATH] [--quick] [--reps N]
@@ -20,17 +20,17 @@ is more than T), read back from moe_block's tokens_per_expert and printed.
 Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
   cuda, cuda+fuse      moe_block, kernel_backend 'cuda', without / with fuse_gate_up
   cuda+bf16router      moe_block, 'cuda', router_precision='bf16'
-  cuda+gather          moe_block, 'cuda', gather_combine=True (issue 37: the routing weights in
+  cuda+gather          moe_block, 'cuda', gather_combine=True (the routing weights in
                        one gather-and-sum combine kernel, kernels/combine.cu, not in the SwiGLU)
   cuda+gather_rows, cuda+fuse+gather_rows
-                       moe_block, 'cuda', gather_rows=True, without / with fuse_gate_up (issue 37:
-                       the gate and up projections read x's rows by index,
+                       moe_block, 'cuda', gather_rows=True, without / with fuse_gate_up
+                       (the gate and up projections read x's rows by index,
                        kernels/grouped_gemm_gather.cu; no permuted copy of x)
   cuda+dswiglu, cuda+fuse+dswiglu
                        moe_block, 'cuda', fuse_swiglu_bwd=True, without / with fuse_gate_up
-                       (issue 37: dSwiGLU in the down projection's dgrad epilogue,
+                       (dSwiGLU in the down projection's dgrad epilogue,
                        kernels/grouped_gemm_dswiglu.cu; no SwiGLU backward kernel)
-  cuda+fp8             moe_block, 'cuda', fp8='blockwise' (the FP8 expert GEMM kernels, issue 19;
+  cuda+fp8             moe_block, 'cuda', fp8='blockwise' (the FP8 expert GEMM kernels;
                        target: Mixtral-like fwd+bwd >= 1.35x 'cuda', column x cuda in the JSON);
                        fp8_gemms 'auto': which GEMMs run FP8 is printed per shape and in the
                        JSON's 'fp8_gemms' {shape: {method: {weight: {fwd|dgrad|wgrad: fp8|bf16}}}}
@@ -38,7 +38,7 @@ Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
   cuda+fp8w, fp8-quant 'cuda+fp8' with the expert weights' FP8 form made beforehand, and that
                        quantization alone: with --microbatches N1,N2 (default 1,8) the rows
                        'cuda+fp8 @n' = cuda+fp8w + fp8-quant / n, weights quantized once per
-                       optimizer step of n micro-batches (benchmarks/layer_fp8w.py, issue 36)
+                       optimizer step of n micro-batches (benchmarks/layer_fp8w.py)
   cuda-sm80            moe_block, 'cuda', the sm_80 grouped GEMM kernels forced while its steps
                        are traced (ops.backend.force_grouped_gemm, lc.GROUPED_GEMM_FAMILY): the
                        Ampere kernels' whole layer, on a Hopper GPU beside 'cuda'
@@ -79,7 +79,7 @@ in interleaved batches (benchmarks.timing.time_paired: median of --reps rounds).
 Columns: ms; TFLOP/s of the expert FLOPs (2 * T*k * M * H * 3, x3 for fwd+bwd); % of ideal
 (ideal ms / ms); % of roofline; x GShard (GShard cf 2.5 ms / ms, Mixtral, balanced); peak
 device memory of the executable (XLA's memory analysis: arguments + outputs + temporaries -
-aliased); target and PASS/FAIL against issue 23 (fwd+bwd, 'cuda' and 'cuda+fuse'): Qwen3-like
+aliased); target and PASS/FAIL against the layer's targets (fwd+bwd, 'cuda' and 'cuda+fuse'): Qwen3-like
 >= 80% of ideal; DeepSeek-V3-like >= 75% of ideal or >= 90% of the roofline; Mixtral-like
 >= 95% of ideal and >= 1.25x GShard; skewed load within 15% of the balanced time. Speed is
 asserted here, in the output, never in a test.

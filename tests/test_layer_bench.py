@@ -1,4 +1,4 @@
-"""The layer benchmark (`python -m benchmarks.layer`, issue 23) on the CPU: the --quick run end
+"""The layer benchmark (`python -m benchmarks.layer`) on the CPU: the --quick run end
 to end, its stage table, its targets and its options. Speed is asserted by the benchmark's
 output on a GPU, never here."""
 

@@ -1,4 +1,4 @@
-"""The FP8 form of a model's expert weights, made once per optimizer step (issue 36).
+"""The FP8 form of a model's expert weights, made once per optimizer step.
 
 A train step calls `fp8_weights_tree(params, dtype)` once, outside its forward and backward (and
 outside any loop over micro-batches), and passes `merge(params, tree)` to the model's apply:
