@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 import moe_praxis as mp
 from moe_praxis import experts, ops
+from moe_praxis.dispatch import gathered
 from moe_praxis.ops import grouped_gemm_tiles as tiles
 from tests.ep_util import sharded_block
 from tests.grouped_gemm_util import KINDS, _cuda_or_skip, _fake_device, cuda_module, make_sizes
@@ -411,11 +412,11 @@ def test_gather_rows_config_errors_and_the_sm80_fallback(monkeypatch):
     weights = mp.init_moe_params(jax.random.key(0), cfg)
     with pytest.raises(ValueError, match="one of them"):
         experts.expert_ffn(None, jnp.zeros(4, jnp.int32), weights, cfg)
-    assert experts.gathers_rows(cfg, x, weights, "xla")
+    assert gathered.gathers_rows(cfg, x, weights, "xla")
     _fake_device(monkeypatch, 90, name="NVIDIA H200")
     monkeypatch.setenv(ops.backend.ENV_GROUPED_GEMM, "sm80")
     with pytest.warns(RuntimeWarning, match="gather_rows=True is not honoured here: .*sm80"):
-        assert not experts.gathers_rows(cfg, x, weights, "cuda")
+        assert not gathered.gathers_rows(cfg, x, weights, "cuda")
 
 
 @pytest.mark.gpu
