@@ -22,10 +22,6 @@ Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
   cuda+bf16router      moe_block, 'cuda', router_precision='bf16'
   cuda+gather          moe_block, 'cuda', gather_combine=True (the routing weights in
                        one gather-and-sum combine kernel, kernels/combine.cu, not in the SwiGLU)
-  cuda+gather_rows, cuda+fuse+gather_rows
-                       moe_block, 'cuda', gather_rows=True, without / with fuse_gate_up
-                       (the gate and up projections read x's rows by index,
-                       kernels/grouped_gemm_gather.cu; no permuted copy of x)
   cuda+dswiglu, cuda+fuse+dswiglu
                        moe_block, 'cuda', fuse_swiglu_bwd=True, without / with fuse_gate_up
                        (dSwiGLU in the down projection's dgrad epilogue,
@@ -65,8 +61,7 @@ The 'cuda' methods run with kernel_backend 'xla' where CUDA is unusable (--quick
 says so). fwd = jit(moe_block) (or the layer's apply); fwd+bwd = jit(value_and_grad) of
 sum(y * cot) + aux losses w.r.t. the parameters and x.
 
-Before timing, each shape checks 'cuda', 'cuda+fuse', 'cuda+gather', 'cuda+gather_rows',
-'cuda+fuse+gather_rows', 'cuda+dswiglu', 'cuda+fuse+dswiglu', 'cuda-sm80' and 'cuda+fp8'
+Before timing, each shape checks 'cuda', 'cuda+fuse', 'cuda+gather', 'cuda+dswiglu', 'cuda+fuse+dswiglu', 'cuda-sm80' and 'cuda+fp8'
 against 'xla' (y,
 dx and the weight gradients, ||a - b|| / ||b||, bf16 tolerance 2e-2, FP8 0.08: tests/test_fp8.py's
 bound) on the first tokens (the full
@@ -459,8 +454,8 @@ def main(argv=None) -> int:
 
 def run_breakdown(sh: Shape) -> dict:
     out = {}
-    for method in ("cuda", "cuda+fuse", "cuda+gather", "cuda+gather_rows", "cuda+fuse+gather_rows",
-                   "cuda+dswiglu", "cuda+fuse+dswiglu", "cuda+fp8"):
+    for method in ("cuda", "cuda+fuse", "cuda+gather", "cuda+dswiglu", "cuda+fuse+dswiglu",
+                   "cuda+fp8"):
         if (method, "fwd+bwd") not in sh.steps:
             continue
         comp, _ = sh.steps[(method, "fwd+bwd")]

@@ -93,12 +93,6 @@ class MoEConfig:
         in the SwiGLU and an unpermute (False, today's path). Single-EP-rank blocks only (with
         ep > 1 the exchange's combine is used); it keeps the down projection's output for the
         weights' gradient (one more [T*k, M] activation).
-      gather_rows: the gate and up projections read x's rows by the dispatch's row map
-        (ops.gathered_gemm, ops.gathered_gate_up_swiglu: kernels/grouped_gemm_gather.cu, Hopper,
-        bf16) instead of a permuted [T*k, M] copy, neither written nor kept for the backward.
-        Not with fp8, nor fuse_gate_up with fuse_swiglu_bwd (under EP the experts read the
-        exchanged rows by the regroup's order); elsewhere on CUDA the permute with a warning.
-        Off: correct on an H200 but about 0.8x the permute path's speed (docs/gathered_gemm.md).
       kernel_backend: 'auto' (CUDA kernels where built and supported, else XLA), 'xla', 'cuda'.
       use_cudnn_fusion: ask for cuDNN's fused grouped GEMM + SwiGLU (needs SM100+ and the
         optional cudnn.jax). Not implemented yet, and it has run on no hardware: where it is not
@@ -178,7 +172,6 @@ class MoEConfig:
     fuse_gate_up: bool = False
     fuse_swiglu_bwd: bool = False
     gather_combine: bool = False
-    gather_rows: bool = False
     kernel_backend: str = "auto"
     use_cudnn_fusion: bool = False
     param_init_scale: float = 1.0
@@ -260,9 +253,6 @@ class MoEConfig:
         if self.fuse_swiglu_bwd and (not self.gated or self.fp8 is not None):
             raise _err("fuse_swiglu_bwd", self.fuse_swiglu_bwd,
                        "needs gated=True and fp8=None (it fuses the bf16 SwiGLU backward)")
-        no_gather = self.fp8 is not None or self.fuse_gate_up and self.fuse_swiglu_bwd
-        if self.gather_rows and no_gather:
-            raise _err("gather_rows", True, "needs fp8=None, not fuse_gate_up with fuse_swiglu_bwd")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _err("kernel_backend", self.kernel_backend, f"valid: {KERNEL_BACKENDS}")
         if self.fp8 not in FP8_RECIPES:

@@ -10,7 +10,7 @@ the three registry entries the block body calls (moe_praxis.variants):
   combiner    how their outputs return to the tokens (dispatch.combiners.COMBINERS)
 
 each with the reason it was chosen. Every support check and fallback warning happens here
-(use_cudnn_fusion, gather_rows where the gathered kernels do not run, the FP8 emulation, ...);
+(use_cudnn_fusion, the FP8 emulation, a kernel family that does not run here, ...);
 the block body reads only the plan. `describe_plan(config, x)` prints it.
 """
 
@@ -140,7 +140,7 @@ def resolve_plan(config: MoEConfig,
                 config=config,
                 exchange="none" if layout.ep_size == 1 else exchange_kind,
                 dispatcher=dispatcher,
-                experts=pick(EXPERTS, query, "expert implementation", dispatcher.entry.form),
+                experts=pick(EXPERTS, query, "expert implementation"),
                 combiner=pick(COMBINERS, query, "combiner"),
                 fp8_gemms=tuple(fp8_gemms.items()))
 

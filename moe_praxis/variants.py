@@ -35,21 +35,14 @@ class Query:
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """The experts' input, in the form a dispatcher made it (one of rows / tokens is set).
+    """The experts' input, in the form a dispatcher made it.
 
     rows: [R, M] expert-sorted rows; rows_up: [R, M] the same rows again for the up
     projection (their two cotangents summed in the permute's backward); rows_fp8: (q, s_t) the
-    rows' FP8 operand written by the permute; tokens: (x [T, M], row_map [R], index) to read
-    the rows from x by index instead of a permuted copy."""
-    rows: Optional[jax.Array] = None
+    rows' FP8 operand written by the permute."""
+    rows: jax.Array
     rows_up: Optional[jax.Array] = None
     rows_fp8: Optional[tuple] = None
-    tokens: Optional[tuple] = None
-
-    @property
-    def lhs(self):
-        """The array the rows come from: rows, or x where they are read by index."""
-        return self.rows if self.tokens is None else self.tokens[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +54,6 @@ class Entry:
     run: Callable[..., Any]
     # dispatchers: the rows made from the exchanged rows under EP (None: not under EP)
     regrouped: Optional[Callable[..., Any]] = None
-    # the Rows form a dispatcher makes and an expert implementation reads: 'rows' (a permuted
-    # copy) or 'tokens' (x's rows read by index)
-    form: str = "rows"
     # combiners: the routing weights go into the experts' activation (row_weights)
     weights_in_rows: bool = False
 
@@ -79,12 +69,9 @@ class Choice:
         return self.entry.name
 
 
-def pick(entries: tuple, query: Query, what: str, form: Optional[str] = None) -> Choice:
-    """The first of `entries` (of Rows form `form`, where given) whose choose(query) gives a
-    reason."""
+def pick(entries: tuple, query: Query, what: str) -> Choice:
+    """The first of `entries` whose choose(query) gives a reason."""
     for entry in entries:
-        if form is not None and entry.form != form:
-            continue
         why = entry.choose(query)
         if why:
             return Choice(entry, why)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from jax.ad_checkpoint import checkpoint_name
 
-from moe_praxis.dispatch import gathered, sort
+from moe_praxis.dispatch import sort
 from moe_praxis.experts.common import reads_rows_twice
 from moe_praxis.ops import fp8, vma
 from moe_praxis.variants import Entry, Query, Rows
@@ -63,7 +63,6 @@ PERMUTE = Entry("permute", lambda q: "a permuted copy of the rows", _permute, re
 
 # The registry, in order of preference: one line per dispatcher.
 DISPATCHERS = (
-    gathered.DISPATCHER,
     PERMUTE_FP8,
     PERMUTE_PAIR,
     PERMUTE,

@@ -5,7 +5,7 @@ A gated expert computes act(x @ wi_gate) * (x @ wi_up) @ wo (SwiGLU with silu); 
 act(x @ wi_up) @ wo. Group sizes stay on the device.
 
 The implementations are registry entries (`EXPERTS`, in order of preference; each a
-variants.Entry of its own module: `bf16`, `blockwise` (FP8), `gathered`), all with one
+variants.Entry of its own module: `bf16`, `blockwise` (FP8)), all with one
 signature: `run(rows: variants.Rows, group_sizes [E], weights, config, *, backend, row_weights)
 -> [R, M]`. weights: the expert weights of the parameter tree (moe.param_shapes: wi_up,
 wi_gate if gated [E, M, H], or wi_gate_up [E, M, 2H] with config.fuse_gate_up; wo [E, H, M];
@@ -35,7 +35,7 @@ from __future__ import annotations
 import jax
 
 from moe_praxis.config import MoEConfig
-from moe_praxis.experts import bf16, blockwise, gathered
+from moe_praxis.experts import bf16, blockwise
 from moe_praxis.experts.blockwise import quantize_expert_weights
 from moe_praxis.experts.common import (ENV_STRICT_CUDNN, EXPERT_WEIGHTS, FP8_GATHER, FP8_WEIGHTS,
                                        WI, check_cudnn_fusion, cudnn_fusion_status,
@@ -54,7 +54,6 @@ EXPERTS = (
     blockwise.KERNELS,
     blockwise.KERNELS_GATHERED,
     blockwise.EMULATED,
-    gathered.EXPERTS,
     bf16.GATE_UP_DOWN,
     bf16.GATE_UP,
     bf16.SWIGLU_DOWN,
@@ -71,9 +70,8 @@ def expert_ffn(rows,
                backend="auto",
                row_weights=None,
                rows_fp8=None,
-               rows_up=None,
-               tokens=None):
-    """The experts on rows [R, M] (or tokens), outside a moe_block: the implementation the
+               rows_up=None):
+    """The experts on rows [R, M], outside a moe_block: the implementation the
     registry picks for these arguments (module doc) -> [R, M]. moe_block resolves its plan once
     instead (moe_praxis.plan) and calls the chosen entry.
 
@@ -84,31 +82,24 @@ def expert_ffn(rows,
     kernels instead of quantizing the rows again.
     rows_up: optional, the rows again (equal to rows; sort.dispatch_rows_pair's second) for the
     up projection, only where reads_rows_twice(config) (elsewhere it is an error).
-    tokens: optional (x [T, M], row_map [R], index) to read the rows from by index instead
-    (rows None; config.gather_rows): ops.gathered_gemm's row map and permute index.
     """
-    if (tokens is None) == (rows is None):
-        raise ValueError("expert_ffn takes the rows or tokens=(x, row_map, index), one of them")
-    if tokens is not None and not config.gather_rows:
-        raise ValueError("expert_ffn: tokens are only read with MoEConfig.gather_rows=True")
     if rows_up is not None and not reads_rows_twice(config):
         raise ValueError("expert_ffn: rows_up is only for two projections reading the rows "
                          "(gated, fuse_gate_up=False, fp8=None); this config reads them once")
     check_cudnn_fusion(config, backend)
-    given = Rows(rows=rows, rows_up=rows_up, rows_fp8=rows_fp8, tokens=tokens)
-    lhs = given.lhs
+    given = Rows(rows=rows, rows_up=rows_up, rows_fp8=rows_fp8)
     query = Query(config=config,
                   backend=backend,
                   ep_size=1,
                   tp=False,
-                  x=jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+                  x=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
                   weights={
-                      n: jax.ShapeDtypeStruct(w.shape, lhs.dtype)
+                      n: jax.ShapeDtypeStruct(w.shape, rows.dtype)
                       for n, w in weights.items() if n in WI + ("wo", )
                   },
                   fp8_gather=FP8_GATHER in weights,
                   fp8_given=FP8_WEIGHTS in weights)
-    choice = pick(EXPERTS, query, "expert implementation", "rows" if tokens is None else "tokens")
+    choice = pick(EXPERTS, query, "expert implementation")
     return choice.entry.run(given,
                             group_sizes,
                             weights,

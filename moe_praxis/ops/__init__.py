@@ -4,7 +4,7 @@
    and the public op (a custom_vjp taking explicit static arguments), with its CUDA lowering
    (FFI calls, custom_partitioning, abstract shapes) beside it: `aux_loss`, `router`, `swiglu`,
    `permute`, `expert_sort`, `combine`, `grouped_gemm` (+ `grouped_gemm_tiles`, its kernel configurations and rule),
-   `gathered_gemm` (the expert projections reading x's rows by index), `gate_up` and `dswiglu` (swiglu_down: dSwiGLU in the down projection's dgrad epilogue).
+   `gate_up` and `dswiglu` (swiglu_down: dSwiGLU in the down projection's dgrad epilogue).
 2. `backend`: the device query, each op's compute-capability requirement, 'auto' | 'xla' |
    'cuda' resolution (once per block), the one warn-once, `backend_info()`.
 3. `_library` (private): the kernel library's table, path and environment variable, loading
@@ -20,9 +20,7 @@ from moe_praxis.ops.aux_loss import aux_loss, aux_loss_reference
 from moe_praxis.ops.backend import backend_info, resolve_backend
 from moe_praxis.ops.combine import combine, combine_reference
 from moe_praxis.ops.expert_sort import expert_sort, expert_sort_reference
-from moe_praxis.ops.gathered_gemm import gathered_gemm
-from moe_praxis.ops.gate_up import (gate_up_swiglu, gathered_gate_up_swiglu, interleave_gate_up,
-                                    split_gate_up)
+from moe_praxis.ops.gate_up import (gate_up_swiglu, interleave_gate_up, split_gate_up)
 from moe_praxis.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moe_praxis.ops.permute import (permute, permute_index, permute_pair, permute_reference,
                                     unpermute, unpermute2_reference, unpermute_reference)
@@ -44,8 +42,6 @@ __all__ = [
     "fp8_fused",
     "fp8_quant",
     "gate_up_swiglu",
-    "gathered_gate_up_swiglu",
-    "gathered_gemm",
     "gate_up_swiglu_down",
     "grouped_gemm",
     "grouped_gemm_reference",
