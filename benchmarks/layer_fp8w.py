@@ -6,7 +6,7 @@ micro-batch that costs
 
     cuda+fp8 @n  =  ms('cuda+fp8w') + ms('fp8-quant') / n
 
-where the form serves at least ops.fp8_rule.FORM_MIN_ROWS rows per expert in its n calls;
+where the form serves at least ops.fp8.rule.FORM_MIN_ROWS rows per expert in its n calls;
 below that fp8_gemms='auto' makes no form and runs the bf16 layer, so the row is ms('cuda').
 
 'cuda+fp8w' is moe_block with the FP8 form given (no weight quantization in the step),
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import moe_praxis as mp
-from moe_praxis.ops import fp8_rule
+from moe_praxis.ops.fp8 import rule as fp8_rule
 
 PREQUANTIZED = "cuda+fp8w"  # moe_block reading the FP8 form made beforehand
 QUANTIZE = "fp8-quant"  # quantize_expert_weights alone
@@ -62,7 +62,7 @@ def amortized(rows: list[dict], microbatches, rows_per_expert=None) -> list[dict
     where PREQUANTIZED or QUANTIZE did not run).
 
     rows_per_expert: one call's rows per expert (T * k / E). Where the FP8 form would serve
-    fewer than ops.fp8_rule.FORM_MIN_ROWS rows per expert in n calls, fp8_gemms='auto' makes
+    fewer than ops.fp8.rule.FORM_MIN_ROWS rows per expert in n calls, fp8_gemms='auto' makes
     none and runs the bf16 layer (the experiments' train step, moe_block): the row is then
     'cuda''s time, with 'fp8_form': False. None: the form is always made."""
     by = {r["method"]: r.get("ms") for r in rows}

@@ -10,7 +10,8 @@ import os
 from benchmarks import layer_cases as lc
 from benchmarks import layer_fp8w, layer_sweep
 from moe_praxis import expert_weights
-from moe_praxis.ops import dswiglu, fp8_rule, gate_up, grouped_gemm_tiles
+from moe_praxis.ops import dswiglu, gate_up, grouped_gemm_tiles
+from moe_praxis.ops.fp8 import rule as fp8_rule
 
 DEFAULT_JSON = "benchmarks/results/layer_bench.json"
 GSHARD_REF = "gshard cf2.5"  # the GShard row 'x GShard' divides by (equal capacity per copy)
@@ -199,7 +200,7 @@ def table(rows: list[dict]) -> str:
 
 def fp8_gemms(configs: dict, rows_per_expert=None) -> dict:
     """{method: {weight: {'fwd' | 'dgrad' | 'wgrad': 'fp8' | 'bf16'}}} of the FP8 methods'
-    configs (MoEConfig.fp8_gemms, ops.fp8_rule), each printed on one line. rows_per_expert: one
+    configs (MoEConfig.fp8_gemms, ops.fp8.rule), each printed on one line. rows_per_expert: one
     call's (T * k / E): a method that quantizes its own weights runs the bf16 layer below
     FORM_MIN_ROWS (moe_praxis.expert_weights.fp8_for_call); 'cuda+fp8w' is given the form."""
     out = {}

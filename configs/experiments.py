@@ -76,7 +76,7 @@ class LanguageModel:
     # MoEFeedForward.fp8: None or 'blockwise' (FP8 expert GEMMs; MODEL_DIMS and the experts'
     # hidden dims multiples of 128).
     FP8: Optional[str] = None
-    # MoEFeedForward.fp8_gemms: 'auto' (FP8 where it pays: moe_praxis.ops.fp8_rule) or 'all'.
+    # MoEFeedForward.fp8_gemms: 'auto' (FP8 where it pays: moe_praxis.ops.fp8.rule) or 'all'.
     FP8_GEMMS = "auto"
     # Data. DATA_SOURCE None: 'text' when DATA_PATH is set, else 'pydoc'.
     DATA_SOURCE: Optional[str] = None

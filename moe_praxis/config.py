@@ -11,7 +11,8 @@ import dataclasses
 import math
 from typing import Optional
 
-from moe_praxis.ops import fp8_rule, routing_table
+from moe_praxis.ops import routing_table
+from moe_praxis.ops.fp8 import rule as fp8_rule
 from moe_praxis.ops.backend import BACKENDS as KERNEL_BACKENDS
 from moe_praxis.ops.routing_table import ROUTER_PRECISIONS
 from moe_praxis.ops.swiglu import ACTIVATIONS
@@ -20,7 +21,7 @@ AUX_LOSS_TYPES = ("switch", "sequence", "gshard")
 DROP_POLICIES = ("position", "weight")
 EP_EXCHANGES = ("auto", "ragged", "padded")
 FP8_RECIPES = (None, "blockwise")
-FP8_BLOCK = 128  # moe_praxis.ops.fp8.BLOCK: activation tiles 1 x 128, weight blocks 128 x 128
+FP8_BLOCK = 128  # moe_praxis.ops.fp8.recipe.BLOCK: activation tiles 1 x 128, weight blocks 128 x 128
 
 
 def _err(field: str, value, valid: str) -> ValueError:
@@ -122,7 +123,7 @@ class MoEConfig:
         1 x 128 activation tile and 128 x 128 weight block, float32 accumulation, outputs in
         the input dtype (moe_praxis.ops.fp8). Needs d_model and d_ff multiples of 128; not with
         fuse_gate_up. Where kernel_backend resolves to cuda on compute capability 9.0 the
-        three GEMMs run the FP8 grouped GEMM kernels (moe_praxis.ops.fp8_gemm: CUTLASS sm_90a,
+        three GEMMs run the FP8 grouped GEMM kernels (moe_praxis.ops.fp8.gemm: CUTLASS sm_90a,
         blockwise scaling, bf16 GEMM outputs; the dispatch permute and the SwiGLU write the
         GEMMs' FP8 operands in their own passes, docs/kernels.md); elsewhere the pure-JAX
         emulation of that arithmetic runs (slower than bf16, and says so once). The router,
@@ -141,11 +142,11 @@ class MoEConfig:
         some expert GEMMs in bf16, the weights are gathered in their dtype for them (and an FP8
         form made beforehand in e4m3).
       fp8_gemms: with fp8, which expert GEMMs run in FP8: 'auto' (the measured per-GEMM rule
-        moe_praxis.ops.fp8_rule.fp8_gemm_rule, the table below: each weight's forward, dgrad
+        moe_praxis.ops.fp8.rule.fp8_gemm_rule, the table below: each weight's forward, dgrad
         and wgrad in FP8 only at the shapes where FP8 was measured faster on an H200, the
         others in bf16 on the master weight; and a call whose weights' FP8 form would serve
         fewer than 2048 rows per expert per quantization runs the bf16 layer, its form costing
-        more than FP8 saves: ops.fp8_rule.form_pays) or 'all' (every expert GEMM in FP8, at
+        more than FP8 saves: ops.fp8.rule.form_pays) or 'all' (every expert GEMM in FP8, at
         any rows). backend_info(config) and the layer's summaries name the choice.
     """
 
@@ -303,7 +304,7 @@ class MoEConfig:
                        "expert_bias to update)")
 
     def fp8_choices(self) -> dict:
-        """{expert weight: ops.fp8_rule.Fp8Gemms} under fp8_gemms ({} without fp8)."""
+        """{expert weight: ops.fp8.rule.Fp8Gemms} under fp8_gemms ({} without fp8)."""
         if self.fp8 is None:
             return {}
         return fp8_rule.choose_all(self.fp8_gemms, self.d_model, self.d_ff, self.gated)

@@ -68,7 +68,7 @@ class MoEOutput:
     tokens_per_expert: jax.Array  # [E] int32 token copies the router assigned (before drops)
     dropped_tokens: jax.Array  # [] int32 copies dropped by the capacity or an EP buffer bound
     router_entropy: jax.Array  # [] float32 mean entropy of softmax(logits), no gradient
-    # static: ((expert weight, ops.fp8_rule.Fp8Gemms), ...) of the GEMMs this call ran in FP8
+    # static: ((expert weight, ops.fp8.rule.Fp8Gemms), ...) of the GEMMs this call ran in FP8
     # (expert_weights.fp8_for_call; () without config.fp8)
     fp8_gemms: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 

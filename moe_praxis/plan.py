@@ -45,7 +45,7 @@ class Plan:
     dispatcher: Choice
     experts: Choice
     combiner: Choice
-    # ((expert weight, ops.fp8_rule.Fp8Gemms), ...) of the GEMMs the call runs in FP8
+    # ((expert weight, ops.fp8.rule.Fp8Gemms), ...) of the GEMMs the call runs in FP8
     fp8_gemms: tuple = ()
 
     def describe(self) -> str:

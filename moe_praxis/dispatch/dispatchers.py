@@ -16,7 +16,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis.dispatch import sort
 from moe_praxis.experts.common import reads_rows_twice
-from moe_praxis.ops import fp8, vma
+from moe_praxis.ops import vma
+from moe_praxis.ops.fp8 import recipe as fp8
 from moe_praxis.variants import Entry, Query, Rows
 
 

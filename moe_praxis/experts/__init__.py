@@ -22,7 +22,7 @@ config.fuse_swiglu_bwd the activation and the down projection are one op (ops.sw
 ops.gate_up_swiglu_down: dSwiGLU in the down projection's dgrad epilogue, the activation
 recomputed there), so 'ffn1' does not exist there. On the FP8 kernels (config.fp8, gated silu,
 every expert GEMM in FP8) the gate and up projections and the SwiGLU are one op
-(ops.fp8.gate_up_swiglu_fp8), so 'moe_gate' and 'moe_up' do not exist there either.
+(ops.fp8.recipe.gate_up_swiglu_fp8), so 'moe_gate' and 'moe_up' do not exist there either.
 
 Checkpoint names (for jax.checkpoint policies such as save_only_these_names):
   'moe_gate'  [R, H] x @ wi_gate          'moe_up' [R, H] x @ wi_up

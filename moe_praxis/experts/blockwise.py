@@ -18,13 +18,14 @@ from moe_praxis import ops
 from moe_praxis.config import MoEConfig
 from moe_praxis.experts.common import EXPERT_WEIGHTS, FP8_GATHER, FP8_WEIGHTS, activation_reference
 from moe_praxis.ops import backend as ops_backend
-from moe_praxis.ops import fp8, fp8_fused, fp8_mixed, fp8_weights
+from moe_praxis.ops.fp8 import (recipe as fp8, fused as fp8_fused, mixed as fp8_mixed, weights as
+                                fp8_weights)
 from moe_praxis.variants import Entry, Query, Rows
 
 
 def quantize_expert_weights(params: dict, config: MoEConfig, *, transposed=None) -> dict:
     """params with their expert weights' FP8 form added under FP8_WEIGHTS ('fp8_weights'):
-    {name: Fp8Weight(q, s, qt)} for wi_gate (gated), wi_up and wo (ops.fp8_weights: e4m3
+    {name: Fp8Weight(q, s, qt)} for wi_gate (gated), wi_up and wo (ops.fp8.weights: e4m3
     values, 128x128 block scales shared by W and W^T), one pass over each weight.
 
     Made once per optimizer step and passed to every moe_block call of that step (every
@@ -68,8 +69,8 @@ def _every_gemm_fp8(config: MoEConfig) -> bool:
 
 def _mixed(rows: Rows, group_sizes, weights, config: MoEConfig, *, backend, row_weights,
            kernels: bool):
-    """config.fp8_gemms where some expert GEMMs run in bf16 (ops.fp8_rule): each weight's
-    GEMMs through ops.fp8_mixed, its FP8 ones reading its FP8 form (made beforehand or here),
+    """config.fp8_gemms where some expert GEMMs run in bf16 (ops.fp8.rule): each weight's
+    GEMMs through ops.fp8.mixed, its FP8 ones reading its FP8 form (made beforehand or here),
     its bf16 ones the master weight (gathered whole under FSDP). With the FP8 kernels
     (`kernels`) the forwards read the rows' FP8 operand (the permute's, or quantized here once)
     and the SwiGLU writes the down projection's when its forward runs in FP8."""
@@ -106,7 +107,7 @@ def _kernels(rows: Rows, group_sizes, weights, config: MoEConfig, *, backend, ro
     """The FP8 kernels' FFN: one FP8 operand of the rows for the gate and up projections (the
     permute's, rows.rows_fp8, or quantized here once), the SwiGLU writing the down projection's
     FP8 operand in its pass (silu; other activations quantize their output after it). With silu
-    the gate and up projections and the SwiGLU are one op (ops.fp8.gate_up_swiglu_fp8: its
+    the gate and up projections and the SwiGLU are one op (ops.fp8.recipe.gate_up_swiglu_fp8: its
     backward's SwiGLU writes the dgrads' FP8 operands), so 'moe_gate' and 'moe_up' do not exist
     there."""
     del backend  # the FP8 kernels' ops resolve 'auto' to the kernels this entry was chosen for

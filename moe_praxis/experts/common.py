@@ -21,7 +21,7 @@ ENV_STRICT_CUDNN = "MOE_PRAXIS_STRICT_CUDNN_FUSION"
 # weights key: {name: (fsdp axes, dim)} of expert weights still fsdp-sharded, which the FP8
 # GEMMs quantize and then all-gather (MoEConfig.fp8_quantize_before_gather)
 FP8_GATHER = "fp8_gather"
-# params / weights key: {name: ops.fp8_weights.Fp8Weight} of the expert weights quantized
+# params / weights key: {name: ops.fp8.weights.Fp8Weight} of the expert weights quantized
 # beforehand (quantize_expert_weights); the FP8 GEMMs read them instead of quantizing
 FP8_WEIGHTS = "fp8_weights"
 EXPERT_WEIGHTS = ("wi_gate", "wi_up", "wo")

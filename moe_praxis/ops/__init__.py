@@ -10,12 +10,15 @@
 3. `_library` (private): the kernel library's table, path and environment variable, loading
    and FFI registration on first use, the FFI call helper.
 
-`fp8` is the blockwise-scaled FP8 grouped GEMM's pure-JAX reference (MoEConfig.fp8 builds on
-it), `fp8_quant` its quantizers and the FP8 kernels' operand layouts (references and
-kernels), `fp8_fused` the SwiGLU and permute that also write their output in FP8; `vma` holds the shard_map typing helpers. Importing this package loads no shared library.
+`fp8/` is the blockwise FP8 recipe (MoEConfig.fp8), one subpackage: `fp8.recipe` the FP8
+grouped GEMM's pure-JAX reference and its CUDA path, `fp8.quant` its quantizers and the FP8
+kernels' operand layouts, `fp8.fused` the SwiGLU and permute that also write their output in
+FP8, `fp8.gemm` the FP8 grouped GEMM kernels' wrappers, `fp8.weights` the FP8 form of a weight
+made beforehand, `fp8.mixed` the per-GEMM bf16 / FP8 mix and `fp8.rule` the rule choosing it.
+`vma` holds the shard_map typing helpers. Importing this package loads no shared library.
 """
 
-from moe_praxis.ops import backend, fp8, fp8_fused, fp8_quant, vma
+from moe_praxis.ops import backend, fp8, vma
 from moe_praxis.ops.aux_loss import aux_loss, aux_loss_reference
 from moe_praxis.ops.backend import backend_info, resolve_backend
 from moe_praxis.ops.combine import combine, combine_reference
@@ -39,8 +42,6 @@ __all__ = [
     "expert_sort",
     "expert_sort_reference",
     "fp8",
-    "fp8_fused",
-    "fp8_quant",
     "gate_up_swiglu",
     "gate_up_swiglu_down",
     "grouped_gemm",
