@@ -85,6 +85,8 @@ profiler trace (benchmarks/layer_breakdown.py: the stage table); where the trace
 kernels (the CPU) it prints why and goes on.
 --quick: CPU sizes (layer_cases.QUICK_SHAPES), 2 rounds, small copy-bandwidth buffer: the
 end-to-end smoke test (tests/test_layer_bench.py).
+Each moe_block method's plan (moe_praxis.describe_plan: dispatcher, experts, combiner and
+why) is printed per shape and written to the JSON's 'plans' {shape: {method: text}}.
 JSON (--json, default benchmarks/results/layer_bench.json): meta (date, versions, device,
 copy bandwidth), notes, checks, skew, rows, breakdown; rewritten after every (shape, load,
 pass).
@@ -111,6 +113,7 @@ from benchmarks import layer_cases as lc
 from benchmarks.layer_check import CHECKED, _failure, _is_oom, check_against_xla
 from benchmarks import gpu_clocks, trace
 from benchmarks.timing import time_fn, time_paired
+import moe_praxis as mp
 from moe_praxis import ops
 from moe_praxis.ops import backend as ops_backend
 
@@ -209,6 +212,21 @@ class Shape:
                                                    backend=self.config(method).kernel_backend)
             return self.layers[method][0]
         return lc.block_fns(self.config(method))
+
+
+def plans(sh: Shape, methods) -> dict:
+    """{method: the plan moe_block resolves for it at this shape (moe_praxis.describe_plan:
+    dispatcher, experts, combiner and why)} of the moe_block methods, each printed; the JSON's
+    'plans' {shape: {method: text}}."""
+    x = jax.ShapeDtypeStruct((sh.shape.t, sh.shape.m), jnp.bfloat16)
+    out = {}
+    for method in methods:
+        if method not in lc.BLOCK_METHODS or lc.BLOCK_METHODS[method][1]:
+            continue
+        with sh.forcing(method):
+            out[method] = mp.describe_plan(sh.config(method), x)
+        print(f"{method}: " + "; ".join(out[method].splitlines()[2:5]), flush=True)
+    return out
 
 
 def measure_skew(sh: Shape) -> dict:
@@ -407,6 +425,7 @@ def main(argv=None) -> int:
         result.setdefault("fp8_gemms", {})[name] = layer_report.fp8_gemms(
             {m: sh.config(m)
              for m in methods if m in fp8_methods}, rows_per_expert)
+        result.setdefault("plans", {})[name] = plans(sh, methods)
         # the check needs no 'xla' method: it runs the 'xla' layer on a slice of its own
         if any(m in CHECKED for m in methods):
             result["checks"] += check_against_xla(sh)

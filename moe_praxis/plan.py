@@ -28,12 +28,13 @@ from moe_praxis.dispatch import exchange
 from moe_praxis.dispatch.combiners import COMBINERS
 from moe_praxis.dispatch.dispatchers import DISPATCHERS
 from moe_praxis.experts import EXPERTS, FP8_WEIGHTS, WI, check_cudnn_fusion
+from moe_praxis.ops import backend_info as ops_backend_info
 from moe_praxis.ops import resolve_backend
 from moe_praxis.params import param_shapes
 from moe_praxis.resources import EPLayout, ep_bootstrap
 from moe_praxis.variants import Choice, Query, pick
 
-__all__ = ["Plan", "describe_plan", "layout_of", "resolve_plan"]
+__all__ = ["Plan", "backend_info", "describe_plan", "layout_of", "resolve_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,3 +154,18 @@ def describe_plan(config: MoEConfig,
                   resources=None) -> str:
     """resolve_plan(...).describe(): what moe_block would run on x (shape and dtype) and why."""
     return resolve_plan(config, x, params, mesh=mesh, resources=resources).describe()
+
+
+def backend_info(config: Optional[MoEConfig] = None,
+                 x=None,
+                 params: Optional[dict] = None,
+                 *,
+                 mesh=None,
+                 resources=None) -> dict:
+    """moe_praxis.ops.backend_info(config) (the device, each op's kernel and why, the FP8 rule)
+    and, with a config and x, 'plan': what moe_block would run on x (resolve_plan(...).describe(),
+    the text describe_plan prints)."""
+    info = ops_backend_info(config)
+    if config is not None and x is not None:
+        info["plan"] = resolve_plan(config, x, params, mesh=mesh, resources=resources).describe()
+    return info
