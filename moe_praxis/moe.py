@@ -48,9 +48,9 @@ from moe_praxis.config import MoEConfig
 from moe_praxis.dispatch import capacity, exchange, sort
 from moe_praxis.experts import FP8_WEIGHTS
 from moe_praxis.ops import resolve_backend, vma
-from moe_praxis.plan import Plan, layout_of, resolve_plan
+from moe_praxis.plan import Plan, layout_widths, resolve_plan
 from moe_praxis.params import check_params, init_moe_params, param_shapes
-from moe_praxis.resources import EPLayout, check_mesh_in_scope, psum
+from moe_praxis.resources import EPLayout, check_mesh_in_scope, ep_bootstrap, psum
 from moe_praxis.shared import gather_shared_weights, shared_ffn
 
 __all__ = [
@@ -327,7 +327,7 @@ def moe_block(params: dict,
     if (mesh is None) != (resources is None):
         raise ValueError("moe_block needs both mesh and resources for expert parallelism "
                          f"(got mesh={mesh!r}, resources={resources!r})")
-    layout = layout_of(config, mesh, resources)
+    layout = ep_bootstrap(mesh, resources, config.num_experts, **layout_widths(config))
     if mesh is not None:
         check_mesh_in_scope(mesh)
     tok = layout.token_spec

@@ -34,7 +34,7 @@ from moe_praxis.params import param_shapes
 from moe_praxis.resources import EPLayout, ep_bootstrap
 from moe_praxis.variants import Choice, Query, pick
 
-__all__ = ["Plan", "backend_info", "describe_plan", "layout_of", "resolve_plan"]
+__all__ = ["Plan", "backend_info", "describe_plan", "layout_widths", "resolve_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +89,9 @@ def _fp8_gather(params, config: MoEConfig, layout: EPLayout) -> bool:
                for n in expert_weights.GATHERED)
 
 
-def layout_of(config: MoEConfig, mesh, resources) -> EPLayout:
-    """ep_bootstrap's layout of config's block on mesh / resources (no axes: both None)."""
-    return ep_bootstrap(mesh,
-                        resources,
-                        config.num_experts,
-                        d_model=config.d_model,
-                        d_ff=config.d_ff,
-                        shared_d_ff=config.shared_hidden)
+def layout_widths(config: MoEConfig) -> dict:
+    """The widths ep_bootstrap checks the mesh's roles against (d_model, d_ff, shared_d_ff)."""
+    return dict(d_model=config.d_model, d_ff=config.d_ff, shared_d_ff=config.shared_hidden)
 
 
 def resolve_plan(config: MoEConfig,
@@ -119,7 +114,7 @@ def resolve_plan(config: MoEConfig,
     if backend is None:
         backend = resolve_backend(config.kernel_backend, "moe_block")
     if layout is None:
-        layout = layout_of(config, mesh, resources)
+        layout = ep_bootstrap(mesh, resources, config.num_experts, **layout_widths(config))
     if exchange_kind is None and mesh is not None:
         exchange_kind = exchange.checked_exchange_kind(config, mesh, layout.ep_size)
     t = math.prod(x.shape[:-1])
