@@ -1,4 +1,4 @@
-"""Benchmark: the expert-parallel MoE layer, weak scaling from 1 to N GPUs (issue 21, item 2).
+"""Benchmark: the expert-parallel MoE layer, weak scaling from 1 to N GPUs.
 
     python -m benchmarks.bench_ep [--shapes mixtral,qwen3] [--tokens-per-gpu N] [--reps N]
                                   [--exchanges padded,ragged] [--out FILE.json] [--tiny]

@@ -5,10 +5,10 @@ by default; both distributions sum to M, so every row does 2*M*K*N FLOPs), times
 
   bf16        our bf16 grouped GEMM (ops.grouped_gemm's CUDA kernels, choose_config's tile)
   fp8         our FP8 grouped GEMM kernel alone on operands quantized beforehand
-              (ops.fp8_gemm: fwd = nt(L1 lhs, L2 qt), dgrad = nt(L1 dy, L2 q),
+              (ops.fp8.gemm: fwd = nt(L1 lhs, L2 qt), dgrad = nt(L1 dy, L2 q),
               wgrad = wgrad(L3 lhs, L3 dy), bf16 out)
   fp8+q       the same with the activations' quantization in the timed call (the CUDA
-              quantizers of ops.fp8_quant: L1 rows, L3 grouped rows; the weight's L2 blocks
+              quantizers of ops.fp8.quant: L1 rows, L3 grouped rows; the weight's L2 blocks
               stay pre-quantized: the layer quantizes each weight once per step for both its
               forward and its dgrad)
   fp8_f32     wgrad with float32 output (for float32 master weights)
@@ -49,7 +49,8 @@ import numpy as np
 
 from benchmarks.grouped_gemm_cases import DISTS, OPS, SHAPES, group_sizes
 from benchmarks.timing import rel_err, time_paired
-from moe_praxis.ops import backend, fp8_gemm, fp8_quant
+from moe_praxis.ops import backend
+from moe_praxis.ops.fp8 import gemm as fp8_gemm, quant as fp8_quant
 import importlib
 
 # The module (the attribute ops.grouped_gemm is the function).

@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks.bench_kernels import copy_bandwidth
 from moe_praxis import ops
-from moe_praxis.ops import fp8_fused, fp8_quant
+from moe_praxis.ops.fp8 import fused as fp8_fused, quant as fp8_quant
 
 
 def _seconds(fn, inputs, reps):

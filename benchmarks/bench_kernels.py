@@ -14,7 +14,7 @@ Host dispatch is amortised over the n calls inside one executable.
 `--device-time` also sums each op's GPU kernel (and memset) durations from a JAX profiler trace
 (perfetto JSON): the GPU time without launch gaps, and the kernels per call.
 
-Targets (issue 6): no kernel slower than its XLA reference; fused router fwd+bwd and
+Targets: no kernel slower than its XLA reference; fused router fwd+bwd and
 permute+unpermute at least 2x faster than XLA; every kernel at 60% or more of copy bandwidth.
 """
 

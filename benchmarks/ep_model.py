@@ -1,5 +1,4 @@
-"""A model of the expert-parallel token exchange of a DeepSeek-V3-like layer at 64 to 1024 GPUs
-(issue 21, item 3). Runs on the CPU; nothing is timed:
+"""A model of the expert-parallel token exchange of a DeepSeek-V3-like layer at 64 to 1024 GPUs. Runs on the CPU; nothing is timed:
 
     python -m benchmarks.ep_model [--tokens-per-gpu 8192] [--compute-ms 39.8] [--json FILE]
 
@@ -24,7 +23,7 @@ at --ib-gbs (default 40 GB/s: a 400 Gb/s NDR NIC per GPU is 50 GB/s, about 80% o
 usual for all-to-all traffic). The two run concurrently: a transfer takes
 max(NVLink bytes / NVLink rate, IB bytes / IB rate).
 Compute: --compute-ms, the layer's fwd+bwd time on one GPU at the same tokens per GPU (default
-39.8 ms: the DeepSeek-V3-like row of the layer benchmark on one H200, issue 23; the 9-GEMM
+39.8 ms: the DeepSeek-V3-like row of the layer benchmark on one H200; the 9-GEMM
 ideal is 22.0 ms). With per-GPU tokens fixed the expert FLOPs per GPU do not change with ep;
 the busiest GPU computes its load share times that.
 Printed per GPU count and ep: MB per GPU per step over each link, exchange ms, the overlap

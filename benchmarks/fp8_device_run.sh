@@ -1,5 +1,5 @@
 #!/bin/bash
-# One call on the GPU machine for the FP8 experts (issue 19): the carried library (or a build,
+# One call on the GPU machine for the FP8 experts: the carried library (or a build,
 # split into 15 MB parts under $OUT so it can be carried by later calls), the FP8 GPU tests
 # (two pytest processes, a limit per test), then the FP8 kernel benchmark over the tiles.
 #   bash benchmarks/fp8_device_run.sh [TEST_BUDGET_S] [BENCH_BUDGET_S] [BENCH_ARGS...]

@@ -5,7 +5,7 @@ in bf16 or in blockwise FP8) trained by the experiment main, held-out losses com
                                      [--base configs.experiments.TinyBf16]
                                      [--fp8 configs.experiments.TinyFp8] [--max_gap 0.01]
 
-Issue 19's check: the final held-out loss of the FP8 run within 1% (relative) of the bf16 run.
+The check: the final held-out loss of the FP8 run within 1% (relative) of the bf16 run.
 Each run is a fresh `python -m experiments.main` in its own job directory (a temporary one
 unless --keep DIR). Prints the held-out loss at every evaluation, the relative gap, PASS/FAIL;
 writes the JSON. On a CPU the FP8 run uses the pure-JAX emulation of the FP8 GEMMs (the same

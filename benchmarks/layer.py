@@ -1,4 +1,4 @@
-"""The whole MoE layer on one device (issue 23): `python -m benchmarks.layer`.
+"""The whole MoE layer on one device: `python -m benchmarks.layer`.
 
     python -m benchmarks.layer [--shapes mixtral,qwen3,deepseek] [--methods LIST]
         [--skew | --no-skew] [--breakdown] [--json PATH] [--quick] [--reps N]
@@ -20,17 +20,13 @@ is more than T), read back from moe_block's tokens_per_expert and printed.
 Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
   cuda, cuda+fuse      moe_block, kernel_backend 'cuda', without / with fuse_gate_up
   cuda+bf16router      moe_block, 'cuda', router_precision='bf16'
-  cuda+gather          moe_block, 'cuda', gather_combine=True (issue 37: the routing weights in
+  cuda+gather          moe_block, 'cuda', gather_combine=True (the routing weights in
                        one gather-and-sum combine kernel, kernels/combine.cu, not in the SwiGLU)
-  cuda+gather_rows, cuda+fuse+gather_rows
-                       moe_block, 'cuda', gather_rows=True, without / with fuse_gate_up (issue 37:
-                       the gate and up projections read x's rows by index,
-                       kernels/grouped_gemm_gather.cu; no permuted copy of x)
   cuda+dswiglu, cuda+fuse+dswiglu
                        moe_block, 'cuda', fuse_swiglu_bwd=True, without / with fuse_gate_up
-                       (issue 37: dSwiGLU in the down projection's dgrad epilogue,
+                       (dSwiGLU in the down projection's dgrad epilogue,
                        kernels/grouped_gemm_dswiglu.cu; no SwiGLU backward kernel)
-  cuda+fp8             moe_block, 'cuda', fp8='blockwise' (the FP8 expert GEMM kernels, issue 19;
+  cuda+fp8             moe_block, 'cuda', fp8='blockwise' (the FP8 expert GEMM kernels;
                        target: Mixtral-like fwd+bwd >= 1.35x 'cuda', column x cuda in the JSON);
                        fp8_gemms 'auto': which GEMMs run FP8 is printed per shape and in the
                        JSON's 'fp8_gemms' {shape: {method: {weight: {fwd|dgrad|wgrad: fp8|bf16}}}}
@@ -38,7 +34,7 @@ Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
   cuda+fp8w, fp8-quant 'cuda+fp8' with the expert weights' FP8 form made beforehand, and that
                        quantization alone: with --microbatches N1,N2 (default 1,8) the rows
                        'cuda+fp8 @n' = cuda+fp8w + fp8-quant / n, weights quantized once per
-                       optimizer step of n micro-batches (benchmarks/layer_fp8w.py, issue 36)
+                       optimizer step of n micro-batches (benchmarks/layer_fp8w.py)
   cuda-sm80            moe_block, 'cuda', the sm_80 grouped GEMM kernels forced while its steps
                        are traced (ops.backend.force_grouped_gemm, lc.GROUPED_GEMM_FAMILY): the
                        Ampere kernels' whole layer, on a Hopper GPU beside 'cuda'
@@ -65,8 +61,7 @@ The 'cuda' methods run with kernel_backend 'xla' where CUDA is unusable (--quick
 says so). fwd = jit(moe_block) (or the layer's apply); fwd+bwd = jit(value_and_grad) of
 sum(y * cot) + aux losses w.r.t. the parameters and x.
 
-Before timing, each shape checks 'cuda', 'cuda+fuse', 'cuda+gather', 'cuda+gather_rows',
-'cuda+fuse+gather_rows', 'cuda+dswiglu', 'cuda+fuse+dswiglu', 'cuda-sm80' and 'cuda+fp8'
+Before timing, each shape checks 'cuda', 'cuda+fuse', 'cuda+gather', 'cuda+dswiglu', 'cuda+fuse+dswiglu', 'cuda-sm80' and 'cuda+fp8'
 against 'xla' (y,
 dx and the weight gradients, ||a - b|| / ||b||, bf16 tolerance 2e-2, FP8 0.08: tests/test_fp8.py's
 bound) on the first tokens (the full
@@ -79,7 +74,7 @@ in interleaved batches (benchmarks.timing.time_paired: median of --reps rounds).
 Columns: ms; TFLOP/s of the expert FLOPs (2 * T*k * M * H * 3, x3 for fwd+bwd); % of ideal
 (ideal ms / ms); % of roofline; x GShard (GShard cf 2.5 ms / ms, Mixtral, balanced); peak
 device memory of the executable (XLA's memory analysis: arguments + outputs + temporaries -
-aliased); target and PASS/FAIL against issue 23 (fwd+bwd, 'cuda' and 'cuda+fuse'): Qwen3-like
+aliased); target and PASS/FAIL against the layer's targets (fwd+bwd, 'cuda' and 'cuda+fuse'): Qwen3-like
 >= 80% of ideal; DeepSeek-V3-like >= 75% of ideal or >= 90% of the roofline; Mixtral-like
 >= 95% of ideal and >= 1.25x GShard; skewed load within 15% of the balanced time. Speed is
 asserted here, in the output, never in a test.
@@ -90,6 +85,8 @@ profiler trace (benchmarks/layer_breakdown.py: the stage table); where the trace
 kernels (the CPU) it prints why and goes on.
 --quick: CPU sizes (layer_cases.QUICK_SHAPES), 2 rounds, small copy-bandwidth buffer: the
 end-to-end smoke test (tests/test_layer_bench.py).
+Each moe_block method's plan (moe_praxis.describe_plan: dispatcher, experts, combiner and
+why) is printed per shape and written to the JSON's 'plans' {shape: {method: text}}.
 JSON (--json, default benchmarks/results/layer_bench.json): meta (date, versions, device,
 copy bandwidth), notes, checks, skew, rows, breakdown; rewritten after every (shape, load,
 pass).
@@ -116,6 +113,7 @@ from benchmarks import layer_cases as lc
 from benchmarks.layer_check import CHECKED, _failure, _is_oom, check_against_xla
 from benchmarks import gpu_clocks, trace
 from benchmarks.timing import time_fn, time_paired
+import moe_praxis as mp
 from moe_praxis import ops
 from moe_praxis.ops import backend as ops_backend
 
@@ -214,6 +212,21 @@ class Shape:
                                                    backend=self.config(method).kernel_backend)
             return self.layers[method][0]
         return lc.block_fns(self.config(method))
+
+
+def plans(sh: Shape, methods) -> dict:
+    """{method: the plan moe_block resolves for it at this shape (moe_praxis.describe_plan:
+    dispatcher, experts, combiner and why)} of the moe_block methods, each printed; the JSON's
+    'plans' {shape: {method: text}}."""
+    x = jax.ShapeDtypeStruct((sh.shape.t, sh.shape.m), jnp.bfloat16)
+    out = {}
+    for method in methods:
+        if method not in lc.BLOCK_METHODS or lc.BLOCK_METHODS[method][1]:
+            continue
+        with sh.forcing(method):
+            out[method] = mp.describe_plan(sh.config(method), x)
+        print(f"{method}: " + "; ".join(out[method].splitlines()[2:5]), flush=True)
+    return out
 
 
 def measure_skew(sh: Shape) -> dict:
@@ -412,6 +425,7 @@ def main(argv=None) -> int:
         result.setdefault("fp8_gemms", {})[name] = layer_report.fp8_gemms(
             {m: sh.config(m)
              for m in methods if m in fp8_methods}, rows_per_expert)
+        result.setdefault("plans", {})[name] = plans(sh, methods)
         # the check needs no 'xla' method: it runs the 'xla' layer on a slice of its own
         if any(m in CHECKED for m in methods):
             result["checks"] += check_against_xla(sh)
@@ -459,8 +473,8 @@ def main(argv=None) -> int:
 
 def run_breakdown(sh: Shape) -> dict:
     out = {}
-    for method in ("cuda", "cuda+fuse", "cuda+gather", "cuda+gather_rows", "cuda+fuse+gather_rows",
-                   "cuda+dswiglu", "cuda+fuse+dswiglu", "cuda+fp8"):
+    for method in ("cuda", "cuda+fuse", "cuda+gather", "cuda+dswiglu", "cuda+fuse+dswiglu",
+                   "cuda+fp8"):
         if (method, "fwd+bwd") not in sh.steps:
             continue
         comp, _ = sh.steps[(method, "fwd+bwd")]

@@ -55,10 +55,6 @@ BLOCK_METHODS = {
     "cuda": (dict(kernel_backend="cuda"), False),
     "cuda+fuse": (dict(kernel_backend="cuda", fuse_gate_up=True), False),
     "cuda+gather": (dict(kernel_backend="cuda", gather_combine=True), False),
-    # the gate and up projections reading x's rows by index (ops.gathered_gemm)
-    "cuda+gather_rows": (dict(kernel_backend="cuda", gather_rows=True), False),
-    "cuda+fuse+gather_rows": (dict(kernel_backend="cuda", fuse_gate_up=True,
-                                   gather_rows=True), False),
     # dSwiGLU in the down projection's dgrad epilogue (ops.swiglu_down), without / with the
     # fused gate/up in front
     "cuda+dswiglu": (dict(kernel_backend="cuda", fuse_swiglu_bwd=True), False),

@@ -2,7 +2,7 @@
 and how a failed step is named.
 
 An FP8 method is checked on the FP8 GEMMs it is timed with: under fp8_gemms='auto' a call runs
-the bf16 layer below ops.fp8_rule.FORM_MIN_ROWS rows per expert, which the check's slice of
+the bf16 layer below ops.fp8.rule.FORM_MIN_ROWS rows per expert, which the check's slice of
 CHECK_TOKENS tokens may be while the timed call (the shape's T tokens) is not; there the check
 gives the weights' FP8 form (moe_praxis.quantize_expert_weights; a given form is used), so the
 slice runs the GEMMs the rule picks for the timed call (`fp8_check_params`).
@@ -18,12 +18,11 @@ import jax.numpy as jnp
 import moe_praxis as mp
 from benchmarks import layer_cases as lc
 from moe_praxis import experts, ops
-from moe_praxis.ops import fp8_rule
+from moe_praxis.ops.fp8 import rule as fp8_rule
 
 CHECK_TOL = 2e-2
-CHECKED = ("cuda", "cuda+fuse", "cuda+gather", "cuda+gather_rows", "cuda+fuse+gather_rows",
-           "cuda+dswiglu", "cuda+fuse+dswiglu", "cuda-sm80", "cuda+fp8", "cuda+fp8all"
-           )  # checked against 'xla'
+CHECKED = ("cuda", "cuda+fuse", "cuda+gather", "cuda+dswiglu", "cuda+fuse+dswiglu", "cuda-sm80",
+           "cuda+fp8", "cuda+fp8all")  # checked against 'xla'
 FP8_CHECK_TOL = 0.08
 CHECK_TOKENS = 2048
 CHECK_BYTES = 8 << 30

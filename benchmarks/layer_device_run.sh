@@ -1,5 +1,5 @@
 #!/bin/bash
-# One call on the GPU machine for the layer benchmark (python -m benchmarks.layer, issue 23): load
+# One call on the GPU machine for the layer benchmark (python -m benchmarks.layer): load
 # the carried kernel library (or build it), then the benchmark within a time budget; everything
 # is logged under $OUT and the JSON is written there too.
 #   bash benchmarks/layer_device_run.sh [BUDGET_S] [SHAPES] [BENCH_ARGS...]

@@ -1,4 +1,4 @@
-"""The layer benchmark's FP8 step per optimizer step (`--microbatches`, issue 36).
+"""The layer benchmark's FP8 step per optimizer step (`--microbatches`).
 
 A train step with n micro-batches quantizes the expert weights once (moe_praxis.
 quantize_expert_weights) and runs n forward+backward passes that read the FP8 form; per
@@ -6,12 +6,12 @@ micro-batch that costs
 
     cuda+fp8 @n  =  ms('cuda+fp8w') + ms('fp8-quant') / n
 
-where the form serves at least ops.fp8_rule.FORM_MIN_ROWS rows per expert in its n calls;
+where the form serves at least ops.fp8.rule.FORM_MIN_ROWS rows per expert in its n calls;
 below that fp8_gemms='auto' makes no form and runs the bf16 layer, so the row is ms('cuda').
 
 'cuda+fp8w' is moe_block with the FP8 form given (no weight quantization in the step),
 'fp8-quant' the quantization alone; both are timed with the other methods. The derived rows
-(method 'cuda+fp8 @n', n from --microbatches, default 1,8) carry 'x_cuda' and issue 36's
+(method 'cuda+fp8 @n', n from --microbatches, default 1,8) carry 'x_cuda' and the per-step FP8
 targets (fwd+bwd, balanced load): at n=1 every shape >= 1.0x 'cuda' and Mixtral-like >= 1.35x;
 at n=8 DeepSeek-V3-like >= 1.25x and Qwen3-like >= 1.10x.
 """
@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 
 import moe_praxis as mp
-from moe_praxis.ops import fp8_rule
+from moe_praxis.ops.fp8 import rule as fp8_rule
 
 PREQUANTIZED = "cuda+fp8w"  # moe_block reading the FP8 form made beforehand
 QUANTIZE = "fp8-quant"  # quantize_expert_weights alone
 METHODS = (PREQUANTIZED, QUANTIZE)
 DEFAULT_MICROBATCHES = (1, 8)
-# (shape, micro-batches) -> the least fwd+bwd speed over 'cuda' (issue 36); n=1 any shape 1.0
+# (shape, micro-batches) -> the least fwd+bwd speed over 'cuda'; n=1 any shape 1.0
 TARGETS = {("mixtral", 1): 1.35, ("deepseek", 8): 1.25, ("qwen3", 8): 1.10}
 FP8_WEIGHTS = "fp8_weights"
 
@@ -62,7 +62,7 @@ def amortized(rows: list[dict], microbatches, rows_per_expert=None) -> list[dict
     where PREQUANTIZED or QUANTIZE did not run).
 
     rows_per_expert: one call's rows per expert (T * k / E). Where the FP8 form would serve
-    fewer than ops.fp8_rule.FORM_MIN_ROWS rows per expert in n calls, fp8_gemms='auto' makes
+    fewer than ops.fp8.rule.FORM_MIN_ROWS rows per expert in n calls, fp8_gemms='auto' makes
     none and runs the bf16 layer (the experiments' train step, moe_block): the row is then
     'cuda''s time, with 'fp8_form': False. None: the form is always made."""
     by = {r["method"]: r.get("ms") for r in rows}
@@ -88,7 +88,7 @@ def amortized(rows: list[dict], microbatches, rows_per_expert=None) -> list[dict
 
 
 def target(r: dict):
-    """(text, ok) of issue 36's target for a derived row, or None where none applies."""
+    """(text, ok) of the per-step FP8 target for a derived row, or None where none applies."""
     n = r.get("microbatches")
     if n is None or r["pass_"] != "fwd+bwd" or r["load"] != "balanced":
         return None

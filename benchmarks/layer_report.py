@@ -1,4 +1,4 @@
-"""The layer benchmark's options, derived columns, issue 23's targets, table and JSON
+"""The layer benchmark's options, derived columns, the layer's targets, table and JSON
 (`python -m benchmarks.layer`; the module doc of benchmarks/layer.py describes them)."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ import os
 from benchmarks import layer_cases as lc
 from benchmarks import layer_fp8w, layer_sweep
 from moe_praxis import expert_weights
-from moe_praxis.ops import dswiglu, fp8_rule, gate_up, grouped_gemm_tiles
+from moe_praxis.ops import dswiglu, gate_up, grouped_gemm_tiles
+from moe_praxis.ops.fp8 import rule as fp8_rule
 
 DEFAULT_JSON = "benchmarks/results/layer_bench.json"
 GSHARD_REF = "gshard cf2.5"  # the GShard row 'x GShard' divides by (equal capacity per copy)
 TARGET_METHODS = ("cuda", "cuda+fuse")
 SKEW_SLACK = 1.15
-FP8_SPEEDUP = 1.35  # issue 19: 'cuda+fp8' fwd+bwd over 'cuda', Mixtral-like, balanced
+FP8_SPEEDUP = 1.35  # the FP8 experts' target: 'cuda+fp8' fwd+bwd over 'cuda', Mixtral-like, balanced
 
 
 def _list(choices, what):
@@ -41,7 +42,7 @@ def _ints(text):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.layer",
-                                 description="The whole MoE layer on one device (issue 23).")
+                                 description="The whole MoE layer on one device.")
     ap.add_argument("--shapes",
                     type=_list(tuple(lc.SHAPES), "shape"),
                     default=list(lc.SHAPES),
@@ -123,7 +124,7 @@ def derive(rows: list[dict], shape: lc.Shape, pass_: str, copy_bw: float) -> Non
 
 
 def _target(r: dict, balanced_ms: float | None):
-    """(text, ok) of issue 23's target for one row (issue 19's for 'cuda+fp8'), or None where
+    """(text, ok) of the layer's target for one row (the FP8 experts' for 'cuda+fp8'), or None where
     none applies."""
     if "microbatches" in r:
         return layer_fp8w.target(r)
@@ -141,7 +142,7 @@ def _target(r: dict, balanced_ms: float | None):
     pi, pr, xg = (r.get(k) or 0 for k in ("pct_ideal", "pct_roofline", "x_gshard"))
     if shape == "qwen3":
         return ">= 80% of ideal", pi >= 80
-    if shape == "deepseek_ep4":  # issue 37
+    if shape == "deepseek_ep4":  # one EP-4 rank's experts
         return ">= 90% of ideal", pi >= 90
     if shape == "deepseek":
         return ">= 75% of ideal or >= 90% of roofline", pi >= 75 or pr >= 90
@@ -199,7 +200,7 @@ def table(rows: list[dict]) -> str:
 
 def fp8_gemms(configs: dict, rows_per_expert=None) -> dict:
     """{method: {weight: {'fwd' | 'dgrad' | 'wgrad': 'fp8' | 'bf16'}}} of the FP8 methods'
-    configs (MoEConfig.fp8_gemms, ops.fp8_rule), each printed on one line. rows_per_expert: one
+    configs (MoEConfig.fp8_gemms, ops.fp8.rule), each printed on one line. rows_per_expert: one
     call's (T * k / E): a method that quantizes its own weights runs the bf16 layer below
     FORM_MIN_ROWS (moe_praxis.expert_weights.fp8_for_call); 'cuda+fp8w' is given the form."""
     out = {}

@@ -1,7 +1,7 @@
 """The layer benchmark's token-count sweep (`python -m benchmarks.layer --tokens 4096,...,65536`):
 every shape at each token count T, and each (shape, method, pass)'s share of ideal per T.
 
-Issue 37: from T=4096 to T=65536 each shape's fwd and fwd+bwd share of ideal stay within
+The target: from T=4096 to T=65536 each shape's fwd and fwd+bwd share of ideal stay within
 SWEEP_POINTS of their share at T=SWEEP_REF (the cost grows linearly with tokens).
 """
 

@@ -1,4 +1,4 @@
-"""The router GEMM's precision against float32 (issue 37, item 4): `python -m
+"""The router GEMM's precision against float32: `python -m
 benchmarks.router_precision [--shapes qwen3,deepseek_ep4,mixtral] [--quick] [--no-block]
 [--json PATH]`.
 

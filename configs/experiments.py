@@ -76,7 +76,7 @@ class LanguageModel:
     # MoEFeedForward.fp8: None or 'blockwise' (FP8 expert GEMMs; MODEL_DIMS and the experts'
     # hidden dims multiples of 128).
     FP8: Optional[str] = None
-    # MoEFeedForward.fp8_gemms: 'auto' (FP8 where it pays: moe_praxis.ops.fp8_rule) or 'all'.
+    # MoEFeedForward.fp8_gemms: 'auto' (FP8 where it pays: moe_praxis.ops.fp8.rule) or 'all'.
     FP8_GEMMS = "auto"
     # Attention (moe_praxis.praxis.attention.GroupedQueryAttention). NUM_KV_HEADS None: one
     # key/value head per query head (multi-head attention). ATTENTION_IMPL: 'auto', 'xla' or

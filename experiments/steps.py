@@ -24,9 +24,8 @@ import jax.numpy as jnp
 import optax
 
 import moe_praxis  # Praxis shims before praxis is imported
-from moe_praxis import expert_weights
-from moe_praxis.ops import fp8, fp8_rule
 from moe_praxis.praxis import fp8_params
+from moe_praxis.praxis.fp8_params import form_pays as fp8_form_pays
 from praxis import base_layer, py_utils
 
 from configs import base, models, stack
@@ -58,20 +57,6 @@ def fp8_layers(model_config):
     c = found[0]
     # a layer's fprop_dtype left unset is its parent's (Praxis copies it down at build)
     return c.fprop_dtype or model_config.fprop_dtype, c.kernel_backend, c
-
-
-def fp8_form_pays(layer, mesh, tokens_per_step: int) -> bool:
-    """Whether the FP8 form of an MoE layer's expert weights, made once per optimizer step,
-    serves enough rows per local expert to pay (moe_praxis.ops.fp8_rule.form_pays under the
-    layer's fp8_gemms): the step's tokens over the token shards, times top-k, over the experts
-    of one EP rank. Where it does not, no form is made and each call runs the bf16 layer
-    (its own rows are fewer still: moe_praxis.expert_weights.fp8_for_call)."""
-    resources = layer.mesh_resources
-    layout = moe_praxis.ep_bootstrap(mesh if resources is not None else None, resources,
-                                     layer.num_experts)
-    rows = expert_weights.rows_per_local_expert(tokens_per_step, layout,
-                                                layer.num_experts_per_token)
-    return fp8_rule.form_pays(layer.fp8_gemms, rows)
 
 
 def _segments(batch) -> dict:
@@ -198,7 +183,9 @@ def make_step_fns(prep: Prepared) -> StepFns:
         dtype, backend, layer = fp8_moe
         if not fp8_form_pays(layer, mesh, math.prod(batch["ids"].shape)):
             return None
-        return fp8_params.fp8_weights_tree(params, dtype, transposed=fp8.resolve(backend) == "cuda")
+        return fp8_params.fp8_weights_tree(params,
+                                           dtype,
+                                           transposed=fp8_params.transposed_for(backend))
 
     def loss_fn(params, non_trainable, batch, key, do_eval, fp8_tree=None):
         ids, paddings, labels = _model_inputs(batch)

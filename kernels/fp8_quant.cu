@@ -1,4 +1,4 @@
-// FP8 quantization into the row layout L1 (fp8_quant.cuh: the recipe; moe_praxis/ops/fp8_quant.py:
+// FP8 quantization into the row layout L1 (fp8_quant.cuh: the recipe; moe_praxis/ops/fp8/quant.py:
 // the layouts and the references these kernels equal bitwise):
 //
 //   moe_fp8_quantize_rows           L1: x [R, C] -> q [R, C], s_t [C/128, R]   (1 x 128 tiles)

@@ -1,6 +1,6 @@
 // Shared by the FP8 quantization kernels (fp8_quant.cu: L1, SwiGLU + L1, permute + L1;
 // fp8_quant_tiles.cu: L2 and L3), which write the layouts the FP8 grouped GEMMs read
-// (moe_praxis/ops/fp8_quant.py states them and holds the pure-JAX references these kernels equal
+// (moe_praxis/ops/fp8/quant.py states them and holds the pure-JAX references these kernels equal
 // bitwise):
 //
 //   scale = amax(tile) * f32(1/448)   (1 for an all-zero tile)

@@ -1,5 +1,5 @@
 // FP8 quantization into the 128 x 128 tile layouts (fp8_quant.cuh: the recipe;
-// moe_praxis/ops/fp8_quant.py: the layouts and the references these kernels equal bitwise):
+// moe_praxis/ops/fp8/quant.py: the layouts and the references these kernels equal bitwise):
 //
 //   moe_fp8_quantize_weight         L2: w [E, K, N] -> q [E, K, N], qt [E, N, K], s [E, K/128, N/128]
 //   moe_fp8_quantize_rows_grouped_t L3: x [R, C], group_sizes [E] -> qt [C, Rp], s [Rp/128, C]

@@ -84,21 +84,10 @@ extern "C" void moe_praxis_note_stream(cudaStream_t stream);
 
 namespace moe_gg {
 
-// The mainloop arguments of a kernel definition: CUTLASS's A and B pointer arrays, or, where the
-// Def declares kOwnMainloopArgs (the gathered mainloop, grouped_gemm_gather.cu), its own
-// Def::mainloop_args(g, extra).
-template <class Def, class = void>
-struct OwnMainloopArgs : std::false_type {};
-template <class Def>
-struct OwnMainloopArgs<Def, std::void_t<decltype(Def::kOwnMainloopArgs)>> : std::true_type {};
-
+// The mainloop arguments of a kernel definition: CUTLASS's A and B pointer arrays.
 template <class Def, class Arrays, class Extra>
-typename Def::Kernel::MainloopArguments mainloop_args(const Arrays& g, const Extra& extra) {
-  if constexpr (OwnMainloopArgs<Def>::value) {
-    return Def::mainloop_args(g, extra);
-  } else {
-    return {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b};
-  }
+typename Def::Kernel::MainloopArguments mainloop_args(const Arrays& g, const Extra&) {
+  return {g.ptr_a, g.stride_a, g.ptr_b, g.stride_b};
 }
 
 // Launches one CUTLASS kernel over the group arrays `g` with the problem shapes `shapes`;

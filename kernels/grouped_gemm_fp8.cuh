@@ -2,7 +2,7 @@
 // CUTLASS's pointer-array grouped GEMM with software blockwise scaling (MainloopSm90ArrayTma-
 // GmmaWarpSpecializedBlockwise), float32 accumulation promoted per 128 of K, bf16 or float32 out.
 // Shared by grouped_gemm_fp8_{nt,wgrad,wgrad_f32}.cu; the operand layouts are those of
-// moe_praxis/ops/fp8_gemm.py (module doc):
+// moe_praxis/ops/fp8/gemm.py (module doc):
 //   nt:    out[rows of g, n] = sum_k dq(A)[r, k] dq(B[g])[n, k]; A [R, C] e4m3 with scales
 //          [C/128, R] (1 x 128 tiles, MN-major), B [E, N, C] e4m3 with scales [E, C/128, N/128]
 //          (128 x 128 blocks, MN-major). Rows past sum(group_sizes) are zero.
@@ -40,7 +40,7 @@ constexpr int kAlignmentIn = 16;  // 16 bytes of e4m3
 // Bytes of group arrays per group (shape, 5 pointers, 3 strides, 2 scale layouts), with room.
 constexpr int64_t kFp8GroupArrayBytesPerGroup = 384;
 
-// Tile configurations (the FFI attribute `tile`; TILE_CONFIGS in moe_praxis/ops/fp8_gemm.py).
+// Tile configurations (the FFI attribute `tile`; TILE_CONFIGS in moe_praxis/ops/fp8/gemm.py).
 template <int CM, int CN, bool Overlap = false>
 struct Coop128 {  // cooperative 128x128x128: example 68's tile; 128 = one scale block of N and K
   static constexpr bool kOverlap = Overlap;

@@ -12,7 +12,7 @@
 // Hopper accumulator fragment a thread holds columns n and n + 1 of a row as consecutive
 // values, so each thread has whole (gate, up) pairs; a transpose within each quad of lanes
 // turns them into 8-byte stores of gate, up (de-interleaved) and the activation.
-#include "grouped_gemm_gather.cuh"
+#include "grouped_gemm.cuh"
 #include "grouped_gemm_register_epilogue.cuh"
 
 namespace moe_gg {
@@ -161,7 +161,7 @@ ffi::Error check_swiglu_fwd(const char* who, int64_t rows, const ffi::Buffer<ffi
 }
 
 // The prepare parameters and the epilogue's extra of the fused forward over `rows` output rows
-// (a [rows, k] or the gathered x: the caller sets map_a).
+// (a [rows, k]).
 PrepareParams swiglu_prepare(const ffi::Buffer<ffi::S32>& group_sizes, int64_t e, int64_t rows,
                              int64_t k, int64_t n, const Element* a,
                              const ffi::Buffer<ffi::BF16>& rhs,
@@ -232,44 +232,6 @@ ffi::Error GroupedGemmSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> 
   }
 }
 
-// The fused forward reading x's rows by index (MoEConfig.gather_rows with fuse_gate_up): the
-// gathered mainloop (grouped_gemm_gather.cuh) with this epilogue. x [T, K], row_map [R] ->
-// gate, up, act [R, H]; tiles 1, 10, 11.
-template <class Config>
-struct GatherSwigluDef : GatherKernelDef<cutlass::layout::RowMajor, Config, Gather::kRowsM,
-                                         RegisterEpilogue<SwigluEpilogueArray>,
-                                         RegisterEpilogueArgs> {};
-
-template <class A, class B, int kF, int kD>
-struct GatherSwigluDef<Adaptive<A, B, kF, kD>>
-    : AdaptivePair<GatherSwigluDef<A>, GatherSwigluDef<B>, kF, kD> {};
-
-ffi::Error GatherSwigluFwdImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
-                               ffi::Buffer<ffi::S32> row_map, ffi::Buffer<ffi::BF16> rhs,
-                               ffi::Buffer<ffi::S32> group_sizes,
-                               ffi::Buffer<ffi::F32> row_weights,
-                               ffi::ResultBuffer<ffi::BF16> gate, ffi::ResultBuffer<ffi::BF16> up,
-                               ffi::ResultBuffer<ffi::BF16> act,
-                               ffi::ResultBuffer<ffi::U8> workspace, int64_t tile, int64_t raster,
-                               int64_t swizzle, int64_t split_rows, bool has_weight) {
-  const int64_t rows = static_cast<int64_t>(row_map.element_count());
-  ffi::Error bad = check_swiglu_fwd(kWhoGather, rows, x, rhs, group_sizes, row_weights, gate, up,
-                                    act, has_weight);
-  if (bad.failure()) return bad;
-  const int64_t k = x.dimensions()[1], e = rhs.dimensions()[0];
-  const int64_t n = rhs.dimensions()[2], h = n / 2;
-  const Schedule sched{raster, swizzle, split_rows};
-  return dispatch_gather("fused fwd", x, row_map, rows, tile, sched, [&](auto cfg) {
-    using Def = GatherSwigluDef<decltype(cfg)>;
-    const Element* xs = as_elem(x.untyped_data());
-    PrepareParams p = swiglu_prepare(group_sizes, e, rows, k, n, xs, rhs, gate, up, act);
-    p.map_a = {0, 0};  // every problem's A is x (read by index)
-    const GatherExtra<EpilogueExtra> extra{swiglu_extra(p, row_weights, has_weight, h),
-                                           gather_args(x, row_map, p.d, h)};
-    return run_gather<Def>(stream, p, k, n, h, extra, workspace, sched);
-  });
-}
-
 }  // namespace
 }  // namespace moe_gg
 
@@ -283,25 +245,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmSwigluFwd, moe_gg::GroupedGemmSwiglu
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // gate [M, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // up [M, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // act [M, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
-                                  .Attr<int64_t>("tile")
-                                  .Attr<int64_t>("raster")
-                                  .Attr<int64_t>("swizzle")
-                                  .Attr<int64_t>("split_rows")
-                                  .Attr<bool>("has_weight"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeGroupedGemmGatherSwigluFwd, moe_gg::GatherSwigluFwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // x [T, K]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_map [R]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // rhs [E, K, 2H]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // group_sizes [E]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // row_weights [R]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // gate [R, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // up [R, H]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // act [R, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // workspace
                                   .Attr<int64_t>("tile")
                                   .Attr<int64_t>("raster")

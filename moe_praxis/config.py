@@ -11,7 +11,8 @@ import dataclasses
 import math
 from typing import Optional
 
-from moe_praxis.ops import fp8_rule, routing_table
+from moe_praxis.ops import routing_table
+from moe_praxis.ops.fp8 import rule as fp8_rule
 from moe_praxis.ops.backend import BACKENDS as KERNEL_BACKENDS
 from moe_praxis.ops.routing_table import ROUTER_PRECISIONS
 from moe_praxis.ops.swiglu import ACTIVATIONS
@@ -20,7 +21,7 @@ AUX_LOSS_TYPES = ("switch", "sequence", "gshard")
 DROP_POLICIES = ("position", "weight")
 EP_EXCHANGES = ("auto", "ragged", "padded")
 FP8_RECIPES = (None, "blockwise")
-FP8_BLOCK = 128  # moe_praxis.ops.fp8.BLOCK: activation tiles 1 x 128, weight blocks 128 x 128
+FP8_BLOCK = 128  # moe_praxis.ops.fp8.recipe.BLOCK: activation tiles 1 x 128, weight blocks 128 x 128
 
 
 def _err(field: str, value, valid: str) -> ValueError:
@@ -93,12 +94,6 @@ class MoEConfig:
         in the SwiGLU and an unpermute (False, today's path). Single-EP-rank blocks only (with
         ep > 1 the exchange's combine is used); it keeps the down projection's output for the
         weights' gradient (one more [T*k, M] activation).
-      gather_rows: the gate and up projections read x's rows by the dispatch's row map
-        (ops.gathered_gemm, ops.gathered_gate_up_swiglu: kernels/grouped_gemm_gather.cu, Hopper,
-        bf16) instead of a permuted [T*k, M] copy, neither written nor kept for the backward.
-        Not with fp8, nor fuse_gate_up with fuse_swiglu_bwd (under EP the experts read the
-        exchanged rows by the regroup's order); elsewhere on CUDA the permute with a warning.
-        Off: correct on an H200 but about 0.8x the permute path's speed (docs/gathered_gemm.md).
       kernel_backend: 'auto' (CUDA kernels where built and supported, else XLA), 'xla', 'cuda'.
       use_cudnn_fusion: ask for cuDNN's fused grouped GEMM + SwiGLU (needs SM100+ and the
         optional cudnn.jax). Not implemented yet, and it has run on no hardware: where it is not
@@ -128,7 +123,7 @@ class MoEConfig:
         1 x 128 activation tile and 128 x 128 weight block, float32 accumulation, outputs in
         the input dtype (moe_praxis.ops.fp8). Needs d_model and d_ff multiples of 128; not with
         fuse_gate_up. Where kernel_backend resolves to cuda on compute capability 9.0 the
-        three GEMMs run the FP8 grouped GEMM kernels (moe_praxis.ops.fp8_gemm: CUTLASS sm_90a,
+        three GEMMs run the FP8 grouped GEMM kernels (moe_praxis.ops.fp8.gemm: CUTLASS sm_90a,
         blockwise scaling, bf16 GEMM outputs; the dispatch permute and the SwiGLU write the
         GEMMs' FP8 operands in their own passes, docs/kernels.md); elsewhere the pure-JAX
         emulation of that arithmetic runs (slower than bf16, and says so once). The router,
@@ -147,11 +142,11 @@ class MoEConfig:
         some expert GEMMs in bf16, the weights are gathered in their dtype for them (and an FP8
         form made beforehand in e4m3).
       fp8_gemms: with fp8, which expert GEMMs run in FP8: 'auto' (the measured per-GEMM rule
-        moe_praxis.ops.fp8_rule.fp8_gemm_rule, the table below: each weight's forward, dgrad
+        moe_praxis.ops.fp8.rule.fp8_gemm_rule, the table below: each weight's forward, dgrad
         and wgrad in FP8 only at the shapes where FP8 was measured faster on an H200, the
         others in bf16 on the master weight; and a call whose weights' FP8 form would serve
         fewer than 2048 rows per expert per quantization runs the bf16 layer, its form costing
-        more than FP8 saves: ops.fp8_rule.form_pays) or 'all' (every expert GEMM in FP8, at
+        more than FP8 saves: ops.fp8.rule.form_pays) or 'all' (every expert GEMM in FP8, at
         any rows). backend_info(config) and the layer's summaries name the choice.
     """
 
@@ -178,7 +173,6 @@ class MoEConfig:
     fuse_gate_up: bool = False
     fuse_swiglu_bwd: bool = False
     gather_combine: bool = False
-    gather_rows: bool = False
     kernel_backend: str = "auto"
     use_cudnn_fusion: bool = False
     param_init_scale: float = 1.0
@@ -260,9 +254,6 @@ class MoEConfig:
         if self.fuse_swiglu_bwd and (not self.gated or self.fp8 is not None):
             raise _err("fuse_swiglu_bwd", self.fuse_swiglu_bwd,
                        "needs gated=True and fp8=None (it fuses the bf16 SwiGLU backward)")
-        no_gather = self.fp8 is not None or self.fuse_gate_up and self.fuse_swiglu_bwd
-        if self.gather_rows and no_gather:
-            raise _err("gather_rows", True, "needs fp8=None, not fuse_gate_up with fuse_swiglu_bwd")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _err("kernel_backend", self.kernel_backend, f"valid: {KERNEL_BACKENDS}")
         if self.fp8 not in FP8_RECIPES:
@@ -313,7 +304,7 @@ class MoEConfig:
                        "expert_bias to update)")
 
     def fp8_choices(self) -> dict:
-        """{expert weight: ops.fp8_rule.Fp8Gemms} under fp8_gemms ({} without fp8)."""
+        """{expert weight: ops.fp8.rule.Fp8Gemms} under fp8_gemms ({} without fp8)."""
         if self.fp8 is None:
             return {}
         return fp8_rule.choose_all(self.fp8_gemms, self.d_model, self.d_ff, self.gated)

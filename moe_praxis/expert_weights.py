@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from moe_praxis.config import MoEConfig
 from moe_praxis.experts import EXPERT_WEIGHTS, FP8_GATHER, FP8_WEIGHTS
-from moe_praxis.ops import fp8_rule, fp8_weights, vma
+from moe_praxis.ops import vma
+from moe_praxis.ops.fp8 import rule as fp8_rule, weights as fp8_weights
 from moe_praxis.resources import EPLayout
 
 # The routed experts' parameters, in the order they are gathered (wi_gate_up: fuse_gate_up).
@@ -46,7 +47,7 @@ def gather_expert_weights(params, layout: EPLayout, config: MoEConfig) -> dict:
 
     With config.fp8 and fp8_quantize_before_gather the shards stay local and the weights get
     an entry experts.FP8_GATHER {name: (fsdp axes, dim)}: the FP8 GEMM quantizes each shard and
-    gathers the e4m3 data and scales itself (ops.fp8.gathered_fp8_grouped_gemm). A weight whose
+    gathers the e4m3 data and scales itself (ops.fp8.recipe.gathered_fp8_grouped_gemm). A weight whose
     FP8 form came in (params[FP8_WEIGHTS], experts.quantize_expert_weights) is always gathered
     in that form (bitwise the same as either order). Where config.fp8_gemms runs some expert
     GEMMs in bf16, the weights are gathered in their dtype (and a given FP8 form in FP8)."""
@@ -82,7 +83,7 @@ def gather_expert_weights(params, layout: EPLayout, config: MoEConfig) -> dict:
 
 def check_fp8_weights(params: dict, config: MoEConfig) -> None:
     """params[FP8_WEIGHTS], when present, holds the FP8 form of expert weights these params
-    have, each of its weight's shape (ops.fp8_weights.check_companion), and config.fp8 is set."""
+    have, each of its weight's shape (ops.fp8.weights.check_companion), and config.fp8 is set."""
     if FP8_WEIGHTS not in params:
         return
     if config.fp8 is None:
@@ -102,11 +103,11 @@ def rows_per_local_expert(num_tokens: int, layout: EPLayout, top_k: int) -> floa
 
 
 def fp8_for_call(config: MoEConfig, params: dict, rows_per_expert: float) -> tuple[MoEConfig, dict]:
-    """(the config a moe_block call runs, {expert weight: ops.fp8_rule.Fp8Gemms} of the GEMMs
+    """(the config a moe_block call runs, {expert weight: ops.fp8.rule.Fp8Gemms} of the GEMMs
     it runs in FP8; {} without config.fp8).
 
     Where the call quantizes its own weights (no FP8 form in params) and the form would serve
-    too few rows per expert to pay (ops.fp8_rule.form_pays under config.fp8_gemms), the call
+    too few rows per expert to pay (ops.fp8.rule.form_pays under config.fp8_gemms), the call
     runs the bf16 layer: fp8=None, every GEMM NONE. A form passed in is used (the caller chose
     to make it; moe_block cannot see how many calls share it)."""
     if config.fp8 is None:

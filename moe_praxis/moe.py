@@ -5,9 +5,12 @@ device (Tl = T without a mesh), M d_model, H d_ff (H / tp on one device), E expe
 El = E / ep experts of one EP rank, k top_k, R = Tl * k token copies of one device.
 
 moe_block builds its EPLayout with resources.ep_bootstrap (the layout with no axes when
-there is no mesh) and runs `block_body` directly (no mesh) or under one jax.shard_map. With
-no axes every collective is the identity, so the body is the single-device block. Per device
-(docs/parallelism.md has the picture):
+there is no mesh), resolves its Plan once (moe_praxis.plan: the backend, the exchange, the
+dispatcher, the expert implementation and the combiner, each a registry entry chosen with its
+reason) and runs `block_body` directly (no mesh) or under one jax.shard_map. With no axes
+every collective is the identity, so the body is the single-device block. The body asks no
+question about implementations: route -> dispatch -> experts -> combine, each stage what the
+plan holds. Per device (docs/parallelism.md has the picture):
   1. Router on the local tokens; its statistics are reduced over ALL token axes, so aux
      loss, z-loss, tokens_per_expert and router entropy equal the single-device values on the
      global batch (router_stats).
@@ -43,16 +46,16 @@ from jax.sharding import PartitionSpec as P
 from moe_praxis import expert_weights, router_stats, routing
 from moe_praxis.config import MoEConfig
 from moe_praxis.dispatch import capacity, exchange, sort
-from moe_praxis.experts import (FP8_GATHER, FP8_WEIGHTS, expert_ffn, fp8_kernels, gathers_rows,
-                                reads_rows_twice)
+from moe_praxis.experts import FP8_WEIGHTS
 from moe_praxis.ops import resolve_backend, vma
+from moe_praxis.plan import Plan, layout_widths, resolve_plan
 from moe_praxis.params import check_params, init_moe_params, param_shapes
 from moe_praxis.resources import EPLayout, check_mesh_in_scope, ep_bootstrap, psum
 from moe_praxis.shared import gather_shared_weights, shared_ffn
 
 __all__ = [
-    "MoEOutput", "block_body", "check_params", "init_moe_params", "moe_block", "param_shapes",
-    "sharded_fn"
+    "MoEOutput", "Plan", "block_body", "check_params", "init_moe_params", "moe_block",
+    "param_shapes", "resolve_plan", "sharded_fn"
 ]
 
 
@@ -65,7 +68,7 @@ class MoEOutput:
     tokens_per_expert: jax.Array  # [E] int32 token copies the router assigned (before drops)
     dropped_tokens: jax.Array  # [] int32 copies dropped by the capacity or an EP buffer bound
     router_entropy: jax.Array  # [] float32 mean entropy of softmax(logits), no gradient
-    # static: ((expert weight, ops.fp8_rule.Fp8Gemms), ...) of the GEMMs this call ran in FP8
+    # static: ((expert weight, ops.fp8.rule.Fp8Gemms), ...) of the GEMMs this call ran in FP8
     # (expert_weights.fp8_for_call; () without config.fp8)
     fp8_gemms: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
@@ -110,41 +113,89 @@ def _flatten(x, paddings, config: MoEConfig, layout: EPLayout, place):
     return x2, valid, seq_len
 
 
-def _regrouped_experts(rows, keys, row_weights, *, weights, config: MoEConfig, num_local: int,
-                       backend: str):
+def _regrouped_experts(rows, keys, row_weights, *, weights, plan: Plan, num_local: int):
     """The experts on exchanged rows: rows [N, M]; keys [N] local expert (El = empty slot);
     row_weights: optional [N] routing weights multiplied into the activation -> [N, M]
     outputs in the same slots (zeros for empty slots)."""
     rows = vma.vary(rows, tuple(vma.varying_axes(weights["wo"])))
-    perm, group_sizes, inv = exchange.regroup(keys, num_local, backend=backend)
-    grouped = tokens = None
-    if gathers_rows(config, rows, weights, backend):  # the projections read rows[perm] by index
-        tokens = (rows, perm, None)
-    else:
-        grouped = checkpoint_name(rows[perm], "moe_dispatched")
+    perm, group_sizes, inv = exchange.regroup(keys, num_local, backend=plan.backend)
+    grouped = plan.dispatcher.entry.regrouped(rows, perm)
     if row_weights is not None:
         row_weights = vma.vary(row_weights, tuple(vma.varying_axes(rows)))[perm]
-    out = expert_ffn(grouped,
-                     group_sizes,
-                     weights,
-                     config,
-                     backend=backend,
-                     row_weights=row_weights,
-                     tokens=tokens)
+    out = plan.experts.entry.run(grouped,
+                                 group_sizes,
+                                 weights,
+                                 plan.config,
+                                 backend=plan.backend,
+                                 row_weights=row_weights)
     return out[inv]
 
 
-def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: str, seq_len,
-               t_global: int, backend: str):
-    """The whole block on one device's tokens (under shard_map, or alone without a mesh).
+def _local_experts(x, r, d, w_sorted, weights, *, plan: Plan, layout: EPLayout, shared_branch):
+    """ep size 1: dispatch -> experts -> combine on this device -> (y [Tl, M], overflow 0,
+    the shared branch's output or None)."""
+    t_l = x.shape[0]
+    index = sort.dispatch_index(d, t_l, backend=plan.backend)  # one for all permutes
+    w_axes = tuple(vma.varying_axes(weights["wo"]))
+    rows = plan.dispatcher.entry.run(x, d, index, backend=plan.backend, axes=w_axes)
+    combiner = plan.combiner.entry
+    row_w = vma.vary(w_sorted, tuple(vma.varying_axes(rows.rows))) if combiner.weights_in_rows \
+        else None
+    out = plan.experts.entry.run(rows,
+                                 d.group_sizes,
+                                 weights,
+                                 plan.config,
+                                 backend=plan.backend,
+                                 row_weights=row_w)
+    y = combiner.run(out,
+                     d,
+                     weights=r.weights,
+                     w_sorted=w_sorted,
+                     num_tokens=t_l,
+                     index=index,
+                     backend=plan.backend,
+                     tp=bool(layout.tp_axes))
+    return y, jnp.zeros((), jnp.int32), shared_branch()
+
+
+def _exchanged_experts(x, r, d, w_sorted, weights, *, plan: Plan, layout: EPLayout, shared_branch):
+    """ep size > 1: the exchange to the owning ranks, the experts on the regrouped rows, the
+    exchange back and its combine -> (y [Tl, M], overflow [], the shared branch's output or
+    None). The shared branch needs only the local tokens: issued while the dispatched rows are
+    in flight (after the exchange is issued, before the experts consume its rows), its GEMMs
+    can hide the exchange's latency instead of waiting behind it."""
+    del r
+    experts = functools.partial(_regrouped_experts,
+                                weights=weights,
+                                plan=plan,
+                                num_local=layout.experts_per_rank)
+    send_mat = d.group_sizes.reshape(layout.ep_size, layout.experts_per_rank)
+    return exchange.exchange(plan.exchange,
+                             x,
+                             d.row_map,
+                             w_sorted,
+                             send_mat,
+                             layout,
+                             plan.config,
+                             experts,
+                             plan.backend,
+                             overlap=shared_branch)
+
+
+# The dispatch -> experts -> combine path of each Plan.exchange.
+_PATHS = {"none": _local_experts, "padded": _exchanged_experts, "ragged": _exchanged_experts}
+
+
+def block_body(params, x, valid, *, plan: Plan, layout: EPLayout, seq_len, t_global: int):
+    """The whole block on one device's tokens (under shard_map, or alone without a mesh):
+    route -> dispatch -> experts -> combine, each stage what `plan` chose (moe_praxis.plan).
 
     params: this device's shards of the parameters (layout.weight_specs); x: [Tl, M]; valid:
-    [Tl] bool; kind: the exchange ('padded' | 'ragged'); t_global: T; backend: the resolved
-    kernel backend ('xla' | 'cuda'). Returns (y [Tl, M] in x.dtype, aux_loss, z_loss,
+    [Tl] bool; t_global: T. Returns (y [Tl, M] in x.dtype, aux_loss, z_loss,
     tokens_per_expert [E], dropped_tokens, router_entropy).
     """
+    config, backend = plan.config, plan.backend
     token_axes = layout.token_axes
-    t_l = x.shape[0]
     shard = jax.lax.axis_index(token_axes) if token_axes else 0
 
     with jax.named_scope("moe_router"):
@@ -182,98 +233,20 @@ def block_body(params, x, valid, *, config: MoEConfig, layout: EPLayout, kind: s
 
     with jax.named_scope("moe_experts"):
         weights = expert_weights.gather_expert_weights(params, layout, config)
-        if layout.ep_size == 1:
-            rows = rows_fp8 = rows_up = tokens = None
-            index = sort.dispatch_index(d, t_l, backend=backend)  # one for all permutes
-            w_axes = tuple(vma.varying_axes(weights["wo"]))
-            if gathers_rows(config, x, weights, backend):  # the projections read x by index
-                tokens = (vma.vary(x, w_axes), d.row_map, index)
-            elif fp8_kernels(config, backend) and FP8_GATHER not in weights:  # the permute
-                # writes the rows' FP8 operand too
-                rows, rows_fp8 = sort.dispatch_rows_fp8(x, d)
-            elif reads_rows_twice(config):  # the gate and up projections' cotangents are summed
-                # in the permute's backward
-                rows, rows_up = sort.dispatch_rows_pair(x, d, backend=backend, index=index)
-            else:
-                rows = sort.dispatch_rows(x, d, backend=backend, index=index)
-            if rows is not None:
-                rows = vma.vary(checkpoint_name(rows, "moe_dispatched"), w_axes)
-            if rows_up is not None:
-                rows_up = vma.vary(checkpoint_name(rows_up, "moe_dispatched"), w_axes)
-            if rows_fp8 is not None:
-                rows_fp8 = tuple(vma.vary(a, w_axes) for a in rows_fp8)
-            # Without tensor parallelism the routing weights go into the activation and the
-            # combine is a plain unpermute; with it, the partial sums over tp are added in
-            # float32 after a float32 weighted combine.
-            fuse = exchange.fuse_weights(layout)
-            gather = config.gather_combine  # the weights go into the combine instead
-            lhs = rows if tokens is None else tokens[0]
-            row_w = vma.vary(w_sorted, tuple(vma.varying_axes(lhs))) if fuse and not gather \
-                else None
-            out = expert_ffn(rows,
-                             d.group_sizes,
-                             weights,
-                             config,
-                             backend=backend,
-                             row_weights=row_w,
-                             rows_fp8=rows_fp8,
-                             rows_up=rows_up,
-                             tokens=tokens)
-            if gather:  # float32 where tp partial sums are added after it, as below
-                y = sort.combine_gather(out,
-                                        vma.vary(r.weights, tuple(vma.varying_axes(out))),
-                                        d,
-                                        t_l,
-                                        out.dtype if fuse else jnp.float32,
-                                        backend=backend)
-            else:
-                y = sort.combine_sorted(out,
-                                        w_sorted,
-                                        d.row_map,
-                                        t_l,
-                                        not fuse,
-                                        backend=backend,
-                                        index=index)
-            overflow = jnp.zeros((), jnp.int32)
-            shared = shared_branch()
-        else:
-            experts = functools.partial(_regrouped_experts,
-                                        weights=weights,
-                                        config=config,
-                                        num_local=layout.experts_per_rank,
-                                        backend=backend)
-            send_mat = d.group_sizes.reshape(layout.ep_size, layout.experts_per_rank)
-            # The shared branch needs only the local tokens: issued while the dispatched rows
-            # are in flight (after the exchange is issued, before the experts consume its
-            # rows), its GEMMs can hide the exchange's latency instead of waiting behind it.
-            y, overflow, shared = exchange.exchange(kind,
-                                                    x,
-                                                    d.row_map,
+        y, overflow, shared = _PATHS[plan.exchange](x,
+                                                    r,
+                                                    d,
                                                     w_sorted,
-                                                    send_mat,
-                                                    layout,
-                                                    config,
-                                                    experts,
-                                                    backend,
-                                                    overlap=shared_branch)
+                                                    weights,
+                                                    plan=plan,
+                                                    layout=layout,
+                                                    shared_branch=shared_branch)
         if shared is not None:  # float32 sum; both are partial sums over tp
             y, shared = vma.vary_together(y.astype(jnp.float32), shared)
             y = y + shared
         y = psum(y, layout.tp_axes).astype(x.dtype)
     dropped = d.dropped_tokens + psum(overflow.astype(jnp.int32), token_axes)
     return (y, stats.aux_loss, stats.z_loss, stats.tokens_per_expert, dropped, stats.router_entropy)
-
-
-def _bound_body(config: MoEConfig, layout: EPLayout, *, kind: str, seq_len, t_global: int,
-                backend: str):
-    """block_body with its static arguments bound: (params, x2, valid) -> the six outputs."""
-    return functools.partial(block_body,
-                             config=config,
-                             layout=layout,
-                             kind=kind,
-                             seq_len=seq_len,
-                             t_global=t_global,
-                             backend=backend)
 
 
 def sharded_fn(config: MoEConfig,
@@ -285,26 +258,34 @@ def sharded_fn(config: MoEConfig,
                t_global: int,
                param_names,
                backend: str,
-               param_specs=None):
+               param_specs=None,
+               plan: Optional[Plan] = None):
     """block_body under one shard_map over `mesh`: (params, x2 [T, M], valid [T]) -> (y [T, M],
     aux_loss, z_loss, tokens_per_expert [E], dropped_tokens, router_entropy). `kind` is the
     exchange, 'ragged' or 'padded'; param_names: the keys of the parameter tree; param_specs:
-    its PartitionSpec tree where it holds more than arrays (the FP8 form of weights)."""
+    its PartitionSpec tree where it holds more than arrays (the FP8 form of weights); plan:
+    the call's Plan (None: resolved from the arguments of the first call, with `kind` and
+    `backend`)."""
     specs = layout.weight_specs
     if param_specs is None:
         param_specs = {name: specs[name] for name in param_names}
     tok = layout.token_spec
-    body = _bound_body(config,
-                       layout,
-                       kind=kind,
-                       seq_len=seq_len,
-                       t_global=t_global,
-                       backend=backend)
-    return jax.shard_map(body,
-                         mesh=mesh,
-                         in_specs=(param_specs, P(*tok, None), tok),
-                         out_specs=(P(*tok, None), P(), P(), P(None), P(), P()),
-                         check_vma=True)
+
+    def fn(params, x2, valid):
+        p = plan or resolve_plan(
+            config, x2, params, layout=layout, backend=backend, exchange_kind=kind)
+        body = functools.partial(block_body,
+                                 plan=p,
+                                 layout=layout,
+                                 seq_len=seq_len,
+                                 t_global=t_global)
+        return jax.shard_map(body,
+                             mesh=mesh,
+                             in_specs=(param_specs, P(*tok, None), tok),
+                             out_specs=(P(*tok, None), P(), P(), P(None), P(), P()),
+                             check_vma=True)(params, x2, valid)
+
+    return fn
 
 
 def _check_token_shards(t: int, layout: EPLayout, config: MoEConfig, seq_len) -> None:
@@ -346,12 +327,7 @@ def moe_block(params: dict,
     if (mesh is None) != (resources is None):
         raise ValueError("moe_block needs both mesh and resources for expert parallelism "
                          f"(got mesh={mesh!r}, resources={resources!r})")
-    layout = ep_bootstrap(mesh,
-                          resources,
-                          config.num_experts,
-                          d_model=config.d_model,
-                          d_ff=config.d_ff,
-                          shared_d_ff=config.shared_hidden)
+    layout = ep_bootstrap(mesh, resources, config.num_experts, **layout_widths(config))
     if mesh is not None:
         check_mesh_in_scope(mesh)
     tok = layout.token_spec
@@ -363,22 +339,20 @@ def moe_block(params: dict,
         params = jax.tree.map(lambda w, spec: _placed(w, w.shape, mesh, layout, spec), params,
                               specs)
     t = x2.shape[0]
-    config, fp8_gemms = expert_weights.fp8_for_call(
-        config, params, expert_weights.rows_per_local_expert(t, layout, config.top_k))
+    plan = resolve_plan(config, x2, params, mesh=mesh, backend=backend, layout=layout)
     if mesh is None:
-        kind = "padded"  # ep size 1: no exchange
-        fn = _bound_body(config, layout, kind=kind, seq_len=seq_len, t_global=t, backend=backend)
+        fn = functools.partial(block_body, plan=plan, layout=layout, seq_len=seq_len, t_global=t)
     else:
-        kind = exchange.checked_exchange_kind(config, mesh, layout.ep_size)
-        fn = sharded_fn(config,
+        fn = sharded_fn(plan.config,
                         layout,
                         mesh,
-                        kind=kind,
+                        kind=plan.exchange,
                         seq_len=seq_len,
                         t_global=t,
                         param_names=tuple(params),
                         backend=backend,
-                        param_specs=specs)
+                        param_specs=specs,
+                        plan=plan)
     y, aux, zl, counts, dropped, ent = fn(params, x2, valid)
     return MoEOutput(y=_unflatten(y, x, mesh, layout).astype(x.dtype),
                      aux_loss=aux,
@@ -386,4 +360,4 @@ def moe_block(params: dict,
                      tokens_per_expert=counts,
                      dropped_tokens=dropped,
                      router_entropy=ent,
-                     fp8_gemms=tuple(fp8_gemms.items()))
+                     fp8_gemms=plan.fp8_gemms)

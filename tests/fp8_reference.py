@@ -1,4 +1,4 @@
-"""Independent NumPy FP8 quantizers of the three operand layouts (moe_praxis/ops/fp8_quant.py),
+"""Independent NumPy FP8 quantizers of the three operand layouts (moe_praxis/ops/fp8/quant.py),
 written loop by loop from the layout statements, not from the ops code, for the CPU and GPU
 tests: numpy float32 product with the float32 reciprocal of the scale, ml_dtypes' e4m3 cast
 (round to nearest even)."""

@@ -1,4 +1,4 @@
-"""The package's shape (DESIGN.md, issue 17), checked cheaply on the CPU.
+"""The package's shape (docs/architecture.md), checked cheaply on the CPU.
 
 (a) moe_praxis's import graph (each module's top-level imports) has no cycle.
 (b) No import statement inside a function or method body in moe_praxis/, except the PEP 562

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import bench_fp8, timing
 from benchmarks.timing import time_paired
-from moe_praxis.ops import fp8_gemm
+from moe_praxis.ops.fp8 import gemm as fp8_gemm
 
 
 @pytest.mark.parametrize("rows,groups,want", [(65536, 128, fp8_gemm.TILE_FEW_ROWS),

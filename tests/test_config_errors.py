@@ -1,5 +1,5 @@
 """Config and flag errors are one line with exit status 2, found before anything is traced
-(issue 22 item 6), and overrides of the fields Praxis's StackedTransformer overwrites on its MoE
+and overrides of the fields Praxis's StackedTransformer overwrites on its MoE
 template take effect or are refused naming where to set them (item 5). In-process through
 main's ``_main`` with parsed flags; one subprocess run checks the real command line."""
 

@@ -1,5 +1,5 @@
 """Expert parallelism on several GPUs: the whole layer on every mesh the GPUs allow equals the
-same layer on one GPU (issue 21).
+same layer on one GPU.
 
 For N visible GPUs (2, 4 or 8), every mesh of `gpu_meshes(N)` (ep over all of them, and ep
 next to dp, fsdp and tp where N allows) runs `moe_block` forward and backward with the padded

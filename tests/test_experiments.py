@@ -236,7 +236,7 @@ def test_expert_parallel_mesh_annotates_the_moe_layer():
     prep = setup.prepare(cfg)
     moe = prep.model_config.stacked_transformer_tpl.moe_layer_tpl
     assert moe.mesh_resources.ep == "ex" and moe.mesh_resources.fsdp == "fsdp"
-    # ep before fsdp on the expert dimension (DESIGN.md), from ep_bootstrap's weight specs.
+    # ep before fsdp on the expert dimension (docs/parallelism.md), from ep_bootstrap's weight specs.
     assert list(moe.weight_split_dims_mapping.emh)[0] == ("ex", "fsdp")
     assert list(moe.weight_split_dims_mapping.ehm)[0] == ("ex", "fsdp")
 

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from moe_praxis.ops import backend as ops_backend
-from moe_praxis.ops import fp8, fp8_fused
+from moe_praxis.ops.fp8 import recipe as fp8, fused as fp8_fused
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
 from tests.moe_reference import block_inputs
 from tests.testutil import rel_err
@@ -240,13 +240,13 @@ def test_moe_block_fp8_within_bound_of_float32_and_routes_the_same():
 @pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "plain"])
 def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated, gemms):
     """The FP8 kernels' FFN (experts._fp8_kernel_ffn: the permute's FP8 rows shared by gate and
-    up, the SwiGLU writing the down projection's FP8 operand, ops.fp8.fp8_gemms_shared_lhs),
+    up, the SwiGLU writing the down projection's FP8 operand, ops.fp8.recipe.fp8_gemms_shared_lhs),
     forced on the CPU where each kernel lowers to its reference, against the pure-JAX emulation
     of the same recipe, in bfloat16 (both paths round every GEMM output to bf16 and quantize
     the same operands): outputs and gradients equal up to float32 summation order (the kernel
     path adds the two dgrads in float32, its wgrads sum per group): bound 1e-5 norm-wise (seen:
     0 for y and dx, 7e-8 for the weights), with every gradient nonzero. Routing unchanged.
-    fp8_gemms='auto' (here: the forwards in FP8, dgrads and wgrads in bf16, ops.fp8_mixed) too,
+    fp8_gemms='auto' (here: the forwards in FP8, dgrads and wgrads in bf16, ops.fp8.mixed) too,
     with the weights' FP8 form given (at these 80 rows per expert 'auto' quantizing its own
     weights would run the bf16 layer: test_fp8_rows_rule)."""
     import moe_praxis as mp
@@ -289,7 +289,7 @@ def test_moe_block_fp8_kernel_path_equals_emulation(monkeypatch, gated, gemms):
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
 def test_gate_up_swiglu_fp8_equals_shared_lhs_then_swiglu_fp8(weighted):
-    """ops.fp8.gate_up_swiglu_fp8 (its backward's SwiGLU writes the dgrads' FP8 operands)
+    """ops.fp8.recipe.gate_up_swiglu_fp8 (its backward's SwiGLU writes the dgrads' FP8 operands)
     against the ops it fuses, fp8_gemms_shared_lhs then fp8_fused.swiglu_fp8, both on the CPU
     (each kernel lowered to its reference): act, its L1 and every gradient (x, both weights,
     the routing weights) bitwise equal, on groups with an empty and a one-row group and rows

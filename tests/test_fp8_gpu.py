@@ -1,4 +1,4 @@
-"""FP8 grouped GEMM kernels (moe_praxis.ops.fp8_gemm) and the CUDA path of ops.fp8.
+"""FP8 grouped GEMM kernels (moe_praxis.ops.fp8.gemm) and the CUDA path of ops.fp8.
 
 CPU tests (no marker): the wrappers' named errors, the backend requirement, and the CUDA path of
 fp8.fp8_grouped_gemm lowered for the CPU (each kernel call becomes its reference) against
@@ -32,8 +32,9 @@ import pytest
 
 import moe_praxis as mp
 from moe_praxis import ops
-from moe_praxis.ops import backend, fp8, fp8_gemm
-from moe_praxis.ops.fp8_rule import Fp8Gemms
+from moe_praxis.ops import backend
+from moe_praxis.ops.fp8 import recipe as fp8, gemm as fp8_gemm
+from moe_praxis.ops.fp8.rule import Fp8Gemms
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
 from tests.grouped_gemm_util import make_sizes
 from tests.testutil import rel_err

@@ -1,4 +1,4 @@
-"""The FP8 operand layouts' pure-JAX references (moe_praxis.ops.fp8_quant) on the CPU.
+"""The FP8 operand layouts' pure-JAX references (moe_praxis.ops.fp8.quant) on the CPU.
 
 Every layout is compared BITWISE (e4m3 bytes and float32 scale bits) with an independent
 numpy quantizer (tests/fp8_reference.py) and with fp8.quantize_tiles / quantize_blocks, the
@@ -11,7 +11,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from moe_praxis.ops import fp8, fp8_fused, fp8_quant
+from moe_praxis.ops.fp8 import recipe as fp8, fused as fp8_fused, quant as fp8_quant
 from moe_praxis.ops.permute import permute_reference
 from moe_praxis.ops.swiglu import swiglu_reference
 from tests import fp8_reference as ref

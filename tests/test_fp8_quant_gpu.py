@@ -1,7 +1,7 @@
 """The FP8 quantization kernels (kernels/fp8_quant.cu, kernels/fp8_quant_tiles.cu) against
 their references on a GPU (marked `gpu`; skipped elsewhere).
 
-Every output is compared BITWISE with the pure-JAX reference (moe_praxis.ops.fp8_quant) run on
+Every output is compared BITWISE with the pure-JAX reference (moe_praxis.ops.fp8.quant) run on
 the CPU: the same float32 amax, product with f32(1/448), float32 reciprocal of the scale, product
 and round-to-nearest-even e4m3 cast, so no tolerance (a mismatch reports how many elements
 differ and by how many e4m3 / float32 steps at most). Inputs are fresh random values, with all-zero tiles, huge
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from moe_praxis import ops
-from moe_praxis.ops import fp8_fused, fp8_quant
+from moe_praxis.ops.fp8 import fused as fp8_fused, quant as fp8_quant
 from tests import fp8_reference as ref
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed

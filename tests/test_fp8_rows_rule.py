@@ -1,5 +1,5 @@
 """fp8_gemms='auto' at few rows per expert: the bf16 layer where the weights' FP8 form would not
-pay (ops.fp8_rule.form_pays, FORM_MIN_ROWS), in moe_block and in the experiments' train step.
+pay (ops.fp8.rule.form_pays, FORM_MIN_ROWS), in moe_block and in the experiments' train step.
 
 A call below the rows runs exactly the bf16 block (bitwise: the same config with fp8=None) and
 says so in MoEOutput.fp8_gemms; at the rows, with a form given, or with 'all' it runs FP8 (the
@@ -19,7 +19,7 @@ import moe_praxis as mp
 from configs import experiments
 from experiments import setup, steps
 from moe_praxis import expert_weights, ops
-from moe_praxis.ops import fp8, fp8_rule, fp8_weights
+from moe_praxis.ops.fp8 import recipe as fp8, rule as fp8_rule, weights as fp8_weights
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 

@@ -1,4 +1,4 @@
-"""The per-GEMM FP8 rule (MoEConfig.fp8_gemms, ops.fp8_rule) and its mixed GEMM on the CPU.
+"""The per-GEMM FP8 rule (MoEConfig.fp8_gemms, ops.fp8.rule) and its mixed GEMM on the CPU.
 
 A GEMM the rule leaves in bf16 must be the bf16 grouped GEMM of the master weight and one it
 keeps in FP8 the FP8 recipe's (ops.fp8): the mixed op is compared, output and both gradients,
@@ -19,9 +19,9 @@ from jax.sharding import Mesh
 
 import moe_praxis as mp
 from moe_praxis import ops
-from moe_praxis.ops import fp8, fp8_rule, fp8_weights
-from moe_praxis.ops.fp8_mixed import mixed_grouped_gemm
-from moe_praxis.ops.fp8_rule import Fp8Gemms
+from moe_praxis.ops.fp8 import recipe as fp8, rule as fp8_rule, weights as fp8_weights
+from moe_praxis.ops.fp8.mixed import mixed_grouped_gemm
+from moe_praxis.ops.fp8.rule import Fp8Gemms
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
 from configs import experiments
 from experiments import steps
-from moe_praxis.ops import fp8, fp8_weights
+from moe_praxis.ops.fp8 import recipe as fp8, weights as fp8_weights
 from moe_praxis.praxis import fp8_params
 from praxis import base_layer, pax_fiddle, py_utils
 from tests.testutil import seed as _seed

@@ -1,4 +1,4 @@
-"""FP8 expert weights made once (moe_praxis.quantize_expert_weights, ops.fp8_weights) on the CPU.
+"""FP8 expert weights made once (moe_praxis.quantize_expert_weights, ops.fp8.weights) on the CPU.
 
 Every comparison here is bitwise: the FP8 form made beforehand runs the same quantizer on the
 same values as the quantization inside each GEMM, so outputs, loss and every gradient must be
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import moe_praxis as mp
-from moe_praxis.ops import fp8, fp8_weights
+from moe_praxis.ops.fp8 import recipe as fp8, weights as fp8_weights
 from tests.testutil import seed as _seed
 
 FP8_WEIGHTS = "fp8_weights"

@@ -20,7 +20,7 @@ from configs import base, experiments
 from experiments import jobdir, loop, microbatch, setup, steps
 from experiments.metrics import read_metrics
 from moe_praxis import update_expert_bias
-from moe_praxis.ops import fp8, fp8_weights
+from moe_praxis.ops.fp8 import recipe as fp8, weights as fp8_weights
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 

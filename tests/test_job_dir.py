@@ -1,4 +1,4 @@
-"""What a job directory holds (issue 22 item 4): the resolved experiment config, recorded at the
+"""What a job directory holds: the resolved experiment config, recorded at the
 first start as Fiddle's JSON; resume and eval load and compare it. In-process: main's functions
 with parsed flags, and the trainer replaced by a stand-in (nothing is traced or trained)."""
 

@@ -1,4 +1,4 @@
-"""What the job does around its steps (issue 22, items 7 and 8): stop signals from the first
+"""What the job does around its steps: stop signals from the first
 line of main (at once during start-up and at a second signal, after a save otherwise),
 --fdl_help and --list_experiments instead of running, tokens/s of the step alone, the MoE
 router statistics in the metrics and TensorBoard, a readable expert-load image, and a step-0

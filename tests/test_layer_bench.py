@@ -1,4 +1,4 @@
-"""The layer benchmark (`python -m benchmarks.layer`, issue 23) on the CPU: the --quick run end
+"""The layer benchmark (`python -m benchmarks.layer`) on the CPU: the --quick run end
 to end, its stage table, its targets and its options. Speed is asserted by the benchmark's
 output on a GPU, never here."""
 
@@ -18,7 +18,7 @@ from benchmarks import layer_breakdown as lb
 from benchmarks import layer_cases as lc
 from benchmarks import layer_check
 from benchmarks import layer_report
-from moe_praxis.ops import fp8_rule
+from moe_praxis.ops.fp8 import rule as fp8_rule
 from moe_praxis.ops import grouped_gemm_tiles as gg_tiles
 from tests.grouped_gemm_util import _fake_device
 from tests.testutil import long_options

@@ -1,5 +1,5 @@
 """The layer benchmark's FP8 rows per optimizer step (benchmarks/layer_fp8w.py, --microbatches)
-as arithmetic: the amortized time and issue 36's targets. Speed itself is the benchmark's
+as arithmetic: the amortized time and the per-step FP8 targets. Speed itself is the benchmark's
 output on a GPU, never asserted here."""
 
 import random

@@ -331,3 +331,15 @@ def test_router_precision_reaches_the_config():
     assert fields.build_config(base_layer.instantiate(_moe_tpl())).router_precision == "auto"
     cfg = fields.build_config(base_layer.instantiate(_moe_tpl(router_precision="bf16")))
     assert cfg.router_precision == "bf16"
+
+
+def test_layer_defaults_are_moe_config_defaults_but_the_declared_gshard_overrides():
+    """One declaration of the defaults: each MoEConfig field the layer maps
+    (fields.CONFIG_FIELDS) has MoEConfig's default on the layer, except the GShard-compatible
+    ones fields.GSHARD_OVERRIDES declares (and those are what the layer declares)."""
+    config_defaults = {f.name: f.default for f in dataclasses.fields(moe_praxis.MoEConfig)}
+    layer_defaults = {f.name: f.default for f in dataclasses.fields(MoEFeedForward)}
+    for name, field in fields.CONFIG_FIELDS.items():
+        want = fields.GSHARD_OVERRIDES.get(name, config_defaults[name])
+        assert layer_defaults[field] == want, (name, field, layer_defaults[field], want)
+    assert set(fields.GSHARD_OVERRIDES) <= set(fields.CONFIG_FIELDS)

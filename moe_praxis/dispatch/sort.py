@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from moe_praxis import ops
 from moe_praxis.config import MoEConfig
-from moe_praxis.ops import fp8_fused
+from moe_praxis.ops.fp8 import fused as fp8_fused
 
 
 @jax.tree_util.register_dataclass
@@ -71,7 +71,7 @@ def dispatch_rows_pair(x, d: Dispatch, *, backend: str = "auto", index=None):
 
 def dispatch_rows_fp8(x, d: Dispatch):
     """(rows = dispatch_rows(x, d), (q, s_t)): the permute writing the rows' FP8 operand (L1
-    row tiles, the gate/up projection's lhs) in the same pass (ops.fp8_fused.permute_fp8)."""
+    row tiles, the gate/up projection's lhs) in the same pass (ops.fp8.fused.permute_fp8)."""
     rows, q, s_t = fp8_fused.permute_fp8(x, d.row_map, backend="auto")
     return rows, (q, s_t)
 

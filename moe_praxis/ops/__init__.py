@@ -4,25 +4,26 @@
    and the public op (a custom_vjp taking explicit static arguments), with its CUDA lowering
    (FFI calls, custom_partitioning, abstract shapes) beside it: `aux_loss`, `router`, `swiglu`,
    `permute`, `expert_sort`, `combine`, `grouped_gemm` (+ `grouped_gemm_tiles`, its kernel configurations and rule),
-   `gathered_gemm` (the expert projections reading x's rows by index), `gate_up` and `dswiglu` (swiglu_down: dSwiGLU in the down projection's dgrad epilogue).
+   `gate_up` and `dswiglu` (swiglu_down: dSwiGLU in the down projection's dgrad epilogue).
 2. `backend`: the device query, each op's compute-capability requirement, 'auto' | 'xla' |
    'cuda' resolution (once per block), the one warn-once, `backend_info()`.
 3. `_library` (private): the kernel library's table, path and environment variable, loading
    and FFI registration on first use, the FFI call helper.
 
-`fp8` is the blockwise-scaled FP8 grouped GEMM's pure-JAX reference (MoEConfig.fp8 builds on
-it), `fp8_quant` its quantizers and the FP8 kernels' operand layouts (references and
-kernels), `fp8_fused` the SwiGLU and permute that also write their output in FP8; `vma` holds the shard_map typing helpers. Importing this package loads no shared library.
+`fp8/` is the blockwise FP8 recipe (MoEConfig.fp8), one subpackage: `fp8.recipe` the FP8
+grouped GEMM's pure-JAX reference and its CUDA path, `fp8.quant` its quantizers and the FP8
+kernels' operand layouts, `fp8.fused` the SwiGLU and permute that also write their output in
+FP8, `fp8.gemm` the FP8 grouped GEMM kernels' wrappers, `fp8.weights` the FP8 form of a weight
+made beforehand, `fp8.mixed` the per-GEMM bf16 / FP8 mix and `fp8.rule` the rule choosing it.
+`vma` holds the shard_map typing helpers. Importing this package loads no shared library.
 """
 
-from moe_praxis.ops import backend, fp8, fp8_fused, fp8_quant, vma
+from moe_praxis.ops import backend, fp8, vma
 from moe_praxis.ops.aux_loss import aux_loss, aux_loss_reference
 from moe_praxis.ops.backend import backend_info, resolve_backend
 from moe_praxis.ops.combine import combine, combine_reference
 from moe_praxis.ops.expert_sort import expert_sort, expert_sort_reference
-from moe_praxis.ops.gathered_gemm import gathered_gemm
-from moe_praxis.ops.gate_up import (gate_up_swiglu, gathered_gate_up_swiglu, interleave_gate_up,
-                                    split_gate_up)
+from moe_praxis.ops.gate_up import (gate_up_swiglu, interleave_gate_up, split_gate_up)
 from moe_praxis.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moe_praxis.ops.permute import (permute, permute_index, permute_pair, permute_reference,
                                     unpermute, unpermute2_reference, unpermute_reference)
@@ -41,11 +42,7 @@ __all__ = [
     "expert_sort",
     "expert_sort_reference",
     "fp8",
-    "fp8_fused",
-    "fp8_quant",
     "gate_up_swiglu",
-    "gathered_gate_up_swiglu",
-    "gathered_gemm",
     "gate_up_swiglu_down",
     "grouped_gemm",
     "grouped_gemm_reference",

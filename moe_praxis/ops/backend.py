@@ -34,7 +34,8 @@ import warnings
 
 import jax
 
-from moe_praxis.ops import _library, fp8_rule
+from moe_praxis.ops import _library
+from moe_praxis.ops.fp8 import rule as fp8_rule
 from moe_praxis.ops._library import (  # noqa: F401  (the library layer's public names)
     DEFAULT_LIB, ENV_LIB, KERNELS, LIB_NAME, call_stats, ffi, library_path, library_status,
     load_library)
@@ -65,7 +66,7 @@ COMPUTE_CAPABILITY: dict[str, tuple[int, int | None]] = {
     "grouped_gemm": (80, None),
     "gate_up_swiglu": (90, 91),
     "fp8_quant": (80, None),
-    # the FP8 grouped GEMMs (ops.fp8_gemm): sm_90a code (FP8 wgmma, TMA), compute capability 9.0
+    # the FP8 grouped GEMMs (ops.fp8.gemm): sm_90a code (FP8 wgmma, TMA), compute capability 9.0
     "fp8_grouped_gemm": (90, 91),
 }
 DEFAULT_COMPUTE_CAPABILITY: tuple[int, int | None] = (80, None)

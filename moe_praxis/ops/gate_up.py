@@ -31,9 +31,6 @@ import jax.numpy as jnp
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops import grouped_gemm as gg
 from moe_praxis.ops._library import platform_call
-from moe_praxis.ops.gathered_gemm import (call_gathered, gather_config, gather_unsupported,
-                                          gathered_wgrad, resolve_gathered)
-from moe_praxis.ops.permute import permute_reference, unpermute_reference, unpermute_rows
 from moe_praxis.ops.swiglu import no_weights, swiglu, swiglu_bwd_ffi, swiglu_reference
 from moe_praxis.ops.vma import vary_together, zero_cotangent
 
@@ -177,65 +174,6 @@ def _vjp_bwd(impl, res, dact):
 
 _gate_up_swiglu.defvjp(_vjp_fwd, _vjp_bwd)
 
-# ------------------------------------------------ the gathered form (MoEConfig.gather_rows)
-
-GATHER_TARGET = "moe_grouped_gemm_gather_swiglu_fwd"
-
-
-def cuda_fwd_gathered(x, row_map, w_gate_up, group_sizes, w, has_weight: bool, config: str):
-    """The fused forward reading x's rows by row_map (kernels/grouped_gemm_swiglu.cu's gathered
-    handler; tiles in ops.gathered_gemm.GATHER_TILES): (gate, up, act), each [R, H]."""
-    half = jax.ShapeDtypeStruct((row_map.shape[0], w_gate_up.shape[2] // 2), x.dtype)
-    return call_gathered(GATHER_TARGET, (half, half, half),
-                         x,
-                         row_map,
-                         w_gate_up,
-                         group_sizes,
-                         w,
-                         num_groups=group_sizes.shape[0],
-                         config=config,
-                         has_weight=has_weight)
-
-
-def _gathered_fwd_impl(x, row_map, w_gate_up, group_sizes, w, impl):
-    backend, _, has_weight, act = impl
-
-    def ref(a, m, b, g, ww):
-        return _fwd_ref(permute_reference(a, m), b, g, ww, has_weight=has_weight, act=act)
-
-    r, (e, k, n) = row_map.shape[0], w_gate_up.shape
-    if backend == "xla" or gg.is_empty(r, k, n, e):
-        return ref(x, row_map, w_gate_up, group_sizes, w)
-    cfg = gather_config("fwd", r, k, n, e)
-    return platform_call(lambda a, m, b, g, ww: cuda_fwd_gathered(a, m, b, g, ww, has_weight, cfg),
-                         ref, x, row_map, w_gate_up, group_sizes, w)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, ))
-def _gathered_gate_up_swiglu(x, row_map, index, w_gate_up, group_sizes, w, impl):
-    return _gathered_fwd_impl(x, row_map, w_gate_up, group_sizes, w, impl)[2]
-
-
-def _gathered_vjp_fwd(x, row_map, index, w_gate_up, group_sizes, w, impl):
-    gate, up, act = _gathered_fwd_impl(x, row_map, w_gate_up, group_sizes, w, impl)
-    return act, (x, row_map, index, w_gate_up, group_sizes, w, gate, up)
-
-
-def _gathered_vjp_bwd(impl, res, dact):
-    x, row_map, index, w_gate_up, group_sizes, w, gate, up = res
-    dh, dw = _swiglu_bwd(impl, gate, up, w, dact)
-    drows = gg.dgrad_impl(dh, w_gate_up, group_sizes, _gemm_impl(impl[0]))
-    if impl[0] == "xla":
-        dx = unpermute_reference(drows, row_map, x.shape[0])
-    else:
-        dx = unpermute_rows(drows, row_map, x.shape[0], index)
-    dw_gate_up = gathered_wgrad(x, row_map, dh, group_sizes, impl[0]).astype(w_gate_up.dtype)
-    d_index = None if index is None else zero_cotangent(index)
-    return (dx, zero_cotangent(row_map), d_index, dw_gate_up, zero_cotangent(group_sizes), dw)
-
-
-_gathered_gate_up_swiglu.defvjp(_gathered_vjp_fwd, _gathered_vjp_bwd)
-
 
 def _unsupported(lhs, w_gate_up, act: str) -> str | None:
     why = gg.cuda_unsupported_reason(lhs, w_gate_up)
@@ -308,48 +246,3 @@ def gate_up_swiglu(lhs,
     out = _gate_up_swiglu(lhs, w_gate_up, group_sizes.astype(jnp.int32), w,
                           (resolved, config, has_weight, act))
     return out
-
-
-def gathered_unsupported(x, w_gate_up, act: str = "silu", backend: str = "auto") -> str:
-    """'' where gathered_gate_up_swiglu runs its CUDA kernel on these inputs (the gathered
-    kernels' conditions, ops.gathered_gemm.gather_unsupported, and the fused epilogue's: silu,
-    H % 8 == 0), else why not."""
-    why = gather_unsupported(x, (w_gate_up, ), backend) or _unsupported(x, w_gate_up, act)
-    return why or ""
-
-
-def gathered_gate_up_swiglu(x,
-                            row_map,
-                            w_gate_up,
-                            group_sizes,
-                            row_weights=None,
-                            *,
-                            act: str = "silu",
-                            backend: str = "auto",
-                            index=None):
-    """gate_up_swiglu(permute(x, row_map), ...) [R, H] without the permuted rows: the fused
-    forward reads x's rows by row_map (MoEConfig.gather_rows with fuse_gate_up), the backward
-    keeps x and the index (dx: the dgrad, then one indexed unpermute; d w_gate_up: the gathered
-    wgrad). x [T, K]; row_map [R] int (outside [0, T): a zero row); w_gate_up [E, K, 2H]
-    interleaved; group_sizes [E]; row_weights optional [R]. backend 'cuda' needs
-    gathered_unsupported(x, w_gate_up, act) == '' (else this raises: callers keep the permute);
-    elsewhere the references. index: ops.permute_index(row_map, T) (made here if not given)."""
-    if x.ndim != 2 or row_map.ndim != 1 or w_gate_up.ndim != 3 or x.shape[1] != w_gate_up.shape[1]:
-        raise ValueError(f"gathered_gate_up_swiglu needs x [T,K], row_map [R], w_gate_up [E,K,2H];"
-                         f" got {x.shape}, {row_map.shape}, {w_gate_up.shape}")
-    if w_gate_up.shape[2] % 2 or group_sizes.shape != (w_gate_up.shape[0], ):
-        raise ValueError(f"gathered_gate_up_swiglu: w_gate_up {w_gate_up.shape} and group_sizes "
-                         f"{group_sizes.shape} are invalid; valid: [E, K, 2H] and [E]")
-    if row_weights is not None and row_weights.shape != row_map.shape:
-        raise ValueError(f"row_weights must be [R={row_map.shape[0]}], got {row_weights.shape}")
-    resolved, row_map, index = resolve_gathered(
-        "gathered_gate_up_swiglu", "gate_up_swiglu", backend,
-        lambda: gathered_unsupported(x, w_gate_up, act, "cuda"), x, row_map, index)
-    has_weight = row_weights is not None
-    if has_weight:
-        x, w = vary_together(x, row_weights.astype(jnp.float32))
-    else:
-        w = no_weights()
-    return _gathered_gate_up_swiglu(x, row_map, index, w_gate_up.astype(x.dtype),
-                                    group_sizes.astype(jnp.int32), w,
-                                    (resolved, None, has_weight, act))

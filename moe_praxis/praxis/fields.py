@@ -8,6 +8,7 @@ of the sharding letters.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -58,6 +59,20 @@ CONFIG_FIELDS = {
     "fp8_quantize_before_gather": "fp8_quantize_before_gather",
     "fp8_gemms": "fp8_gemms",
 }
+# MoEConfig field -> its declared type ('int', 'bool', 'Optional[float]', ...), from the dataclass.
+CONFIG_TYPES = {f.name: str(f.type) for f in dataclasses.fields(MoEConfig)}
+# The layer's defaults that differ from MoEConfig's, declared here once: GShard's layer contract
+# (Praxis's GShard MoE: softmax top-2 density loss with weight 1.0, no gated activation) and the
+# fields a layer sets from its model (0: required). Every other mapped field's default is
+# MoEConfig's (tests/test_praxis_layer.py keeps the layer's declarations in step).
+GSHARD_OVERRIDES = {
+    "d_model": 0,
+    "d_ff": 0,
+    "num_experts": 0,
+    "aux_loss_type": "gshard",
+    "aux_loss_coeff": 1.0,
+    "gated": False,
+}
 # The routing fields only gating_func='topk' honours, with the value 'top2' / 'dense_top2' route
 # with (GShard's softmax top-2; 'top2' takes its capacity from the GShard fields instead).
 TOPK_ONLY = {
@@ -97,6 +112,17 @@ def _setup_error(layer: str, field: str, value, why: str) -> ValueError:
 def _int(v):
     """numpy integers as int; anything else unchanged, for MoEConfig to refuse by name."""
     return int(v) if isinstance(v, np.integer) else v
+
+
+def _converted(name: str, value):
+    """A layer field's value as MoEConfig field `name` takes it: numpy integers as int for the
+    int fields, bool() for the bool ones (MoEConfig refuses anything else by name)."""
+    kind = CONFIG_TYPES[name]
+    if kind in ("int", "Optional[int]"):
+        return _int(value)
+    if kind == "bool":
+        return bool(value)
+    return value
 
 
 def validate(layer) -> None:
@@ -174,40 +200,12 @@ def build_config(layer) -> MoEConfig:
     'top2' / 'dense_top2' dropless ('top2' swaps in GShard's capacity per call).
 
     MoEConfig's ValueError is re-raised with the layer's name and the layer field."""
+    values = {
+        name: _converted(name, getattr(layer, field))
+        for name, field in CONFIG_FIELDS.items()
+    }
     try:
-        return MoEConfig(
-            d_model=_int(layer.input_dims),
-            d_ff=_int(layer.hidden_dims),
-            num_experts=_int(layer.num_experts),
-            top_k=_int(layer.num_experts_per_token),
-            score_func=layer.score_func,
-            pre_softmax=bool(layer.pre_softmax),
-            norm_topk=bool(layer.norm_topk),
-            num_expert_groups=_int(layer.num_expert_groups),
-            group_topk=_int(layer.group_topk),
-            use_expert_bias=bool(layer.use_expert_bias),
-            expert_bias_update_rate=layer.expert_bias_update_rate,
-            routed_scaling_factor=layer.routed_scaling_factor,
-            router_logit_cap=layer.gating_logit_cap,
-            aux_loss_type=layer.aux_loss_type,
-            aux_loss_coeff=layer.moe_load_balance_loss_weight,
-            z_loss_coeff=layer.router_z_loss_weight,
-            capacity_factor=layer.capacity_factor,
-            drop_policy=layer.drop_policy,
-            num_shared_experts=_int(layer.num_shared_experts),
-            shared_d_ff=_int(layer.shared_hidden_dims),
-            shared_expert_gate=bool(layer.shared_expert_gate),
-            fp8=layer.fp8,
-            fp8_quantize_before_gather=bool(layer.fp8_quantize_before_gather),
-            fp8_gemms=layer.fp8_gemms,
-            activation=ACTIVATIONS[layer.activation_tpl.cls],
-            gated=bool(layer.use_gated_activation),
-            fuse_gate_up=bool(layer.fuse_gate_up),
-            kernel_backend=layer.kernel_backend,
-            router_precision=layer.router_precision,
-            ep_exchange=layer.ep_exchange,
-            ep_buffer_factor=layer.ep_buffer_factor,
-        )
+        return MoEConfig(**values, activation=ACTIVATIONS[layer.activation_tpl.cls])
     except ValueError as e:
         found = re.match(r"MoEConfig\.(\w+)=", str(e))
         field = CONFIG_FIELDS.get(found.group(1)) if found else None

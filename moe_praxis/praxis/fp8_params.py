@@ -1,4 +1,4 @@
-"""The FP8 form of a model's expert weights, made once per optimizer step (issue 36).
+"""The FP8 form of a model's expert weights, made once per optimizer step.
 
 A train step calls `fp8_weights_tree(params, dtype)` once, outside its forward and backward (and
 outside any loop over micro-batches), and passes `merge(params, tree)` to the model's apply:
@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import jax
 
+from moe_praxis import expert_weights
 from moe_praxis.experts import EXPERT_WEIGHTS, FP8_WEIGHTS
-from moe_praxis.ops import fp8_weights
+from moe_praxis.ops.fp8 import recipe, rule
+from moe_praxis.ops.fp8 import weights as fp8_weights
+from moe_praxis.resources import ep_bootstrap
 
 
 def _quantize(w, dtype, transposed: bool):
@@ -57,3 +60,23 @@ def merge(params, tree) -> dict:
     for key, sub in tree.items():
         out[key] = sub if key == FP8_WEIGHTS else merge(params[key], sub)
     return out
+
+
+def form_pays(layer, mesh, tokens_per_step: int) -> bool:
+    """Whether the FP8 form of an MoE layer's expert weights (`layer`: its MoEFeedForward
+    config), made once per optimizer step, serves enough rows per local expert to pay
+    (ops.fp8.rule.form_pays under the layer's fp8_gemms): the step's tokens over the token
+    shards, times top-k, over the experts of one EP rank. Where it does not, no form is made
+    and each call runs the bf16 layer (its own rows are fewer still:
+    moe_praxis.expert_weights.fp8_for_call)."""
+    resources = layer.mesh_resources
+    layout = ep_bootstrap(mesh if resources is not None else None, resources, layer.num_experts)
+    rows = expert_weights.rows_per_local_expert(tokens_per_step, layout,
+                                                layer.num_experts_per_token)
+    return rule.form_pays(layer.fp8_gemms, rows)
+
+
+def transposed_for(kernel_backend: str) -> bool:
+    """Whether the form needs W^T too: where kernel_backend resolves to the FP8 kernels (their
+    forward reads it)."""
+    return recipe.resolve(kernel_backend) == "cuda"

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from moe_praxis.config import MoEConfig
 from moe_praxis.moe import MoEOutput
-from moe_praxis.ops import fp8_rule
+from moe_praxis.ops.fp8 import rule as fp8_rule
 
 
 def moe_summaries(out: MoEOutput, paddings: Optional[jax.Array], num_tokens: int,

@@ -147,7 +147,7 @@ def info() -> dict:
     layer = (f"FP8 when its weights' FP8 form serves >= {FORM_MIN_ROWS} rows per expert per "
              "quantization, else bf16")
     return {
-        "rule": "moe_praxis.ops.fp8_rule.fp8_gemm_rule",
+        "rule": "moe_praxis.ops.fp8.rule.fp8_gemm_rule",
         "modes": FP8_GEMMS,
         "fwd": "always",
         "dgrad": f"K >= {DGRAD_MIN_K}",

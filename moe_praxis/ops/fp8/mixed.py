@@ -1,11 +1,11 @@
-"""A grouped GEMM whose forward, dgrad and wgrad each run in FP8 or in bf16 (ops.fp8_rule).
+"""A grouped GEMM whose forward, dgrad and wgrad each run in FP8 or in bf16 (ops.fp8.rule).
 
     mixed_grouped_gemm(lhs [R, K], rhs [E, K, N], group_sizes [E], gemms) -> [R, N] in lhs.dtype
 
 `gemms` (an fp8_rule.Fp8Gemms) names the GEMMs that run in blockwise FP8, with the numerics of
 ops.fp8 (the kernels where `backend` resolves to cuda, else the pure-JAX emulation); the others
 run ops.grouped_gemm on rhs cast to lhs.dtype (the master weight, never its FP8 form). The FP8
-form of rhs (fw, an ops.fp8_weights.Fp8Weight made beforehand) is read by the FP8 forward and
+form of rhs (fw, an ops.fp8.weights.Fp8Weight made beforehand) is read by the FP8 forward and
 dgrad only; without it rhs is quantized here when one of them runs in FP8. lhs_fp8: lhs's L1
 operand (q, s_t) written by the op that produced lhs, read by the CUDA FP8 forward. Gradients
 reach lhs and rhs (in rhs.dtype); fw and lhs_fp8 get none. With every GEMM in FP8 use
@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 
 from moe_praxis.ops import backend as _backend
-from moe_praxis.ops import fp8
+from moe_praxis.ops.fp8 import recipe as fp8
 from moe_praxis.ops.grouped_gemm import dgrad_impl, fwd_impl, wgrad_impl
 from moe_praxis.ops.grouped_gemm import resolve as gg_resolve
-from moe_praxis.ops.fp8_rule import Fp8Gemms
-from moe_praxis.ops.fp8_weights import Fp8Weight
+from moe_praxis.ops.fp8.rule import Fp8Gemms
+from moe_praxis.ops.fp8.weights import Fp8Weight
 
 
 def mixed_grouped_gemm(lhs,
@@ -36,7 +36,7 @@ def mixed_grouped_gemm(lhs,
                        fw: Optional[Fp8Weight] = None,
                        lhs_fp8=None,
                        backend: str = "auto"):
-    """Module doc. backend: 'auto' | 'xla' | 'cuda' for the FP8 GEMMs (ops.fp8.resolve) and the
+    """Module doc. backend: 'auto' | 'xla' | 'cuda' for the FP8 GEMMs (ops.fp8.recipe.resolve) and the
     bf16 ones (ops.grouped_gemm.resolve) alike."""
     impl = fp8.resolve(backend)
     gs = group_sizes.astype(jnp.int32)

@@ -19,7 +19,7 @@ the master inside, because both run the same quantizer on the same values.
 Under FSDP (`gathered_prequantized`) each device holds its shard of the master and of the
 companion (quantized on the shard: a 128x128 block never straddles a shard boundary,
 fp8.check_shard_blocks); the forward all-gathers the e4m3 values and float32 scales, the
-backward reduce-scatters the weight gradient, as ops.fp8.gathered_fp8_grouped_gemm does.
+backward reduce-scatters the weight gradient, as ops.fp8.recipe.gathered_fp8_grouped_gemm does.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from moe_praxis.ops import fp8
-from moe_praxis.ops.fp8_quant import E4M3, quantize_weight
+from moe_praxis.ops.fp8 import recipe as fp8
+from moe_praxis.ops.fp8.quant import E4M3, quantize_weight
 
 
 @jax.tree_util.register_dataclass

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_praxis.ops._library import ffi, platform_call
-from moe_praxis.ops.fp8_quant import (  # noqa: F401  (padded_rows re-exported: L3's Rp)
+from moe_praxis.ops.fp8.quant import (  # noqa: F401  (padded_rows re-exported: L3's Rp)
     dequantize_rows, dequantize_tiles, grouped_offsets, padded_rows)
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
 from moe_praxis.ops.grouped_gemm_tiles import CUTLASS_WORKSPACE_BYTES, SWIZZLES

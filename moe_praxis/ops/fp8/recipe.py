@@ -6,7 +6,7 @@ weights per 128 x 128 block, e4m3 values, float32 accumulation, outputs in the i
     scale = amax(tile) * f32(1/448)  (448: e4m3's largest finite value; an all-zero tile has
                                       scale 1; a product, not a quotient, so every
                                       implementation rounds it the same way)
-    q     = e4m3(x * (1 / scale))  (a float32 reciprocal per tile; moe_praxis.ops.fp8_quant)
+    q     = e4m3(x * (1 / scale))  (a float32 reciprocal per tile; moe_praxis.ops.fp8.quant)
 
 The GEMMs of one grouped GEMM (ragged_dot semantics, moe_praxis.ops.grouped_gemm) and their
 operands' quantization:
@@ -18,7 +18,7 @@ operands' quantization:
                                         tiles starting at each group's first row, so a
                                         tile never mixes two experts' rows
 
-The quantizers and the operand layouts the FP8 kernels read live in moe_praxis.ops.fp8_quant
+The quantizers and the operand layouts the FP8 kernels read live in moe_praxis.ops.fp8.quant
 (this module re-exports quantize_tiles, quantize_blocks and their inverses); the wgrad's
 operands here are its L3 layout, dequantized.
 
@@ -30,7 +30,7 @@ the row-tiled FP8 copy would round twice), and every GEMM's output.
 Backends (`backend=`: 'auto' | 'xla' | 'cuda', resolved once per call by
 backend.op_backend('fp8_grouped_gemm'): compute capability 9.0 with the library built):
 'xla' is the reference above; 'cuda' runs the three GEMMs as the FP8 grouped GEMM kernels of
-moe_praxis.ops.fp8_gemm on the operand layouts documented there (the forward's lhs and
+moe_praxis.ops.fp8.gemm on the operand layouts documented there (the forward's lhs and
 dgrad's dy in 1x128 row tiles, the weight's 128x128 blocks, the wgrad's lhs and dy in 128-row
 tiles that start at each group's first row, so a tile never mixes two experts). The kernels
 write bf16 (forward, dgrad; cast to lhs.dtype) and bf16 or float32 (wgrad, the weight's
@@ -39,7 +39,7 @@ dtype). On a CPU the 'cuda' path lowers to the kernels' references, so it is tes
 GEMMs sharing one lhs (`fp8_gemms_shared_lhs`, the CUDA path of the expert FFN): the gate and
 up projections read the same rows, and the down projection reads the SwiGLU's output; the
 lhs's L1 operand comes in with it (written by the op that produced the lhs,
-ops.fp8_fused.permute_fp8 / swiglu_fp8, or quantize_rows once), and the backward quantizes
+ops.fp8.fused.permute_fp8 / swiglu_fp8, or quantize_rows once), and the backward quantizes
 lhs for the wgrads once. Each GEMM's numerics are fp8_grouped_gemm's; the lhs's gradient is
 the sum of the dgrads, added in float32.
 
@@ -58,8 +58,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_praxis.ops import backend as _backend
-from moe_praxis.ops import fp8_fused, fp8_gemm
-from moe_praxis.ops.fp8_quant import (  # noqa: F401  (the recipe's quantizers, re-exported)
+from moe_praxis.ops.fp8 import fused as fp8_fused, gemm as fp8_gemm
+from moe_praxis.ops.fp8.quant import (  # noqa: F401  (the recipe's quantizers, re-exported)
     BLOCK, E4M3, E4M3_MAX, check_blocks, dequantize_blocks, dequantize_rows_grouped_t,
     dequantize_tiles, quantize_blocks, quantize_rows, quantize_rows_grouped_t,
     quantize_rows_grouped_t_reference, quantize_tiles, quantize_weight)
@@ -69,7 +69,7 @@ from moe_praxis.ops.vma import vary_together
 
 _HI = jax.lax.Precision.HIGHEST
 
-# The CUDA path's quantizers (ops.fp8_quant) with backend 'auto': their kernels wherever the
+# The CUDA path's quantizers (ops.fp8.quant) with backend 'auto': their kernels wherever the
 # FP8 GEMM kernels run; lowered for a CPU, their references (bitwise the same).
 _QUANT = "auto"
 
@@ -176,7 +176,7 @@ def fp8_grouped_gemm(lhs, rhs, group_sizes, *, backend: str = "auto"):
 
 def fp8_grouped_gemm_path(lhs, rhs, group_sizes, path: str):
     """fp8_grouped_gemm on the given path, 'xla' or 'cuda', unresolved (tests, benchmarks): on
-    a CPU the 'cuda' path lowers each kernel call to its reference (ops.fp8_gemm)."""
+    a CPU the 'cuda' path lowers each kernel call to its reference (ops.fp8.gemm)."""
     if path not in ("xla", "cuda"):
         raise ValueError(f"fp8_grouped_gemm_path: path={path!r} is invalid; valid: 'xla', 'cuda'")
     return _fp8_gg(lhs, rhs, group_sizes.astype(jnp.int32), path)
@@ -210,7 +210,7 @@ def fp8_gemms_shared_lhs(lhs, lhs_fp8, rhss, group_sizes, rhss_fp8=None):
     (q e4m3 [R, K], s_t float32 [K/128, R]), fp8_quant.quantize_rows of lhs as rounded, or
     None to quantize here; rhss: a tuple of [E, K, N_i] weights. Returns a tuple of [R, N_i] in
     lhs.dtype. Gradients reach lhs (straight through its L1 operand) and every rhs.
-    rhss_fp8: None, or per rhs its L2 operand (q, qt, s) made beforehand (ops.fp8_weights) or
+    rhss_fp8: None, or per rhs its L2 operand (q, qt, s) made beforehand (ops.fp8.weights) or
     None to quantize here; a given one gets no gradient (rhs does)."""
     q, s_t = _lhs_operand(lhs, lhs_fp8)
     rhss_fp8 = jax.lax.stop_gradient(tuple(rhss_fp8 or (None, ) * len(rhss)))

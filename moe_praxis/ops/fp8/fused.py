@@ -1,5 +1,5 @@
 """Ops that write their output as FP8 in the pass that produces it (layout L1 of
-moe_praxis.ops.fp8_quant: q e4m3 [R, C], s_t float32 [C/128, R], 1 x 128 tiles along C).
+moe_praxis.ops.fp8.quant: q e4m3 [R, C], s_t float32 [C/128, R], 1 x 128 tiles along C).
 
     swiglu_fp8(gate, up, w)  -> act = silu(gate) * up * w[:, None], q, s_t   (the down
                                 projection's FP8 lhs; act in gate.dtype for the wgrad)
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops._library import ffi, platform_call
-from moe_praxis.ops.fp8_quant import BLOCK, check_rows, quantize_rows_reference, rows_out
+from moe_praxis.ops.fp8.quant import BLOCK, check_rows, quantize_rows_reference, rows_out
 from moe_praxis.ops.permute import permute, permute_reference
 from moe_praxis.ops.swiglu import no_weights, swiglu, swiglu_bwd_reference, swiglu_reference
 from moe_praxis.ops.vma import vary_together, zero_cotangent

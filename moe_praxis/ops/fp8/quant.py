@@ -35,7 +35,7 @@ the tiles (all zero) have scale 1. Rows past sum(group_sizes) are ignored.
 Every quantizer takes `backend=` ('auto' | 'xla' | 'cuda', as ops.swiglu): 'cuda' runs its
 kernel (kernels/fp8_quant.cu and fp8_quant_tiles.cu, bitwise equal to the reference here)
 through platform_call.
-moe_praxis.ops.fp8_fused holds the SwiGLU forward and the permute that write their output as
+moe_praxis.ops.fp8.fused holds the SwiGLU forward and the permute that write their output as
 L1 in the same pass.
 """
 
