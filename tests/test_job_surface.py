@@ -375,6 +375,8 @@ def _narrow(cls):
             HIDDEN_DIMS=64,
             MOE_HIDDEN_DIMS=None,
             NUM_HEADS=4,
+            # grouped-query presets keep grouped-query attention: 2 key/value heads of the 4
+            NUM_KV_HEADS=2 if getattr(cls, "NUM_KV_HEADS", None) else None,
             DIM_PER_HEAD=None,
             # group-limited presets (8 groups top-4) need k >= 4 and 2 experts a group
             NUM_EXPERTS=16 if cls.GROUP_TOPK > 1 else 8,
