@@ -125,10 +125,14 @@ class Checkpoints:
     """The checkpoints in ``ckpt_dir``: at most ``max_to_keep`` of them, restored into
     ``abstract_state`` (a pytree of ShapeDtypeStruct with shardings)."""
 
-    def __init__(self, ckpt_dir, max_to_keep: int, abstract_state):
+    def __init__(self, ckpt_dir, max_to_keep: int, abstract_state, host_gb: int | None = None):
+        """``host_gb``: at most that many GB of the state copied from the devices to the host
+        at once while saving (orbax's ``save_device_host_concurrent_gb``; None: orbax copies
+        the whole state first). The checkpoint is the same either way."""
         self.ckpt_dir = Path(ckpt_dir)
         self.max_to_keep = max_to_keep
         self.abstract_state = abstract_state
+        self.host_gb = host_gb
         self._finite = None
 
     def manager(self, create: bool = True):
@@ -137,7 +141,12 @@ class Checkpoints:
         import orbax.checkpoint as ocp
 
         opts = ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=create)
-        return ocp.CheckpointManager(self.ckpt_dir, options=opts)
+        if self.host_gb is None:
+            return ocp.CheckpointManager(self.ckpt_dir, options=opts)
+        # The pytree handler that StandardSave wraps, with the copy to the host bounded; the
+        # files are the same, so StandardRestore reads them.
+        handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=self.host_gb)
+        return ocp.CheckpointManager(self.ckpt_dir, options=opts, item_handlers=handler)
 
     def nonfinite(self, state) -> str | None:
         """None if every float of ``state`` is finite, else the paths of the leaves that are
@@ -174,7 +183,8 @@ class Checkpoints:
         if bad is not None:
             raise NonFiniteState(f"the state of step {step} holds non-finite values in {bad}; "
                                  "it was not saved")
-        mngr.save(step, args=ocp.args.StandardSave(state), force=True)
+        args = ocp.args.StandardSave(state) if self.host_gb is None else ocp.args.PyTreeSave(state)
+        mngr.save(step, args=args, force=True)
 
     def _try_restore(self, mngr, step: int):
         """(state, None) or (None, why the checkpoint of ``step`` is unusable, one line)."""

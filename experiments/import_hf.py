@@ -39,6 +39,9 @@ from experiments.checkpoints import Checkpoints
 from experiments.hf_checkpoint import TOKENIZER, HfImportError, Shards, read_config
 
 FPROP_DTYPES = ("float32", "bfloat16")
+# GB of the train state copied from the devices to the host at once while the checkpoint is
+# written (experiments.checkpoints.Checkpoints host_gb).
+SAVE_HOST_GB = 4
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -178,8 +181,12 @@ def import_checkpoint(model_dir,
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # a directory as mkdir makes it, not mkdtemp's private one
     try:
-        ckpts = Checkpoints(tmp / "checkpoints", prep.config.train.max_checkpoints,
-                            fns.abstract_state)
+        # The whole train state (parameters and two moments) is written in one go: copied to
+        # the host a few GB at a time, not all at once (the import's host peak).
+        ckpts = Checkpoints(tmp / "checkpoints",
+                            prep.config.train.max_checkpoints,
+                            fns.abstract_state,
+                            host_gb=SAVE_HOST_GB)
         mngr = ckpts.manager()
         try:
             with jax.set_mesh(prep.mesh):

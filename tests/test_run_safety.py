@@ -356,3 +356,26 @@ def test_failed_read_tasks_of_orbax_are_dropped_and_others_kept():
     assert not drop.filter(record(task, exc_from("/site-packages/orbax/checkpoint/x.py")))
     assert drop.filter(record(task, exc_from("/site-packages/mylib/x.py")))
     assert drop.filter(record("Unclosed client session", exc_from("/orbax/x.py")))
+
+
+def test_a_checkpoint_saved_a_few_gb_at_a_time_restores_as_any_other(tmp_path):
+    """Checkpoints(host_gb=...) (the Hugging Face import's save: the device-to-host copy
+    bounded) writes what the trainer's own Checkpoints restore, value for value; the trainer
+    then keeps saving into the same directory."""
+    state = _state()
+    bounded = _checkpoints(tmp_path)
+    bounded.host_gb = 1
+    mngr = bounded.manager()
+    bounded.save(mngr, state, 0)
+    mngr.wait_until_finished()
+    mngr.close()
+    ckpts = _checkpoints(tmp_path)
+    mngr = ckpts.manager(create=False)
+    got, step, notes = ckpts.restore_newest(mngr, set_aside=False)
+    ckpts.save(mngr, _state(), 1)
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [0, 1]
+    mngr.close()
+    assert (step, notes) == (0, [])
+    for want, have in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(np.asarray(have), np.asarray(want))
