@@ -13,7 +13,7 @@ from fiddle.experimental import serialization
 
 from configs import base, experiments, registry
 from experiments import main as main_lib
-from experiments import setup
+from experiments.train import setup
 from tests.flagutil import parse, reset_flags  # noqa: F401  (reset_flags: autouse)
 
 # ------------------------------------------------------------------------------ registry

@@ -35,10 +35,10 @@ def test_docs_list_every_flag_of_main():
 
 
 def test_docs_list_every_sample_flag_with_its_default():
-    """--mode=sample's flags (every flag experiments.sample_cli defines) and nothing else in
+    """--mode=sample's flags (every flag experiments.sample.cli defines) and nothing else in
     the table of "Generating text"."""
     doc = _doc()
-    names = [f.name for f in flags.FLAGS.get_flags_for_module("experiments.sample_cli")]
+    names = [f.name for f in flags.FLAGS.get_flags_for_module("experiments.sample.cli")]
     assert {"prompt", "max_new_tokens", "temperature", "output_json"} <= set(names)
     for name in names:
         _check_row(doc, name)

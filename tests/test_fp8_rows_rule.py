@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 import moe_praxis as mp
 from configs import experiments
-from experiments import setup, steps
+from experiments.train import setup, steps
 from moe_praxis import expert_weights, ops
 from moe_praxis.ops.fp8 import recipe as fp8, rule as fp8_rule, weights as fp8_weights
 from tests.testutil import rel_err

@@ -1,4 +1,4 @@
-"""`python -m experiments.train_tokenizer`: lossless SentencePiece models trained on whole
+"""`python -m experiments.tokenizer`: lossless SentencePiece models trained on whole
 documents (newlines, tabs and runs of spaces kept), the chunks its trainer reads, the warning
 for a loaded SentencePiece model that drops whitespace, and the command line (progress, what it
 read, sampling of large corpora, bad input as one line)."""
@@ -14,7 +14,7 @@ import pytest
 import sentencepiece as spm
 
 from experiments import tokenizer as tokenizer_lib
-from experiments import train_tokenizer as train_lib
+from experiments.tokenizer import train as train_lib
 
 
 def _code_like(rng: random.Random, n: int) -> list[str]:
@@ -133,7 +133,7 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, me
         argv += ["--vocab_size", "300"]
     assert train_lib.main(argv + args + ["--no_progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("experiments.train_tokenizer: error: "), err
+    assert err[-1].startswith("experiments.tokenizer.train: error: "), err
     assert re.search(message, err[-1]), err
     assert len(err) == 1 or "Vocabulary" in message  # (after the line saying training began)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]

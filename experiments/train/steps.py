@@ -29,9 +29,9 @@ from moe_praxis.praxis.fp8_params import form_pays as fp8_form_pays
 from praxis import base_layer, py_utils
 
 from configs import base, models, stack
-from experiments import microbatch
-from experiments.metrics import expert_load, max_mean_load, moe_scalars
-from experiments.setup import Prepared
+from experiments.train import microbatch
+from experiments.train.metrics import expert_load, max_mean_load, moe_scalars
+from experiments.train.setup import Prepared
 
 P = jax.sharding.PartitionSpec
 NestedMap = py_utils.NestedMap
@@ -222,7 +222,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
         return grads, losses, nt, updated.get(base_layer.SUMMARIES, {})
 
     def micro_steps(state, batch, key, fp8_tree):
-        """whole_step's results over ``n_micro`` micro-batches (experiments.microbatch), each
+        """whole_step's results over ``n_micro`` micro-batches (experiments.train.microbatch), each
         seeing the step's state and FP8 weights. The cross-entropy is summed with the whole
         step's weights (a mean over its tokens, not a mean of micro-batch means); the rest of
         total_loss (the aux losses), the summaries and the metrics are means over the
