@@ -399,3 +399,20 @@ def test_experiments_subpackages_import_down():
             ]
     assert not upward, f"imports up experiments/' layers {EXPERIMENTS_LAYERS}:\n" + "\n".join(
         upward)
+
+
+def test_experiments_ask_the_layer_for_fp8_weights():
+    """The runner reaches no FP8 internals (moe_praxis.ops.fp8, moe_praxis.praxis.fp8_params):
+    it asks the layer's public entry, moe_praxis.step_fp8_weights."""
+    inside = []
+    for path in sorted((ROOT / "experiments").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else
+                [f"{node.module}.{a.name}"
+                 for a in node.names] if isinstance(node, ast.ImportFrom) and node.module else [])
+            inside += [
+                f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
+                if n.startswith(("moe_praxis.ops.fp8", "moe_praxis.praxis.fp8_params"))
+            ]
+    assert not inside, "experiments/ imports FP8 internals:\n" + "\n".join(inside)
