@@ -87,3 +87,10 @@ def test_docs_list_every_knob():
         re.findall(r"\b[A-Z][A-Z0-9_]+\b",
                    doc.split("Knobs (class attributes")[1].split("The model (")[0]))
     assert listed == set(knobs), (set(knobs) - listed, listed - set(knobs))
+
+
+def test_docs_list_the_fdl_config_functions():
+    """The --fdl_config row names the functions of configs/experiments.py, every one."""
+    row = next(line for line in _doc().splitlines() if line.startswith("| `--fdl_config=NAME`"))
+    listed = re.findall(r"`(\w+)`", row.split("(", 1)[1].split(":", 1)[0])
+    assert sorted(listed) == registry.config_functions(experiments), row
