@@ -1,4 +1,4 @@
-"""Decode throughput of ``experiments.decoding.Sampler``: `python -m benchmarks.bench_sample`.
+"""Decode throughput of ``experiments.sample.decoding.Sampler``: `python -m benchmarks.bench_sample`.
 
 Builds an experiment's model (default ``small_gpu``) with initialised parameters on the job's
 mesh (decoding arithmetic does not depend on the values), made dropless as
@@ -23,9 +23,10 @@ import jax
 import numpy as np
 
 from configs import registry
-from experiments import sample, setup
-from experiments.decoding import Sampler
-from experiments.steps import make_step_fns
+from experiments import sample
+from experiments.train import setup
+from experiments.sample.decoding import Sampler
+from experiments.train.steps import make_step_fns
 from praxis import base_layer
 
 

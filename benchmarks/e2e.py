@@ -4,7 +4,7 @@ memory, and (``--breakdown``) the step's GPU time by part.
   python -m benchmarks.e2e --exp NAME [--steps N] [--warmup N] [--breakdown] [--json PATH]
       [--attention auto|xla|cudnn] [--remat POLICY] [--fdl_set PATH=VALUE ...]
 
-The step is the main job's (``experiments.steps.make_step_fns``: forward, backward, AdamW, on
+The step is the main job's (``experiments.train.steps.make_step_fns``: forward, backward, AdamW, on
 the experiment's mesh), compiled once and run on one synthetic batch of the experiment's shape
 (random token ids; with data.packing='documents', random packed segments). Each timed step
 waits for its result (``jax.block_until_ready``); tokens/s = batch x seq_len / the median step
@@ -46,8 +46,8 @@ import numpy as np
 import moe_praxis  # noqa: F401  (the Praxis shims before configs import praxis)
 from benchmarks import e2e_parts, layer_breakdown, trace
 from configs import models, registry
-from experiments import setup, steps
-from experiments.overrides import apply_overrides
+from experiments.train import setup, steps
+from experiments.job.overrides import apply_overrides
 from moe_praxis import attention as attn
 from moe_praxis.expert_weights import GATHERED
 

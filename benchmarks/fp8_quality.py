@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments.metrics import read_metrics
+from experiments.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -35,9 +35,11 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from experiments import import_hf, jobdir, setup, steps
-from experiments.checkpoints import Checkpoints
-from experiments.hf_checkpoint import read_config
+from experiments import import_hf
+from experiments.job import jobdir
+from experiments.train import setup, steps
+from experiments.train.checkpoints import Checkpoints
+from experiments.hf.checkpoint import read_config
 
 QWEN3_30B_A3B = dict(vocab_size=151936,
                      hidden_size=2048,

@@ -1,9 +1,9 @@
-r"""Tokenization throughput of the data pipeline's cache build (``experiments.token_cache``):
+r"""Tokenization throughput of the data pipeline's cache build (``experiments.data.token_cache``):
 MB/s of UTF-8 text from files to memory-mapped token arrays, on varied text: the source of every
 module of this Python's standard library (tests included), each module one ``.txt`` document,
 no text repeated (a repeated text would be cheap for a BPE cache). A byte-level BPE
 ``tokenizer.json`` and a lossless SentencePiece model are trained here on the first
-``--train_mb`` MB of it (``experiments.train_tokenizer``; nothing is downloaded).
+``--train_mb`` MB of it (``experiments.tokenizer``; nothing is downloaded).
 
 Prints a table and writes JSON: wall MB/s of the build (one process: ``--workers`` threads
 across files, each encoding batches of documents with the library's own threads) and MB per
@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments import token_cache
-from experiments.train_tokenizer import train_tokenizer
+from experiments.data import token_cache
+from experiments.tokenizer.train import train_tokenizer
 
 
 def stdlib_sources(limit_mb: float = 0.0) -> list[Path]:

@@ -3,7 +3,7 @@
 An experiment config is ``pax_fiddle.Config(ExperimentConfig, model=..., data=..., ...)``; every
 leaf can be overridden from the command line (``--fdl.train.num_steps=50``,
 ``--fdl.model.stacked_transformer_tpl.num_layers=4``). Building it validates every field here
-(``__post_init__``) before anything is traced or compiled; ``experiments.setup.prepare`` adds
+(``__post_init__``) before anything is traced or compiled; ``experiments.train.setup.prepare`` adds
 the checks that need more than one part (model vs data, model vs mesh).
 """
 
@@ -37,7 +37,7 @@ class DataConfig:
 
     source: 'pydoc' (the standard library's ``pydoc_data.topics`` text, offline everywhere),
       'synthetic' (a fixed random order-2 Markov chain over bytes, learnable but not trivial),
-      'text' (the documents of ``path``: ``experiments.documents``). None (the default):
+      'text' (the documents of ``path``: ``experiments.tokenizer.documents``). None (the default):
       'text' when ``path`` is set, else 'pydoc'. pydoc and synthetic are byte-level.
     path: a file, directory or glob of .txt/.md (a document per file), .jsonl (a document per
       line) and .parquet files (a document per row). Setting it selects source='text'.
@@ -108,7 +108,7 @@ class OptimizerConfig:
     schedule: 'cosine' (to ``end_lr_fraction * learning_rate`` at ``decay_steps``),
       'linear' (same end point, linear), 'constant'.
     decay_steps: 0 = the experiment's ``train.num_steps`` at the job's first start (resolved
-      then and recorded: ``experiments.setup.resolve_lengths``).
+      then and recorded: ``experiments.train.setup.resolve_lengths``).
     clip_norm: gradients are scaled so their global L2 norm is at most this (0 = off).
     """
 

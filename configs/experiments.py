@@ -5,7 +5,8 @@ knobs into one ``pax_fiddle.Config(ExperimentConfig, ...)``. Subclass to change 
 override any leaf of the returned config from the command line with ``--fdl.X=value``.
 
 The module-level functions (``tiny()``, ``small_gpu()``, ...) return the same configs for
-Fiddle's ``--fdl_config=NAME`` flag.
+Fiddle's ``--fdl_config=NAME`` flag: one per registered experiment, made from the registry at
+the end of this module (``configs.registry.define_config_functions``).
 
 Presets:
   Tiny          ~1M params; trains on a laptop CPU in about a minute (the ``make run`` default).
@@ -36,7 +37,7 @@ from praxis import pax_fiddle
 from configs import base, models, sharding
 from configs.fiddlers import (  # noqa: F401  (--fiddler=NAME resolves here)
     use_expert_parallel, use_fsdp_expert_parallel, use_mesh, use_synthetic_data)
-from configs.registry import register, short_name
+from configs.registry import define_config_functions, register, short_name
 
 
 class LanguageModel:
@@ -353,42 +354,5 @@ GPU_PRESETS = (SmallGpu, Mixtral8x7B, DeepSeekV3, Qwen3Moe)
 
 # ------------------------------------------------------------ --fdl_config=NAME entry points
 
-
-def tiny() -> pax_fiddle.Config:
-    """The Tiny experiment (same as --exp=tiny)."""
-    return Tiny().experiment_config()
-
-
-def tiny_synthetic() -> pax_fiddle.Config:
-    """The TinySynthetic experiment."""
-    return TinySynthetic().experiment_config()
-
-
-def tiny_bf16() -> pax_fiddle.Config:
-    """The TinyBf16 experiment."""
-    return TinyBf16().experiment_config()
-
-
-def tiny_fp8() -> pax_fiddle.Config:
-    """The TinyFp8 experiment."""
-    return TinyFp8().experiment_config()
-
-
-def small_gpu() -> pax_fiddle.Config:
-    """The SmallGpu experiment."""
-    return SmallGpu().experiment_config()
-
-
-def mixtral_8x7b() -> pax_fiddle.Config:
-    """The Mixtral8x7B experiment."""
-    return Mixtral8x7B().experiment_config()
-
-
-def deepseek_v3() -> pax_fiddle.Config:
-    """The DeepSeekV3 experiment."""
-    return DeepSeekV3().experiment_config()
-
-
-def qwen3_moe() -> pax_fiddle.Config:
-    """The Qwen3Moe experiment."""
-    return Qwen3Moe().experiment_config()
+# tiny(), tiny_synthetic(), ..., qwen3_moe(): one function per experiment registered above
+define_config_functions(globals())

@@ -1,7 +1,7 @@
 """The experiment of a model imported from a Hugging Face checkpoint (``experiments.import_hf``).
 
 ``HfModel`` holds the numbers of a Mixtral, Qwen3-MoE or OLMoE ``config.json`` that the Praxis
-model needs (``experiments.hf_checkpoint.read_config`` makes one); ``imported_experiment`` turns
+model needs (``experiments.hf.checkpoint.read_config`` makes one); ``imported_experiment`` turns
 it into an experiment config like any preset's: a ``TransformerLm`` whose every layer is
 grouped-query attention (rotary, base ``rope_theta``; q/k RMSNorm per head for Qwen3-MoE, over
 all heads for OLMoE) and a ``moe_praxis.MoEFeedForward`` (softmax top-k, renormalised where

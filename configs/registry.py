@@ -110,13 +110,44 @@ def short_name(cls: type) -> str:
     return _NAMES.get(cls) or _snake(cls.__name__)
 
 
+def config_function(cls: type):
+    """The ``--fdl_config=NAME`` function of the experiment ``cls``: no arguments, returns
+    ``cls().experiment_config()``; named as the experiment (``short_name``), in its module."""
+    name = short_name(cls)
+
+    def config():
+        return cls().experiment_config()
+
+    config.__name__ = config.__qualname__ = name
+    config.__module__ = cls.__module__
+    config.__doc__ = f"The {cls.__name__} experiment (same as --exp={name})."
+    config.experiment = cls
+    return config
+
+
+def define_config_functions(namespace: dict) -> list[str]:
+    """Defines in ``namespace`` (a module's ``globals()``, called at its end) the
+    ``--fdl_config`` function of every experiment that module registered (``config_function``).
+    Returns their names; a name the module already binds is an error, not overwritten."""
+    module = namespace["__name__"]
+    names = []
+    for cls in [c for c in _REGISTRY.values() if c.__module__ == module]:
+        name = short_name(cls)
+        if name in namespace:
+            raise ValueError(
+                f"{module}.{name} is already defined; the experiment {cls.__name__}'s "
+                "--fdl_config function would replace it: register it under another name")
+        namespace[name] = config_function(cls)
+        names.append(name)
+    return names
+
+
 def config_functions(module) -> list[str]:
-    """The config functions of ``module`` (``--fdl_config=NAME``): its public lower-case
-    callables but the fiddlers (``use_*``)."""
-    return [
-        n for n in dir(module)
-        if not n.startswith(("_", "use_")) and callable(getattr(module, n)) and n.islower()
-    ]
+    """The config functions of ``module`` (``--fdl_config=NAME``): those
+    ``define_config_functions`` made there, one per experiment it registers."""
+    return sorted(n for n in dir(module)
+                  if getattr(getattr(module, n), "experiment", None) is not None
+                  and getattr(module, n).__module__ == module.__name__)
 
 
 def builtin_config_functions() -> list[str]:

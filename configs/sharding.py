@@ -13,7 +13,7 @@ trainer reads the result as it is.
 Every role is read through ``moe_praxis.MeshResources`` (``spec_entry``, ``token_axes``) and
 ``moe_praxis.ep_bootstrap``; nothing here interprets axis names. The split mappings depend on the
 roles only, so the layout is taken on a mesh of the configured axis names with every size 1;
-the sizes (and a ``-1`` axis) are checked by ``experiments.setup.prepare`` on the real mesh.
+the sizes (and a ``-1`` axis) are checked by ``experiments.train.setup.prepare`` on the real mesh.
 """
 
 from __future__ import annotations

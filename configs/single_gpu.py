@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-from praxis import pax_fiddle
-
 from configs.experiments import LanguageModel
-from configs.registry import register
+from configs.registry import define_config_functions, register
 
 
 class _OneGpu(LanguageModel):
@@ -85,22 +83,5 @@ class MixtralMoeGpuFp8(MixtralMoeGpu):
 
 # ------------------------------------------------------------ --fdl_config=NAME entry points
 
-
-def qwen3_moe_gpu() -> pax_fiddle.Config:
-    """The Qwen3MoeGpu experiment (same as --exp=qwen3_moe_gpu)."""
-    return Qwen3MoeGpu().experiment_config()
-
-
-def qwen3_moe_gpu_fp8() -> pax_fiddle.Config:
-    """The Qwen3MoeGpuFp8 experiment."""
-    return Qwen3MoeGpuFp8().experiment_config()
-
-
-def mixtral_moe_gpu() -> pax_fiddle.Config:
-    """The MixtralMoeGpu experiment."""
-    return MixtralMoeGpu().experiment_config()
-
-
-def mixtral_moe_gpu_fp8() -> pax_fiddle.Config:
-    """The MixtralMoeGpuFp8 experiment."""
-    return MixtralMoeGpuFp8().experiment_config()
+# qwen3_moe_gpu(), qwen3_moe_gpu_fp8(), mixtral_moe_gpu(), mixtral_moe_gpu_fp8()
+define_config_functions(globals())

@@ -12,8 +12,8 @@ step 0 whose parameters are the checkpoint's (the optimizer's moments zero). So
 with it, ``--mode=eval`` evaluates it on ``--data_path``'s held-out tail, and
 ``python -m experiments.main --job_log_dir=OUT`` fine-tunes it from step 0.
 
-Every check comes before anything is written (``experiments.hf_checkpoint``,
-``experiments.hf_convert``): the architecture, the config fields this port does not implement
+Every check comes before anything is written (``experiments.hf.checkpoint``,
+``experiments.hf.convert``): the architecture, the config fields this port does not implement
 that the checkpoint uses, each shard's presence and each tensor's name and shape. The job
 directory is written under a temporary name beside OUT and renamed into place at the end, so a
 failed import leaves nothing behind. Shards are read one at a time (host memory: the model's
@@ -34,9 +34,12 @@ import jax
 import jax.numpy as jnp
 
 from configs.hf import ARCHS, imported_experiment
-from experiments import hf_convert, jobdir, setup, steps, tokenizer_copy
-from experiments.checkpoints import Checkpoints
-from experiments.hf_checkpoint import TOKENIZER, HfImportError, Shards, read_config
+from experiments.hf import convert as hf_convert
+from experiments.job import jobdir
+from experiments.train import setup, steps
+from experiments.tokenizer import job_copy as tokenizer_copy
+from experiments.train.checkpoints import Checkpoints
+from experiments.hf.checkpoint import TOKENIZER, HfImportError, Shards, read_config
 
 FPROP_DTYPES = ("float32", "bfloat16")
 # GB of the train state copied from the devices to the host at once while the checkpoint is

@@ -19,7 +19,7 @@ alias ``--fdl.path=value``) are defined by ``fiddle.absl_flags`` and applied wit
 Everything is validated before anything is compiled: a bad name, override path or value stops
 with a message that names it and the close matches.
 
-SIGTERM / SIGINT (``experiments.signals``, from the first line of ``main``): during start-up the
+SIGTERM / SIGINT (``experiments.train.signals``, from the first line of ``main``): during start-up the
 job ends at once; during training it saves after the step in flight, or ends at a second one.
 
 Multi-host: ``--num_processes --process_id --coordinator_address`` go to
@@ -39,10 +39,12 @@ from absl import app, flags, logging
 
 from fiddle import absl_flags as fdl_flags  # defines --fdl_config, --fdl_set, --fiddler, ...
 
-from experiments import errors, info, jobdir, sample_cli, signals
-from experiments.errors import UsageError
-from experiments.overrides import apply_fiddlers, apply_overrides
-from experiments import tokenizer_copy
+from experiments.job import errors, info, jobdir
+from experiments.sample import cli as sample_cli
+from experiments.train import signals
+from experiments.job.errors import UsageError
+from experiments.job.overrides import apply_fiddlers, apply_overrides
+from experiments.tokenizer import job_copy as tokenizer_copy
 
 MODES = ("train", "eval", "sample")
 DEFAULT_EXP = "tiny"
@@ -58,7 +60,7 @@ _JOB_LOG_DIR = flags.DEFINE_string(
 _MODE = flags.DEFINE_enum(
     "mode", "train", MODES, "train: train (resuming if possible); "
     "eval: held-out loss of the newest checkpoint that restores; "
-    "sample: continue --prompt texts with it (experiments.sample_cli's flags).")
+    "sample: continue --prompt texts with it (experiments.sample.cli's flags).")
 _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", 1, "Processes in the job (jax.distributed.initialize num_processes).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index in [0, num_processes).")
@@ -212,7 +214,7 @@ def init_distributed(num_processes: int, process_id: int, coordinator_address) -
 
 
 def main(argv, stop_signals=None) -> int:
-    """The job; ``stop_signals``: the installed ``experiments.signals.StopSignals``."""
+    """The job; ``stop_signals``: the installed ``experiments.train.signals.StopSignals``."""
     if len(argv) > 1:
         raise UsageError(f"unexpected positional arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
@@ -230,7 +232,7 @@ def main(argv, stop_signals=None) -> int:
             jobdir.check_readable(job_log_dir)
         except jobdir.JobDirError as e:
             raise UsageError(str(e)) from e
-    from experiments import loop, setup
+    from experiments.train import loop, setup
 
     setup.resolve_lengths(cfg, recorded)  # the schedule's length: fixed at the first start
     init_distributed(_NUM_PROCESSES.value, _PROCESS_ID.value, _COORDINATOR.value)

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from experiments import setup, steps
+from experiments.train import setup, steps
 
 
 def _per_device_bytes(abstract_state) -> int:

@@ -13,7 +13,7 @@ each key/value head serves G = N / K query heads), H head dim.
 - ``cudnn`` on unpacked rows: ``jax.nn.dot_product_attention(implementation='cudnn',
   is_causal=True)``, cuDNN's fused flash attention. It does NOT read ``atten_mask``: the rows
   must be unpadded and unpacked, so that Praxis's mask is the causal mask (the train and eval
-  steps' batches: ``experiments.steps`` passes no paddings).
+  steps' batches: ``experiments.train.steps`` passes no paddings).
 - ``cudnn`` on packed rows (``packed=True``): cuDNN's packed (THD) layout through
   ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` (the function that
   ``jax.nn.dot_product_attention`` wraps; its public signature does not take segment offsets
@@ -21,7 +21,7 @@ each key/value head serves G = N / K query heads), H head dim.
   attends to the earlier tokens of its own segment only. The segments are read from Praxis's
   mask itself (``segment_starts``): token t starts a segment where it may not attend to token
   t - 1. This equals Praxis's causal segment mask wherever each segment id occupies one
-  contiguous run of the row (``experiments.packing``'s rows: pieces 1, 2, ..., then a padding
+  contiguous run of the row (``experiments.data.packing``'s rows: pieces 1, 2, ..., then a padding
   run of 0s).
 """
 

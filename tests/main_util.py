@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiments.metrics import read_metrics
+from experiments.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # Tiny with a smaller batch (8 x 32 bytes), to stay within the suite's time budget

@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import experiments as exp
-from experiments import jobdir, setup
-from experiments import tokenizer_copy
-from experiments.checkpoints import Checkpoints
-from experiments.steps import make_step_fns
+from experiments.job import jobdir
+from experiments.train import setup
+from experiments.tokenizer import job_copy as tokenizer_copy
+from experiments.train.checkpoints import Checkpoints
+from experiments.train.steps import make_step_fns
 
 
 class TinySmall(exp.Tiny):

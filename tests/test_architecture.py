@@ -11,6 +11,8 @@
 (d) No test, benchmark or experiment uses a private (`_x`) name of moe_praxis.ops.
 (e) Tracing one moe_block calls resolve_backend exactly once (the block resolves; its ops take
     the resolved backend as it is).
+(f) experiments/'s subpackages import down their order (EXPERIMENTS_LAYERS), its import graph
+    has no cycle, and its entry points (main, validate, import_hf) are imported by none of them.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+def _modules(pkg: Path = PKG) -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(pkg.rglob("*.py"))}
 
 
 def _is_package(name: str, modules: dict[str, Path]) -> bool:
@@ -74,9 +76,9 @@ def _top_level_imports(tree: ast.Module):
                     todo += child.body if isinstance(child, ast.ExceptHandler) else [child]
 
 
-def import_graph() -> dict[str, set[str]]:
-    """moe_praxis module -> the moe_praxis modules its top-level imports name."""
-    modules = _modules()
+def import_graph(pkg: Path = PKG) -> dict[str, set[str]]:
+    """Module of ``pkg`` (moe_praxis) -> the modules of ``pkg`` its top-level imports name."""
+    modules = _modules(pkg)
     graph = {}
     for name, path in modules.items():
         edges = set()
@@ -356,3 +358,61 @@ def test_resolve_backend_is_called_once_per_block(kernel_backend, monkeypatch):
         warnings.simplefilter("ignore")  # the float32 grouped GEMM's fallback warning
         jax.eval_shape(jax.grad(loss), params, x)
     assert len(calls) == 1, f"resolve_backend called {len(calls)} times: {calls}"
+
+
+# ------------------------------------------------ (f) experiments/: subpackages that import down
+
+# experiments/'s subpackages, bottom first: each imports only those before it; the entry points
+# (experiments.main, .validate, .import_hf) sit on top of them all.
+EXPERIMENTS_LAYERS = ("tokenizer", "data", "train", "job", "sample", "hf")
+
+
+def _experiments_layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in EXPERIMENTS_LAYERS:
+        return EXPERIMENTS_LAYERS.index(parts[1])
+    return len(EXPERIMENTS_LAYERS)  # experiments itself and its entry modules
+
+
+def test_experiments_subpackages_import_down():
+    """Every import in experiments/ (top-level or not) names a module of its own subpackage or
+    of one below it (an entry point only by another entry point)."""
+    graph = import_graph(ROOT / "experiments")
+    assert find_cycle(graph) is None, f"import cycle in experiments: {find_cycle(graph)}"
+    modules = _modules(ROOT / "experiments")
+    assert {m.split(".")[1] for m in modules if m.count(".") >= 2} == set(EXPERIMENTS_LAYERS)
+    upward = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mod = _absolute(node, name, modules)
+                targets = [
+                    f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names
+                ]
+            else:
+                continue
+            upward += [
+                f"{name} imports {target}" for target in targets
+                if target in modules and _experiments_layer(target) > _experiments_layer(name)
+            ]
+    assert not upward, f"imports up experiments/' layers {EXPERIMENTS_LAYERS}:\n" + "\n".join(
+        upward)
+
+
+def test_experiments_ask_the_layer_for_fp8_weights():
+    """The runner reaches no FP8 internals (moe_praxis.ops.fp8, moe_praxis.praxis.fp8_params):
+    it asks the layer's public entry, moe_praxis.step_fp8_weights."""
+    inside = []
+    for path in sorted((ROOT / "experiments").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else
+                [f"{node.module}.{a.name}"
+                 for a in node.names] if isinstance(node, ast.ImportFrom) and node.module else [])
+            inside += [
+                f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
+                if n.startswith(("moe_praxis.ops.fp8", "moe_praxis.praxis.fp8_params"))
+            ]
+    assert not inside, "experiments/ imports FP8 internals:\n" + "\n".join(inside)

@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from configs import experiments, stack
-from experiments import loop, setup, steps
+from experiments.train import loop, setup, steps
 from experiments import main as main_lib
 from tests.flagutil import parse, reset_flags  # noqa: F401  (reset_flags: autouse)
 

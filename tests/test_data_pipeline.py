@@ -16,10 +16,12 @@ import pytest
 from pydoc_data import topics
 
 from configs import base, experiments
-from experiments import documents, packing, pipeline, setup, token_cache
+from experiments.tokenizer import documents
+from experiments.data import packing, pipeline, token_cache
+from experiments.train import setup
 from experiments import tokenizer as tokenizer_lib
-from experiments.train_tokenizer import train_tokenizer
-from experiments import tokenizer_copy
+from experiments.tokenizer.train import train_tokenizer
+from experiments.tokenizer import job_copy as tokenizer_copy
 
 # ------------------------------------------------------------------------------ fixtures
 

@@ -17,9 +17,10 @@ from praxis import base_layer, pax_fiddle, py_utils
 from pydoc_data import topics
 
 from configs import models
-from experiments import documents, packing
-from experiments.train_tokenizer import train_tokenizer
-from experiments.steps import _model_inputs, _segments
+from experiments.tokenizer import documents
+from experiments.data import packing
+from experiments.tokenizer.train import train_tokenizer
+from experiments.train.steps import _model_inputs, _segments
 from tests.main_util import ROOT, SMALL, main_env, records, run_main
 
 
@@ -161,7 +162,8 @@ def _free_port() -> int:
 # experiments.main with every read of a training batch's rows logged to $ROWS_LOG
 SPY_ROWS = r"""
 import json, os
-from experiments import main, pipeline
+from experiments import main
+from experiments.data import pipeline
 read = pipeline.TokenDataset.train_batch
 def train_batch(self, step, rows=None):
     with open(os.environ["ROWS_LOG"], "a") as f:

@@ -13,7 +13,7 @@ from fiddle.experimental import serialization
 
 from configs import base, experiments, registry
 from experiments import main as main_lib
-from experiments import setup
+from experiments.train import setup
 from tests.flagutil import parse, reset_flags  # noqa: F401  (reset_flags: autouse)
 
 # ------------------------------------------------------------------------------ registry
@@ -35,6 +35,21 @@ def test_registry_names_are_the_fdl_config_names():
     for cls in registry.all_experiments().values():
         name = registry.short_name(cls)
         assert getattr(sys.modules[cls.__module__], name)().name == name
+    # and nothing else of the module is one (the registry's own helpers are not)
+    for module in registry.EXPERIMENT_MODULES:
+        want = sorted(
+            registry.short_name(c) for c in registry.all_experiments().values()
+            if c.__module__ == module)
+        assert registry.config_functions(sys.modules[module]) == want, module
+    assert "register" not in registry.builtin_config_functions()
+
+
+def test_a_config_function_may_not_replace_a_name_of_its_module():
+    """define_config_functions refuses to overwrite what a module binds under an experiment's
+    name (a hand-written function of that name would silently stop being the entry point)."""
+    namespace = {"__name__": experiments.__name__, "tiny": lambda: None}
+    with pytest.raises(ValueError, match="configs.experiments.tiny is already defined"):
+        registry.define_config_functions(namespace)
 
 
 # One rule for what users type: case, '_' and '-' do not count.

@@ -10,7 +10,7 @@ import pytest
 
 from configs import base
 from experiments import data as data_lib
-from experiments import metrics
+from experiments.train import metrics
 
 # --------------------------------------------------------------------------------- data
 

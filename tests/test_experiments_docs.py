@@ -35,10 +35,10 @@ def test_docs_list_every_flag_of_main():
 
 
 def test_docs_list_every_sample_flag_with_its_default():
-    """--mode=sample's flags (every flag experiments.sample_cli defines) and nothing else in
+    """--mode=sample's flags (every flag experiments.sample.cli defines) and nothing else in
     the table of "Generating text"."""
     doc = _doc()
-    names = [f.name for f in flags.FLAGS.get_flags_for_module("experiments.sample_cli")]
+    names = [f.name for f in flags.FLAGS.get_flags_for_module("experiments.sample.cli")]
     assert {"prompt", "max_new_tokens", "temperature", "output_json"} <= set(names)
     for name in names:
         _check_row(doc, name)
@@ -87,3 +87,10 @@ def test_docs_list_every_knob():
         re.findall(r"\b[A-Z][A-Z0-9_]+\b",
                    doc.split("Knobs (class attributes")[1].split("The model (")[0]))
     assert listed == set(knobs), (set(knobs) - listed, listed - set(knobs))
+
+
+def test_docs_list_the_fdl_config_functions():
+    """The --fdl_config row names the functions of configs/experiments.py, every one."""
+    row = next(line for line in _doc().splitlines() if line.startswith("| `--fdl_config=NAME`"))
+    listed = re.findall(r"`(\w+)`", row.split("(", 1)[1].split(":", 1)[0])
+    assert sorted(listed) == registry.config_functions(experiments), row

@@ -24,7 +24,7 @@ from tensorboardX.proto import event_pb2
 
 from configs import experiments, meshes
 from experiments import data as data_lib
-from experiments import setup, steps
+from experiments.train import setup, steps
 
 from tests.main_util import ROOT, SMALL, main_env, records, run_main
 

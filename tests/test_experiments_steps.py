@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from configs import base, experiments, models
-from experiments import setup, steps
+from experiments.train import setup, steps
 from moe_praxis.praxis import compat
 from moe_praxis.praxis.stack import DenseFirstRepeated
 

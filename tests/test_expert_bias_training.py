@@ -18,9 +18,9 @@ import numpy as np
 
 import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
 from configs import experiments
-from experiments import setup, steps
-from experiments.checkpoints import Checkpoints
-from experiments.metrics import layer_scalars
+from experiments.train import setup, steps
+from experiments.train.checkpoints import Checkpoints
+from experiments.train.metrics import layer_scalars
 
 RATE = 0.05
 STEPS_ON, STEPS_OFF = 40, 5
@@ -89,7 +89,7 @@ def test_expert_bias_update_balances_a_skewed_router_and_survives_checkpoints(tm
     steps_moved = np.abs(np.diff(np.concatenate([[np.r_[1.0, np.zeros(7)]], bias]), axis=0))
     assert np.all(np.isclose(steps_moved, 0.0) | np.isclose(steps_moved, RATE)), steps_moved
     assert bias[-1][0] < 1.0 - 5 * RATE  # expert 0's bias came down
-    # save / restore through experiments.checkpoints keeps the bias bitwise
+    # save / restore through experiments.train.checkpoints keeps the bias bitwise
     np.testing.assert_array_equal(restored, bias[-1])
     np.testing.assert_array_equal(after_restore, after_state)
     assert np.any(after_state != bias[-1])  # that step updated the bias too

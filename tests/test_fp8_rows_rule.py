@@ -17,9 +17,10 @@ from jax.sharding import Mesh
 
 import moe_praxis as mp
 from configs import experiments
-from experiments import setup, steps
+from experiments.train import setup, steps
 from moe_praxis import expert_weights, ops
 from moe_praxis.ops.fp8 import recipe as fp8, rule as fp8_rule, weights as fp8_weights
+from moe_praxis.praxis import fp8_params
 from tests.testutil import rel_err
 from tests.testutil import seed as _seed
 
@@ -143,7 +144,8 @@ def _traced_train_step(monkeypatch, preset):
 def test_the_train_step_makes_no_form_where_it_would_not_pay(monkeypatch):
     """Tiny with 'auto' (64 tokens a step: a few rows per expert): the traced train step makes
     no FP8 form and no layer quantizes (the bf16 layers run); with 'all' (TinyFp8) the step makes
-    the form of every expert weight once. steps.fp8_form_pays is the rule on the step's rows
+    the form of every expert weight once. fp8_params.form_pays (what moe_praxis.step_fp8_weights
+    asks) is the rule on the step's rows
     per local expert: the layer's tokens * top_k / experts, at and one token-row below 2048."""
     prep, made, inside = _traced_train_step(monkeypatch, _TinyAuto)
     assert (made, inside) == (0, 0)
@@ -156,8 +158,8 @@ def test_the_train_step_makes_no_form_where_it_would_not_pay(monkeypatch):
     layer = steps.fp8_layers(prep.model_config)[2]
     e, k = layer.num_experts, layer.num_experts_per_token
     at = fp8_rule.FORM_MIN_ROWS * e // k
-    assert steps.fp8_form_pays(layer, prep.mesh, at)
-    assert not steps.fp8_form_pays(layer, prep.mesh, at - e // k)
+    assert fp8_params.form_pays(layer, prep.mesh, at)
+    assert not fp8_params.form_pays(layer, prep.mesh, at - e // k)
 
 
 def test_the_docs_state_the_threshold_the_code_reads():

@@ -1,5 +1,5 @@
 """The train step's FP8 expert weights made once per step (moe_praxis.praxis.fp8_params,
-experiments.steps): through MoEFeedForward (a Praxis TransformerLm of TinyFp8's layers, plain
+experiments.train.steps): through MoEFeedForward (a Praxis TransformerLm of TinyFp8's layers, plain
 and repeated), bitwise the loss and gradients of each layer quantizing its own weights, and
 the weights quantized once per step, never inside the layers."""
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
 from configs import experiments
-from experiments import steps
+from experiments.train import steps
 from moe_praxis.ops.fp8 import recipe as fp8, weights as fp8_weights
 from moe_praxis.praxis import fp8_params
 from praxis import base_layer, pax_fiddle, py_utils

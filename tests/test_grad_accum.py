@@ -1,4 +1,4 @@
-"""train.grad_accum_steps (experiments.microbatch): n micro-batches per optimizer step give the
+"""train.grad_accum_steps (experiments.train.microbatch): n micro-batches per optimizer step give the
 step of one pass over the whole batch (loss, gradients, the expert-bias update, the expert
 load) to float32 rounding, with no row moving between devices; a run stopped by SIGTERM at a
 step boundary and resumed is bitwise the uninterrupted run; the FP8 expert weights are made
@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from configs import base, experiments
-from experiments import jobdir, loop, microbatch, setup, steps
-from experiments.metrics import read_metrics
+from experiments.job import jobdir
+from experiments.train import loop, microbatch, setup, steps
+from experiments.train.metrics import read_metrics
 from moe_praxis import update_expert_bias
 from moe_praxis.ops.fp8 import recipe as fp8, weights as fp8_weights
 from tests.testutil import rel_err

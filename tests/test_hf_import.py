@@ -26,7 +26,7 @@ from praxis import base_layer, pax_fiddle  # noqa: E402
 
 from configs import stack  # noqa: E402
 from experiments import import_hf, sample  # noqa: E402
-from experiments.hf_checkpoint import HfImportError  # noqa: E402
+from experiments.hf.checkpoint import HfImportError  # noqa: E402
 from moe_praxis import routing  # noqa: E402
 from moe_praxis.praxis import fields  # noqa: E402
 

@@ -9,7 +9,8 @@ import pytest
 from fiddle.experimental import serialization
 
 from configs import experiments
-from experiments import jobdir, loop, setup, steps
+from experiments.job import jobdir
+from experiments.train import loop, setup, steps
 from experiments import main as main_lib
 from tests.flagutil import parse, reset_flags  # noqa: F401  (reset_flags: autouse)
 

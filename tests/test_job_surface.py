@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from configs import experiments, registry
-from experiments import loop, main, metrics, setup, signals
+from experiments.train import loop, metrics, setup, signals
+from experiments import main
 from tests.flagutil import parse as _parse
 from tests.flagutil import reset_flags  # noqa: F401  (autouse)
 
@@ -42,7 +43,7 @@ def _env(devices: int = 1) -> dict:
 
 _SIGNAL_SCRIPT = """
     import os, signal, sys, time
-    from experiments.signals import StopSignals
+    from experiments.train.signals import StopSignals
     with StopSignals() as s:
         if sys.argv[1] == "startup":
             print("READY", flush=True)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from configs import base
-from experiments import setup
-from experiments.checkpoints import DAMAGED_DIR, Checkpoints, NonFiniteState
+from experiments.train import setup
+from experiments.train.checkpoints import DAMAGED_DIR, Checkpoints, NonFiniteState
 from tests.main_util import SMALL, records, run_main
 
 # A learning rate this large turns the parameters into ~1e30 after step 1; step 2's loss and
@@ -337,7 +337,7 @@ def test_failed_read_tasks_of_orbax_are_dropped_and_others_kept():
     the same report from other code, and other asyncio records, get through."""
     import logging
 
-    from experiments import checkpoints as ckpt
+    from experiments.train import checkpoints as ckpt
 
     def exc_from(filename):
         ns = {}

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from praxis import base_layer
 
-from experiments import decoding, sample
+from experiments.sample import decoding
+from experiments import sample
 from tests import sample_util, testutil
 
 NEW = 32
@@ -159,7 +160,7 @@ def test_dropless_whatever_the_training_capacity(jobs):
 
 
 def restricted(z, temperature, top_k, top_p):
-    """The documented distribution (experiments.sampling), one row at a time, by a loop:
+    """The documented distribution (experiments.sample.sampling), one row at a time, by a loop:
     log q [V] for logits z [V]."""
     x = log_softmax(z.astype(np.float64) / temperature)
     order = np.argsort(-x, kind="stable")[:top_k or len(z)]

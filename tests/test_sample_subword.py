@@ -23,8 +23,8 @@ import pytest
 
 from experiments import main as main_lib
 from experiments import sample
-from experiments.train_tokenizer import train_tokenizer
-from experiments import tokenizer_copy
+from experiments.tokenizer.train import train_tokenizer
+from experiments.tokenizer import job_copy as tokenizer_copy
 from tests import sample_util, testutil
 from tests.flagutil import parse, reset_flags  # noqa: F401  (autouse fixture)
 

@@ -1,4 +1,4 @@
-"""`python -m experiments.train_tokenizer`: lossless SentencePiece models trained on whole
+"""`python -m experiments.tokenizer`: lossless SentencePiece models trained on whole
 documents (newlines, tabs and runs of spaces kept), the chunks its trainer reads, the warning
 for a loaded SentencePiece model that drops whitespace, and the command line (progress, what it
 read, sampling of large corpora, bad input as one line)."""
@@ -7,6 +7,9 @@ import io
 import json
 import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 from pydoc_data import topics
 
 import numpy as np
@@ -14,7 +17,7 @@ import pytest
 import sentencepiece as spm
 
 from experiments import tokenizer as tokenizer_lib
-from experiments import train_tokenizer as train_lib
+from experiments.tokenizer import train as train_lib
 
 
 def _code_like(rng: random.Random, n: int) -> list[str]:
@@ -133,7 +136,31 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, me
         argv += ["--vocab_size", "300"]
     assert train_lib.main(argv + args + ["--no_progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("experiments.train_tokenizer: error: "), err
+    assert err[-1].startswith("experiments.tokenizer: error: "), err
     assert re.search(message, err[-1]), err
     assert len(err) == 1 or "Vocabulary" in message  # (after the line saying training began)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+def test_python_m_experiments_tokenizer_trains_one(tmp_path):
+    """The documented command, ``python -m experiments.tokenizer``, runs train.main: a BPE
+    tokenizer trained on fresh random text, written to --out, lossless on that text."""
+    rng = random.Random()
+    words = ["".join(rng.choice("abcdefgh ") for _ in range(rng.randint(1, 9))) for _ in range(400)]
+    text = " ".join(words) + "\n\tend"
+    (tmp_path / "doc.txt").write_text(text)
+    out = tmp_path / "bpe.tokenizer.json"
+    p = subprocess.run([
+        sys.executable, "-m", "experiments.tokenizer", "--data",
+        str(tmp_path / "doc.txt"), "--vocab_size", "300", "--kind", "bpe", "--out",
+        str(out), "--no_progress"
+    ],
+                       capture_output=True,
+                       text=True,
+                       cwd=Path(__file__).resolve().parents[1],
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    tok = tokenizer_lib.load_tokenizer(str(out))
+    assert result["kind"] == "bpe" and result["sha256"] == tok.sha256 and result["files"] == 1
+    assert tok.decode(tok.encode(text)) == text

@@ -1,7 +1,8 @@
 """The FP8 form of a model's expert weights, made once per optimizer step.
 
-A train step calls `fp8_weights_tree(params, dtype)` once, outside its forward and backward (and
-outside any loop over micro-batches), and passes `merge(params, tree)` to the model's apply:
+A train step asks `step_fp8_weights(params, layer, mesh, tokens_per_step, dtype)` (the one entry,
+`moe_praxis.step_fp8_weights`) once, outside its forward and backward (and outside any loop over
+micro-batches), and passes its `merged(params)` to the model's apply:
 every MoEFeedForward with fp8 set finds its weights' FP8 form as the undeclared params entry
 'fp8_weights' and quantizes no weight itself. Gradients are taken w.r.t. `params` alone; they
 reach the master weights as when each layer quantizes inside (bitwise the same step).
@@ -13,6 +14,8 @@ before the layer sees them, so the form is made from the same values.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 
@@ -80,3 +83,33 @@ def transposed_for(kernel_backend: str) -> bool:
     """Whether the form needs W^T too: where kernel_backend resolves to the FP8 kernels (their
     forward reads it)."""
     return recipe.resolve(kernel_backend) == "cuda"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFp8Weights:
+    """The FP8 form of a model's MoE expert weights for one optimizer step (step_fp8_weights).
+
+    pays: whether the form is made (form_pays at the step's tokens); where it is not, every
+      layer runs as bf16 and ``merged`` returns the params as they are.
+    tree: the form (fp8_weights_tree), None where it does not pay.
+    """
+
+    pays: bool
+    tree: dict | None = None
+
+    def merged(self, params) -> dict:
+        """``params`` with the form beside each MoE layer's weights, to pass to the model's
+        apply inside the loss (gradients are taken w.r.t. ``params`` alone)."""
+        return merge(params, self.tree) if self.tree else params
+
+
+def step_fp8_weights(params, layer, mesh, tokens_per_step: int, dtype) -> StepFp8Weights:
+    """What a train step asks the layer once per optimizer step, outside its forward, backward
+    and micro-batch loop: whether the FP8 form of the expert weights pays at ``tokens_per_step``
+    (form_pays; `layer`: an MoEFeedForward config with fp8 set, its ``kernel_backend`` deciding
+    whether W^T is made too) and, where it does, the form of every MoE layer's weights in
+    ``params`` cast to ``dtype`` (the layers' fprop_dtype) and quantized once."""
+    if not form_pays(layer, mesh, tokens_per_step):
+        return StepFp8Weights(pays=False)
+    transposed = transposed_for(layer.kernel_backend)
+    return StepFp8Weights(pays=True, tree=fp8_weights_tree(params, dtype, transposed=transposed))

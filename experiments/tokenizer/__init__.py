@@ -12,10 +12,11 @@ input; for a SentencePiece model and a byte-level BPE ``tokenizer.json`` (GPT-2,
 Qwen, DeepSeek) it asks the library for ids only and reads each token's bytes from a table of
 the vocabulary (``_table_batch``; the offsets only for a document whose bytes do not add up).
 
-A job directory keeps the copy it trained with (``experiments.tokenizer_copy``: the file and
-its hash); ``tokenizer_copy.job_tokenizer(job_log_dir)`` loads it.
+A job directory keeps the copy it trained with (``experiments.tokenizer.job_copy``: the file and
+its hash); ``job_copy.job_tokenizer(job_log_dir)`` loads it.
 
-Training one on the documents a run reads: ``experiments.train_tokenizer``. A SentencePiece
+Training one on the documents a run reads: ``python -m experiments.tokenizer``
+(``experiments.tokenizer.train``). A SentencePiece
 model that does not round-trip text (``dropped_by``: newlines, tabs, runs of spaces, as
 SentencePiece's default normalization drops them) is loaded with a one-line warning naming
 what it drops.
@@ -192,7 +193,7 @@ class SentencePieceTokenizer(Tokenizer):
                 f"experiments.tokenizer: warning: the SentencePiece model {path} does not "
                 f"round-trip text: decode(encode(text)) drops or changes {', '.join(dropped)}, "
                 "so a model trained with it cannot write them; `python -m "
-                "experiments.train_tokenizer --kind sentencepiece` trains one that keeps them",
+                "experiments.tokenizer --kind sentencepiece` trains one that keeps them",
                 file=sys.stderr,
                 flush=True)
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from experiments import documents
+from experiments.tokenizer import documents
 from experiments.tokenizer import EncodedBatch, Tokenizer
 
 FORMAT = 2  # bump when the layout changes

@@ -9,8 +9,8 @@ positions counted from each prompt's first token), in a buffer of the model's co
 whatever the prompt lengths and the number of new tokens. ``use_cache=False`` recomputes the
 whole buffer for every token (the reference). The batch is split over the mesh's token axes
 (padded with copies of the first row to a multiple of their size). The next token:
-``experiments.sampling``, from the logits of the tokenizer's ids only: a model vocabulary
-rounded up past the tokenizer's (``experiments.setup``) has ids that are no token, never drawn.
+``experiments.sample.sampling``, from the logits of the tokenizer's ids only: a model vocabulary
+rounded up past the tokenizer's (``experiments.train.setup``) has ids that are no token, never drawn.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import moe_praxis  # noqa: F401  (Praxis shims before praxis is imported)
 from praxis import base_layer
 
 from configs import models
-from experiments import sampling, setup
-from experiments.sampling import check_prompts, check_settings, SampleError
+from experiments.sample import sampling
+from experiments.train import setup
+from experiments.sample.sampling import check_prompts, check_settings, SampleError
 
 P = jax.sharding.PartitionSpec
 CACHE, SUMMARIES = base_layer.DECODE_CACHE, base_layer.SUMMARIES
@@ -49,7 +50,7 @@ class Samples:
     """What ``Sampler.sample`` returns. Row r = prompt r // num_samples, sample r % num_samples.
 
     tokens / log_probs: per row, the generated ids (up to and including an EOS when
-      stop_at_eos) and each one's log-probability (``experiments.sampling``).
+      stop_at_eos) and each one's log-probability (``experiments.sample.sampling``).
     dropped: the MoE layers' fractions of dropped token copies, summed over the layers, the
       prefill and the decode steps (0: nothing dropped; dropless decoding keeps it 0).
     logits: [rows, steps, V] float32, the logits each token was chosen from (when asked for;

@@ -1,5 +1,5 @@
 """Language-modelling data with a deterministic order: the byte-level pydoc and synthetic
-sources here; the documents of ``data.path`` through a tokenizer in ``experiments.pipeline``.
+sources here; the documents of ``data.path`` through a tokenizer in ``experiments.data.pipeline``.
 
 A corpus is one uint8 array split into a train part (the head) and a held-out part (the tail,
 ``heldout_fraction`` of it). The batch of training step ``s`` is ``B`` windows of ``S+1`` bytes
@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from configs.base import DataConfig
-from experiments import pipeline
+from experiments.data import pipeline
 
 VOCAB_SIZE = 256  # byte values
 
@@ -97,7 +97,7 @@ class ByteDataset:
 
 def load_dataset(config: DataConfig, tok=None, *, progress: bool = False):
     """Reads the corpus and splits it: the byte-level pydoc or synthetic source (a
-    ``ByteDataset``), or the documents of ``data.path`` tokenized (``experiments.pipeline``'s
+    ``ByteDataset``), or the documents of ``data.path`` tokenized (``experiments.data.pipeline``'s
     ``TokenDataset``). Raises ValueError if either part is shorter than one example."""
     if config.resolved_source == "text":
         return pipeline.load_token_dataset(config, tok, progress=progress)

@@ -2,7 +2,7 @@
 
 ``prepare(cfg)`` validates everything that can be validated without compiling (sub-config
 fields, model vs data vs mesh) and returns a ``Prepared`` experiment: the built
-``ExperimentConfig``, the device mesh and the sharded model. ``experiments.loop.Trainer`` runs
+``ExperimentConfig``, the device mesh and the sharded model. ``experiments.train.loop.Trainer`` runs
 it.
 """
 
@@ -23,9 +23,9 @@ from praxis import pax_fiddle
 
 from configs import base, models, sharding, stack
 from experiments import data as data_lib
-from experiments import microbatch
+from experiments.train import microbatch
 from experiments import tokenizer as tokenizer_lib
-from experiments import tokenizer_copy
+from experiments.tokenizer import job_copy as tokenizer_copy
 
 
 class ConfigError(ValueError):

@@ -1,7 +1,7 @@
 """Orbax checkpoints of the whole train state {step, params, opt_state, non_trainable}.
 
 Every process writes its own shards; a restore reads them back with the state's shardings (the
-abstract state of ``experiments.steps.StepFns``), so a resumed run continues bitwise where it
+abstract state of ``experiments.train.steps.StepFns``), so a resumed run continues bitwise where it
 stopped.
 
 - A state holding a NaN or an infinity is never written: ``save`` raises ``NonFiniteState``.
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from experiments.setup import ConfigError
+from experiments.train.setup import ConfigError
 
 DAMAGED_DIR = "checkpoints_damaged"
 

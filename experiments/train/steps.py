@@ -24,14 +24,12 @@ import jax.numpy as jnp
 import optax
 
 import moe_praxis  # Praxis shims before praxis is imported
-from moe_praxis.praxis import fp8_params
-from moe_praxis.praxis.fp8_params import form_pays as fp8_form_pays
 from praxis import base_layer, py_utils
 
 from configs import base, models, stack
-from experiments import microbatch
-from experiments.metrics import expert_load, max_mean_load, moe_scalars
-from experiments.setup import Prepared
+from experiments.train import microbatch
+from experiments.train.metrics import expert_load, max_mean_load, moe_scalars
+from experiments.train.setup import Prepared
 
 P = jax.sharding.PartitionSpec
 NestedMap = py_utils.NestedMap
@@ -48,8 +46,8 @@ def _model_inputs(batch):
 
 def fp8_layers(model_config):
     """(fprop dtype, kernel backend, layer config) of the model's MoE layers with fp8 set, or
-    None when none has: the train step then makes their weights' FP8 form once
-    (moe_praxis.praxis.fp8_params), where it pays (fp8_form_pays). The layer config is the
+    None when none has: the train step then asks for their weights' FP8 form once
+    (moe_praxis.step_fp8_weights), made where it pays. The layer config is the
     first FP8 layer's as the stack makes it (num_experts set)."""
     found = [c for _, c in stack.moe_layer_configs(model_config) if c.fp8]
     if not found:
@@ -180,18 +178,16 @@ def make_step_fns(prep: Prepared) -> StepFns:
         few rows per expert in the step for it to pay)."""
         if fp8_moe is None:
             return None
-        dtype, backend, layer = fp8_moe
-        if not fp8_form_pays(layer, mesh, math.prod(batch["ids"].shape)):
-            return None
-        return fp8_params.fp8_weights_tree(params,
-                                           dtype,
-                                           transposed=fp8_params.transposed_for(backend))
+        dtype, _, layer = fp8_moe
+        form = moe_praxis.step_fp8_weights(params, layer, mesh, math.prod(batch["ids"].shape),
+                                           dtype)
+        return form if form.pays else None
 
     def loss_fn(params, non_trainable, batch, key, do_eval, fp8_tree=None):
         ids, paddings, labels = _model_inputs(batch)
         ctx = base_layer.JaxContext.HParams(do_eval=do_eval)
         if fp8_tree:
-            params = fp8_params.merge(params, fp8_tree)
+            params = fp8_tree.merged(params)
         with base_layer.JaxContext.new_context(hparams=ctx):
             out, updated = model.apply({
                 base_layer.PARAMS: params,
@@ -222,7 +218,7 @@ def make_step_fns(prep: Prepared) -> StepFns:
         return grads, losses, nt, updated.get(base_layer.SUMMARIES, {})
 
     def micro_steps(state, batch, key, fp8_tree):
-        """whole_step's results over ``n_micro`` micro-batches (experiments.microbatch), each
+        """whole_step's results over ``n_micro`` micro-batches (experiments.train.microbatch), each
         seeing the step's state and FP8 weights. The cross-entropy is summed with the whole
         step's weights (a mean over its tokens, not a mean of micro-batch means); the rest of
         total_loss (the aux losses), the summaries and the metrics are means over the

@@ -32,7 +32,7 @@ import fiddle as fdl
 from fiddle.experimental import serialization
 
 import moe_praxis  # noqa: F401  (Praxis's shims, before a record's references import praxis)
-from experiments import setup
+from experiments.train import setup
 from experiments import tokenizer as tokenizer_lib
 
 CONFIG_FILE = "config.json"
@@ -112,7 +112,7 @@ def _diff(a, b, path: str, out: list) -> None:
 
 def _vocab_from_tokenizer(cfg):
     """The model vocabulary the job takes from its tokenizer when model.vocab_size is None
-    (experiments.setup), or _MISSING when the tokenizer does not load."""
+    (experiments.train.setup), or _MISSING when the tokenizer does not load."""
     try:
         n = tokenizer_lib.load_tokenizer(cfg.data.tokenizer).vocab_size
     except (ValueError, OSError):

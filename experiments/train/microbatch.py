@@ -9,7 +9,7 @@ axes), E experts, R stacked (scanned) layers.
   over the devices as the batch is and no row moves between devices.
 - ``accumulate``: ``jax.lax.scan`` over the micro-batches, summing float32 gradients and the
   micro-batches' sums; the caller's objective is built so that these sums are the whole
-  step's (``experiments.steps``: the cross-entropy summed with the step's total weight).
+  step's (``experiments.train.steps``: the cross-entropy summed with the step's total weight).
 - The expert bias (DeepSeek-V3's auxiliary-loss-free balancing) moves once per step, from
   the token counts of the whole step: ``expert_counts`` reads each micro-batch's counts back
   from the MoE layers' ``moe_expert_load_{e}`` and ``moe_routed_copies`` summaries (count =

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from absl import flags
 
-from experiments.errors import SampleError
+from experiments import sample
+from experiments.job.errors import SampleError
 
 
 def _define(define, name: str, default, help_: str):
@@ -76,8 +77,6 @@ def _prompts() -> list[str]:
 def run(job_log_dir, *, progress: bool) -> int:
     """Samples from ``job_log_dir`` as the flags say. Raises experiments.sample.SampleError
     (one line) for a bad flag or job directory."""
-    from experiments import sample
-
     given = [
         f"--{k}" for k in ("exp", "fdl_config", "fdl_config_file", "fdl_set", "fiddler")
         if flags.FLAGS[k].value

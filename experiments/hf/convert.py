@@ -40,7 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from configs.hf import HfModel
-from experiments.hf_checkpoint import INDEX, HfImportError, Shards
+from experiments.hf.checkpoint import INDEX, HfImportError, Shards
 
 # Buffers some checkpoints hold that the model derives (the rotary frequencies from rope_theta).
 DERIVED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")

@@ -1,7 +1,7 @@
 """The tokenized dataset and the grain pipeline that feeds the training loop.
 
-``load_token_dataset(config)`` reads the documents of ``data.path`` (``experiments.documents``),
-tokenizes them once into the cache (``experiments.token_cache``) and splits the token stream:
+``load_token_dataset(config)`` reads the documents of ``data.path`` (``experiments.tokenizer.documents``),
+tokenizes them once into the cache (``experiments.data.token_cache``) and splits the token stream:
 the head for training, the tail (``heldout_fraction`` of the tokens) held out; a document the cut
 falls in is split there.
 
@@ -29,7 +29,8 @@ import jax
 import numpy as np
 
 from configs.base import DataConfig
-from experiments import documents, packing, token_cache
+from experiments.tokenizer import documents
+from experiments.data import packing, token_cache
 from experiments.tokenizer import Tokenizer, load_tokenizer
 
 HOST_ONLY = ("label_bytes", )  # batch fields the host keeps (bits per byte)

@@ -1,8 +1,8 @@
-r"""Training a tokenizer on the documents a run reads (``experiments.documents``):
+r"""Training a tokenizer on the documents a run reads (``experiments.tokenizer.documents``):
 
-  python -m experiments.train_tokenizer --data corpus/ --vocab_size 8000 --kind bpe \
+  python -m experiments.tokenizer --data corpus/ --vocab_size 8000 --kind bpe \
       --out corpus.tokenizer.json
-  python -m experiments.train_tokenizer --data corpus/ --vocab_size 8000 --kind sentencepiece \
+  python -m experiments.tokenizer --data corpus/ --vocab_size 8000 --kind sentencepiece \
       --out corpus.model
 
 Both kinds are lossless: ``decode(encode(text)) == text`` for every document.
@@ -35,7 +35,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
-from experiments import documents
+from experiments.tokenizer import documents
 from experiments.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 KINDS = ("sentencepiece", "bpe")
@@ -160,7 +160,7 @@ class _Reading:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.train_tokenizer",
+    ap = argparse.ArgumentParser(prog="python -m experiments.tokenizer",
                                  description="Train a tokenizer on the documents of --data.")
     ap.add_argument("--data", required=True, help="a file, directory or glob (as data.path)")
     ap.add_argument("--vocab_size", type=int, required=True)
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
         files, _ = documents.find_files(args.data)
         reading = _Reading(files, args.text_field, not args.no_progress)
         print(
-            f"experiments.train_tokenizer: training a {args.kind} tokenizer of "
+            f"experiments.tokenizer: training a {args.kind} tokenizer of "
             f"{args.vocab_size} ids on the documents of {len(files)} files",
             file=sys.stderr,
             flush=True)
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
                               input_sentence_size=args.input_sentence_size,
                               progress=not args.no_progress)
     except (TokenizerError, documents.DocumentError) as e:
-        print(f"experiments.train_tokenizer: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"experiments.tokenizer: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(
         json.dumps({

@@ -6,7 +6,7 @@ A folder holds ``config.json``, the weights as ``model.safetensors`` or as shard
 ``tokenizer.json``. Everything that can be checked before reading a tensor is: the
 architecture and every config field this port does not implement that the checkpoint uses
 (``read_config``), and every shard's header (``Shards``: names, shapes, dtypes) against the
-tensors the model needs (``experiments.hf_convert``). Each problem is an ``HfImportError`` of
+tensors the model needs (``experiments.hf.convert``). Each problem is an ``HfImportError`` of
 one line naming the file and the value.
 
 Tensors are read with ``safetensors.safe_open(..., framework='numpy')`` (bfloat16 through

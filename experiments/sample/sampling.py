@@ -21,7 +21,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from experiments.errors import SampleError
+from experiments.job.errors import SampleError
 
 
 def check_settings(*, max_new_tokens, temperature, top_k, top_p, num_samples) -> None:

@@ -1,14 +1,14 @@
 """The training loop: ``Trainer(prepared, job_log_dir).run()``.
 
 - initialises (or restores, from the newest orbax checkpoint in ``job_log_dir/checkpoints``
-  that restores: ``experiments.checkpoints``) the state with explicit shardings
-  (``experiments.steps``);
+  that restores: ``experiments.train.checkpoints``) the state with explicit shardings
+  (``experiments.train.steps``);
 - runs the jitted train steps, every ``eval_every`` steps the held-out loss and perplexity;
 - writes ``metrics.jsonl`` and TensorBoard events (per MoE layer l, ``max_mean_load_layer_l``:
   max / mean of its expert load), checkpoints every ``checkpoint_every`` steps, at the end and
-  on SIGTERM/SIGINT once training has begun (``experiments.signals``: before that, or at a
+  on SIGTERM/SIGINT once training has begun (``experiments.train.signals``: before that, or at a
   second signal, the process ends at once), and draws ``summary.png`` (loss curves and the
-  expert-load heatmap, layers x experts) when it finishes (``experiments.metrics``);
+  expert-load heatmap, layers x experts) when it finishes (``experiments.train.metrics``);
 - stops without saving at a step whose loss or gradient norm is not finite
   (``train.on_nonfinite='stop'``), or counts it as skipped and stops after more than
   ``train.max_skipped_steps`` of them in a row (``'skip'``; the step left the state as it was).
@@ -27,12 +27,12 @@ import jax
 import numpy as np
 
 from experiments import data as data_lib
-from experiments.checkpoints import Checkpoints, NonFiniteState
-from experiments.metrics import MetricsWriter, layer_scalars, plot_summary
-from experiments.pipeline import bits_per_byte, train_batches
-from experiments.setup import Prepared
-from experiments.signals import StopSignals
-from experiments.steps import make_step_fns, put_batch
+from experiments.train.checkpoints import Checkpoints, NonFiniteState
+from experiments.train.metrics import MetricsWriter, layer_scalars, plot_summary
+from experiments.data.pipeline import bits_per_byte, train_batches
+from experiments.train.setup import Prepared
+from experiments.train.signals import StopSignals
+from experiments.train.steps import make_step_fns, put_batch
 
 
 class Trainer:

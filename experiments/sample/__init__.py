@@ -1,17 +1,17 @@
 """Generating text from a trained job: restore its newest checkpoint, prefill, decode.
 
 ``generate(job_log_dir, prompts, max_new_tokens=...)`` is the whole thing; ``load_sampler``
-and ``Sampler.sample`` (``experiments.decoding``) are the layer below it (token ids,
+and ``Sampler.sample`` (``experiments.sample.decoding``) are the layer below it (token ids,
 log-probabilities, timings).
 
 - The job's recorded config (``config.json``) and tokenizer are used, and its newest checkpoint
-  that restores (``experiments.checkpoints``), with the shardings of training on the job's
+  that restores (``experiments.train.checkpoints``), with the shardings of training on the job's
   mesh: the batch is split over the token axes (data parallel), the experts stay sharded as
   trained. Sampling writes nothing into the job directory.
 - Every MoE layer is dropless at decode whatever capacity it trained with (``decode_config``):
   the same router, scores, groups, expert bias and shared experts, no capacity and no bound on
   the expert-parallel buffers. The dropped copies are counted anyway (``Samples.dropped``).
-- The next token: ``experiments.sampling`` (greedy, temperature, top-k, top-p).
+- The next token: ``experiments.sample.sampling`` (greedy, temperature, top-k, top-p).
 """
 
 from __future__ import annotations
@@ -29,18 +29,19 @@ from praxis import base_layer
 
 from configs import experiments as exp_configs
 from configs import models
-from experiments import jobdir, setup
+from experiments.job import jobdir
+from experiments.train import setup
 from experiments import tokenizer as tokenizer_lib
-from experiments import tokenizer_copy
-from experiments.checkpoints import Checkpoints
-from experiments.decoding import Sampler, Samples  # noqa: F401  (this module's API)
-from experiments.errors import one_line
-from experiments.sampling import (
+from experiments.tokenizer import job_copy as tokenizer_copy
+from experiments.train.checkpoints import Checkpoints
+from experiments.sample.decoding import Sampler, Samples  # noqa: F401  (this module's API)
+from experiments.job.errors import one_line
+from experiments.sample.sampling import (
     SampleError,
     check_prompts,
     check_settings,  # noqa: F401
     fitting_new_tokens)
-from experiments.steps import make_step_fns
+from experiments.train.steps import make_step_fns
 
 # ------------------------------------------------------------------------------ tokenizer
 
@@ -226,7 +227,7 @@ def generate(job_log_dir,
              use_cache: bool = True) -> list[list[str]]:
     """Continuations of each prompt (a list of ``num_samples`` strings per prompt: the decoded
     ids, EOS left out) by the newest checkpoint of ``job_log_dir``; settings as
-    ``experiments.sampling`` describes (``max_new_tokens`` None: the context minus the longest
+    ``experiments.sample.sampling`` describes (``max_new_tokens`` None: the context minus the longest
     prompt)."""
     settings = dict(max_new_tokens=max_new_tokens,
                     temperature=temperature,

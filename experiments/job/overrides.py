@@ -14,8 +14,8 @@ import fiddle as fdl
 from fiddle._src.absl_flags import utils as fdl_utils
 
 from configs import stack
-from experiments import errors
-from experiments.errors import UsageError
+from experiments.job import errors
+from experiments.job.errors import UsageError
 
 
 def _param_names(node) -> list[str]:
