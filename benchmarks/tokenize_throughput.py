@@ -93,6 +93,7 @@ def measure(kind: str, tok, files, repeats: int, workers) -> dict:
     best["mb_per_cpu_s"] = best["bytes"] / best["cpu_seconds"] / 1e6
     best["kind"] = kind
     best["vocab_size"] = tok.vocab_size
+    best["engine"] = getattr(tok, "engine", kind)  # the library that encodes
     return best
 
 
@@ -120,13 +121,15 @@ def main(argv=None) -> int:
             out = d / ("tokenizer.json" if kind == "bpe" else "sp.model")
             tok = train_tokenizer(texts, kind, args.vocab_size, out)
             rows.append(measure(kind, tok, files, args.repeats, args.workers))
-    print(f"{'tokenizer':<14} {'vocab':>6} {'MB':>7} {'files':>6} {'tokens':>10} {'s':>7} "
-          f"{'cpu s':>7} {'MB/s':>7} {'MB/cpu-s':>9} {'load before/after':>18}")
+    print(
+        f"{'tokenizer':<14} {'engine':<14} {'vocab':>6} {'MB':>7} {'files':>6} {'tokens':>10} {'s':>7} "
+        f"{'cpu s':>7} {'MB/s':>7} {'MB/cpu-s':>9} {'load before/after':>18}")
     for r in rows:
         load = f"{r['load_average_before'][0]:.2f}/{r['load_average_after'][0]:.2f}"
-        print(f"{r['kind']:<14} {r['vocab_size']:>6} {r['bytes'] / 1e6:>7.1f} {r['files']:>6} "
-              f"{r['tokens']:>10} {r['seconds']:>7.2f} {r['cpu_seconds']:>7.2f} "
-              f"{r['mb_per_s']:>7.2f} {r['mb_per_cpu_s']:>9.2f} {load:>18}")
+        print(
+            f"{r['kind']:<14} {r['engine']:<14} {r['vocab_size']:>6} {r['bytes'] / 1e6:>7.1f} {r['files']:>6} "
+            f"{r['tokens']:>10} {r['seconds']:>7.2f} {r['cpu_seconds']:>7.2f} "
+            f"{r['mb_per_s']:>7.2f} {r['mb_per_cpu_s']:>9.2f} {load:>18}")
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
           f"({os.cpu_count()} cpus)")
     if args.out:

@@ -36,6 +36,8 @@ import sentencepiece as spm
 import tokenizers
 from tokenizers import pre_tokenizers
 
+from experiments import bpe_tiktoken
+
 BYTES = "bytes"
 
 
@@ -93,7 +95,9 @@ def _table_batch(texts, ids, table: np.ndarray, offsets_bytes) -> EncodedBatch:
     to its text (an added token matched in the text, a normalizer that changed it) takes its
     bytes from ``offsets_bytes(text)`` (the library's offsets)."""
     lens = np.fromiter(map(len, ids), np.int64, len(ids))
-    ids = np.fromiter(itertools.chain.from_iterable(ids), np.uint32, int(lens.sum()))
+    ids = np.concatenate([np.zeros(0, np.uint32), *ids]).astype(np.uint32, copy=False) \
+        if ids and isinstance(ids[0], np.ndarray) else \
+        np.fromiter(itertools.chain.from_iterable(ids), np.uint32, int(lens.sum()))
     nbytes = table[ids]
     ends = np.cumsum(lens)
     summed = np.concatenate([[0], np.cumsum(nbytes, dtype=np.int64)])
@@ -244,13 +248,26 @@ class HuggingFaceTokenizer(Tokenizer):
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._special(("<s>", "<|begin_of_text|>", "<bos>", "[CLS]"))
         self.eos_id = self._special(("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]"))
-        self.byte_len = self._byte_level_lengths()
+        spec = json.loads(self.tok.to_str())
+        self.byte_len = self._byte_level_lengths(spec)
+        self.tiktoken, why = (None, "not byte-level") if self.byte_len is None else \
+            bpe_tiktoken.tiktoken_encoding(spec, self.tok, path.name)
+        self.engine = "tokenizers" if self.tiktoken is None else "tiktoken"
+        if self.tiktoken is not None:  # every id its bytes, an added token matched in the text too
+            self.tiktoken_len = self.byte_len.copy()
+            for i, token in self.tok.get_added_tokens_decoder().items():
+                self.tiktoken_len[i] = len(token.content.encode("utf-8"))
+        elif str(path) not in _warned:
+            _warned.add(str(path))
+            print(f"experiments.tokenizer: {path} is encoded by tokenizers, not tiktoken: {why}",
+                  file=sys.stderr,
+                  flush=True)
 
-    def _byte_level_lengths(self) -> Optional[np.ndarray]:
-        """[vocab] the bytes each token stands for, where the tokenizer is byte-level (its
-        decoder ByteLevel, every token's characters in the ByteLevel alphabet of 256, one per
-        byte); added tokens 0. None otherwise."""
-        decoder = json.loads(self.tok.to_str()).get("decoder") or {}
+    def _byte_level_lengths(self, spec: dict) -> Optional[np.ndarray]:
+        """[vocab] the bytes each token stands for, where the tokenizer (``spec``, its parsed
+        tokenizer.json) is byte-level (its decoder ByteLevel, every token's characters in the
+        ByteLevel alphabet of 256, one per byte); added tokens 0. None otherwise."""
+        decoder = spec.get("decoder") or {}
         types = [d.get("type") for d in decoder.get("decoders", [decoder])]
         if "ByteLevel" not in types:
             return None
@@ -271,6 +288,8 @@ class HuggingFaceTokenizer(Tokenizer):
         return None
 
     def encode(self, text: str) -> list[int]:
+        if self.tiktoken is not None:
+            return bpe_tiktoken.encode(self.tiktoken, text).tolist()
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def _with_bytes(self, text, enc):
@@ -286,8 +305,15 @@ class HuggingFaceTokenizer(Tokenizer):
         return enc.ids.astype(np.int32), enc.token_bytes.astype(np.int64)
 
     def encode_batch(self, texts):
-        """Byte-level: ids only from the library (no offsets), each token's bytes from
-        ``byte_len`` (``_table_batch``). Otherwise the offsets of every document."""
+        """tiktoken (where it encodes as ``tokenizers`` does, ``experiments.bpe_tiktoken``):
+        its ids, each token's bytes from ``tiktoken_len``. Other byte-level ones: ids only from
+        ``tokenizers`` (no offsets), each token's bytes from ``byte_len`` (``_table_batch``).
+        Otherwise the offsets of every document."""
+        if self.tiktoken is not None:
+            enc = self.tiktoken
+            ids = [bpe_tiktoken.encode(enc, t) for t in texts]
+            return _table_batch(texts, ids, self.tiktoken_len,
+                                lambda t: [len(b) for b in enc.decode_tokens_bytes(self.encode(t))])
         if self.byte_len is None:
             encs = self.tok.encode_batch(texts, add_special_tokens=False)
             return _flat([self._with_bytes(t, e) for t, e in zip(texts, encs)])
