@@ -93,7 +93,7 @@ def measure(kind: str, tok, files, repeats: int, workers) -> dict:
     best["mb_per_cpu_s"] = best["bytes"] / best["cpu_seconds"] / 1e6
     best["kind"] = kind
     best["vocab_size"] = tok.vocab_size
-    best["engine"] = getattr(tok, "engine", kind)  # the library that encodes
+    best["engine"] = tok.engine  # the library that encodes
     return best
 
 

@@ -4,13 +4,20 @@ r"""Tokenizers: bytes, a SentencePiece ``.model`` file, a Hugging Face ``tokeniz
 SentencePiece model (the ``sentencepiece`` package), or a path to a Hugging Face
 ``tokenizer.json`` or a directory holding one (the ``tokenizers`` package). Every tokenizer has
 ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``bos_id`` / ``eos_id``
-(None where it has none), ``name``, ``path`` (None for bytes) and ``sha256`` (of its file).
+(None where it has none), ``name``, ``path`` (None for bytes), ``sha256`` (of its file) and
+``engine`` (the library that encodes: ``bytes``, ``sentencepiece``, ``tiktoken``, ``tokenizers``).
 ``encode_with_bytes`` also returns, per token, the UTF-8 bytes of ``text`` it covers (they sum
 to ``len(text.encode())``): the denominator of bits per byte. ``encode_batch(texts)`` encodes
 many documents in one library call into flat arrays (``EncodedBatch``), the tokenized cache's
 input; for a SentencePiece model and a byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3,
 Qwen, DeepSeek) it asks the library for ids only and reads each token's bytes from a table of
 the vocabulary (``_table_batch``; the offsets only for a document whose bytes do not add up).
+
+A byte-level BPE ``tokenizer.json`` is encoded by ``tiktoken`` (several times faster) where it
+gives exactly the ids of ``tokenizers`` (``experiments.bpe_tiktoken``: a structural check of
+the file and a probe, at load); otherwise by ``tokenizers``, with one line on stderr saying
+why. ``engine`` names the library; ``encode``, ``encode_with_bytes`` and ``encode_batch`` all
+use it, so training, eval and sampling tokenize alike.
 
 A job directory keeps the copy it trained with (``experiments.tokenizer_copy``: the file and
 its hash); ``tokenizer_copy.job_tokenizer(job_log_dir)`` loads it.
@@ -128,6 +135,7 @@ class Tokenizer:
     """What every tokenizer offers (see the module docstring)."""
 
     name: str
+    engine: str
     path: Optional[Path] = None
     sha256: Optional[str] = None
     vocab_size: int
@@ -154,7 +162,7 @@ class Tokenizer:
 class ByteTokenizer(Tokenizer):
     """The UTF-8 bytes of the text, ids 0-255 (today's byte-level runs)."""
 
-    name = BYTES
+    name = engine = BYTES
     vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
@@ -175,6 +183,7 @@ class ByteTokenizer(Tokenizer):
 
 
 class SentencePieceTokenizer(Tokenizer):
+    engine = "sentencepiece"
 
     def __init__(self, path: Path):
         self.path, self.name = path, path.name
