@@ -62,6 +62,10 @@ def byte_decoder() -> dict[str, int]:
     return chars
 
 
+# byte_decoder's table for str.translate: each character to the Latin-1 character of its byte
+_LATIN1 = {ord(c): b for c, b in byte_decoder().items()}
+
+
 def _pattern(pre: Optional[dict]) -> tuple[Optional[str], str]:
     """(the pre-tokenizer's regex for tiktoken, None and why where it has none tiktoken runs)."""
     if pre is None:
@@ -120,13 +124,15 @@ def ineligible(spec: dict) -> str:
     return ""
 
 
+def token_bytes(token: str) -> bytes:
+    """The bytes a ByteLevel token stands for (its characters are ``byte_decoder``'s)."""
+    return token.translate(_LATIN1).encode("latin-1")
+
+
 def _encoding(spec: dict, name: str) -> tiktoken.Encoding:
-    alphabet = byte_decoder()
     added = {a["content"]: a["id"] for a in spec.get("added_tokens") or []}
-    ranks = {
-        bytes(alphabet[c] for c in t): i
-        for t, i in spec["model"]["vocab"].items() if i not in added.values()
-    }
+    added_ids = set(added.values())
+    ranks = {token_bytes(t): i for t, i in spec["model"]["vocab"].items() if i not in added_ids}
     pattern, _ = _pattern(spec.get("pre_tokenizer"))
     return tiktoken.Encoding(f"moe_praxis:{name}",
                              pat_str=pattern,
@@ -140,9 +146,13 @@ def encode(enc: tiktoken.Encoding, text: str):
 
 
 def differences(enc: tiktoken.Encoding, tok: tokenizers.Tokenizer, texts) -> list[int]:
-    """The indices of ``texts`` the two engines encode differently."""
+    """The indices of ``texts`` the two engines encode differently (a text without the first
+    character of any added token encoded without looking for them: a tenth of the time on the
+    short texts of a vocabulary)."""
     ref = tok.encode_batch_fast(list(texts), add_special_tokens=False)
-    return [i for i, (t, r) in enumerate(zip(texts, ref)) if encode(enc, t).tolist() != r.ids]
+    firsts = {t[0] for t in enc.special_tokens_set if t}
+    ids = lambda t: enc.encode_ordinary(t) if firsts.isdisjoint(t) else encode(enc, t).tolist()
+    return [i for i, (t, r) in enumerate(zip(texts, ref)) if ids(t) != r.ids]
 
 
 def tiktoken_encoding(spec: dict, tok: tokenizers.Tokenizer,
@@ -155,11 +165,7 @@ def tiktoken_encoding(spec: dict, tok: tokenizers.Tokenizer,
         enc = _encoding(spec, name)
     except (ValueError, KeyError, TypeError) as e:  # e.g. a regex tiktoken does not compile
         return None, f"tiktoken does not build it ({' '.join(str(e).split())[:120]})"
-    alphabet = byte_decoder()
-    words = [
-        bytes(alphabet[c] for c in t).decode("utf-8", errors="ignore")
-        for t in spec["model"]["vocab"]
-    ]
+    words = [token_bytes(t).decode("utf-8", errors="ignore") for t in spec["model"]["vocab"]]
     if differences(enc, tok, [PROBE, *(a["content"] for a in spec.get("added_tokens") or [])]):
         return None, "the probe text encodes differently"
     bad = differences(enc, tok, [w for w in words if w])
