@@ -10,8 +10,9 @@ a file that passes a structural check (``ineligible``: a BPE model without dropo
 no normalizer, the ByteLevel pre-tokenizer with its regex or a ``Split`` regex before a ByteLevel
 without one, every byte a token, each merge's token id above its parts' and above the earlier
 merges', every multi-byte token made by a merge, added tokens matched as written and none a prefix
-of another) AND encodes ``PROBE`` plus every token of the vocabulary alone exactly as the
-``tokenizers`` tokenizer does. Otherwise it returns None and the reason, which
+of another), every token of the vocabulary is what the merges make of its own bytes, AND it
+encodes ``PROBE`` plus the text of every token of the vocabulary exactly as the ``tokenizers``
+tokenizer does. Otherwise it returns None and the reason, which
 ``experiments.tokenizer`` logs in one line before using ``tokenizers``.
 
 The ``Encoding``'s ids are the file's ids: ``mergeable_ranks`` maps each vocabulary token's bytes
@@ -165,7 +166,16 @@ def tiktoken_encoding(spec: dict, tok: tokenizers.Tokenizer,
         enc = _encoding(spec, name)
     except (ValueError, KeyError, TypeError) as e:  # e.g. a regex tiktoken does not compile
         return None, f"tiktoken does not build it ({' '.join(str(e).split())[:120]})"
-    words = [token_bytes(t).decode("utf-8", errors="ignore") for t in spec["model"]["vocab"]]
+    vocab, added = spec["model"]["vocab"], {a["content"] for a in spec.get("added_tokens") or []}
+    # tiktoken takes a piece that is a token whole; tokenizers (ignore_merges off) merges it
+    split = [
+        t for t, i in vocab.items()
+        if len(t) > 1 and t not in added and [x.id for x in tok.model.tokenize(t)] != [i]
+    ]
+    if split:
+        return None, f"{len(split)} of the vocabulary's tokens, encoded alone by the merges, " \
+            f"are not themselves (e.g. {split[0]!r})"
+    words = [token_bytes(t).decode("utf-8", errors="ignore") for t in vocab]
     if differences(enc, tok, [PROBE, *(a["content"] for a in spec.get("added_tokens") or [])]):
         return None, "the probe text encodes differently"
     bad = differences(enc, tok, [w for w in words if w])

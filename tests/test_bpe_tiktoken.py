@@ -155,7 +155,7 @@ def test_a_file_tiktoken_cannot_serve_exactly_falls_back_with_one_line(
 def test_merges_tiktoken_would_reorder_fail_the_probe(tmp_path, capsys):
     """'abc' made as (ab, c), but 'bc' merges first: tokenizers encodes 'abc' as [a, bc] (no
     rule joins them), tiktoken as [abc] (a token whole, and a+bc concatenates to it). The
-    structure passes; the probe of the vocabulary's tokens catches it."""
+    structure passes; the check of the vocabulary's tokens catches it."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {c: i for i, c in enumerate(sorted(alphabet))}
     merges = [("b", "c"), ("a", "b"), ("ab", "c")]
@@ -172,5 +172,6 @@ def test_merges_tiktoken_would_reorder_fail_the_probe(tmp_path, capsys):
     assert tok.encode("abc").tokens == ["a", "bc"]
     loaded = tokenizer_lib.load_tokenizer(str(tmp_path / "tokenizer.json"))
     assert loaded.engine == "tokenizers"
-    assert "encoded alone, encode differently" in capsys.readouterr().err
+    assert "tokens, encoded alone by the merges, are not themselves (e.g. 'abc')" in \
+        capsys.readouterr().err
     assert loaded.encode("abc abc") == tok.encode("abc abc").ids
