@@ -3,7 +3,9 @@ MB/s of UTF-8 text from files to memory-mapped token arrays, on varied text: the
 module of this Python's standard library (tests included), each module one ``.txt`` document,
 no text repeated (a repeated text would be cheap for a BPE cache). A byte-level BPE
 ``tokenizer.json`` and a lossless SentencePiece model are trained here on the first
-``--train_mb`` MB of it (``experiments.tokenizer``; nothing is downloaded).
+``--train_mb`` MB of it (``experiments.tokenizer``, ``python -m experiments.tokenizer``; nothing is downloaded). The BPE is
+measured with the engine ``experiments.tokenizer`` picks (``tiktoken`` where it gives the ids
+of ``tokenizers``) and, as ``bpe:tokenizers``, encoded by ``tokenizers`` (the baseline).
 
 Prints a table and writes JSON: wall MB/s of the build (one process: ``--workers`` threads
 across files, each encoding batches of documents with the library's own threads) and MB per
@@ -93,6 +95,7 @@ def measure(kind: str, tok, files, repeats: int, workers) -> dict:
     best["mb_per_cpu_s"] = best["bytes"] / best["cpu_seconds"] / 1e6
     best["kind"] = kind
     best["vocab_size"] = tok.vocab_size
+    best["engine"] = tok.engine  # the library that encodes
     return best
 
 
@@ -106,7 +109,10 @@ def main(argv=None) -> int:
                     type=int,
                     default=None,
                     help="files tokenized at once (default: token_cache's, the cores)")
-    ap.add_argument("--kinds", default="bpe,sentencepiece")
+    ap.add_argument("--kinds",
+                    default="bpe,bpe:tokenizers,sentencepiece",
+                    help="bpe (its engine: tiktoken where exact), bpe:tokenizers (the same BPE "
+                    "encoded by tokenizers), sentencepiece")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args(argv)
     rows, load_before = [], os.getloadavg()
@@ -117,15 +123,17 @@ def main(argv=None) -> int:
         train_files = _corpus(d, stdlib_sources(args.train_mb))
         texts = [p.read_text(encoding="utf-8") for p in train_files]
         for kind in args.kinds.split(","):
-            out = d / ("tokenizer.json" if kind == "bpe" else "sp.model")
-            tok = train_tokenizer(texts, kind, args.vocab_size, out)
+            out = d / ("sp.model" if kind == "sentencepiece" else "tokenizer.json")
+            tok = train_tokenizer(texts, kind.split(":")[0], args.vocab_size, out)
+            if kind == "bpe:tokenizers":  # the same file without tiktoken: the baseline
+                tok.tiktoken, tok.engine = None, "tokenizers"
             rows.append(measure(kind, tok, files, args.repeats, args.workers))
-    print(f"{'tokenizer':<14} {'vocab':>6} {'MB':>7} {'files':>6} {'tokens':>10} {'s':>7} "
-          f"{'cpu s':>7} {'MB/s':>7} {'MB/cpu-s':>9} {'load before/after':>18}")
+    print(f"{'tokenizer':<14} {'engine':<14} {'vocab':>6} {'MB':>7} {'files':>6} {'tokens':>10} "
+          f"{'s':>7} {'cpu s':>7} {'MB/s':>7} {'MB/cpu-s':>9} {'load before/after':>18}")
     for r in rows:
         load = f"{r['load_average_before'][0]:.2f}/{r['load_average_after'][0]:.2f}"
-        print(f"{r['kind']:<14} {r['vocab_size']:>6} {r['bytes'] / 1e6:>7.1f} {r['files']:>6} "
-              f"{r['tokens']:>10} {r['seconds']:>7.2f} {r['cpu_seconds']:>7.2f} "
+        print(f"{r['kind']:<14} {r['engine']:<14} {r['vocab_size']:>6} {r['bytes'] / 1e6:>7.1f} "
+              f"{r['files']:>6} {r['tokens']:>10} {r['seconds']:>7.2f} {r['cpu_seconds']:>7.2f} "
               f"{r['mb_per_s']:>7.2f} {r['mb_per_cpu_s']:>9.2f} {load:>18}")
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
           f"({os.cpu_count()} cpus)")

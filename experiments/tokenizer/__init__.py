@@ -4,13 +4,20 @@ r"""Tokenizers: bytes, a SentencePiece ``.model`` file, a Hugging Face ``tokeniz
 SentencePiece model (the ``sentencepiece`` package), or a path to a Hugging Face
 ``tokenizer.json`` or a directory holding one (the ``tokenizers`` package). Every tokenizer has
 ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``bos_id`` / ``eos_id``
-(None where it has none), ``name``, ``path`` (None for bytes) and ``sha256`` (of its file).
+(None where it has none), ``name``, ``path`` (None for bytes), ``sha256`` (of its file) and
+``engine`` (the library that encodes: ``bytes``, ``sentencepiece``, ``tiktoken``, ``tokenizers``).
 ``encode_with_bytes`` also returns, per token, the UTF-8 bytes of ``text`` it covers (they sum
 to ``len(text.encode())``): the denominator of bits per byte. ``encode_batch(texts)`` encodes
 many documents in one library call into flat arrays (``EncodedBatch``), the tokenized cache's
 input; for a SentencePiece model and a byte-level BPE ``tokenizer.json`` (GPT-2, Llama 3,
 Qwen, DeepSeek) it asks the library for ids only and reads each token's bytes from a table of
 the vocabulary (``_table_batch``; the offsets only for a document whose bytes do not add up).
+
+A byte-level BPE ``tokenizer.json`` is encoded by ``tiktoken`` (several times faster) where it
+gives exactly the ids of ``tokenizers`` (``experiments.tokenizer.bpe_tiktoken``: a structural check of
+the file and a probe, at load); otherwise by ``tokenizers``, with one line on stderr saying
+why. ``engine`` names the library; ``encode``, ``encode_with_bytes`` and ``encode_batch`` all
+use it, so training, eval and sampling tokenize alike.
 
 A job directory keeps the copy it trained with (``experiments.tokenizer.job_copy``: the file and
 its hash); ``job_copy.job_tokenizer(job_log_dir)`` loads it.
@@ -36,6 +43,8 @@ import numpy as np
 import sentencepiece as spm
 import tokenizers
 from tokenizers import pre_tokenizers
+
+from experiments.tokenizer import bpe_tiktoken
 
 BYTES = "bytes"
 
@@ -94,7 +103,9 @@ def _table_batch(texts, ids, table: np.ndarray, offsets_bytes) -> EncodedBatch:
     to its text (an added token matched in the text, a normalizer that changed it) takes its
     bytes from ``offsets_bytes(text)`` (the library's offsets)."""
     lens = np.fromiter(map(len, ids), np.int64, len(ids))
-    ids = np.fromiter(itertools.chain.from_iterable(ids), np.uint32, int(lens.sum()))
+    ids = np.concatenate([np.zeros(0, np.uint32), *ids]).astype(np.uint32, copy=False) \
+        if ids and isinstance(ids[0], np.ndarray) else \
+        np.fromiter(itertools.chain.from_iterable(ids), np.uint32, int(lens.sum()))
     nbytes = table[ids]
     ends = np.cumsum(lens)
     summed = np.concatenate([[0], np.cumsum(nbytes, dtype=np.int64)])
@@ -125,6 +136,7 @@ class Tokenizer:
     """What every tokenizer offers (see the module docstring)."""
 
     name: str
+    engine: str
     path: Optional[Path] = None
     sha256: Optional[str] = None
     vocab_size: int
@@ -151,7 +163,7 @@ class Tokenizer:
 class ByteTokenizer(Tokenizer):
     """The UTF-8 bytes of the text, ids 0-255 (today's byte-level runs)."""
 
-    name = BYTES
+    name = engine = BYTES
     vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
@@ -172,6 +184,7 @@ class ByteTokenizer(Tokenizer):
 
 
 class SentencePieceTokenizer(Tokenizer):
+    engine = "sentencepiece"
 
     def __init__(self, path: Path):
         self.path, self.name = path, path.name
@@ -245,13 +258,26 @@ class HuggingFaceTokenizer(Tokenizer):
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._special(("<s>", "<|begin_of_text|>", "<bos>", "[CLS]"))
         self.eos_id = self._special(("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]"))
-        self.byte_len = self._byte_level_lengths()
+        spec = json.loads(self.tok.to_str())
+        self.byte_len = self._byte_level_lengths(spec)
+        self.tiktoken, why = (None, "not byte-level") if self.byte_len is None else \
+            bpe_tiktoken.tiktoken_encoding(spec, self.tok, path.name)
+        self.engine = "tokenizers" if self.tiktoken is None else "tiktoken"
+        if self.tiktoken is not None:  # every id its bytes, an added token matched in the text too
+            self.tiktoken_len = self.byte_len.copy()
+            for i, token in self.tok.get_added_tokens_decoder().items():
+                self.tiktoken_len[i] = len(token.content.encode("utf-8"))
+        elif str(path) not in _warned:
+            _warned.add(str(path))
+            print(f"experiments.tokenizer: {path} is encoded by tokenizers, not tiktoken: {why}",
+                  file=sys.stderr,
+                  flush=True)
 
-    def _byte_level_lengths(self) -> Optional[np.ndarray]:
-        """[vocab] the bytes each token stands for, where the tokenizer is byte-level (its
-        decoder ByteLevel, every token's characters in the ByteLevel alphabet of 256, one per
-        byte); added tokens 0. None otherwise."""
-        decoder = json.loads(self.tok.to_str()).get("decoder") or {}
+    def _byte_level_lengths(self, spec: dict) -> Optional[np.ndarray]:
+        """[vocab] the bytes each token stands for, where the tokenizer (``spec``, its parsed
+        tokenizer.json) is byte-level (its decoder ByteLevel, every token's characters in the
+        ByteLevel alphabet of 256, one per byte); added tokens 0. None otherwise."""
+        decoder = spec.get("decoder") or {}
         types = [d.get("type") for d in decoder.get("decoders", [decoder])]
         if "ByteLevel" not in types:
             return None
@@ -272,6 +298,8 @@ class HuggingFaceTokenizer(Tokenizer):
         return None
 
     def encode(self, text: str) -> list[int]:
+        if self.tiktoken is not None:
+            return bpe_tiktoken.encode(self.tiktoken, text).tolist()
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def _with_bytes(self, text, enc):
@@ -287,8 +315,15 @@ class HuggingFaceTokenizer(Tokenizer):
         return enc.ids.astype(np.int32), enc.token_bytes.astype(np.int64)
 
     def encode_batch(self, texts):
-        """Byte-level: ids only from the library (no offsets), each token's bytes from
-        ``byte_len`` (``_table_batch``). Otherwise the offsets of every document."""
+        """tiktoken (where it encodes as ``tokenizers`` does, ``experiments.tokenizer.bpe_tiktoken``):
+        its ids, each token's bytes from ``tiktoken_len``. Other byte-level ones: ids only from
+        ``tokenizers`` (no offsets), each token's bytes from ``byte_len`` (``_table_batch``).
+        Otherwise the offsets of every document."""
+        if self.tiktoken is not None:
+            enc = self.tiktoken
+            ids = [bpe_tiktoken.encode(enc, t) for t in texts]
+            return _table_batch(texts, ids, self.tiktoken_len,
+                                lambda t: [len(b) for b in enc.decode_tokens_bytes(self.encode(t))])
         if self.byte_len is None:
             encs = self.tok.encode_batch(texts, add_special_tokens=False)
             return _flat([self._with_bytes(t, e) for t, e in zip(texts, encs)])
