@@ -38,6 +38,13 @@ from configs import base, models, sharding
 from configs.fiddlers import (  # noqa: F401  (--fiddler=NAME resolves here)
     use_expert_parallel, use_fsdp_expert_parallel, use_mesh, use_synthetic_data)
 from configs.registry import define_config_functions, register, short_name
+from moe_praxis.praxis.fields import config_default
+
+# The MoEFeedForward fields an experiment sets by a knob of the same name in capitals
+# (LanguageModel.SCORE_FUNC, ...), passed to models.transformer_lm as moe_fields.
+MOE_KNOBS = ("score_func", "norm_topk", "num_expert_groups", "group_topk", "use_expert_bias",
+             "expert_bias_update_rate", "routed_scaling_factor", "num_shared_experts",
+             "shared_hidden_dims", "fp8", "fp8_gemms")
 
 
 class LanguageModel:
@@ -64,21 +71,21 @@ class LanguageModel:
     AUX_LOSS_TYPE = "switch"
     # DeepSeek-V3's first_k_dense_replace: layers [0, k) dense, a dense FFN of HIDDEN_DIMS.
     FIRST_K_DENSE = 0
-    # Routing and shared experts of the MoE layers (MoEFeedForward fields, gating_func='topk').
-    SCORE_FUNC = "softmax"
-    NORM_TOPK = True
-    NUM_EXPERT_GROUPS = 1
-    GROUP_TOPK = 1
-    USE_EXPERT_BIAS = False
-    EXPERT_BIAS_UPDATE_RATE = 0.0
-    ROUTED_SCALING_FACTOR = 1.0
-    NUM_SHARED_EXPERTS = 0
-    SHARED_HIDDEN_DIMS: Optional[int] = None
-    # MoEFeedForward.fp8: None or 'blockwise' (FP8 expert GEMMs; MODEL_DIMS and the experts'
-    # hidden dims multiples of 128).
-    FP8: Optional[str] = None
-    # MoEFeedForward.fp8_gemms: 'auto' (FP8 where it pays: moe_praxis.ops.fp8.rule) or 'all'.
-    FP8_GEMMS = "auto"
+    # Routing, shared experts and FP8 of the MoE layers (gating_func='topk'): the knobs of
+    # MOE_KNOBS, each the MoEFeedForward field in capitals, starting from MoEConfig's default.
+    SCORE_FUNC = config_default("score_func")
+    NORM_TOPK = config_default("norm_topk")
+    NUM_EXPERT_GROUPS = config_default("num_expert_groups")
+    GROUP_TOPK = config_default("group_topk")
+    USE_EXPERT_BIAS = config_default("use_expert_bias")
+    EXPERT_BIAS_UPDATE_RATE = config_default("expert_bias_update_rate")
+    ROUTED_SCALING_FACTOR = config_default("routed_scaling_factor")
+    NUM_SHARED_EXPERTS = config_default("num_shared_experts")
+    SHARED_HIDDEN_DIMS: Optional[int] = config_default("shared_hidden_dims")
+    # FP8: None or 'blockwise' (FP8 expert GEMMs; MODEL_DIMS and the experts' hidden dims
+    # multiples of 128). FP8_GEMMS: 'auto' (FP8 where it pays: moe_praxis.ops.fp8.rule) or 'all'.
+    FP8: Optional[str] = config_default("fp8")
+    FP8_GEMMS = config_default("fp8_gemms")
     # Attention (moe_praxis.praxis.attention.GroupedQueryAttention). NUM_KV_HEADS None: one
     # key/value head per query head (multi-head attention). ATTENTION_IMPL: 'auto', 'xla' or
     # 'cudnn'. QK_NORM: None, 'per_head' or 'full'. ROPE_MAX_WAVELENGTH: the rotary base.
@@ -142,18 +149,8 @@ class LanguageModel:
                                      rope_max_wavelength=self.ROPE_MAX_WAVELENGTH)
 
     def moe_fields(self) -> dict:
-        """The MoE layers' routing and shared-expert fields, from the knobs."""
-        return dict(score_func=self.SCORE_FUNC,
-                    norm_topk=self.NORM_TOPK,
-                    num_expert_groups=self.NUM_EXPERT_GROUPS,
-                    group_topk=self.GROUP_TOPK,
-                    use_expert_bias=self.USE_EXPERT_BIAS,
-                    expert_bias_update_rate=self.EXPERT_BIAS_UPDATE_RATE,
-                    routed_scaling_factor=self.ROUTED_SCALING_FACTOR,
-                    num_shared_experts=self.NUM_SHARED_EXPERTS,
-                    shared_hidden_dims=self.SHARED_HIDDEN_DIMS,
-                    fp8=self.FP8,
-                    fp8_gemms=self.FP8_GEMMS)
+        """The MoE layers' fields set by the MOE_KNOBS knobs."""
+        return {field: getattr(self, field.upper()) for field in MOE_KNOBS}
 
     def data(self) -> fdl.Config:
         return fdl.Config(base.DataConfig,

@@ -5,15 +5,19 @@ metrics and plot are in test_experiments_data.py, the model and train step in
 test_experiments_steps.py, the docs kept in step with the code in test_experiments_docs.py and
 the end-to-end runs in test_experiments_e2e.py."""
 
+import dataclasses
 import sys
 
 import jax
 import pytest
 from fiddle.experimental import serialization
+from praxis import pax_fiddle
 
-from configs import base, experiments, registry
+from configs import base, experiments, registry, stack
 from experiments import main as main_lib
 from experiments.train import setup
+from moe_praxis.config import MoEConfig
+from moe_praxis.praxis import fields, layer
 from tests.flagutil import parse, reset_flags  # noqa: F401  (reset_flags: autouse)
 
 # ------------------------------------------------------------------------------ registry
@@ -305,3 +309,27 @@ def test_missing_text_path_is_a_config_error(tmp_path):
     cfg, _ = main_lib.config_from_flags()
     with pytest.raises(setup.DataError, match=r"^data.path='.*missing': no such file or dir"):
         setup.prepare(cfg)
+
+
+def test_moe_knobs_are_the_layer_fields_in_capitals_with_moeconfig_defaults():
+    """Every MOE_KNOBS knob reaches the MoE layers' field of its name, starts from MoEConfig's
+    default of that field (through the layer's field table), and docs/experiments.md names it;
+    a changed knob reaches the built layer."""
+    by_layer = {v: k for k, v in fields.CONFIG_FIELDS.items()}
+    moe_defaults = {f.name: f.default for f in dataclasses.fields(MoEConfig)}
+    layer_fields = {f.name for f in dataclasses.fields(layer.MoEFeedForward)}
+    lm = experiments.LanguageModel()
+    assert lm.moe_fields() == {f: getattr(lm, f.upper()) for f in experiments.MOE_KNOBS}
+    for field in experiments.MOE_KNOBS:
+        assert field in layer_fields, field
+        assert getattr(experiments.LanguageModel, field.upper()) == moe_defaults[by_layer[field]]
+
+    class Changed(experiments.Tiny):
+        SCORE_FUNC = "sigmoid"
+        NUM_SHARED_EXPERTS = 1
+
+    cfg = Changed().experiment_config()
+    built = [pax_fiddle.build(c) for _, c in stack.moe_layer_configs(cfg.model)]
+    assert built and all((b.score_func, b.num_shared_experts) == ("sigmoid", 1) for b in built)
+    with pytest.raises(KeyError, match="sets no MoEConfig field"):
+        fields.config_default("num_heads")
