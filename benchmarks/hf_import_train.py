@@ -6,7 +6,8 @@ untied embeddings) and ``--layers`` (default 4) of its 48 layers in the Hugging 
 config.json, bfloat16 safetensors shards (one per layer, the embeddings in their own) with
 model.safetensors.index.json, and a small tokenizer.json. numpy and safetensors only: nothing
 is downloaded and transformers is not needed. Then imports it with ``experiments.import_hf``
-(timed: host memory of the read and the job directory's size are printed), restores the
+(timed; the job directory's size and the host's peak resident memory are printed, also by
+stage: writing the folder, then each stage the import logs), restores the
 imported step 0 as training does, and runs ``--steps`` train steps of ``--batch`` x ``--seq``
 random tokens, printing tokens/s (median step after the first, which compiles) and the device's
 peak memory. No checkpoint is written after the import (disk: the checkpoint of a 4-layer
@@ -22,10 +23,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
+import os
 import platform
 import resource
 import shutil
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -167,6 +171,46 @@ def write_model(model_dir: Path, layers: int, tiny: bool = False) -> dict:
     return cfg
 
 
+class HostMemoryByStage(logging.Handler):
+    """The process's peak resident memory (GiB, /proc/self/statm sampled every 50 ms) in each
+    stage: 'write' (the HF folder), then each stage the import logs as it starts
+    ("import: <stage>", experiments.import_hf)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stage, self.peaks = "write", {}
+        self._stop = threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if msg.startswith("import: "):
+            self._note()
+            self.stage = msg[len("import: "):]
+
+    def _note(self):
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * self._page / 2**30
+        self.peaks[self.stage] = max(self.peaks.get(self.stage, 0.0), rss)
+
+    def _sample(self):
+        while not self._stop.wait(0.05):
+            self._note()
+
+    def __enter__(self):
+        logging.getLogger("absl").addHandler(self)
+        logging.getLogger("absl").setLevel(logging.INFO)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._note()
+        logging.getLogger("absl").removeHandler(self)
+
+
 def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -176,26 +220,29 @@ def main(argv=None) -> int:
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     model_dir, job = work / "model", work / "job"
-    t0 = time.perf_counter()
-    write_model(model_dir, args.layers, args.tiny)
-    t_write = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    import_hf.import_checkpoint(model_dir,
-                                job,
-                                data_path=work / "texts",
-                                seq_len=args.seq,
-                                batch_size=args.batch,
-                                dtype=args.dtype,
-                                repeat=True,
-                                remat=True,
-                                progress=True)
-    t_import = time.perf_counter() - t0
+    with HostMemoryByStage() as host:
+        t0 = time.perf_counter()
+        write_model(model_dir, args.layers, args.tiny)
+        t_write = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        import_hf.import_checkpoint(model_dir,
+                                    job,
+                                    data_path=work / "texts",
+                                    seq_len=args.seq,
+                                    batch_size=args.batch,
+                                    dtype=args.dtype,
+                                    repeat=True,
+                                    remat=True,
+                                    progress=True)
+        t_import = time.perf_counter() - t0
     host_peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(
         f"wrote the HF folder ({_du(model_dir) / 1e9:.1f} GB) in {t_write:.0f} s; imported in "
         f"{t_import:.0f} s (job directory {_du(job) / 1e9:.1f} GB, host peak RSS "
-        f"{host_peak_gb:.1f} GB)",
+        f"{host_peak_gb:.1f} GiB)",
         flush=True)
+    print("host peak by stage (GiB): " + ", ".join(f"{k} {v:.1f}" for k, v in host.peaks.items()),
+          flush=True)
 
     cfg = jobdir.load_recorded(job)
     setup.resolve_lengths(cfg)
@@ -237,6 +284,7 @@ def main(argv=None) -> int:
         "tokens_per_s": tokens / step_s,
         "peak_device_memory_gib": peak,
         "host_peak_rss_gib": host_peak_gb,
+        "host_peak_by_stage_gib": host.peaks,
         "import_s": t_import,
         "hf_folder_gb": _du(model_dir) / 1e9,
         "job_dir_gb": _du(job) / 1e9,

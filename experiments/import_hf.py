@@ -32,6 +32,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 
 from configs.hf import ARCHS, imported_experiment
 from experiments.hf import convert as hf_convert
@@ -155,15 +156,20 @@ def import_checkpoint(model_dir,
         raise HfImportError(f"{model_dir}: the imported model does not set up: {e}") from None
     fns = steps.make_step_fns(prep)
     plan.check_params(fns.abstract_state["params"])
+    # Each stage is logged as it starts ("import: <stage>"): benchmarks/hf_import_train.py
+    # measures the host memory of each.
+    logging.info("import: reading the shards")
     flat = plan.read(shards, progress=progress)
 
     # Parameters placed with the training sharding (each EP rank gets its experts' slices),
     # the optimizer state made on the devices from them.
     sharding = fns.state_sharding
+    logging.info("import: placing the parameters")
     params = hf_convert.param_tree(flat)
     params = jax.tree_util.tree_map(lambda x, s: jax.device_put(x, s), params, sharding["params"])
     del flat
     tx, _ = steps.make_optimizer(prep.config.optimizer, prep.config.train.num_steps)
+    logging.info("import: making the train state")
     with jax.set_mesh(prep.mesh):
         state = jax.jit(lambda p: {
             "step":
@@ -191,6 +197,7 @@ def import_checkpoint(model_dir,
                             fns.abstract_state,
                             host_gb=SAVE_HOST_GB)
         mngr = ckpts.manager()
+        logging.info("import: writing the checkpoint")
         try:
             with jax.set_mesh(prep.mesh):
                 ckpts.save(mngr, state, 0)
@@ -203,6 +210,7 @@ def import_checkpoint(model_dir,
         if job_log_dir.exists():
             job_log_dir.rmdir()  # empty (checked above)
         os.replace(tmp, job_log_dir)
+        logging.info("import: done")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -297,3 +297,10 @@ def test_import_train_benchmark_tiny(tmp_path):
     row = json.loads(out.read_text())["result"]
     assert row["layers"] == 2 and len(row["losses"]) == 2
     assert all(np.isfinite(row["losses"])) and row["tokens_per_s"] > 0
+    # the host memory of every stage the import logs, after the folder's writing, in order
+    assert list(row["host_peak_by_stage_gib"]) == [
+        "write", "reading the shards", "placing the parameters", "making the train state",
+        "writing the checkpoint", "done"
+    ]
+    assert all(0 < v <= row["host_peak_rss_gib"] + 0.01
+               for v in row["host_peak_by_stage_gib"].values())
