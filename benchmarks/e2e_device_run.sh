@@ -44,12 +44,10 @@ for RUN in $RUNS; do
     FLAGS="--xla_gpu_enable_command_buffer="
   fi
   T0=$(date +%s)
-  XF=$(echo "${XLA_FLAGS:-} $FLAGS" | xargs)  # XLA reads an XLA_FLAGS of blanks as a file name
-  if [ -n "$XF" ]; then
-    XLA_FLAGS="$XF" timeout 300 python3 -m benchmarks.e2e $ARGS > "$OUT/e2e_$TAG.log" 2>&1
-  else
-    (unset XLA_FLAGS; timeout 300 python3 -m benchmarks.e2e $ARGS > "$OUT/e2e_$TAG.log" 2>&1)
-  fi
+  # XLA reads an XLA_FLAGS of blanks as a file name: set it only when it holds a flag
+  XF=$(echo "${XLA_FLAGS:-} $FLAGS" | xargs)
+  env -u XLA_FLAGS ${XF:+XLA_FLAGS="$XF"} timeout 300 python3 -m benchmarks.e2e $ARGS \
+    > "$OUT/e2e_$TAG.log" 2>&1
   RC=$?
   echo "== $RUN rc=$RC in $(( $(date +%s) - T0 )) s"
   grep -E "^\| $EXP|^attention|^note|^model FLOPs|RESOURCE_EXHAUSTED|Error|error:" "$OUT/e2e_$TAG.log" | head -8

@@ -79,14 +79,16 @@ def config_default(layer_field: str):
     """MoEConfig's default of the field that MoEFeedForward's ``layer_field`` sets (through
     CONFIG_FIELDS), before the layer's GShard overrides: what an experiment knob of that field
     starts from. KeyError for a layer field that sets no MoEConfig field."""
-    by_layer = {v: k for k, v in CONFIG_FIELDS.items()}
-    if layer_field not in by_layer:
+    if layer_field not in _DEFAULT_BY_LAYER_FIELD:
         raise KeyError(f"MoEFeedForward.{layer_field} sets no MoEConfig field (valid: "
-                       f"{', '.join(sorted(by_layer))})")
-    return _DEFAULTS[by_layer[layer_field]]
+                       f"{', '.join(sorted(_DEFAULT_BY_LAYER_FIELD))})")
+    return _DEFAULT_BY_LAYER_FIELD[layer_field]
 
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MoEConfig)}
+_DEFAULT_BY_LAYER_FIELD = {
+    CONFIG_FIELDS[f.name]: f.default
+    for f in dataclasses.fields(MoEConfig) if f.name in CONFIG_FIELDS
+}
 
 # The routing fields only gating_func='topk' honours, with the value 'top2' / 'dense_top2' route
 # with (GShard's softmax top-2; 'top2' takes its capacity from the GShard fields instead).
