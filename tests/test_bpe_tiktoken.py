@@ -15,6 +15,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 from experiments.tokenizer import bpe_tiktoken
 from experiments import tokenizer as tokenizer_lib
+from tests import testutil
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = sorted((REPO / "tests" / "fixtures" / "hf").glob("*/tokenizer.json"))
@@ -43,10 +44,7 @@ def _random_texts(rng, n: int) -> list[str]:
 
 
 def _repo_texts() -> list[str]:
-    return [
-        p.read_text(encoding="utf-8") for p in sorted(REPO.rglob("*"))
-        if p.suffix in (".py", ".md") and p.is_file() and ".git" not in p.parts
-    ]
+    return [p.read_text(encoding="utf-8") for p in testutil.repo_files({".py", ".md"})]
 
 
 def _train(path: Path, texts, pre_tokenizer, vocab_size=1200) -> Path:

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from moe_praxis import config
+from tests import testutil
 from tests.testutil import long_options
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -38,9 +39,8 @@ def test_documented_env_vars_are_read_by_code_and_vice_versa():
     for f in _doc_files():
         documented |= set(pat.findall(f.read_text()))
     code = set()
-    for f in ROOT.glob("**/*"):
-        if f.suffix in {".py", ".cu", ".cc", ".h", ".cuh", ".sh"} and ".venv" not in f.parts \
-                and "tests" not in f.relative_to(ROOT).parts[:1]:
+    for f in testutil.repo_files({".py", ".cu", ".cc", ".h", ".cuh", ".sh"}):
+        if "tests" not in f.relative_to(ROOT).parts[:1]:
             code |= set(pat.findall(f.read_text(errors="ignore")))
     assert documented <= code, f"documented but never read by the code: {documented - code}"
     assert code <= documented, f"read by the code but not documented: {code - documented}"

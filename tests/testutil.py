@@ -1,4 +1,8 @@
-"""Helpers shared by the tests: fresh seeds and the norm-wise relative error."""
+"""Helpers shared by the tests: fresh seeds, the norm-wise relative error and the repository's
+own files."""
+
+import subprocess
+from pathlib import Path
 
 import numpy as np
 
@@ -12,6 +16,28 @@ def long_options(parser) -> set[str]:
         for a in parser._actions
         for o in a.option_strings if o.startswith("--") and o != "--help"
     }
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def repo_files(suffixes) -> list[Path]:
+    """The repository's own files with one of these suffixes: git's tracked and untracked but not
+    ignored files, so never the .venv, build outputs or caches a checkout holds (where git is
+    absent: every file outside a dot-folder, build/ and __pycache__)."""
+    r = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"],
+                       cwd=REPO,
+                       capture_output=True,
+                       text=True)
+    if r.returncode == 0:
+        files = [REPO / line for line in r.stdout.splitlines()]
+    else:
+        skip = {"build", "__pycache__"}
+        files = [
+            p for p in REPO.rglob("*")
+            if not any(part.startswith(".") or part in skip for part in p.relative_to(REPO).parts)
+        ]
+    return sorted(p for p in files if p.suffix in suffixes and p.is_file())
 
 
 def seed() -> int:
