@@ -19,6 +19,7 @@ DATA_SOURCES = ("pydoc", "synthetic", "text")
 PACKINGS = ("concat", "documents")
 SCHEDULES = ("cosine", "constant", "linear")
 NONFINITE_POLICIES = ("stop", "skip")
+MU_DTYPES = ("float32", "bfloat16")
 AxisRole = Union[None, str, Sequence[str]]
 
 
@@ -110,6 +111,9 @@ class OptimizerConfig:
     decay_steps: 0 = the experiment's ``train.num_steps`` at the job's first start (resolved
       then and recorded: ``experiments.train.setup.resolve_lengths``).
     clip_norm: gradients are scaled so their global L2 norm is at most this (0 = off).
+    mu_dtype: the dtype AdamW keeps its first moment in: 'float32', or 'bfloat16' (half the
+      moment's memory and bytes moved by the update; the update itself is computed in float32,
+      as optax's ``mu_dtype`` does). The second moment stays float32.
     """
 
     learning_rate: float = 3e-3
@@ -122,6 +126,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
     clip_norm: float = 1.0
+    mu_dtype: str = "float32"
 
     def __post_init__(self):
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
@@ -139,6 +144,8 @@ class OptimizerConfig:
             raise _bad("OptimizerConfig", "clip_norm", self.clip_norm, "must be >= 0 (0 = off)")
         if self.weight_decay < 0:
             raise _bad("OptimizerConfig", "weight_decay", self.weight_decay, "must be >= 0")
+        if self.mu_dtype not in MU_DTYPES:
+            raise _bad("OptimizerConfig", "mu_dtype", self.mu_dtype, f"valid: {MU_DTYPES}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,6 +62,8 @@ def _one_line_exit_2(capsys, *args) -> str:
     ("--fdl.train.num_steps='ten'", "--fdl.train: TrainConfig.num_steps='ten' is invalid: must "
      "be a positive int"),
     ("--fdl.train.num_steps=-5", "--fdl.train: TrainConfig.num_steps=-5 is invalid"),
+    ("--fdl.optimizer.mu_dtype='float16'", "--fdl.optimizer: OptimizerConfig.mu_dtype='float16' "
+     "is invalid: valid: ('float32', 'bfloat16')"),
     ("--fdl.model.model_dims=96", "model.model_dims=96 differs from model.stacked_transformer_tpl"
      ".model_dims=128: TransformerLm gives the stack its own model_dims"),
     (f"{TPL}.norm_policy='post'", "model.stacked_transformer_tpl.moe_layer_tpl.norm_policy='post'"

@@ -93,7 +93,10 @@ def _build_part(cfg, field: str):
     try:
         return fdl.build(part) if isinstance(part, fdl.Buildable) else part
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"--fdl.{field}: {e}") from e
+        # Fiddle appends a "Fiddle context" naming every argument of the failed call, derived
+        # ones too (optimizer.decay_steps): the error names only what was wrong.
+        why = str(e).split("\n\nFiddle context:")[0]
+        raise ConfigError(f"--fdl.{field}: {why}") from e
 
 
 def make_mesh(mesh_cfg: base.MeshConfig, devices=None) -> jax.sharding.Mesh:
