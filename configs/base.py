@@ -251,6 +251,11 @@ class TrainConfig:
       summed in float32 before the one optimizer update; loss, metrics, the expert-bias update
       and the expert load are the whole step's. Must divide each data shard's rows
       (batch_size / the devices of the token axes). 1 = the whole batch at once.
+    cast_weights_once: the MoE layers' expert weights are cast to the layers' fprop_dtype once
+      per step (per micro-batch), outside the scanned layers and their rematerialization,
+      instead of at each read (the forward and each recomputation); the same values and
+      gradients, for a copy of the expert weights in fprop_dtype held through the step
+      (moe_praxis.cast_expert_weights). No effect where fprop_dtype is float32.
     """
 
     num_steps: int = 200
@@ -264,6 +269,7 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     max_skipped_steps: int = 10
     grad_accum_steps: int = 1
+    cast_weights_once: bool = False
 
     def __post_init__(self):
         for name in ("num_steps", "eval_every", "eval_batches", "max_checkpoints", "summary_every",
@@ -276,6 +282,9 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise _bad("TrainConfig", name, v, "must be an int >= 0")
+        if not isinstance(self.cast_weights_once, bool):
+            raise _bad("TrainConfig", "cast_weights_once", self.cast_weights_once,
+                       "must be True or False")
 
 
 @dataclasses.dataclass(frozen=True)

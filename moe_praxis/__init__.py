@@ -16,12 +16,14 @@ from moe_praxis.params import trainable_mask  # noqa: E402
 from moe_praxis.plan import backend_info, describe_plan, resolve_plan  # noqa: E402
 from moe_praxis.praxis.fp8_params import step_fp8_weights  # noqa: E402  (imports no praxis)
 from moe_praxis.praxis.gshard import convert_gshard_params  # noqa: E402  (imports no praxis)
+from moe_praxis.praxis.step_weights import cast_expert_weights  # noqa: E402  (imports no praxis)
 from moe_praxis.resources import EPLayout, MeshResources, ep_bootstrap  # noqa: E402
 
 __all__ = [
-    "EPLayout", "MeshResources", "MoEConfig", "MoEOutput", "backend_info", "convert_gshard_params",
-    "describe_plan", "ep_bootstrap", "init_moe_params", "moe_block", "quantize_expert_weights",
-    "resolve_plan", "step_fp8_weights", "trainable_mask", "update_expert_bias"
+    "EPLayout", "MeshResources", "MoEConfig", "MoEOutput", "backend_info", "cast_expert_weights",
+    "convert_gshard_params", "describe_plan", "ep_bootstrap", "init_moe_params", "moe_block",
+    "quantize_expert_weights", "resolve_plan", "step_fp8_weights", "trainable_mask",
+    "update_expert_bias"
 ]
 
 

@@ -2,6 +2,8 @@
 optimizer's clipping and schedules, and the mesh the MoE layer sees inside jit. In-process on
 the 8 host devices of tests/conftest.py."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,7 +131,10 @@ def test_adamw_keeps_its_first_moment_in_mu_dtype(mu_dtype):
         step = (mu / (1 - opt.b1**t)) / (np.sqrt(nu / (1 - opt.b2**t)) + opt.eps)
         p = p - opt.learning_rate * (step + opt.weight_decay * p)
         mu = round_mu(mu)
-        np.testing.assert_allclose(np.asarray(moment(state, "mu"), np.float64), mu, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(moment(state, "mu"), np.float64),
+                                   mu,
+                                   rtol=0,
+                                   atol=1e-6)
         np.testing.assert_allclose(np.asarray(params["w"]), p, rtol=0, atol=2e-5)
 
 
@@ -148,3 +153,74 @@ def test_current_mesh_inside_jit_is_the_concrete_mesh():
     assert seen[0] == mesh and isinstance(seen[0], jax.sharding.Mesh)
     jax.jit(f)(jnp.ones(8))
     assert seen[1] is None
+
+
+def _expert_weight_casts(fn, *args) -> collections.Counter:
+    """{shape: number} of the float32 -> bfloat16 casts of arrays of 3 or more dims in the jaxpr
+    of fn(*args), sub-jaxprs (scan bodies, rematerialized blocks, the backward) included."""
+    found = collections.Counter()
+
+    def walk(jaxpr):
+        for eq in jaxpr.eqns:
+            if eq.primitive.name == "convert_element_type":
+                a = eq.invars[0].aval
+                if (a.dtype == jnp.float32 and eq.params["new_dtype"] == jnp.bfloat16
+                        and a.ndim >= 3):
+                    found[tuple(a.shape)] += 1
+            for p in eq.params.values():
+                for sub in p if isinstance(p, (list, tuple)) else [p]:
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.slow
+def test_cast_weights_once_casts_each_expert_weight_once_with_the_same_step():
+    """train.cast_weights_once on a scanned, rematerialized bfloat16 Tiny: the step's jaxpr
+    casts each stacked expert weight [L, E, M, H] to bfloat16 once, and its layer slices
+    [E, M, H] no longer in the forward and again in the recomputation; one step from the same
+    state gives the same loss, gradient norm and update."""
+
+    class Scanned(experiments.Tiny):
+        REPEAT, REMAT, FPROP_DTYPE = True, True, "bfloat16"
+        BATCH_SIZE, SEQ_LEN = 8, 16
+
+    results, casts = [], []
+    for once in (False, True):
+        cfg = Scanned().experiment_config()
+        cfg.train.cast_weights_once = once
+        # Adam's first step with a large eps is -lr * g / (|g| + eps): the update shows g
+        cfg.optimizer = base.OptimizerConfig(learning_rate=1.0,
+                                             warmup_steps=0,
+                                             schedule="constant",
+                                             eps=1e3,
+                                             clip_norm=0.0,
+                                             weight_decay=0.0)
+        setup.resolve_lengths(cfg)
+        prep = setup.prepare(cfg)
+        fns = steps.make_step_fns(prep)
+        moe = fns.abstract_state["params"]["transformer"]["repeat"]["sub"]["x_layers_0"]
+        stacked = collections.Counter(
+            tuple(moe["ff_layer"][n].shape) for n in ("wi_gate", "wi_up", "wo"))
+        with jax.set_mesh(prep.mesh):
+            state = fns.init(jax.random.key(0))
+            batch = steps.put_batch(prep.dataset.train_batch(0), fns.batch_sharding)
+            casts.append(_expert_weight_casts(fns.train, state, batch))
+            before = jax.tree.map(lambda a: np.asarray(a, np.float64), state["params"])
+            new, m = fns.train(state, batch)  # donates state
+        delta = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, new["params"], before)
+        results.append((float(m["loss"]), float(m["grad_norm"]), delta))
+    for shape, n in stacked.items():  # n expert weights of this shape
+        assert (casts[0][shape], casts[1][shape]) == (0, n), (shape, n, casts)
+        # the slices' casts in the forward and in the recomputation are gone (the backward's
+        # cast of each weight's gradient to the weight's dtype stays, in both)
+        assert casts[0][shape[1:]] - casts[1][shape[1:]] == 2 * n, (shape, n, casts)
+    (loss0, norm0, d0), (loss1, norm1, d1) = results
+    assert abs(loss1 - loss0) <= 1e-6 * abs(loss0) and abs(norm1 - norm0) <= 1e-4 * norm0
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(d0)[0], jax.tree.leaves(d1)):
+        err = np.linalg.norm(b - a) / max(np.linalg.norm(a), 1e-30)
+        assert err < 1e-3, (jax.tree_util.keystr(path), err)

@@ -57,6 +57,14 @@ def fp8_layers(model_config):
     return c.fprop_dtype or model_config.fprop_dtype, c.kernel_backend, c
 
 
+def moe_fprop_dtype(model_config):
+    """The fprop dtype of the model's MoE layers (the first one's), None without one."""
+    found = [c for _, c in stack.moe_layer_configs(model_config)]
+    if not found:
+        return None
+    return jnp.dtype(found[0].fprop_dtype or model_config.fprop_dtype)
+
+
 def _segments(batch) -> dict:
     """data.packing='documents': Praxis's segment_ids / segment_pos (attention and rotary
     positions inside each packed document)."""
@@ -85,8 +93,7 @@ def make_optimizer(opt: base.OptimizerConfig, num_steps: int) -> optax.GradientT
     return optax.chain(*chain), sched
 
 
-def _first_moment_kept_in(tx: optax.GradientTransformation,
-                          dtype) -> optax.GradientTransformation:
+def _first_moment_kept_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
     """``tx`` (an AdamW) with its first moment ``mu`` stored in ``dtype`` and upcast to float32
     for each update, so the moving average runs in float32. optax's own ``mu_dtype`` computes
     ``b1 * mu`` in the stored dtype, where bfloat16 rounds b1 = 0.9 to 0.8984: its moment of a
@@ -190,6 +197,9 @@ def make_step_fns(prep: Prepared) -> StepFns:
     replicated = jax.sharding.NamedSharding(mesh, P())
 
     fp8_moe = fp8_layers(prep.model_config)
+    cast_dtype = moe_fprop_dtype(prep.model_config) if exp.train.cast_weights_once else None
+    if cast_dtype == jnp.float32:
+        cast_dtype = None
     # train.grad_accum_steps: micro-batches [B/n, S] over the token axes like the batch
     n_micro = exp.train.grad_accum_steps
     shards = math.prod(mesh.shape[a] for a in token_axes)
@@ -209,6 +219,8 @@ def make_step_fns(prep: Prepared) -> StepFns:
     def loss_fn(params, non_trainable, batch, key, do_eval, fp8_tree=None):
         ids, paddings, labels = _model_inputs(batch)
         ctx = base_layer.JaxContext.HParams(do_eval=do_eval)
+        if cast_dtype is not None:  # train.cast_weights_once
+            params = moe_praxis.cast_expert_weights(params, cast_dtype)
         if fp8_tree:
             params = fp8_tree.merged(params)
         with base_layer.JaxContext.new_context(hparams=ctx):

@@ -23,6 +23,7 @@ from moe_praxis import expert_weights
 from moe_praxis.experts import EXPERT_WEIGHTS, FP8_WEIGHTS
 from moe_praxis.ops.fp8 import recipe, rule
 from moe_praxis.ops.fp8 import weights as fp8_weights
+from moe_praxis.praxis.step_weights import is_moe_params
 from moe_praxis.resources import ep_bootstrap
 
 
@@ -33,17 +34,13 @@ def _quantize(w, dtype, transposed: bool):
     return fn(w)
 
 
-def _is_moe(node) -> bool:
-    return isinstance(node, dict) and "router" in node and "wo" in node and node["wo"].ndim >= 3
-
-
 def fp8_weights_tree(params, dtype, *, transposed: bool = False) -> dict:
     """{path...: {'fp8_weights': {name: Fp8Weight}}} for every MoE layer's params in `params`
     (nested dicts), the expert weights cast to `dtype` and quantized once; transposed: also qt
     (the CUDA forward reads it)."""
     out = {}
     for key, node in params.items():
-        if _is_moe(node):
+        if is_moe_params(node):
             out[key] = {
                 FP8_WEIGHTS: {
                     n: _quantize(node[n], dtype, transposed)
