@@ -216,6 +216,7 @@ def run(opts) -> dict:
         attention_impl=atten[0].attention_impl if atten else None,
         attention_routes=attn.routes(),
         remat=models.remat_policy(prep.model_config),
+        fdl_set=list(opts.fdl_set),
         shape=dict(batch=data.batch_size,
                    seq_len=data.seq_len,
                    packing=data.packing,
@@ -291,6 +292,8 @@ def table(r: dict) -> str:
         f"{f['expert_params']:,} counted x {f['top_k']}/{f['num_experts']})",
         f"device {r['meta']['device']}; peak {r['peak_tflops']} TFLOP/s dense bf16",
     ]
+    if r.get("fdl_set"):
+        lines.append("config changes: " + " ".join(r["fdl_set"]))
     lines += r["attention_routes"]
     lines += [f"note: {n}" for n in r["notes"]]
     bd = r.get("breakdown")
@@ -310,14 +313,15 @@ def table(r: dict) -> str:
 def summary(results: list[dict]) -> str:
     """One row per result (JSON written by this module), in the order given."""
     lines = [
-        "| exp | attention | remat | tokens/s | step ms | GFLOP/token | TFLOP/s | MFU | peak mem "
-        "GiB | device |", "|---|---|---|---|---|---|---|---|---|---|"
+        "| exp | attention | remat | config changes | tokens/s | step ms | GFLOP/token | TFLOP/s "
+        "| MFU | peak mem GiB | device |", "|---|---|---|---|---|---|---|---|---|---|---|"
     ]
     for r in results:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
         mem = r.get("peak_memory_bytes")
         mem = f"{mem / 2**30:.1f}" if mem is not None else "n/a"
-        lines.append(f"| {r['exp']} | {r['attention_impl']} | {r['remat']} | "
+        changes = " ".join(r.get("fdl_set") or []) or "-"
+        lines.append(f"| {r['exp']} | {r['attention_impl']} | {r['remat']} | {changes} | "
                      f"{r['tokens_per_sec']:,.0f} | {r['step_ms']:.1f} | "
                      f"{r['flops']['flops_per_token'] / 1e9:.3f} | {r['tflops_per_sec']:.1f} | "
                      f"{mfu} | {mem} | {r['meta']['device']} |")

@@ -5,8 +5,9 @@
 # left out (and listed). One table of every run at the end.
 #   bash benchmarks/e2e_device_run.sh [BUDGET_S] [STEPS]
 # BUDGET_S (default 400): no run starts after it; STEPS (default 5): timed steps per run (after 2
-# warm-up steps). RUNS="exp:attention:remat ..." replaces the default list (attention 'default'
-# or remat 'default': the experiment's own). BREAKDOWN=1 adds --breakdown to the cuDNN runs with
+# warm-up steps). RUNS="exp:attention:remat[:PATH=VALUE+PATH=VALUE] ..." replaces the default list
+# (attention 'default' or remat 'default': the experiment's own; the optional fourth field: config
+# changes, each passed as --fdl_set, e.g. train.cast_weights_once=True+optimizer.mu_dtype='bfloat16'). BREAKDOWN=1 adds --breakdown to the cuDNN runs with
 # the experiment's remat (XLA's command buffers off so every kernel carries its HLO op).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -29,8 +30,9 @@ ensure_library "$OUT" | tee -a "$OUT/env_e2e.txt"
 START=$(date +%s)
 SKIPPED=""
 for RUN in $RUNS; do
-  IFS=: read -r EXP ATT REMAT <<< "$RUN"
+  IFS=: read -r EXP ATT REMAT SETS <<< "$RUN"
   TAG="${EXP}_${ATT}_${REMAT}"
+  [ -n "$SETS" ] && TAG="${TAG}_$(echo "$SETS" | tr -c 'A-Za-z0-9_.\n' '_')"
   if [ $(( $(date +%s) - START )) -gt "$BUDGET" ]; then
     SKIPPED="$SKIPPED $RUN"
     continue
@@ -38,6 +40,9 @@ for RUN in $RUNS; do
   ARGS="--exp $EXP --steps $STEPS --json $OUT/e2e_$TAG.json"
   [ "$ATT" != default ] && ARGS="$ARGS --attention $ATT"
   [ "$REMAT" != default ] && ARGS="$ARGS --remat $REMAT"
+  SET_ARGS=()
+  IFS=+ read -r -a SET_LIST <<< "$SETS"
+  for S in "${SET_LIST[@]}"; do SET_ARGS+=(--fdl_set "$S"); done
   FLAGS=""
   if [ "${BREAKDOWN:-0}" = 1 ] && [ "$ATT" = cudnn ] && [ "$REMAT" = default ]; then
     ARGS="$ARGS --breakdown"
@@ -46,7 +51,7 @@ for RUN in $RUNS; do
   T0=$(date +%s)
   # XLA reads an XLA_FLAGS of blanks as a file name: set it only when it holds a flag
   XF=$(echo "${XLA_FLAGS:-} $FLAGS" | xargs)
-  env -u XLA_FLAGS ${XF:+XLA_FLAGS="$XF"} timeout 300 python3 -m benchmarks.e2e $ARGS \
+  env -u XLA_FLAGS ${XF:+XLA_FLAGS="$XF"} timeout 300 python3 -m benchmarks.e2e $ARGS "${SET_ARGS[@]}" \
     > "$OUT/e2e_$TAG.log" 2>&1
   RC=$?
   echo "== $RUN rc=$RC in $(( $(date +%s) - T0 )) s"

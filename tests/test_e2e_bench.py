@@ -104,5 +104,7 @@ def test_tiny_experiment_two_steps(tmp_path, capsys):
         assert bd["hlo_instructions"][part] > 0, (part, bd["hlo_instructions"])
     out = capsys.readouterr().out
     assert "6 x active parameters + 12 x layers x seq_len x attention width" in out
+    assert r["fdl_set"] == ["data.batch_size=8"] and "config changes: data.batch_size=8" in out
     assert e2e.main(["--summary", str(tmp_path)]) == 0
-    assert "| tiny | xla | save_attention_and_moe_gemms |" in capsys.readouterr().out
+    assert "| tiny | xla | save_attention_and_moe_gemms | data.batch_size=8 |" in capsys.readouterr(
+    ).out
