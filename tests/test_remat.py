@@ -33,9 +33,17 @@ def _cfg(remat, repeat=True):
 
 
 def test_set_remat_round_trips_and_keeps_the_presets_default():
-    for name in ("mixtral_moe_gpu", "qwen3_moe_gpu", "tiny", "small_gpu"):
+    # mixtral_moe_gpu's policy was chosen by benchmarks.e2e on an H100 (docs/performance.md);
+    # qwen3_moe_gpu keeps full remat until it is measured on an H200
+    presets = {
+        "mixtral_moe_gpu": "save_dot_except_mlp",
+        "mixtral_moe_gpu_fp8": "save_dot_except_mlp",
+        "qwen3_moe_gpu": "full",
+        "tiny": "none",
+        "small_gpu": "none"
+    }
+    for name, want in presets.items():
         cfg = registry.get_experiment(name)().experiment_config()
-        want = "full" if name.endswith("_gpu") and name != "small_gpu" else "none"
         assert models.remat_policy(cfg.model) == want, name
         layer = models.stack_block(cfg.model).transformer_layer_params_tpl
         assert layer.__fn_or_cls__ is transformers.Transformer  # today's layer, untouched
