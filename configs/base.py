@@ -112,8 +112,9 @@ class OptimizerConfig:
       then and recorded: ``experiments.train.setup.resolve_lengths``).
     clip_norm: gradients are scaled so their global L2 norm is at most this (0 = off).
     mu_dtype: the dtype AdamW keeps its first moment in: 'float32', or 'bfloat16' (half the
-      moment's memory and bytes moved by the update; the update itself is computed in float32,
-      as optax's ``mu_dtype`` does). The second moment stays float32.
+      moment's memory and bytes moved by the update; the moment is upcast and the update
+      computed in float32, the result rounded once when stored). The second moment stays
+      float32.
     """
 
     learning_rate: float = 3e-3

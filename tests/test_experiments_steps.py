@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+import moe_praxis
 from configs import base, experiments, models
 from experiments.train import setup, steps
 from moe_praxis.praxis import compat
@@ -153,6 +154,41 @@ def test_current_mesh_inside_jit_is_the_concrete_mesh():
     assert seen[0] == mesh and isinstance(seen[0], jax.sharding.Mesh)
     jax.jit(f)(jnp.ones(8))
     assert seen[1] is None
+
+
+def test_cast_expert_weights_casts_the_routed_expert_weights_only():
+    """Separate and fused (wi_gate_up) expert weights, stacked or not, at any depth, are cast;
+    the router, the expert bias and every other parameter keep their dtype."""
+    f32 = lambda *s: jnp.ones(s, jnp.float32)  # noqa: E731
+    params = {
+        "emb": f32(4, 8),
+        "a": {
+            "ff_layer": {
+                "router": f32(8, 4),
+                "expert_bias": f32(4),
+                "wi_gate": f32(4, 8, 6),
+                "wi_up": f32(4, 8, 6),
+                "wo": f32(4, 6, 8)
+            },
+            "attn": {
+                "w": f32(8, 8)
+            }
+        },
+        "repeat": {
+            "ff_layer": {
+                "router": f32(2, 8, 4),
+                "wi_gate_up": f32(2, 4, 8, 12),
+                "wo": f32(2, 4, 6, 8)
+            }
+        },
+    }
+    got = moe_praxis.cast_expert_weights(params, "bfloat16")
+    cast = {("a", "ff_layer", n) for n in ("wi_gate", "wi_up", "wo")}
+    cast |= {("repeat", "ff_layer", n) for n in ("wi_gate_up", "wo")}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(got)[0]:
+        key = tuple(k.key for k in path)
+        assert leaf.dtype == (jnp.bfloat16 if key in cast else jnp.float32), key
+    assert jax.tree.structure(got) == jax.tree.structure(params)
 
 
 def _expert_weight_casts(fn, *args) -> collections.Counter:

@@ -2,11 +2,11 @@
 
 Praxis casts a float32 weight to the layer's fprop_dtype each time the layer reads it: in the
 forward, and again where a rematerialized layer recomputes its forward inside the backward, so
-a scanned, rematerialized stack reads every expert weight in float32 two or three times a step
-and writes its bfloat16 copy as often. A train step that calls
+a scanned, rematerialized stack reads every expert weight in float32 twice a step and writes
+its bfloat16 copy twice. A train step that calls
 `cast_expert_weights(params, dtype)` inside its loss, before the model's apply and outside the
 scanned layers, makes that copy once; the layers then find their expert weights already in
-`dtype`, and Praxis casts nothing. The values are the same (a cast is exact and deterministic)
+`dtype`, and Praxis casts nothing. The values are the same (the same cast of the same weights)
 and so are the gradients (each expert weight is read once per forward, so its cotangent is the
 same bfloat16 array, converted to float32 once by the cast's transpose). The price: the
 bfloat16 copy of every expert weight stays alive from the forward to the backward.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from moe_praxis.experts import EXPERT_WEIGHTS
+from moe_praxis.expert_weights import GATHERED
 
 
 def is_moe_params(node) -> bool:
@@ -29,17 +29,16 @@ def is_moe_params(node) -> bool:
 
 
 def cast_expert_weights(params, dtype) -> dict:
-    """``params`` (nested dicts) with every MoE layer's expert weights (wi_gate, wi_up, wo) cast
-    to ``dtype``; the other entries as they are. Differentiable: the gradient w.r.t. the float32
+    """``params`` (nested dicts) with every MoE layer's routed expert weights (wi_gate, wi_up or
+    the fused wi_gate_up, wo: expert_weights.GATHERED) cast to ``dtype``; the other entries
+    (the router, the expert bias, shared experts, every other layer) as they are. Differentiable: the gradient w.r.t. the float32
     weights is the cast's transpose."""
     dtype = jnp.dtype(dtype)
     out = {}
     for key, node in params.items():
         if is_moe_params(node):
             out[key] = {
-                k:
-                v.astype(dtype)
-                if k in EXPERT_WEIGHTS and jnp.issubdtype(v.dtype, jnp.floating) else v
+                k: v.astype(dtype) if k in GATHERED and jnp.issubdtype(v.dtype, jnp.floating) else v
                 for k, v in node.items()
             }
         elif isinstance(node, dict):
