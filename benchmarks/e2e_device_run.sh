@@ -6,9 +6,10 @@
 #   bash benchmarks/e2e_device_run.sh [BUDGET_S] [STEPS]
 # BUDGET_S (default 400): no run starts after it; STEPS (default 5): timed steps per run (after 2
 # warm-up steps). RUNS="exp:attention:remat[:PATH=VALUE+PATH=VALUE] ..." replaces the default list
-# (attention 'default' or remat 'default': the experiment's own; the optional fourth field: config
-# changes, each passed as --fdl_set, e.g. train.cast_weights_once=True+optimizer.mu_dtype='bfloat16'). BREAKDOWN=1 adds --breakdown to the cuDNN runs with
-# the experiment's remat (XLA's command buffers off so every kernel carries its HLO op).
+# (attention 'default' or remat 'default': the experiment's own; the optional fourth field:
+# config changes, each passed as --fdl_set, e.g.
+# train.cast_weights_once=True+optimizer.mu_dtype='bfloat16'). BREAKDOWN=1 adds --breakdown to
+# the cuDNN runs with the experiment's remat (XLA's command buffers off so every kernel carries its HLO op).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/e2e_out}

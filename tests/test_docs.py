@@ -108,16 +108,8 @@ def test_docs_hold_documentation_only():
     assert lines < 300, f"docs/grouped_gemm.md has {lines} lines; the run log is benchmarks/results/"
 
 
-def _tracked(folder: str) -> list[pathlib.Path]:
-    r = subprocess.run(["git", "ls-files", folder], cwd=ROOT, capture_output=True, text=True)
-    if r.returncode:
-        return sorted(p for p in (ROOT / folder).rglob("*")
-                      if p.is_file() and "__pycache__" not in p.parts)
-    return [ROOT / line for line in r.stdout.split()]
-
-
 def test_experiments_holds_only_its_python_runtime():
-    others = [p.name for p in _tracked("experiments") if p.suffix != ".py"]
+    others = [p.name for p in testutil.repo_files(under="experiments") if p.suffix != ".py"]
     assert not others, (f"experiments/ holds {others}: benchmarks and their scripts go to "
                         "benchmarks/, rejected experiments to git history (benchmarks/archive.md)")
 

@@ -21,11 +21,12 @@ def long_options(parser) -> set[str]:
 REPO = Path(__file__).resolve().parent.parent
 
 
-def repo_files(suffixes) -> list[Path]:
-    """The repository's own files with one of these suffixes: git's tracked and untracked but not
-    ignored files, so never the .venv, build outputs or caches a checkout holds (where git is
-    absent: every file outside a dot-folder, build/ and __pycache__)."""
-    r = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"],
+def repo_files(suffixes=None, under: str = "") -> list[Path]:
+    """The repository's own files (below the folder ``under``; with one of ``suffixes``, None:
+    any): git's tracked and untracked but not ignored files, so never the .venv, build outputs
+    or caches a checkout holds (where git is absent: every file outside a dot-folder, build/ and
+    __pycache__)."""
+    r = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "--", under or "."],
                        cwd=REPO,
                        capture_output=True,
                        text=True)
@@ -34,10 +35,10 @@ def repo_files(suffixes) -> list[Path]:
     else:
         skip = {"build", "__pycache__"}
         files = [
-            p for p in REPO.rglob("*")
+            p for p in (REPO / under).rglob("*")
             if not any(part.startswith(".") or part in skip for part in p.relative_to(REPO).parts)
         ]
-    return sorted(p for p in files if p.suffix in suffixes and p.is_file())
+    return sorted(p for p in files if p.is_file() and (suffixes is None or p.suffix in suffixes))
 
 
 def seed() -> int:

@@ -53,16 +53,18 @@ def fp8_layers(model_config):
     if not found:
         return None
     c = found[0]
+    return _fprop_dtype(c, model_config), c.kernel_backend, c
+
+
+def _fprop_dtype(layer, model_config):
     # a layer's fprop_dtype left unset is its parent's (Praxis copies it down at build)
-    return c.fprop_dtype or model_config.fprop_dtype, c.kernel_backend, c
+    return layer.fprop_dtype or model_config.fprop_dtype
 
 
 def moe_fprop_dtype(model_config):
     """The fprop dtype of the model's MoE layers (the first one's), None without one."""
     found = [c for _, c in stack.moe_layer_configs(model_config)]
-    if not found:
-        return None
-    return jnp.dtype(found[0].fprop_dtype or model_config.fprop_dtype)
+    return jnp.dtype(_fprop_dtype(found[0], model_config)) if found else None
 
 
 def _segments(batch) -> dict:
