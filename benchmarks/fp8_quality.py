@@ -1,15 +1,27 @@
-"""FP8 training quality: TinyBf16 and TinyFp8 (the same seed, data and steps; the expert GEMMs
-in bf16 or in blockwise FP8) trained by the experiment main, held-out losses compared.
+"""FP8 training quality: a bf16 experiment and its FP8 twin (the same seed, data and steps; the
+expert GEMMs in bf16 or in blockwise FP8) trained by the experiment main, held-out losses
+compared at every evaluation; and FP8 variants that change one thing at a time.
 
-    python -m benchmarks.fp8_quality [--steps N] [--out benchmarks/results/fp8_quality.json]
-                                     [--base configs.experiments.TinyBf16]
-                                     [--fp8 configs.experiments.TinyFp8] [--max_gap 0.01]
+    python -m benchmarks.fp8_quality [--base configs.experiments.TinyBf16]
+        [--fp8 configs.experiments.TinyFp8] [--steps N] [--eval_every N] [--data PATH]
+        [--fdl_set PATH=VALUE ...] [--variant NAME PATH=VALUE [PATH=VALUE ...]] ...
+        [--max_gap 0.01] [--keep DIR] [--out benchmarks/results/fp8_quality.json]
 
-The check: the final held-out loss of the FP8 run within 1% (relative) of the bf16 run.
-Each run is a fresh `python -m experiments.main` in its own job directory (a temporary one
-unless --keep DIR). Prints the held-out loss at every evaluation, the relative gap, PASS/FAIL;
-writes the JSON. On a CPU the FP8 run uses the pure-JAX emulation of the FP8 GEMMs (the same
-arithmetic as the kernels, up to summation order).
+Each run is `python -m experiments.main` in its own job directory (a temporary one unless
+--keep DIR). --data, --steps, --eval_every and every --fdl_set apply to all runs; a --variant
+is one more run of the --fp8 experiment with its own changes, e.g. the wgrads in bf16:
+
+    --variant wgrad_bf16 "model.stacked_transformer_tpl.block.moe_layer_tpl.fp8_gemms='fwd+dgrad'"
+
+With --keep a run whose job directory already holds its final step is read, not trained
+again, and one cut short resumes from its checkpoint: a set of runs longer than one sitting is
+finished by running the same command again.
+
+Prints the held-out loss of every run at every evaluation, each FP8 run's relative gap to the
+base, the corpus and how much of it the runs read; writes the JSON (both curves, the gaps).
+The check: the --fp8 run's held-out loss within --max_gap (relative) of the base at every
+evaluation after step 0 (PASS / FAIL; exit 1 on FAIL). On a CPU the FP8 runs use the pure-JAX
+emulation of the FP8 GEMMs (the same arithmetic as the kernels, up to summation order).
 """
 
 from __future__ import annotations
@@ -17,34 +29,135 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from experiments.job import jobdir
 from experiments.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
+_DATA_LINE = re.compile(r"^data: .*?([\d,]+) tokens \(([\d,]+) bytes\)", re.M)
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-def train(exp: str, job_dir: Path, steps: int | None) -> dict:
-    cmd = [
-        sys.executable, "-m", "experiments.main", f"--exp={exp}", f"--job_log_dir={job_dir}",
-        "--no_progress"
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="configs.experiments.TinyBf16", help="the bf16 experiment")
+    ap.add_argument("--fp8", default="configs.experiments.TinyFp8", help="its FP8 twin")
+    ap.add_argument("--steps",
+                    type=int,
+                    default=None,
+                    help="train.num_steps (default: the "
+                    "experiment's)")
+    ap.add_argument("--eval_every",
+                    type=int,
+                    default=None,
+                    help="train.eval_every (default: "
+                    "the experiment's)")
+    ap.add_argument("--data",
+                    default=None,
+                    help="data.path of every run (a file or folder of "
+                    "text: a corpus the runs read at most once compares the formats fairly)")
+    ap.add_argument("--fdl_set",
+                    action="append",
+                    default=[],
+                    metavar="PATH=VALUE",
+                    help="a config change of every run (experiments.main's --fdl_set)")
+    ap.add_argument("--variant",
+                    action="append",
+                    nargs="+",
+                    default=[],
+                    metavar="NAME PATH=VALUE",
+                    help="one more run of --fp8 with these changes, named NAME")
+    ap.add_argument("--max_gap", type=float, default=0.01, help="relative held-out loss gap")
+    ap.add_argument("--keep",
+                    default=None,
+                    help="job directories under this folder (runs "
+                    "found finished there are read, not trained again)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/fp8_quality.json"))
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    names = ["base", "fp8"]
+    for v in args.variant:
+        name, changes = v[0], v[1:]
+        if not _NAME.match(name) or "=" in name:
+            ap.error(f"--variant {name!r}: the first value is the run's name (letters, digits, "
+                     "'_', '.', '-'), then its PATH=VALUE changes")
+        if not changes or any("=" not in c for c in changes):
+            ap.error(f"--variant {name}: {changes or 'nothing'}: give one or more PATH=VALUE "
+                     "changes after the name")
+        names.append(name)
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        ap.error(f"--variant names must differ from each other and from base, fp8: {dup}")
+    for c in args.fdl_set:
+        if "=" not in c:
+            ap.error(f"--fdl_set {c!r}: give PATH=VALUE")
+    if args.data is not None and not Path(args.data).exists():
+        ap.error(f"--data {args.data!r}: no such file or folder")
+    return args
+
+
+def plan_runs(args) -> list[dict]:
+    """[{name, exp, changes}] in run order: base, fp8, then each variant (of --fp8)."""
+    common = list(args.fdl_set)
+    if args.data is not None:
+        common.append(f"data.path={str(Path(args.data).resolve())!r}")
+    if args.steps:
+        common.append(f"train.num_steps={args.steps}")
+    if args.eval_every:
+        common.append(f"train.eval_every={args.eval_every}")
+    runs = [
+        dict(name="base", exp=args.base, changes=common),
+        dict(name="fp8", exp=args.fp8, changes=common)
     ]
-    if steps:
-        cmd.append(f"--fdl.train.num_steps={steps}")
+    runs += [dict(name=v[0], exp=args.fp8, changes=common + list(v[1:])) for v in args.variant]
+    return runs
+
+
+def train(run: dict, job_dir: Path) -> dict:
+    """Runs (or resumes, or reads a finished) experiments.main job; its eval curve."""
+    cmd = [
+        sys.executable, "-m", "experiments.main", f"--exp={run['exp']}", f"--job_log_dir={job_dir}",
+        "--no_progress"
+    ] + [f"--fdl_set={c}" for c in run["changes"]]
     t0 = time.time()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if p.returncode:
-        raise SystemExit(f"{exp} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
-    evals = [r for r in read_metrics(job_dir / "metrics.jsonl") if r["kind"] == "eval"]
+        raise SystemExit(f"{run['name']} ({run['exp']}) failed (exit {p.returncode}):\n"
+                         f"{p.stderr[-4000:]}")
+    recs = read_metrics(job_dir / "metrics.jsonl")
+    evals = [r for r in recs if r["kind"] == "eval"]
     if not evals:
-        raise SystemExit(f"{exp}: no eval records in {job_dir / 'metrics.jsonl'}")
+        raise SystemExit(f"{run['name']}: no eval records in {job_dir / 'metrics.jsonl'}")
+    m = _DATA_LINE.search(p.stdout)
+    data = jobdir.load_recorded(job_dir).data
+    tps = sorted(r["tokens_per_sec"] for r in recs
+                 if r["kind"] == "train" and r["step"] >= 5 and "tokens_per_sec" in r)
     return {
-        "exp": exp,
-        "seconds": round(time.time() - t0, 1),
+        **run,
+        "seconds":
+        round(time.time() - t0, 1),
+        "corpus_tokens":
+        int(m.group(1).replace(",", "")) if m else None,
+        "corpus_bytes":
+        int(m.group(2).replace(",", "")) if m else None,
+        "tokens_per_step":
+        data.batch_size * data.seq_len,
+        "final_step":
+        max(r["step"] for r in recs if r["kind"] == "train") if any(r["kind"] == "train"
+                                                                    for r in recs) else 0,
+        "tokens_per_sec_median":
+        tps[len(tps) // 2] if tps else None,
         "heldout_loss": {
             r["step"]: r["heldout_loss"]
             for r in evals
@@ -52,47 +165,102 @@ def train(exp: str, job_dir: Path, steps: int | None) -> dict:
     }
 
 
+def read_share(run: dict):
+    """The share of the corpus's tokens a run's steps read (None where the main printed no
+    data line), over its train and held-out tokens alike."""
+    if not run["corpus_tokens"]:
+        return None
+    return run["final_step"] * run["tokens_per_step"] / run["corpus_tokens"]
+
+
+def compare(runs: list[dict], max_gap: float) -> dict:
+    """Each FP8 run's relative gap to the base at the common eval steps, and the check (the
+    'fp8' run within max_gap at every step after 0)."""
+    base = runs[0]["heldout_loss"]
+    steps = sorted(set(base).intersection(*(r["heldout_loss"] for r in runs[1:])))
+    gaps = {
+        r["name"]: {
+            s: (r["heldout_loss"][s] - base[s]) / base[s]
+            for s in steps
+        }
+        for r in runs[1:]
+    }
+    checked = [s for s in steps if s > 0]
+    worst = max((abs(gaps["fp8"][s]) for s in checked), default=None)
+    return {
+        "steps": steps,
+        "gaps": gaps,
+        "max_abs_gap_fp8": worst,
+        "pass": worst is not None and worst <= max_gap,
+    }
+
+
+def table(runs: list[dict], result: dict) -> str:
+    names = [r["name"] for r in runs]
+    head = "| step | " + " | ".join(names) + " | " + " | ".join(f"gap {n}" for n in names[1:])
+    lines = [head + " |", "|---" * (2 * len(names)) + "|"]
+    for s in result["steps"]:
+        losses = " | ".join(f"{r['heldout_loss'][s]:.4f}" for r in runs)
+        gaps = " | ".join(f"{result['gaps'][n][s]:+.2%}" for n in names[1:])
+        lines.append(f"| {s} | {losses} | {gaps} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base", default="configs.experiments.TinyBf16")
-    ap.add_argument("--fp8", default="configs.experiments.TinyFp8")
-    ap.add_argument("--steps",
-                    type=int,
-                    default=None,
-                    help="train.num_steps (default: the "
-                    "experiment's)")
-    ap.add_argument("--max_gap", type=float, default=0.01, help="relative held-out loss gap")
-    ap.add_argument("--keep", default=None, help="job directories under this folder")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/fp8_quality.json"))
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
+    plan = plan_runs(args)
     with tempfile.TemporaryDirectory() as tmp:
         top = Path(args.keep or tmp)
-        runs = [
-            train(exp, top / exp.rsplit(".", 1)[-1], args.steps) for exp in (args.base, args.fp8)
-        ]
-    base, fp8 = (r["heldout_loss"] for r in runs)
-    steps = sorted(set(base) & set(fp8))
-    print(f"| step | {args.base} | {args.fp8} | gap (relative) |\n|---|---|---|---|")
-    for s in steps:
-        print(f"| {s} | {base[s]:.4f} | {fp8[s]:.4f} | {(fp8[s] - base[s]) / base[s]:+.4%} |")
-    last = steps[-1]
-    gap = (fp8[last] - base[last]) / base[last]
-    ok = abs(gap) <= args.max_gap
-    print(f"final step {last}: gap {gap:+.4%} (|gap| <= {args.max_gap:.2%}: "
-          f"{'PASS' if ok else 'FAIL'}); {runs[0]['seconds']} s / {runs[1]['seconds']} s")
+        runs = []
+        for run in plan:
+            runs.append(train(run, top / run["name"]))
+            print(
+                f"{run['name']}: {run['exp']} {' '.join(run['changes'][len(plan[0]['changes']):])}"
+                f" {runs[-1]['seconds']} s",
+                flush=True)
+    result = compare(runs, args.max_gap)
+    if not result["steps"]:
+        raise SystemExit("the runs share no eval step: compare them with the same "
+                         "--steps and --eval_every")
+    print(table(runs, result))
+    seen = read_share(runs[0])
+    if seen is not None:
+        print(f"corpus: {runs[0]['corpus_tokens']:,} tokens ({runs[0]['corpus_bytes']:,} bytes);"
+              f" {runs[0]['final_step']} steps of {runs[0]['tokens_per_step']:,} tokens read "
+              f"{seen:.2f} of it" + ("" if seen <= 1 else " (more than once: the runs repeat "
+                                     "examples; a larger --data compares the formats better)"))
+    worst = result["max_abs_gap_fp8"]
+    print(f"fp8 against base: largest |gap| after step 0 {worst:.3%} (<= {args.max_gap:.2%} at "
+          f"every eval: {'PASS' if result['pass'] else 'FAIL'})"
+          if worst is not None else "fp8 against base: no eval after step 0 (FAIL)")
     out = {
-        "what": "held-out loss, bf16 vs blockwise FP8 expert GEMMs, same seed/data/steps",
-        "machine": platform.node(),
-        "python": platform.python_version(),
-        "runs": runs,
-        "final_step": last,
-        "relative_gap": gap,
-        "max_gap": args.max_gap,
-        "pass": ok,
+        "what":
+        "held-out loss, bf16 vs blockwise FP8 expert GEMMs (and FP8 variants), same "
+        "seed/data/steps",
+        "machine":
+        platform.node(),
+        "python":
+        platform.python_version(),
+        "command":
+        "python -m benchmarks.fp8_quality " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "runs":
+        runs,
+        "steps":
+        result["steps"],
+        "relative_gaps":
+        result["gaps"],
+        "max_abs_gap_fp8":
+        worst,
+        "max_gap":
+        args.max_gap,
+        "pass":
+        result["pass"],
+        "corpus_read":
+        seen,  # the share of the corpus's tokens the base run's steps read
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    return 0 if ok else 1
+    return 0 if result["pass"] else 1
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ class LanguageModel:
     NUM_SHARED_EXPERTS = config_default("num_shared_experts")
     SHARED_HIDDEN_DIMS: Optional[int] = config_default("shared_hidden_dims")
     # FP8: None or 'blockwise' (FP8 expert GEMMs; MODEL_DIMS and the experts' hidden dims
-    # multiples of 128). FP8_GEMMS: 'auto' (FP8 where it pays: moe_praxis.ops.fp8.rule) or 'all'.
+    # multiples of 128). FP8_GEMMS: 'auto' (FP8 where it pays: moe_praxis.ops.fp8.rule), 'all', or
+    # the GEMMs in FP8 joined by '+' ('fwd+dgrad': wgrad in bf16; quality runs, one GEMM at a time).
     FP8: Optional[str] = config_default("fp8")
     FP8_GEMMS = config_default("fp8_gemms")
     # Attention (moe_praxis.praxis.attention.GroupedQueryAttention). NUM_KV_HEADS None: one

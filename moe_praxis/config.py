@@ -146,8 +146,11 @@ class MoEConfig:
         and wgrad in FP8 only at the shapes where FP8 was measured faster on an H200, the
         others in bf16 on the master weight; and a call whose weights' FP8 form would serve
         fewer than 2048 rows per expert per quantization runs the bf16 layer, its form costing
-        more than FP8 saves: ops.fp8.rule.form_pays) or 'all' (every expert GEMM in FP8, at
-        any rows). backend_info(config) and the layer's summaries name the choice.
+        more than FP8 saves: ops.fp8.rule.form_pays), 'all' (every expert GEMM in FP8, at
+        any rows) or the GEMMs named and joined by '+' ('fwd', 'fwd+dgrad', ...: those GEMMs
+        of every expert weight in FP8 at any rows, the others in bf16 on the master weight,
+        as TransformerEngine's override_linear_precision; for quality runs that change one
+        GEMM at a time). backend_info(config) and the layer's summaries name the choice.
     """
 
     d_model: int
@@ -269,8 +272,10 @@ class MoEConfig:
         elif not self.fp8_quantize_before_gather:
             raise _err("fp8_quantize_before_gather", self.fp8_quantize_before_gather,
                        "only applies with fp8='blockwise' (leave it True)")
-        if self.fp8_gemms not in fp8_rule.FP8_GEMMS:
-            raise _err("fp8_gemms", self.fp8_gemms, f"valid: {fp8_rule.FP8_GEMMS}")
+        try:
+            fp8_rule.parse(self.fp8_gemms)
+        except ValueError:
+            raise _err("fp8_gemms", self.fp8_gemms, f"valid: {fp8_rule.VALID}") from None
         if not self.param_init_scale > 0:
             raise _err("param_init_scale", self.param_init_scale, "must be > 0")
         if self.ep_exchange not in EP_EXCHANGES:

@@ -9,6 +9,7 @@ norm-wise), and each compared FP8 piece differs from its bf16 twin by more than 
 choice is really applied). The block on an fsdp x ep mesh under 'auto' equals one device.
 """
 
+import re
 import warnings
 
 import numpy as np
@@ -63,10 +64,64 @@ def test_rule_at_the_measured_shapes_and_its_thresholds():
         "dgrad": "bf16",
         "wgrad": "bf16"
     }
-    with pytest.raises(ValueError,
-                       match=r"MoEConfig.fp8_gemms='some' is invalid: valid: "
-                       r"\('auto', 'all'\)"):
-        mp.MoEConfig(d_model=128, d_ff=128, num_experts=2, fp8="blockwise", fp8_gemms="some")
+    for bad in ("some", "fwd+fwd", "fwd+", "", "none", "Fwd"):
+        with pytest.raises(
+                ValueError,
+                match=rf"MoEConfig.fp8_gemms={re.escape(repr(bad))} is invalid: valid: 'auto', "
+                r"'all', or GEMMs from \('fwd', 'dgrad', 'wgrad'\) joined by '\+'"):
+            mp.MoEConfig(d_model=128, d_ff=128, num_experts=2, fp8="blockwise", fp8_gemms=bad)
+
+
+def test_gemms_named_by_hand_apply_to_every_weight_at_any_rows():
+    """fp8_gemms 'fwd+dgrad' (TransformerEngine's override_linear_precision: wgrad in bf16),
+    'dgrad+wgrad', ... : the named GEMMs of every expert weight in FP8, whatever the shape and
+    the rows per expert ('auto' would run the bf16 layer under 2048)."""
+    assert fp8_rule.parse("auto") is None and fp8_rule.parse("all") == fp8_rule.ALL
+    assert fp8_rule.parse("wgrad+fwd") == Fp8Gemms(True, False, True)
+    assert fp8_rule.parse("fwd+dgrad+wgrad") == fp8_rule.ALL
+    for mode in ("fwd", "fwd+dgrad", "dgrad+wgrad"):
+        cfg = mp.MoEConfig(d_model=128, d_ff=256, num_experts=4, fp8="blockwise", fp8_gemms=mode)
+        assert {c.label() for c in cfg.fp8_choices().values()} == {mode}
+        assert fp8_rule.form_pays(mode, 1) and not fp8_rule.form_pays("auto", 2047)
+        info = ops.backend_info(cfg)["fp8_gemms"]
+        assert info["mode"] == mode and info["choice"]["wo"]["wgrad"] == ("fp8" if "wgrad" in mode
+                                                                          else "bf16")
+
+
+def test_named_gemms_reach_the_block():
+    """At 16 rows per expert (where 'auto' runs the bf16 layer) the block runs the GEMMs named:
+    'fwd+dgrad' has the forward and dx of 'all' (the same FP8 arithmetic, within float32
+    rounding: 1e-5 norm-wise) and weight gradients that differ from them (bf16 wgrads, > 1e-3);
+    'dgrad+wgrad' has the forward of the bf16 layer (fp8=None) and its weight gradients
+    differ from the bf16 layer's. MoEOutput.fp8_gemms names what ran."""
+    seed = _seed()
+    base = dict(d_model=256, d_ff=384, num_experts=4, top_k=2, kernel_backend="xla")
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    params = mp.init_moe_params(k1, mp.MoEConfig(**base))
+    x = jax.random.normal(k2, (2, 16, 256), jnp.float32)
+    cot = jax.random.normal(k3, x.shape, jnp.float32)
+
+    def run(**kw):
+        cfg = mp.MoEConfig(**base, **kw)
+        ran = mp.moe_block(params, x, cfg).fp8_gemms
+        (loss, y), (dp, dx) = _block_step(cfg, cot, False)(params, x)
+        return dict(ran), y, dx, dp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the emulation's notice
+        every, named, back, bf16 = (run(fp8="blockwise",
+                                        fp8_gemms="all"), run(fp8="blockwise",
+                                                              fp8_gemms="fwd+dgrad"),
+                                    run(fp8="blockwise", fp8_gemms="dgrad+wgrad"), run())
+        auto = run(fp8="blockwise")
+    assert {c.label() for c in named[0].values()} == {"fwd+dgrad"}
+    assert {c.label() for c in back[0].values()} == {"dgrad+wgrad"}
+    assert {c.label() for c in auto[0].values()} == {"none"}  # 16 rows per expert: bf16 layer
+    assert rel_err(named[1], every[1]) < 1e-5 and rel_err(named[2], every[2]) < 1e-5, seed
+    assert rel_err(back[1], bf16[1]) < 1e-5 and rel_err(every[1], bf16[1]) > 1e-3, seed
+    for w in ("wi_gate", "wi_up", "wo"):
+        assert rel_err(named[3][w], every[3][w]) > 1e-3, f"seed={seed} {w}: wgrad in FP8?"
+        assert rel_err(back[3][w], bf16[3][w]) > 1e-3, f"seed={seed} {w}: wgrad in bf16?"
 
 
 def _gemm_inputs(seed):

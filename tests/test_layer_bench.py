@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import e2e
+from benchmarks import fp8_quality
 from benchmarks import layer_breakdown as lb
 from benchmarks import layer_cases as lc
 from benchmarks import layer_check
@@ -177,7 +178,10 @@ def test_options_and_device_script_knobs_are_documented():
     e2e_opts = long_options(e2e.build_parser())  # the end-to-end benchmark's, also there
     missing = sorted(o for o in e2e_opts if o not in text)
     assert not missing, f"benchmarks.e2e options missing from docs/performance.md: {missing}"
-    unknown = set(re.findall(r"`(--[a-z_-]+)", text)) - opts - e2e_opts
+    fq_opts = long_options(fp8_quality.build_parser())  # the FP8 quality benchmark's, also
+    missing = sorted(o for o in fq_opts if o not in text)
+    assert not missing, f"benchmarks.fp8_quality options missing from docs/performance.md: {missing}"
+    unknown = set(re.findall(r"`(--[a-z0-9_-]+)", text)) - opts - e2e_opts - fq_opts
     assert not unknown, f"docs/performance.md names options the benchmarks lack: {unknown}"
     script = (ROOT / "benchmarks/layer_device_run.sh").read_text()
     knobs = set(re.findall(r"\$\{([A-Z_]+):-", script)) - {"OUT", "PYTHONPATH", "XLA_FLAGS"}

@@ -55,16 +55,20 @@ At FORM_MIN_ROWS = 2048 no measured point runs slower than bf16 by more than qwe
 and one gain is given up (deepseek @4, 1.06x, runs bf16). A form given to moe_block (made by
 the caller, whose rows per quantization moe_block cannot see) is used: its cost is spent.
 
-MoEConfig.fp8_gemms: 'auto' (this rule, the default) or 'all' (every expert GEMM in FP8, at
-any rows).
+MoEConfig.fp8_gemms: 'auto' (this rule, the default), 'all' (every expert GEMM in FP8, at
+any rows), or the GEMMs to run in FP8 named and joined by '+' ('fwd', 'fwd+dgrad', 'dgrad+wgrad',
+...: the same GEMMs of every expert weight, at any rows; the others in bf16 on the master
+weight), as TransformerEngine's `override_linear_precision` keeps chosen GEMMs out of FP8: for
+training-quality runs that change one GEMM at a time, or to keep a GEMM out of FP8 by choice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-FP8_GEMMS = ("auto", "all")  # MoEConfig.fp8_gemms
+FP8_GEMMS = ("auto", "all")  # MoEConfig.fp8_gemms' named modes (also: GEMMS joined by '+')
 GEMMS = ("fwd", "dgrad", "wgrad")
+VALID = "'auto', 'all', or GEMMs from ('fwd', 'dgrad', 'wgrad') joined by '+', e.g. 'fwd+dgrad'"
 # The rule's thresholds (module doc: the rows that set each)
 DGRAD_MIN_K = 4096
 WGRAD_MIN_KN = 4096
@@ -96,6 +100,20 @@ ALL = Fp8Gemms()
 NONE = Fp8Gemms(fwd=False, dgrad=False, wgrad=False)
 
 
+def parse(mode) -> Fp8Gemms | None:
+    """MoEConfig.fp8_gemms as the GEMMs it names: None for 'auto' (the rule, per weight), ALL
+    for 'all', else the '+'-joined GEMMs ('fwd+dgrad': forward and dgrad in FP8, wgrad in bf16).
+    A ValueError names the value and what is valid (an unknown or repeated name, none)."""
+    if mode == "auto":
+        return None
+    if mode == "all":
+        return ALL
+    names = mode.split("+") if isinstance(mode, str) else []
+    if not mode or any(g not in GEMMS for g in names) or len(set(names)) != len(names):
+        raise ValueError(f"fp8_gemms={mode!r} is invalid; valid: {VALID}")
+    return Fp8Gemms(**{g: g in names for g in GEMMS})
+
+
 def fp8_gemm_rule(k: int, n: int) -> Fp8Gemms:
     """The measured rule (module doc) for a weight [E, K, N]: forward always, dgrad when
     K >= DGRAD_MIN_K, wgrad when min(K, N) >= WGRAD_MIN_KN."""
@@ -105,17 +123,14 @@ def fp8_gemm_rule(k: int, n: int) -> Fp8Gemms:
 def form_pays(mode: str, rows_per_form: float) -> bool:
     """Whether a layer runs FP8 under mode when its weights' FP8 form serves `rows_per_form`
     rows per (local) expert per quantization (module doc): 'all' always, 'auto' at
-    rows_per_form >= FORM_MIN_ROWS."""
-    if mode not in FP8_GEMMS:
-        raise ValueError(f"fp8_gemms={mode!r} is invalid; valid: {FP8_GEMMS}")
-    return mode == "all" or rows_per_form >= FORM_MIN_ROWS
+    rows_per_form >= FORM_MIN_ROWS, the GEMMs named by hand ('fwd+dgrad', ...) always."""
+    return parse(mode) is not None or rows_per_form >= FORM_MIN_ROWS
 
 
 def choose(mode: str, k: int, n: int) -> Fp8Gemms:
     """The FP8 GEMMs of a weight [E, K, N] under MoEConfig.fp8_gemms=mode."""
-    if mode not in FP8_GEMMS:
-        raise ValueError(f"fp8_gemms={mode!r} is invalid; valid: {FP8_GEMMS}")
-    return ALL if mode == "all" else fp8_gemm_rule(k, n)
+    named = parse(mode)
+    return fp8_gemm_rule(k, n) if named is None else named
 
 
 def weight_shapes(d_model: int, d_ff: int, gated: bool) -> dict[str, tuple[int, int]]:
@@ -148,7 +163,7 @@ def info() -> dict:
              "quantization, else bf16")
     return {
         "rule": "moe_praxis.ops.fp8.rule.fp8_gemm_rule",
-        "modes": FP8_GEMMS,
+        "modes": FP8_GEMMS + ("GEMMs joined by '+' (e.g. 'fwd+dgrad')", ),
         "fwd": "always",
         "dgrad": f"K >= {DGRAD_MIN_K}",
         "wgrad": f"min(K, N) >= {WGRAD_MIN_KN}",
@@ -169,8 +184,8 @@ def markdown_table() -> str:
     """docs/config.md's table of the rule (generated: python -m moe_praxis.config --write)."""
     i = info()
     rows = [
-        "| GEMM of a weight [E, K, N] | FP8 under `fp8_gemms='auto'` | under `'all'` |",
-        "|---|---|---|"
+        "| GEMM of a weight [E, K, N] | FP8 under `fp8_gemms='auto'` | under `'all'` | under "
+        "`'fwd+dgrad'` (GEMMs named, joined by `+`) |", "|---|---|---|---|"
     ]
-    rows += [f"| {g} | {i[g]} | always |" for g in GEMMS]
+    rows += [f"| {g} | {i[g]} | always | {'always' if g != 'wgrad' else 'never'} |" for g in GEMMS]
     return "\n".join(rows) + "\n"

@@ -1,0 +1,113 @@
+"""benchmarks/fp8_quality.py without training: its options, the runs it plans, the gaps and
+the check it computes from eval curves, and the command it gives experiments.main (a fake
+main writes the job directory a real one would). The benchmark's own end-to-end run trains
+for minutes, so the suite does not run it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import fp8_quality as fq
+
+VARIANT = "model.stacked_transformer_tpl.moe_layer_tpl.fp8_gemms='fwd+dgrad'"
+
+
+def test_options_and_the_runs_planned(tmp_path, capsys):
+    args = fq.parse_args([
+        "--steps", "500", "--eval_every", "100", "--data",
+        str(tmp_path), "--fdl_set", "data.batch_size=8", "--variant", "wgrad_bf16", VARIANT
+    ])
+    runs = fq.plan_runs(args)
+    assert [r["name"] for r in runs] == ["base", "fp8", "wgrad_bf16"]
+    assert [r["exp"] for r in runs] == [args.base, args.fp8, args.fp8]
+    common = [
+        "data.batch_size=8", f"data.path={str(tmp_path.resolve())!r}", "train.num_steps=500",
+        "train.eval_every=100"
+    ]
+    assert runs[0]["changes"] == runs[1]["changes"] == common
+    assert runs[2]["changes"] == common + [VARIANT]
+    for bad, said in ((["--variant", "a=b"],
+                       "the first value is the run's name"), (["--variant",
+                                                               "x"], "give one or more PATH=VALUE"),
+                      (["--variant", "x",
+                        "nochange"], "give one or more PATH=VALUE"), (["--variant", "fp8",
+                                                                       "a=1"], "must differ"),
+                      (["--variant", "x", "a=1", "--variant", "x",
+                        "b=2"], "must differ"), (["--fdl_set", "nope"], "give PATH=VALUE"),
+                      (["--data", str(tmp_path / "missing")], "no such file or folder")):
+        with pytest.raises(SystemExit):
+            fq.parse_args(bad)
+        assert said in capsys.readouterr().err, bad
+
+
+def _run(name, losses, **kw):
+    return dict(name=name, heldout_loss=dict(losses), **kw)
+
+
+def test_gaps_and_the_check_at_every_eval():
+    """The check is the fp8 run at every eval after step 0 (not only the last); variants are
+    reported, not checked; only the steps every run has are compared."""
+    base = _run("base", {0: 5.0, 100: 2.0, 200: 1.5})
+    late = _run("fp8", {0: 5.0, 100: 2.06, 200: 1.5})  # 3% at step 100, level at the end
+    var = _run("wgrad_bf16", {0: 5.0, 100: 2.5, 200: 1.8, 300: 1.0})
+    got = fq.compare([base, late, var], 0.01)
+    assert got["steps"] == [0, 100, 200]
+    assert got["gaps"]["fp8"][100] == pytest.approx(0.03)
+    assert got["max_abs_gap_fp8"] == pytest.approx(0.03) and not got["pass"]
+    good = _run("fp8", {0: 5.5, 100: 2.01, 200: 1.49})  # step 0 is not checked
+    assert fq.compare([base, good, var], 0.01)["pass"]
+    text = fq.table([base, good, var], fq.compare([base, good, var], 0.01))
+    assert "| 100 | 2.0000 | 2.0100 | 2.5000 | +0.50% | +25.00% |" in text
+    seen = dict(corpus_tokens=1000, final_step=4, tokens_per_step=500)
+    assert fq.read_share(seen) == 2.0 and fq.read_share(dict(seen, corpus_tokens=None)) is None
+
+
+def test_the_command_given_to_the_main_and_what_is_read_back(tmp_path, monkeypatch, capsys):
+    """A fake experiments.main records its argv and writes metrics, a config and the data
+    line; the benchmark passes each run its changes, reads the curves back and writes the
+    JSON, exit 1 where the fp8 run is over the gap."""
+    seen = []
+
+    class FakeData:
+        batch_size, seq_len = 4, 64
+
+    def fake_run(cmd, cwd, capture_output, text):
+        seen.append(cmd)
+        job = next(c.split("=", 1)[1] for c in cmd if c.startswith("--job_log_dir="))
+        name = job.rsplit("/", 1)[-1]
+        loss = {"base": 2.0, "fp8": 2.1, "v": 2.2}[name]
+        recs = [{
+            "kind": "eval",
+            "step": 0,
+            "heldout_loss": 5.0
+        }, {
+            "kind": "train",
+            "step": 8,
+            "tokens_per_sec": 10.0
+        }, {
+            "kind": "eval",
+            "step": 8,
+            "heldout_loss": loss
+        }]
+        (tmp_path / name).mkdir(parents=True, exist_ok=True)
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        out = "data: source text /x, 1 files, 3 documents, 2,048 tokens (2,048 bytes), ...\n"
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+    monkeypatch.setattr(fq.subprocess, "run", fake_run)
+    monkeypatch.setattr(fq.jobdir, "load_recorded", lambda d: type("C", (), {"data": FakeData}))
+    out = tmp_path / "r.json"
+    rc = fq.main(
+        ["--steps", "8", "--keep",
+         str(tmp_path), "--out",
+         str(out), "--variant", "v", "a.b=1"])
+    assert rc == 1
+    assert seen[0][:3] == [sys.executable, "-m", "experiments.main"]
+    assert "--fdl_set=train.num_steps=8" in seen[1] and "--fdl_set=a.b=1" in seen[2]
+    assert "--fdl_set=a.b=1" not in seen[1]
+    got = json.loads(out.read_text())
+    assert got["relative_gaps"]["fp8"]["8"] == pytest.approx(0.05) and not got["pass"]
+    assert got["corpus_read"] == pytest.approx(8 * 256 / 2048)
+    assert "read 1.00 of it" in capsys.readouterr().out
