@@ -25,6 +25,7 @@ skipped with one line. The JAX methods' rows get `x_torch` = the faster torch ro
 from __future__ import annotations
 
 import statistics
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +103,23 @@ def moe_layer(x, w_router, wg, wu, wo, routing: dict, k: int, bias=None):
     return torch.zeros_like(x).index_add_(0, token, out)
 
 
+def reference(jax_shape):
+    """(n, y, dx) of moe_block (kernel_backend 'xla') on the first n = CHECK_TOKENS tokens, in
+    float32 on the host: computed before the peer's tensors take device memory, so JAX's
+    allocator grows for it (if it must) while torch holds nothing."""
+    shape = jax_shape.shape
+    n = min(CHECK_TOKENS, shape.t)
+    cfg = lc.config(shape, kernel_backend="xla")
+
+    def loss(x, params, cot):  # arrays as arguments: no weights captured as constants
+        out = mp.moe_block(params, x, cfg)
+        return jnp.sum(out.y.astype(jnp.float32) * cot.astype(jnp.float32)), out.y
+
+    (_, y), dx = jax.jit(jax.value_and_grad(loss, has_aux=True))(jax_shape.x[:n], jax_shape.params,
+                                                                 jax_shape.cot[:n])
+    return n, np.asarray(jax.device_get(y), np.float32), np.asarray(jax.device_get(dx), np.float32)
+
+
 class Peer:
     """One shape's torch tensors (copied from the JAX shape's) and timed functions."""
 
@@ -122,26 +140,16 @@ class Peer:
             return y
         return torch.autograd.grad((y.float() * self.cot[:x.shape[0]].float()).sum(), [x] + self.w)
 
-    def check(self, jax_shape) -> dict:
-        """y and dx of the eager layer on the first CHECK_TOKENS tokens against moe_block
-        (kernel_backend 'xla') on the same values."""
-        n = min(CHECK_TOKENS, self.shape.t)
-        cfg = lc.config(self.shape, kernel_backend="xla")
-
-        def loss(x, params, cot):  # arrays as arguments: no weights captured as constants
-            out = mp.moe_block(params, x, cfg)
-            return jnp.sum(out.y.astype(jnp.float32) * cot.astype(jnp.float32)), out.y
-
-        (_, y_ref), dx_ref = jax.jit(jax.value_and_grad(loss, has_aux=True))(jax_shape.x[:n],
-                                                                             jax_shape.params,
-                                                                             jax_shape.cot[:n])
+    def check(self, ref) -> dict:
+        """y and dx of the eager layer on the first CHECK_TOKENS tokens against `ref`
+        (reference(jax_shape): moe_block with kernel_backend 'xla' on the same values)."""
+        n, y_ref, dx_ref = ref
         x = self.x.detach()[:n].clone().requires_grad_(True)
         y = moe_layer(x, self.router, *self.w, self.routing, self.shape.k, self.bias)
         (dx, ) = torch.autograd.grad((y.float() * self.cot[:n].float()).sum(), [x])
         res = {}
         for name, a, b in (("y", y, y_ref), ("dx", dx, dx_ref)):
             a = a.detach().float().cpu().numpy()
-            b = np.asarray(jax.device_get(b.astype(jnp.float32)))
             res[name] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
         res["ok"] = all(v < CHECK_TOL for v in res.values())
         return res
@@ -199,14 +207,15 @@ def rows(jax_shape, load: str, reps: int) -> tuple[list[dict], dict | None]:
             for p in lc.PASSES for m in METHODS
         ], None
     try:
+        ref = reference(jax_shape) if load == "balanced" else None
         peer = Peer(jax_shape)
         if load == "skewed":
             peer.router = to_torch(jax_shape.skew[0]).float()
             with torch.no_grad():
                 peer.x.add_(to_torch(jax_shape.skew[1]).to(peer.x.dtype))
-        check = peer.check(jax_shape) if load == "balanced" else None
+        check = peer.check(ref) if ref is not None else None
     except Exception as ex:  # noqa: BLE001 - the peer failing must not end the JAX run
-        why = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"
+        why = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}{_where(ex)}"
         print(f"  torch peer at {name} {load}: {why}", flush=True)
         return [
             dict(shape=name, load=load, pass_=p, method=m, status=why) for p in lc.PASSES
@@ -235,6 +244,17 @@ def rows(jax_shape, load: str, reps: int) -> tuple[list[dict], dict | None]:
     del peer
     torch.cuda.empty_cache()
     return out, check
+
+
+def _where(ex: BaseException) -> str:
+    """' (at FILE:LINE in FUNCTION)' of the innermost frame of this repository's benchmarks/
+    in ex's traceback: which line of the peer's setup failed ('' where none is)."""
+    frames = [f for f in traceback.extract_tb(ex.__traceback__) if "/benchmarks/" in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} " \
+           f"in {f.name}: {(f.line or '').strip()[:120]})"
 
 
 def x_torch(rows_: list[dict]) -> None:
