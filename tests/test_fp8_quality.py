@@ -42,6 +42,21 @@ def test_options_and_the_runs_planned(tmp_path, capsys):
         assert said in capsys.readouterr().err, bad
 
 
+def test_stdlib_corpus_is_made_once_and_used_as_the_data(tmp_path, capsys):
+    path = tmp_path / "c" / "stdlib.txt"
+    args = fq.parse_args(["--stdlib_corpus", str(path)])
+    assert args.data == str(path) and path.stat().st_size > 10_000_000  # the 10 MB
+    text = path.read_text()
+    assert "def " in text and "import " in text and not path.with_name("stdlib.txt.tmp").exists()
+    assert f"wrote {path}" in capsys.readouterr().out
+    path.write_text("kept")
+    fq.parse_args(["--stdlib_corpus", str(path)])
+    assert path.read_text() == "kept" and "wrote" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        fq.parse_args(["--stdlib_corpus", str(path), "--data", str(tmp_path)])
+    assert "not both" in capsys.readouterr().err
+
+
 def _run(name, losses, **kw):
     return dict(name=name, heldout_loss=dict(losses), **kw)
 
