@@ -32,6 +32,7 @@ import json
 import platform
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -44,6 +45,7 @@ from experiments.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 _DATA_LINE = re.compile(r"^data: .*?([\d,]+) tokens \(([\d,]+) bytes\)", re.M)
+CHILD_SAVE_S = 300  # how long a stopped main may take to save its step
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -155,6 +157,27 @@ def plan_runs(args) -> list[dict]:
     return runs
 
 
+def run_child(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Runs the main; a SIGTERM or Ctrl-C of this process reaches it first (it stops after its
+    step in flight and saves it), so a cut run resumes from there with --keep."""
+    proc = subprocess.Popen(cmd,
+                            cwd=ROOT,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        proc.terminate()
+        proc.communicate(timeout=CHILD_SAVE_S)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def train(run: dict, job_dir: Path) -> dict:
     """Runs (or resumes, or reads a finished) experiments.main job; its eval curve."""
     cmd = [
@@ -162,7 +185,7 @@ def train(run: dict, job_dir: Path) -> dict:
         "--no_progress"
     ] + [f"--fdl_set={c}" for c in run["changes"]]
     t0 = time.time()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    p = run_child(cmd)
     if p.returncode:
         raise SystemExit(f"{run['name']} ({run['exp']}) failed (exit {p.returncode}):\n"
                          f"{p.stderr[-4000:]}")
@@ -239,6 +262,7 @@ def table(runs: list[dict], result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # timeout(1)'s signal: the child saves first
     plan = plan_runs(args)
     with tempfile.TemporaryDirectory() as tmp:
         top = Path(args.keep or tmp)

@@ -6,6 +6,7 @@ for minutes, so the suite does not run it."""
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -57,6 +58,33 @@ def test_stdlib_corpus_is_made_once_and_used_as_the_data(tmp_path, capsys):
     assert "not both" in capsys.readouterr().err
 
 
+def test_a_stopped_benchmark_stops_its_main_first(tmp_path):
+    """SIGTERM to the benchmark (timeout(1)) reaches the main it runs before it exits: a child
+    that records the signal and exits writes its file, and the benchmark ends with the signal."""
+    flag, ready = tmp_path / "stopped", tmp_path / "ready"
+    child = ("import signal, sys, time, pathlib\n"
+             "def stop(*a):\n"
+             f"    pathlib.Path({str(flag)!r}).write_text('saved'); sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, stop)\n"
+             f"pathlib.Path({str(ready)!r}).write_text('ready')\n"
+             "time.sleep(60)\n")
+    parent = ("import signal, sys\n"
+              "from benchmarks import fp8_quality as fq\n"
+              "signal.signal(signal.SIGTERM, fq._interrupt)\n"
+              f"fq.run_child([sys.executable, '-c', {child!r}])\n")
+    p = subprocess.Popen([sys.executable, "-c", parent],
+                         cwd=fq.ROOT,
+                         stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.time() + 180  # the parent imports jax and starts the child
+    while not ready.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    assert ready.exists(), "the child did not start"
+    p.terminate()
+    err = p.communicate(timeout=60)[1]
+    assert flag.read_text() == "saved" and "KeyboardInterrupt: signal 15" in err, err[-2000:]
+
+
 def _run(name, losses, **kw):
     return dict(name=name, heldout_loss=dict(losses), **kw)
 
@@ -88,7 +116,7 @@ def test_the_command_given_to_the_main_and_what_is_read_back(tmp_path, monkeypat
     class FakeData:
         batch_size, seq_len = 4, 64
 
-    def fake_run(cmd, cwd, capture_output, text):
+    def fake_run(cmd):
         seen.append(cmd)
         job = next(c.split("=", 1)[1] for c in cmd if c.startswith("--job_log_dir="))
         name = job.rsplit("/", 1)[-1]
@@ -111,7 +139,7 @@ def test_the_command_given_to_the_main_and_what_is_read_back(tmp_path, monkeypat
         out = "data: source text /x, 1 files, 3 documents, 2,048 tokens (2,048 bytes), ...\n"
         return subprocess.CompletedProcess(cmd, 0, out, "")
 
-    monkeypatch.setattr(fq.subprocess, "run", fake_run)
+    monkeypatch.setattr(fq, "run_child", fake_run)
     monkeypatch.setattr(fq.jobdir, "load_recorded", lambda d: type("C", (), {"data": FakeData}))
     out = tmp_path / "r.json"
     rc = fq.main(
