@@ -2,7 +2,8 @@
 memory, and (``--breakdown``) the step's GPU time by part.
 
   python -m benchmarks.e2e --exp NAME [--steps N] [--warmup N] [--breakdown] [--json PATH]
-      [--attention auto|xla|cudnn] [--remat POLICY] [--fdl_set PATH=VALUE ...]
+      [--attention auto|xla|cudnn] [--remat POLICY] [--stack repeated|layers]
+      [--fdl_set PATH=VALUE ...]
 
 The step is the main job's (``experiments.train.steps.make_step_fns``: forward, backward, AdamW, on
 the experiment's mesh), compiled once and run on one synthetic batch of the experiment's shape
@@ -19,7 +20,8 @@ head dim. TFLOP/s = FLOPs per token x tokens/s; MFU = that over the device's den
 ``device.memory_stats()['peak_bytes_in_use']`` where the backend reports it.
 
 --attention sets every attention layer's attention_impl; --remat the stack's remat policy
-(configs.models.REMAT_POLICIES); --fdl_set any other config leaf (``experiments.main``'s
+(configs.models.REMAT_POLICIES); --stack the experiment's REPEAT knob (a scanned block, or
+each layer with its own weights: no per-layer slice of stacked weights); --fdl_set any other config leaf (``experiments.main``'s
 syntax). --breakdown: the step traced under the profiler (GPU only), each kernel attributed to
 a part by benchmarks/e2e_parts.py, with the largest kernels of each part.
 """
@@ -62,6 +64,7 @@ PEAK_TFLOPS = [
     (r"B200", 2250.0),
 ]
 FORMULA = "6 x active parameters + 12 x layers x seq_len x attention width"
+STACKS = ("repeated", "layers")  # --stack: the experiment's REPEAT knob True / False
 
 
 def peak_tflops(device_kind: str) -> float | None:
@@ -143,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=models.REMAT_POLICIES,
                    default=None,
                    help="the stack's remat policy (default: the experiment's)")
+    p.add_argument("--stack",
+                   choices=STACKS,
+                   default=None,
+                   help="the layers as one scanned block ('repeated') or each its own "
+                   "('layers'); default: the experiment's REPEAT")
     p.add_argument("--fdl_set",
                    action="append",
                    default=[],
@@ -161,9 +169,18 @@ def parse_args(argv=None):
     return opts
 
 
+def stack_kind(lm) -> str:
+    """'repeated' (the layers one scanned block: each step slices a layer's weights out of the
+    stacked arrays) or 'layers' (each layer its own weights)."""
+    return "repeated" if hasattr(lm.stacked_transformer_tpl, "x_times") else "layers"
+
+
 def build(opts):
     """(Prepared, the experiment config) with the command line's changes applied."""
-    cfg = registry.get_experiment(opts.exp)().experiment_config()
+    exp = registry.get_experiment(opts.exp)
+    if opts.stack is not None:  # the experiment with its REPEAT knob changed, same name
+        exp = type(exp.__name__, (exp, ), {"REPEAT": opts.stack == "repeated"})
+    cfg = exp().experiment_config()
     apply_overrides(cfg, opts.fdl_set)
     if opts.attention is not None:
         models.set_attention(cfg.model, attention_impl=opts.attention)
@@ -216,6 +233,8 @@ def run(opts) -> dict:
         attention_impl=atten[0].attention_impl if atten else None,
         attention_routes=attn.routes(),
         remat=models.remat_policy(prep.model_config),
+        stack=stack_kind(prep.model_config),
+        stack_changed=opts.stack is not None,
         fdl_set=list(opts.fdl_set),
         shape=dict(batch=data.batch_size,
                    seq_len=data.seq_len,
@@ -292,8 +311,8 @@ def table(r: dict) -> str:
         f"{f['expert_params']:,} counted x {f['top_k']}/{f['num_experts']})",
         f"device {r['meta']['device']}; peak {r['peak_tflops']} TFLOP/s dense bf16",
     ]
-    if r.get("fdl_set"):
-        lines.append("config changes: " + " ".join(r["fdl_set"]))
+    if changes(r):
+        lines.append("config changes: " + changes(r))
     lines += r["attention_routes"]
     lines += [f"note: {n}" for n in r["notes"]]
     bd = r.get("breakdown")
@@ -310,6 +329,12 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def changes(r: dict) -> str:
+    """The run's config changes beyond --attention and --remat: --stack and the --fdl_set."""
+    stack = [f"--stack {r['stack']}"] if r.get("stack_changed") else []
+    return " ".join(stack + list(r.get("fdl_set") or []))
+
+
 def summary(results: list[dict]) -> str:
     """One row per result (JSON written by this module), in the order given."""
     lines = [
@@ -320,8 +345,8 @@ def summary(results: list[dict]) -> str:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
         mem = r.get("peak_memory_bytes")
         mem = f"{mem / 2**30:.1f}" if mem is not None else "n/a"
-        changes = " ".join(r.get("fdl_set") or []) or "-"
-        lines.append(f"| {r['exp']} | {r['attention_impl']} | {r['remat']} | {changes} | "
+        lines.append(f"| {r['exp']} | {r['attention_impl']} | {r['remat']} | "
+                     f"{changes(r) or '-'} | "
                      f"{r['tokens_per_sec']:,.0f} | {r['step_ms']:.1f} | "
                      f"{r['flops']['flops_per_token'] / 1e9:.3f} | {r['tflops_per_sec']:.1f} | "
                      f"{mfu} | {mem} | {r['meta']['device']} |")

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from benchmarks import e2e, e2e_parts, layer_breakdown
+from configs import models
 
 
 def test_peak_table():
@@ -71,6 +72,24 @@ def test_usage_errors():
         e2e.parse_args(["--steps", "2"])  # neither --exp nor --summary
     with pytest.raises(SystemExit):
         e2e.parse_args(["--exp", "tiny", "--remat", "most"])
+
+
+def test_stack_switch_keeps_the_experiment_and_its_remat():
+    """--stack changes only the experiment's REPEAT: mixtral_moe_gpu (a scanned block by
+    default) with each layer its own weights keeps its name, layers and remat policy; Tiny
+    (unrolled by default) scanned."""
+    for exp, stack in (("mixtral_moe_gpu", "layers"), ("tiny", "repeated")):
+        mesh = ["--fdl_set", "mesh.shape=(-1,)"]  # the suite's 8 host devices
+        default, _ = e2e.build(e2e.parse_args(["--exp", exp] + mesh))
+        prep, cfg = e2e.build(e2e.parse_args(["--exp", exp, "--stack", stack] + mesh))
+        assert e2e.stack_kind(prep.model_config) == stack != e2e.stack_kind(default.model_config)
+        assert cfg.name == exp
+        if exp == "mixtral_moe_gpu":  # its REMAT names a policy: the same on either stack
+            assert models.remat_policy(prep.model_config) == "save_dot_except_mlp"
+        assert models.num_layers(prep.model_config) == models.num_layers(default.model_config)
+    r = dict(stack="layers", stack_changed=True, fdl_set=["data.batch_size=8"])
+    assert e2e.changes(r) == "--stack layers data.batch_size=8"
+    assert e2e.changes(dict(r, stack_changed=False, fdl_set=[])) == ""
 
 
 @pytest.mark.slow
