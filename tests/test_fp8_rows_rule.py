@@ -35,11 +35,13 @@ def _on_the_cpu():
         yield
 
 
-def test_form_pays_at_the_threshold_and_always_under_all():
+def test_form_pays_at_the_threshold_and_always_under_all_or_gemms_named():
     rows = fp8_rule.FORM_MIN_ROWS
     assert fp8_rule.form_pays("auto", rows) and not fp8_rule.form_pays("auto", rows - 1)
-    assert fp8_rule.form_pays("all", 1)
-    with pytest.raises(ValueError, match=r"fp8_gemms='some' is invalid; valid: \('auto', 'all'\)"):
+    assert fp8_rule.form_pays("all", 1) and fp8_rule.form_pays("fwd+dgrad", 1)
+    with pytest.raises(ValueError,
+                       match=r"fp8_gemms='some' is invalid; valid: 'auto', 'all', or "
+                       r"GEMMs from \('fwd', 'dgrad', 'wgrad'\) joined by '\+'"):
         fp8_rule.form_pays("some", rows)
     assert str(rows) in ops.backend_info()["fp8_gemms"]["rule"]["layer"]
 
