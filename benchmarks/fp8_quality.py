@@ -141,7 +141,8 @@ def stdlib_corpus(path: Path, max_file_bytes: int = 200_000) -> Path:
 
 
 def plan_runs(args) -> list[dict]:
-    """[{name, exp, changes}] in run order: base, fp8, then each variant (of --fp8)."""
+    """[{name, exp, changes, own}] in run order: base, fp8, then each variant (of --fp8);
+    `changes` every --fdl_set the run gets, `own` the variant's (none for base and fp8)."""
     common = list(args.fdl_set)
     if args.data is not None:
         common.append(f"data.path={str(Path(args.data).resolve())!r}")
@@ -150,10 +151,13 @@ def plan_runs(args) -> list[dict]:
     if args.eval_every:
         common.append(f"train.eval_every={args.eval_every}")
     runs = [
-        dict(name="base", exp=args.base, changes=common),
-        dict(name="fp8", exp=args.fp8, changes=common)
+        dict(name="base", exp=args.base, changes=common, own=[]),
+        dict(name="fp8", exp=args.fp8, changes=common, own=[])
     ]
-    runs += [dict(name=v[0], exp=args.fp8, changes=common + list(v[1:])) for v in args.variant]
+    runs += [
+        dict(name=v[0], exp=args.fp8, changes=common + list(v[1:]), own=list(v[1:]))
+        for v in args.variant
+    ]
     return runs
 
 
@@ -199,19 +203,12 @@ def train(run: dict, job_dir: Path) -> dict:
                  if r["kind"] == "train" and r["step"] >= 5 and "tokens_per_sec" in r)
     return {
         **run,
-        "seconds":
-        round(time.time() - t0, 1),
-        "corpus_tokens":
-        int(m.group(1).replace(",", "")) if m else None,
-        "corpus_bytes":
-        int(m.group(2).replace(",", "")) if m else None,
-        "tokens_per_step":
-        data.batch_size * data.seq_len,
-        "final_step":
-        max(r["step"] for r in recs if r["kind"] == "train") if any(r["kind"] == "train"
-                                                                    for r in recs) else 0,
-        "tokens_per_sec_median":
-        tps[len(tps) // 2] if tps else None,
+        "seconds": round(time.time() - t0, 1),
+        "corpus_tokens": int(m.group(1).replace(",", "")) if m else None,
+        "corpus_bytes": int(m.group(2).replace(",", "")) if m else None,
+        "tokens_per_step": data.batch_size * data.seq_len,
+        "final_step": max((r["step"] for r in recs if r["kind"] == "train"), default=0),
+        "tokens_per_sec_median": tps[len(tps) // 2] if tps else None,
         "heldout_loss": {
             r["step"]: r["heldout_loss"]
             for r in evals
@@ -269,10 +266,9 @@ def main(argv=None) -> int:
         runs = []
         for run in plan:
             runs.append(train(run, top / run["name"]))
-            print(
-                f"{run['name']}: {run['exp']} {' '.join(run['changes'][len(plan[0]['changes']):])}"
-                f" {runs[-1]['seconds']} s",
-                flush=True)
+            print(f"{run['name']}: {run['exp']} {' '.join(run['own'])}"
+                  f" {runs[-1]['seconds']} s",
+                  flush=True)
     result = compare(runs, args.max_gap)
     if not result["steps"]:
         raise SystemExit("the runs share no eval step: compare them with the same "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 import traceback
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -253,8 +254,9 @@ def _where(ex: BaseException) -> str:
     if not frames:
         return ""
     f = frames[-1]
-    return f" (at {f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} " \
-           f"in {f.name}: {(f.line or '').strip()[:120]})"
+    where = Path(f.filename)
+    return (f" (at {where.parent.name}/{where.name}:{f.lineno} in {f.name}: "
+            f"{(f.line or '').strip()[:120]})")
 
 
 def x_torch(rows_: list[dict]) -> None:

@@ -68,7 +68,8 @@ import dataclasses
 
 FP8_GEMMS = ("auto", "all")  # MoEConfig.fp8_gemms' named modes (also: GEMMS joined by '+')
 GEMMS = ("fwd", "dgrad", "wgrad")
-VALID = "'auto', 'all', or GEMMs from ('fwd', 'dgrad', 'wgrad') joined by '+', e.g. 'fwd+dgrad'"
+EXAMPLE = "fwd+dgrad"  # GEMMs named by hand: the wgrad in bf16
+VALID = f"'auto', 'all', or GEMMs from {GEMMS} joined by '+', e.g. {EXAMPLE!r}"
 # The rule's thresholds (module doc: the rows that set each)
 DGRAD_MIN_K = 4096
 WGRAD_MIN_KN = 4096
@@ -163,7 +164,7 @@ def info() -> dict:
              "quantization, else bf16")
     return {
         "rule": "moe_praxis.ops.fp8.rule.fp8_gemm_rule",
-        "modes": FP8_GEMMS + ("GEMMs joined by '+' (e.g. 'fwd+dgrad')", ),
+        "modes": FP8_GEMMS + (f"GEMMs joined by '+' (e.g. {EXAMPLE!r})", ),
         "fwd": "always",
         "dgrad": f"K >= {DGRAD_MIN_K}",
         "wgrad": f"min(K, N) >= {WGRAD_MIN_KN}",
@@ -185,7 +186,10 @@ def markdown_table() -> str:
     i = info()
     rows = [
         "| GEMM of a weight [E, K, N] | FP8 under `fp8_gemms='auto'` | under `'all'` | under "
-        "`'fwd+dgrad'` (GEMMs named, joined by `+`) |", "|---|---|---|---|"
+        f"`{EXAMPLE!r}` (GEMMs named, joined by `+`) |", "|---|---|---|---|"
     ]
-    rows += [f"| {g} | {i[g]} | always | {'always' if g != 'wgrad' else 'never'} |" for g in GEMMS]
+    named = parse(EXAMPLE)
+    rows += [
+        f"| {g} | {i[g]} | always | {'always' if getattr(named, g) else 'never'} |" for g in GEMMS
+    ]
     return "\n".join(rows) + "\n"
