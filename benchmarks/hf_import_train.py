@@ -15,6 +15,8 @@ model's float32 parameters and Adam moments is about 36 GB).
 
 Options: --work DIR (default /tmp/hf_qwen3_4l) --layers 4 --steps 20 --batch 8 --seq 2048
 --dtype bfloat16 --tiny (small widths: checks the script on a CPU in seconds)
+--pinned_host auto|on|off (the import's checkpoint copied to the host through pinned memory;
+auto: orbax's default, on for GPUs)
 --out benchmarks/results/hf_import_train.json
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import logging
 import os
@@ -81,6 +84,8 @@ TINY = dict(vocab_size=512,
             num_experts=8,
             num_experts_per_tok=2)
 
+PINNED_HOST = {"auto": None, "on": True, "off": False}
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -91,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--tiny", action="store_true", help="small widths, for a CPU check")
+    p.add_argument("--pinned_host",
+                   default="auto",
+                   choices=tuple(PINNED_HOST),
+                   help="the import's checkpoint copied to the host through pinned memory: "
+                   "'auto' (orbax's default, on for GPUs), 'on' or 'off'")
     p.add_argument("--out", default="benchmarks/results/hf_import_train.json")
     return p
 
@@ -233,7 +243,8 @@ def main(argv=None) -> int:
                                     dtype=args.dtype,
                                     repeat=True,
                                     remat=True,
-                                    progress=True)
+                                    progress=True,
+                                    pinned_host=PINNED_HOST[args.pinned_host])
         t_import = time.perf_counter() - t0
     host_peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(
@@ -241,7 +252,9 @@ def main(argv=None) -> int:
         f"{t_import:.0f} s (job directory {_du(job) / 1e9:.1f} GB, host peak RSS "
         f"{host_peak_gb:.1f} GiB)",
         flush=True)
-    print("host peak by stage (GiB): " + ", ".join(f"{k} {v:.1f}" for k, v in host.peaks.items()),
+    print("host peak by stage (GiB): " + ", ".join(f"{k} {v:.1f}" for k, v in host.peaks.items()) +
+          f" (pinned_host {args.pinned_host}, orbax-checkpoint "
+          f"{importlib.metadata.version('orbax-checkpoint')})",
           flush=True)
 
     cfg = jobdir.load_recorded(job)
@@ -285,6 +298,7 @@ def main(argv=None) -> int:
         "peak_device_memory_gib": peak,
         "host_peak_rss_gib": host_peak_gb,
         "host_peak_by_stage_gib": host.peaks,
+        "pinned_host": args.pinned_host,
         "import_s": t_import,
         "hf_folder_gb": _du(model_dir) / 1e9,
         "job_dir_gb": _du(job) / 1e9,
@@ -301,6 +315,7 @@ def main(argv=None) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": str(jax.devices()[0].device_kind),
             "jax": jax.__version__,
+            "orbax_checkpoint": importlib.metadata.version("orbax-checkpoint"),
             "python": platform.python_version()
         },
         "result": row

@@ -124,10 +124,13 @@ def import_checkpoint(model_dir,
                       repeat: bool = False,
                       remat: bool = False,
                       mesh: dict | None = None,
-                      progress: bool = False) -> Path:
+                      progress: bool = False,
+                      pinned_host: bool | None = None) -> Path:
     """Writes the job directory ``job_log_dir`` of the checkpoint in ``model_dir`` (see the
     module docstring); returns its path. Raises HfImportError (one line) before writing
-    anything for an input this port cannot import."""
+    anything for an input this port cannot import. ``pinned_host``: whether the checkpoint's
+    copy to the host goes through pinned host memory (Checkpoints' option; None: orbax's
+    default)."""
     model_dir = Path(model_dir).absolute()
     job_log_dir = Path(job_log_dir).absolute()
     spec = read_config(model_dir, arch)
@@ -195,7 +198,8 @@ def import_checkpoint(model_dir,
         ckpts = Checkpoints(tmp / "checkpoints",
                             prep.config.train.max_checkpoints,
                             fns.abstract_state,
-                            host_gb=SAVE_HOST_GB)
+                            host_gb=SAVE_HOST_GB,
+                            pinned_host=pinned_host)
         mngr = ckpts.manager()
         logging.info("import: writing the checkpoint")
         try:

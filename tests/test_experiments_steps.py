@@ -119,8 +119,10 @@ def test_adamw_keeps_its_first_moment_in_mu_dtype(mu_dtype):
     p0 = rng.standard_normal((64, 32)).astype(np.float32)
     params = {"w": jnp.asarray(p0)}
     state = tx.init(params)
-    moment = lambda st, name: np.asarray(optax.tree_utils.tree_get(st, name)["w"], np.float64
-                                         )  # noqa: E731
+
+    def moment(st, name):
+        return np.asarray(optax.tree_utils.tree_get(st, name)["w"], np.float64)
+
     assert optax.tree_utils.tree_get(state, "mu")["w"].dtype == jnp.dtype(mu_dtype)
     assert optax.tree_utils.tree_get(state, "nu")["w"].dtype == jnp.float32
     p, mu, nu = p0.astype(np.float64), np.zeros_like(p0, np.float64), np.zeros_like(p0, np.float64)

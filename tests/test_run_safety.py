@@ -358,13 +358,20 @@ def test_failed_read_tasks_of_orbax_are_dropped_and_others_kept():
     assert drop.filter(record("Unclosed client session", exc_from("/orbax/x.py")))
 
 
-def test_a_checkpoint_saved_a_few_gb_at_a_time_restores_as_any_other(tmp_path):
-    """Checkpoints(host_gb=...) (the Hugging Face import's save: the device-to-host copy
-    bounded) writes what the trainer's own Checkpoints restore, value for value; the trainer
-    then keeps saving into the same directory."""
+@pytest.mark.parametrize("pinned_host", [None, False])
+def test_a_checkpoint_saved_a_few_gb_at_a_time_restores_as_any_other(tmp_path, pinned_host):
+    """Checkpoints(host_gb=..., pinned_host=...) (the Hugging Face import's save: the
+    device-to-host copy bounded, through pinned memory or not) writes what the trainer's own
+    Checkpoints restore, value for value; the trainer then keeps saving into the same
+    directory."""
     state = _state()
     bounded = _checkpoints(tmp_path)
-    bounded.host_gb = 1
+    bounded.host_gb, bounded.pinned_host = 1, pinned_host
+    want = {"save_device_host_concurrent_gb": 1}
+    if pinned_host is not None:
+        want["enable_pinned_host_transfer"] = pinned_host
+    assert bounded.handler_options() == want
+    assert _checkpoints(tmp_path).handler_options() == {}
     mngr = bounded.manager()
     bounded.save(mngr, state, 0)
     mngr.wait_until_finished()

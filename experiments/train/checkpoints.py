@@ -125,15 +125,33 @@ class Checkpoints:
     """The checkpoints in ``ckpt_dir``: at most ``max_to_keep`` of them, restored into
     ``abstract_state`` (a pytree of ShapeDtypeStruct with shardings)."""
 
-    def __init__(self, ckpt_dir, max_to_keep: int, abstract_state, host_gb: int | None = None):
+    def __init__(self,
+                 ckpt_dir,
+                 max_to_keep: int,
+                 abstract_state,
+                 host_gb: int | None = None,
+                 pinned_host: bool | None = None):
         """``host_gb``: at most that many GB of the state copied from the devices to the host
         at once while saving (orbax's ``save_device_host_concurrent_gb``; None: orbax copies
-        the whole state first). The checkpoint is the same either way."""
+        the whole state first). ``pinned_host``: whether that copy goes through pinned host
+        memory (orbax's ``enable_pinned_host_transfer``; None: orbax's default, on for GPUs).
+        The checkpoint is the same either way."""
         self.ckpt_dir = Path(ckpt_dir)
         self.max_to_keep = max_to_keep
         self.abstract_state = abstract_state
         self.host_gb = host_gb
+        self.pinned_host = pinned_host
         self._finite = None
+
+    def handler_options(self) -> dict:
+        """The options of orbax's PyTreeCheckpointHandler that differ from its defaults ({}:
+        the default handler, StandardSave)."""
+        opts = {}
+        if self.host_gb is not None:
+            opts["save_device_host_concurrent_gb"] = self.host_gb
+        if self.pinned_host is not None:
+            opts["enable_pinned_host_transfer"] = self.pinned_host
+        return opts
 
     def manager(self, create: bool = True):
         """A new orbax CheckpointManager (close it when done); ``create=False`` (reading a
@@ -141,11 +159,11 @@ class Checkpoints:
         import orbax.checkpoint as ocp
 
         opts = ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=create)
-        if self.host_gb is None:
+        if not self.handler_options():
             return ocp.CheckpointManager(self.ckpt_dir, options=opts)
-        # The pytree handler that StandardSave wraps, with the copy to the host bounded; the
-        # files are the same, so StandardRestore reads them.
-        handler = ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=self.host_gb)
+        # The pytree handler that StandardSave wraps, with the copy to the host bounded or
+        # unpinned; the files are the same, so StandardRestore reads them.
+        handler = ocp.PyTreeCheckpointHandler(**self.handler_options())
         return ocp.CheckpointManager(self.ckpt_dir, options=opts, item_handlers=handler)
 
     def nonfinite(self, state) -> str | None:
@@ -183,7 +201,8 @@ class Checkpoints:
         if bad is not None:
             raise NonFiniteState(f"the state of step {step} holds non-finite values in {bad}; "
                                  "it was not saved")
-        args = ocp.args.StandardSave(state) if self.host_gb is None else ocp.args.PyTreeSave(state)
+        args = (ocp.args.PyTreeSave(state)
+                if self.handler_options() else ocp.args.StandardSave(state))
         mngr.save(step, args=args, force=True)
 
     def _try_restore(self, mngr, step: int):
