@@ -247,14 +247,14 @@ def main(argv=None) -> int:
                                     pinned_host=PINNED_HOST[args.pinned_host])
         t_import = time.perf_counter() - t0
     host_peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    orbax_version = importlib.metadata.version("orbax-checkpoint")
     print(
         f"wrote the HF folder ({_du(model_dir) / 1e9:.1f} GB) in {t_write:.0f} s; imported in "
         f"{t_import:.0f} s (job directory {_du(job) / 1e9:.1f} GB, host peak RSS "
         f"{host_peak_gb:.1f} GiB)",
         flush=True)
     print("host peak by stage (GiB): " + ", ".join(f"{k} {v:.1f}" for k, v in host.peaks.items()) +
-          f" (pinned_host {args.pinned_host}, orbax-checkpoint "
-          f"{importlib.metadata.version('orbax-checkpoint')})",
+          f" (pinned_host {args.pinned_host}, orbax-checkpoint {orbax_version})",
           flush=True)
 
     cfg = jobdir.load_recorded(job)
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": str(jax.devices()[0].device_kind),
             "jax": jax.__version__,
-            "orbax_checkpoint": importlib.metadata.version("orbax-checkpoint"),
+            "orbax_checkpoint": orbax_version,
             "python": platform.python_version()
         },
         "result": row
