@@ -56,6 +56,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops.fp8 import fused as fp8_fused, gemm as fp8_gemm
@@ -65,7 +66,7 @@ from moe_praxis.ops.fp8.quant import (  # noqa: F401  (the recipe's quantizers, 
     quantize_rows_grouped_t_reference, quantize_tiles, quantize_weight)
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
 from moe_praxis.ops.swiglu import no_weights
-from moe_praxis.ops.vma import vary_together
+from moe_praxis.ops.vma import vary, vary_together, varying_axes
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -212,7 +213,7 @@ def fp8_gemms_shared_lhs(lhs, lhs_fp8, rhss, group_sizes, rhss_fp8=None):
     lhs.dtype. Gradients reach lhs (straight through its L1 operand) and every rhs.
     rhss_fp8: None, or per rhs its L2 operand (q, qt, s) made beforehand (ops.fp8.weights) or
     None to quantize here; a given one gets no gradient (rhs does)."""
-    q, s_t = _lhs_operand(lhs, lhs_fp8)
+    lhs, q, s_t = vary_together(lhs, *_lhs_operand(lhs, lhs_fp8))
     rhss_fp8 = jax.lax.stop_gradient(tuple(rhss_fp8 or (None, ) * len(rhss)))
     return _shared(lhs, q, s_t, tuple(rhss), rhss_fp8, group_sizes.astype(jnp.int32))
 
@@ -263,9 +264,11 @@ def _shared_grads(lhs, group_sizes, res_w, dys, dys_fp8):
 
 
 def _lhs_zero_cotangents(lhs):
-    """The (zero) cotangents of lhs's L1 operand (q, s_t): straight through to lhs."""
+    """The (zero) cotangents of lhs's L1 operand (q, s_t): straight through to lhs. Under
+    shard_map they vary over lhs's axes, as q and s_t do (the callers cast them together)."""
     (r, k), bk = lhs.shape, lhs.shape[1] // BLOCK
-    return jnp.zeros((r, k), E4M3), jnp.zeros((bk, r), jnp.float32)
+    axes = varying_axes(lhs)
+    return vary(jnp.zeros((r, k), E4M3), axes), vary(jnp.zeros((bk, r), jnp.float32), axes)
 
 
 def _shared_bwd(res, dys):
@@ -284,14 +287,16 @@ def gate_up_swiglu_fp8(lhs, lhs_fp8, w_gate, w_up, group_sizes, row_weights=None
     the down projection's FP8 lhs) and gradients, bitwise. Its backward's SwiGLU
     (fp8_fused.swiglu_bwd_fp8) writes the L1 operands of d gate and d up that the two dgrads
     read, so they are not quantized in a pass of their own. gate and up are residuals of the
-    op (no checkpoint names of their own). row_weights: optional [R] routing weights, times the
+    op, named 'moe_gate' and 'moe_up' inside its forward rule (a remat policy that saves the
+    names keeps them instead of rerunning the op). row_weights: optional [R] routing weights, times the
     activation (gradient in their dtype)."""
     q, s_t = _lhs_operand(lhs, lhs_fp8)
     rhss_fp8 = jax.lax.stop_gradient(tuple(rhss_fp8 or (None, None)))
     if row_weights is None:
         w, has_weight = no_weights(), False
+        lhs, q, s_t = vary_together(lhs, q, s_t)
     else:
-        lhs, w = vary_together(lhs, row_weights.astype(jnp.float32))
+        lhs, q, s_t, w = vary_together(lhs, q, s_t, row_weights.astype(jnp.float32))
         has_weight = True
     return _gate_up_swiglu(lhs, q, s_t, (w_gate, w_up), rhss_fp8, w, group_sizes.astype(jnp.int32),
                            has_weight)
@@ -304,6 +309,7 @@ def _gate_up_swiglu(lhs, q, s_t, rhss, rhss_fp8, w, group_sizes, has_weight):
 
 def _gate_up_swiglu_fwd(lhs, q, s_t, rhss, rhss_fp8, w, group_sizes, has_weight):
     (gate, up), res = _shared_fwd(lhs, q, s_t, rhss, rhss_fp8, group_sizes)
+    gate, up = checkpoint_name(gate, "moe_gate"), checkpoint_name(up, "moe_up")
     act = fp8_fused.swiglu_fp8(gate, up, w if has_weight else None, backend=_QUANT)
     return tuple(act), (res, gate, up, w)
 
