@@ -3,15 +3,19 @@ backward recomputes, never the math. A policy's loss and gradients equal the mod
 remat to 1e-5 (float32: the recomputed forward is the same arithmetic, XLA may fuse it
 differently); the policies that recompute more run more matrix products in the step's jaxpr."""
 
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import moe_praxis  # noqa: F401  (applies the Praxis compat shims)
+import moe_praxis as mp  # (also applies the Praxis compat shims)
 from configs import models, registry
 from praxis import base_layer, pax_fiddle
 from praxis.layers import checkpoint_policy
+from moe_praxis.ops import backend as backend_mod
 from moe_praxis.praxis.remat import POLICIES
 from praxis.layers import transformers
 from tests.praxis_layer_util import _FAST_COMPILE
@@ -111,3 +115,48 @@ def test_policies_change_no_number(repeat=True):
     assert dots["none"] == dots_none
     assert dots["full"] > dots_none and dots["save_moe_and_attention_out"] > dots_none, dots
     assert dots["save_dot_except_mlp"] > dots["save_attention_and_moe_gemms"], dots
+
+
+# The expert GEMM kernels' FFI targets (the fused gate/up forward, the plain, dSwiGLU and FP8
+# grouped GEMMs, forward and backward).
+_GEMM_TARGET = re.compile(r"target_name=['\"]?(moe_grouped_gemm\w*)")
+
+
+def _expert_gemms(cfg, policy):
+    """The expert GEMM FFI calls in the jaxpr of the block's gradient under jax.checkpoint with
+    `policy` (None: no remat), by target."""
+    params = mp.init_moe_params(jax.random.PRNGKey(0), cfg)
+    x = jax.random.normal(jax.random.PRNGKey(1), (64, cfg.d_model)).astype(jnp.bfloat16)
+
+    def loss(p, x):
+        return mp.moe_block(p, x, cfg).y.astype(jnp.float32).sum()
+
+    f = loss if policy is None else jax.checkpoint(loss, policy=POLICIES[policy][1])
+    return collections.Counter(_GEMM_TARGET.findall(str(jax.make_jaxpr(jax.grad(f))(params, x))))
+
+
+@pytest.mark.parametrize("fusion", [
+    dict(),
+    dict(fuse_gate_up=True),
+    dict(fuse_gate_up=True, fuse_swiglu_bwd=True),
+    dict(fuse_swiglu_bwd=True),
+    dict(fp8="blockwise", fp8_gemms="all"),
+],
+                         ids=["separate", "fused_gate_up", "fused_gate_up_down", "dswiglu", "fp8"])
+def test_saving_the_moe_gemms_recomputes_no_expert_gemm_on_the_cuda_path(fusion, monkeypatch):
+    """save_attention_and_moe_gemms: the backward runs exactly the expert GEMMs of the step
+    without remat, for every fusion of the CUDA path (traced with the CUDA status forced on;
+    nothing runs). The fused ops keep gate and up as custom_vjp residuals, named inside their
+    forward rules, or the policy would rerun the fused forward to get them back.
+    save_dot_except_mlp reruns the gate/up projections."""
+    monkeypatch.setattr(backend_mod, "cuda_status", lambda op="": (True, "forced by the test"))
+    cfg = mp.MoEConfig(d_model=128,
+                       d_ff=256,
+                       num_experts=8,
+                       top_k=2,
+                       kernel_backend="cuda",
+                       **fusion)
+    none = _expert_gemms(cfg, None)
+    assert sum(none.values()) >= 4, none  # the forward's and the backward's GEMMs are counted
+    assert _expert_gemms(cfg, "save_attention_and_moe_gemms") == none
+    assert sum(_expert_gemms(cfg, "save_dot_except_mlp").values()) > sum(none.values())

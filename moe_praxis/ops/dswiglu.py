@@ -27,6 +27,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops import gate_up as _gate_up
@@ -262,6 +263,7 @@ def _gate_up_fwd(lhs, w_gate_up, group_sizes, w, has_weight):
 
 def _gus_fwd(lhs, w_gate_up, wo, group_sizes, w, impl):
     gate, up, act = _gate_up_fwd(lhs, w_gate_up, group_sizes, w, impl[1])
+    gate, up = checkpoint_name(gate, "moe_gate"), checkpoint_name(up, "moe_up")
     out = gg.fwd_impl(act, wo, group_sizes, _GIMPL)
     return out, (lhs, w_gate_up, wo, group_sizes, w, gate, up)
 

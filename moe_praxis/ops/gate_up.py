@@ -27,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops import grouped_gemm as gg
@@ -141,6 +142,7 @@ def _gate_up_swiglu(lhs, w_gate_up, group_sizes, w, impl):
 
 def _vjp_fwd(lhs, w_gate_up, group_sizes, w, impl):
     gate, up, act = _fwd_impl(lhs, w_gate_up, group_sizes, w, impl)
+    gate, up = checkpoint_name(gate, "moe_gate"), checkpoint_name(up, "moe_up")
     return act, (lhs, w_gate_up, group_sizes, w, gate, up)
 
 

@@ -12,6 +12,9 @@ The named values are the ``checkpoint_name``s the layers write:
   query_proj, key_proj, value_proj, context, out_proj   GroupedQueryAttention
   moe_router_logits, moe_dispatched, moe_gate, moe_up, ffn1, ffn2   the MoE block
   moe_out                                                MoEFeedForward's output (pre-residual)
+The fused expert ops (gate/up with SwiGLU, with the down projection too, and their FP8 form)
+name their gate and up residuals inside their custom_vjp forward rules, so a policy that saves
+moe_gate and moe_up reruns none of them.
 """
 
 from __future__ import annotations
