@@ -15,8 +15,9 @@ model's float32 parameters and Adam moments is about 36 GB).
 
 Options: --work DIR (default /tmp/hf_qwen3_4l) --layers 4 --steps 20 --batch 8 --seq 2048
 --dtype bfloat16 --tiny (small widths: checks the script on a CPU in seconds)
---pinned_host auto|on|off (the import's checkpoint copied to the host through pinned memory;
-auto: orbax's default, on for GPUs)
+--pinned_host import|auto|on|off (the import's checkpoint copied to the host through pinned
+memory: import, the default, as experiments.import_hf does (SAVE_PINNED_HOST, off); auto: orbax's
+default, on for GPUs)
 --out benchmarks/results/hf_import_train.json
 """
 
@@ -84,7 +85,7 @@ TINY = dict(vocab_size=512,
             num_experts=8,
             num_experts_per_tok=2)
 
-PINNED_HOST = {"auto": None, "on": True, "off": False}
+PINNED_HOST = {"import": import_hf.SAVE_PINNED_HOST, "auto": None, "on": True, "off": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,10 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--tiny", action="store_true", help="small widths, for a CPU check")
     p.add_argument("--pinned_host",
-                   default="auto",
+                   default="import",
                    choices=tuple(PINNED_HOST),
                    help="the import's checkpoint copied to the host through pinned memory: "
-                   "'auto' (orbax's default, on for GPUs), 'on' or 'off'")
+                   "'import' (experiments.import_hf's default: off), 'auto' (orbax's default, "
+                   "on for GPUs), 'on' or 'off'")
     p.add_argument("--out", default="benchmarks/results/hf_import_train.json")
     return p
 
@@ -299,6 +301,7 @@ def main(argv=None) -> int:
         "host_peak_rss_gib": host_peak_gb,
         "host_peak_by_stage_gib": host.peaks,
         "pinned_host": args.pinned_host,
+        "pinned_host_transfer": PINNED_HOST[args.pinned_host],  # None: orbax's default
         "import_s": t_import,
         "hf_folder_gb": _du(model_dir) / 1e9,
         "job_dir_gb": _du(job) / 1e9,

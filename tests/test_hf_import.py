@@ -291,13 +291,15 @@ def test_import_train_benchmark_tiny(tmp_path):
     assert hf_import_train.main([
         "--tiny", "--work",
         str(tmp_path / "work"), "--layers", "2", "--steps", "2", "--batch", "8", "--seq", "16",
-        "--dtype", "float32", "--pinned_host", "off", "--out",
+        "--dtype", "float32", "--out",
         str(out)
     ]) == 0
     record = json.loads(out.read_text())
     row = record["result"]
     assert row["layers"] == 2 and len(row["losses"]) == 2
-    assert row["pinned_host"] == "off" and record["meta"]["orbax_checkpoint"]
+    # the import's own setting by default: its checkpoint copied to the host without pinned memory
+    assert row["pinned_host"] == "import" and row["pinned_host_transfer"] is False
+    assert record["meta"]["orbax_checkpoint"]
     assert all(np.isfinite(row["losses"])) and row["tokens_per_s"] > 0
     # the host memory of every stage the import logs, after the folder's writing, in order
     assert list(row["host_peak_by_stage_gib"]) == [
