@@ -288,8 +288,8 @@ def gate_up_swiglu_fp8(lhs, lhs_fp8, w_gate, w_up, group_sizes, row_weights=None
     (fp8_fused.swiglu_bwd_fp8) writes the L1 operands of d gate and d up that the two dgrads
     read, so they are not quantized in a pass of their own. gate and up are residuals of the
     op, named 'moe_gate' and 'moe_up' inside its forward rule (a remat policy that saves the
-    names keeps them instead of rerunning the op). row_weights: optional [R] routing weights, times the
-    activation (gradient in their dtype)."""
+    names keeps them instead of rerunning the op). row_weights: optional [R] routing weights,
+    times the activation (gradient in their dtype)."""
     q, s_t = _lhs_operand(lhs, lhs_fp8)
     rhss_fp8 = jax.lax.stop_gradient(tuple(rhss_fp8 or (None, None)))
     if row_weights is None:
