@@ -14,8 +14,10 @@ after them with CUDA events:
 Rows (method names): 'torch' (eager), 'torch compile' (`torch.compile` of the same function)
 and 'torch ideal' (torch's own dense GEMMs of the expert shapes on T*k rows: 3 fwd, 9
 fwd+bwd). fwd = the layer; fwd+bwd = autograd of sum(y * cot) w.r.t. x and every weight.
-Before timing, the layer's y and dx on the first CHECK_TOKENS tokens are checked against
-moe_block with kernel_backend 'xla' (||a - b|| / ||b|| under CHECK_TOL, bf16); a failed check
+Before timing, the layer's y and dx on the first `layer_check.check_tokens(shape)` tokens (the
+JAX methods' check: at most 2048, fewer where XLA's dense-masked ragged_dot would hold more
+than CHECK_BYTES) are checked against moe_block with kernel_backend 'xla' (||a - b|| / ||b||
+under CHECK_TOL, bf16); a failed check
 marks the rows and they are not timed. Weights and inputs cross from JAX through DLPack.
 
 Without torch (or without a CUDA GPU for it) `unavailable()` says why and the method is
@@ -34,6 +36,7 @@ import numpy as np
 
 import moe_praxis as mp
 from benchmarks import layer_cases as lc
+from benchmarks.layer_check import check_tokens
 
 try:  # optional: the GPU machine has PyTorch, CI does not
     import torch
@@ -42,7 +45,6 @@ except ImportError:  # pragma: no cover - depends on the machine
     torch = None
 
 METHODS = ("torch", "torch compile", "torch ideal")
-CHECK_TOKENS = 2048
 CHECK_TOL = 2e-2
 
 
@@ -105,11 +107,12 @@ def moe_layer(x, w_router, wg, wu, wo, routing: dict, k: int, bias=None):
 
 
 def reference(jax_shape):
-    """(n, y, dx) of moe_block (kernel_backend 'xla') on the first n = CHECK_TOKENS tokens, in
-    float32 on the host: computed before the peer's tensors take device memory, so JAX's
-    allocator grows for it (if it must) while torch holds nothing."""
+    """(n, y, dx) of moe_block (kernel_backend 'xla') on the first n = check_tokens(shape)
+    tokens, in float32 on the host: computed before the peer's tensors take device memory, so
+    JAX's allocator grows for it (if it must) while torch holds nothing. (At deepseek_ep4 2048
+    tokens asked XLA for 28 GiB and ran out of memory on an H100; check_tokens gives 1024.)"""
     shape = jax_shape.shape
-    n = min(CHECK_TOKENS, shape.t)
+    n = check_tokens(shape)
     cfg = lc.config(shape, kernel_backend="xla")
 
     def loss(x, params, cot):  # arrays as arguments: no weights captured as constants
@@ -142,7 +145,7 @@ class Peer:
         return torch.autograd.grad((y.float() * self.cot[:x.shape[0]].float()).sum(), [x] + self.w)
 
     def check(self, ref) -> dict:
-        """y and dx of the eager layer on the first CHECK_TOKENS tokens against `ref`
+        """y and dx of the eager layer on the first n tokens against `ref`
         (reference(jax_shape): moe_block with kernel_backend 'xla' on the same values)."""
         n, y_ref, dx_ref = ref
         x = self.x.detach()[:n].clone().requires_grad_(True)
