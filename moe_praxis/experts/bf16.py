@@ -43,9 +43,7 @@ def down(gate, up, weights, group_sizes, config: MoEConfig, backend, row_weights
 def named_projections(outs, config: MoEConfig):
     """(gate or None, up) of the projections' outputs (gate first where gated), each under its
     checkpoint name."""
-    up = checkpoint_name(outs[-1], "moe_up")
-    gate = checkpoint_name(outs[0], "moe_gate") if config.gated else None
-    return gate, up
+    return ops.named_gate_up(outs[0] if config.gated else None, outs[-1])
 
 
 def _projected(rows: Rows, group_sizes, weights, config: MoEConfig, *, backend, row_weights):

@@ -28,7 +28,7 @@ from moe_praxis.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moe_praxis.ops.permute import (permute, permute_index, permute_pair, permute_reference,
                                     unpermute, unpermute2_reference, unpermute_reference)
 from moe_praxis.ops.router import route, router_reference
-from moe_praxis.ops.swiglu import activation, swiglu, swiglu_reference
+from moe_praxis.ops.swiglu import activation, named_gate_up, swiglu, swiglu_reference
 from moe_praxis.ops.dswiglu import gate_up_swiglu_down, swiglu_down
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_reference",
     "interleave_gate_up",
+    "named_gate_up",
     "permute",
     "permute_index",
     "permute_pair",

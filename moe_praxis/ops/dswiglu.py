@@ -27,12 +27,11 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops import gate_up as _gate_up
 from moe_praxis.ops._library import platform_call
-from moe_praxis.ops.swiglu import no_weights, swiglu, swiglu_cuda, swiglu_reference
+from moe_praxis.ops.swiglu import (named_gate_up, no_weights, swiglu, swiglu_cuda, swiglu_reference)
 from moe_praxis.ops.vma import vary_together, zero_cotangent
 
 gg = _gate_up.gg  # ops.grouped_gemm, the module (the package's name is the function)
@@ -263,7 +262,7 @@ def _gate_up_fwd(lhs, w_gate_up, group_sizes, w, has_weight):
 
 def _gus_fwd(lhs, w_gate_up, wo, group_sizes, w, impl):
     gate, up, act = _gate_up_fwd(lhs, w_gate_up, group_sizes, w, impl[1])
-    gate, up = checkpoint_name(gate, "moe_gate"), checkpoint_name(up, "moe_up")
+    gate, up = named_gate_up(gate, up)
     out = gg.fwd_impl(act, wo, group_sizes, _GIMPL)
     return out, (lhs, w_gate_up, wo, group_sizes, w, gate, up)
 

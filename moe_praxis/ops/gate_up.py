@@ -27,12 +27,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops import grouped_gemm as gg
 from moe_praxis.ops._library import platform_call
-from moe_praxis.ops.swiglu import no_weights, swiglu, swiglu_bwd_ffi, swiglu_reference
+from moe_praxis.ops.swiglu import (named_gate_up, no_weights, swiglu, swiglu_bwd_ffi,
+                                   swiglu_reference)
 from moe_praxis.ops.vma import vary_together, zero_cotangent
 
 # Tiles (ops.grouped_gemm.TILE_CONFIGS indices) kernels/grouped_gemm_swiglu.cu is built for:
@@ -142,7 +142,7 @@ def _gate_up_swiglu(lhs, w_gate_up, group_sizes, w, impl):
 
 def _vjp_fwd(lhs, w_gate_up, group_sizes, w, impl):
     gate, up, act = _fwd_impl(lhs, w_gate_up, group_sizes, w, impl)
-    gate, up = checkpoint_name(gate, "moe_gate"), checkpoint_name(up, "moe_up")
+    gate, up = named_gate_up(gate, up)
     return act, (lhs, w_gate_up, group_sizes, w, gate, up)
 
 

@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops._library import ffi, platform_call
@@ -38,6 +39,14 @@ def swiglu_reference(gate, up, weights=None, *, act: str = "silu"):
     if weights is not None:
         out = out * weights.astype(jnp.float32)[:, None]
     return out.astype(gate.dtype)
+
+
+def named_gate_up(gate, up):
+    """(gate, up) under the MoE block's checkpoint names 'moe_gate' and 'moe_up', which the
+    remat policies of moe_praxis.praxis.remat save; gate may be None (not gated). The fused ops
+    name their gate and up residuals with it inside their custom_vjp forward rules."""
+    return (None if gate is None else checkpoint_name(gate, "moe_gate")), checkpoint_name(
+        up, "moe_up")
 
 
 # ------------------------------------------------------------------------------ CUDA side

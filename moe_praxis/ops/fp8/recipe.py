@@ -56,7 +56,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops.fp8 import fused as fp8_fused, gemm as fp8_gemm
@@ -65,7 +64,7 @@ from moe_praxis.ops.fp8.quant import (  # noqa: F401  (the recipe's quantizers, 
     dequantize_tiles, quantize_blocks, quantize_rows, quantize_rows_grouped_t,
     quantize_rows_grouped_t_reference, quantize_tiles, quantize_weight)
 from moe_praxis.ops.grouped_gemm import grouped_gemm_wgrad_reference
-from moe_praxis.ops.swiglu import no_weights
+from moe_praxis.ops.swiglu import named_gate_up, no_weights
 from moe_praxis.ops.vma import vary, vary_together, varying_axes
 
 _HI = jax.lax.Precision.HIGHEST
@@ -213,14 +212,15 @@ def fp8_gemms_shared_lhs(lhs, lhs_fp8, rhss, group_sizes, rhss_fp8=None):
     lhs.dtype. Gradients reach lhs (straight through its L1 operand) and every rhs.
     rhss_fp8: None, or per rhs its L2 operand (q, qt, s) made beforehand (ops.fp8.weights) or
     None to quantize here; a given one gets no gradient (rhs does)."""
-    lhs, q, s_t = vary_together(lhs, *_lhs_operand(lhs, lhs_fp8))
+    lhs, q, s_t = _lhs_operand(lhs, lhs_fp8)
     rhss_fp8 = jax.lax.stop_gradient(tuple(rhss_fp8 or (None, ) * len(rhss)))
     return _shared(lhs, q, s_t, tuple(rhss), rhss_fp8, group_sizes.astype(jnp.int32))
 
 
-def _lhs_operand(lhs, lhs_fp8):
-    """lhs's L1 operand (q, s_t) as given (checked against lhs) or quantized here (None), with
-    no gradient of its own."""
+def _lhs_operand(lhs, lhs_fp8, *others):
+    """(lhs, q, s_t, *others): lhs's L1 operand (q, s_t) as given (checked against lhs) or
+    quantized here (None), with no gradient of its own, all cast to vary over one set of mesh
+    axes under shard_map (the custom_vjps' zero cotangents of q and s_t vary as lhs does)."""
     if lhs_fp8 is None:
         lhs_fp8 = quantize_rows(jax.lax.stop_gradient(lhs), backend=_QUANT)
     q, s_t = (jax.lax.stop_gradient(a) for a in lhs_fp8)
@@ -229,7 +229,7 @@ def _lhs_operand(lhs, lhs_fp8):
             f"lhs_fp8 must be (q {tuple(lhs.shape)}, s_t "
             f"{(lhs.shape[1] // BLOCK, lhs.shape[0])}) for lhs {tuple(lhs.shape)}, got "
             f"({tuple(q.shape)}, {tuple(s_t.shape)})")
-    return q, s_t
+    return vary_together(lhs, q, s_t, *others)
 
 
 @jax.custom_vjp
@@ -290,13 +290,11 @@ def gate_up_swiglu_fp8(lhs, lhs_fp8, w_gate, w_up, group_sizes, row_weights=None
     op, named 'moe_gate' and 'moe_up' inside its forward rule (a remat policy that saves the
     names keeps them instead of rerunning the op). row_weights: optional [R] routing weights,
     times the activation (gradient in their dtype)."""
-    q, s_t = _lhs_operand(lhs, lhs_fp8)
     rhss_fp8 = jax.lax.stop_gradient(tuple(rhss_fp8 or (None, None)))
     if row_weights is None:
-        w, has_weight = no_weights(), False
-        lhs, q, s_t = vary_together(lhs, q, s_t)
+        (lhs, q, s_t), w, has_weight = _lhs_operand(lhs, lhs_fp8), no_weights(), False
     else:
-        lhs, q, s_t, w = vary_together(lhs, q, s_t, row_weights.astype(jnp.float32))
+        lhs, q, s_t, w = _lhs_operand(lhs, lhs_fp8, row_weights.astype(jnp.float32))
         has_weight = True
     return _gate_up_swiglu(lhs, q, s_t, (w_gate, w_up), rhss_fp8, w, group_sizes.astype(jnp.int32),
                            has_weight)
@@ -309,7 +307,7 @@ def _gate_up_swiglu(lhs, q, s_t, rhss, rhss_fp8, w, group_sizes, has_weight):
 
 def _gate_up_swiglu_fwd(lhs, q, s_t, rhss, rhss_fp8, w, group_sizes, has_weight):
     (gate, up), res = _shared_fwd(lhs, q, s_t, rhss, rhss_fp8, group_sizes)
-    gate, up = checkpoint_name(gate, "moe_gate"), checkpoint_name(up, "moe_up")
+    gate, up = named_gate_up(gate, up)
     act = fp8_fused.swiglu_fp8(gate, up, w if has_weight else None, backend=_QUANT)
     return tuple(act), (res, gate, up, w)
 
