@@ -74,6 +74,18 @@ def fp8_check_params(config, shape: lc.Shape, params: dict) -> tuple[dict, bool]
     return mp.quantize_expert_weights(params, config), True
 
 
+def verdict(row: dict) -> str:
+    """PASS, FAIL, or NOT CHECKED where every error that was computed is within the row's
+    tolerance and some could not be computed (chunked_rel_err ran out of memory): the method
+    is not known wrong, only unchecked."""
+    if row["ok"]:
+        return "PASS"
+    errs = row.get("rel_err") or {}
+    if row.get("unchecked") and all(e < row["tol"] for e in errs.values() if e is not None):
+        return f"NOT CHECKED ({', '.join(row['unchecked'])}: error not computed)"
+    return "FAIL"
+
+
 def check_against_xla(sh) -> list[dict]:
     """The CHECKED methods against 'xla' on the first check_tokens() tokens
     (module doc)."""
@@ -106,12 +118,14 @@ def check_against_xla(sh) -> list[dict]:
             row["rel_err"] = errs
             tol = FP8_CHECK_TOL if "fp8" in method else CHECK_TOL
             row["ok"] = all(e is not None and e < tol for e in errs.values())
+            row["unchecked"] = sorted(n for n, e in errs.items() if e is None)
+            row["tol"] = tol
         except Exception as ex:  # noqa: BLE001
             traceback.print_exc()
             row.update(ok=False, error=_failure(ex))
         print(
-            f"check {sh.name} {method} vs xla ({t} tokens): "
-            f"{'PASS' if row['ok'] else 'FAIL'} {row.get('rel_err', row.get('error'))}",
+            f"check {sh.name} {method} vs xla ({t} tokens): {verdict(row)} "
+            f"{row.get('rel_err', row.get('error'))}",
             flush=True)
         out.append(row)
     return out

@@ -242,3 +242,18 @@ def test_fp8_check_runs_the_fp8_gemms_the_timed_call_runs():
     # 'all' runs FP8 at any rows
     all_cfg = lc.config(small, kernel_backend="xla", fp8="blockwise", fp8_gemms="all")
     assert layer_check.fp8_check_params(all_cfg, short, params)[1]
+
+
+def test_check_verdict_tells_an_error_not_computed_from_a_failure():
+    """layer_check.verdict: an error chunked_rel_err could not compute (None: it ran out of
+    memory) makes the check NOT CHECKED when the computed ones pass, FAIL when one of them
+    fails; an exception before any error is a FAIL."""
+    tol = layer_check.CHECK_TOL
+    ok = dict(ok=True, rel_err={"y": tol / 2}, unchecked=[], tol=tol)
+    assert layer_check.verdict(ok) == "PASS"
+    half = dict(ok=False, rel_err={"y": tol / 2, "dx": None, "dwo": None}, tol=tol)
+    half["unchecked"] = ["dwo", "dx"]
+    assert layer_check.verdict(half) == "NOT CHECKED (dwo, dx: error not computed)"
+    half["rel_err"]["y"] = 2 * tol
+    assert layer_check.verdict(half) == "FAIL"
+    assert layer_check.verdict(dict(ok=False, error="RESOURCE_EXHAUSTED")) == "FAIL"
