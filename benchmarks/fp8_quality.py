@@ -16,7 +16,10 @@ is one more run of the --fp8 experiment with its own changes, e.g. the wgrads in
 
 With --keep a run whose job directory already holds its final step is read, not trained
 again, and one cut short resumes from its checkpoint: a set of runs longer than one sitting is
-finished by running the same command again.
+finished by running the same command again. A finished run's checkpoints are removed (its
+curves and record stay; --keep_checkpoints keeps them): at the Mixtral-like preset each is
+31 GB, and three of them filled a 64 GB disk. The JSON is written after every run, marked
+"complete": false until the last, so a set cut short keeps what finished.
 
 Prints the held-out loss of every run at every evaluation, each FP8 run's relative gap to the
 base, the corpus and how much of it the runs read; writes the JSON (both curves, the gaps).
@@ -32,6 +35,7 @@ import json
 import platform
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                     default=None,
                     help="job directories under this folder (runs "
                     "found finished there are read, not trained again)")
+    ap.add_argument("--keep_checkpoints",
+                    action="store_true",
+                    help="keep a finished run's checkpoints (removed by default)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/fp8_quality.json"))
     return ap
 
@@ -182,8 +189,29 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def train(run: dict, job_dir: Path) -> dict:
-    """Runs (or resumes, or reads a finished) experiments.main job; its eval curve."""
+RECORD = "fp8_quality_run.json"  # a finished run's result, in its job directory
+
+
+def finished(run: dict, job_dir: Path) -> dict | None:
+    """The result a finished run recorded in job_dir (RECORD), if it is this run's (the same
+    experiment and changes), else None."""
+    try:
+        got = json.loads((job_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    if (got.get("exp"), got.get("changes")) != (run["exp"], run["changes"]):
+        return None
+    got["heldout_loss"] = {int(k): v for k, v in got["heldout_loss"].items()}
+    return got
+
+
+def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
+    """Runs (or resumes, or reads a finished) experiments.main job; its eval curve, recorded
+    in job_dir, whose checkpoints go unless keep_checkpoints."""
+    done = finished(run, job_dir)
+    if done is not None:
+        print(f"{run['name']}: read the finished run in {job_dir}", flush=True)
+        return done
     cmd = [
         sys.executable, "-m", "experiments.main", f"--exp={run['exp']}", f"--job_log_dir={job_dir}",
         "--no_progress"
@@ -201,7 +229,7 @@ def train(run: dict, job_dir: Path) -> dict:
     data = jobdir.load_recorded(job_dir).data
     tps = sorted(r["tokens_per_sec"] for r in recs
                  if r["kind"] == "train" and r["step"] >= 5 and "tokens_per_sec" in r)
-    return {
+    result = {
         **run,
         "seconds": round(time.time() - t0, 1),
         "corpus_tokens": int(m.group(1).replace(",", "")) if m else None,
@@ -214,6 +242,10 @@ def train(run: dict, job_dir: Path) -> dict:
             for r in evals
         },
     }
+    (job_dir / RECORD).write_text(json.dumps(result, indent=1) + "\n")
+    if not keep_checkpoints:
+        shutil.rmtree(job_dir / "checkpoints", ignore_errors=True)
+    return result
 
 
 def read_share(run: dict):
@@ -257,18 +289,34 @@ def table(runs: list[dict], result: dict) -> str:
     return "\n".join(lines)
 
 
+def write_json(path: str, out: dict):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # timeout(1)'s signal: the child saves first
     plan = plan_runs(args)
+    command = "python -m benchmarks.fp8_quality " + shlex.join(sys.argv[1:] if argv is
+                                                               None else argv)
+    head = {
+        "what": "held-out loss, bf16 vs blockwise FP8 expert GEMMs (and FP8 variants), same "
+        "seed/data/steps",
+        "machine": platform.node(),
+        "python": platform.python_version(),
+        "command": command,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         top = Path(args.keep or tmp)
         runs = []
         for run in plan:
-            runs.append(train(run, top / run["name"]))
+            runs.append(train(run, top / run["name"], args.keep_checkpoints))
             print(f"{run['name']}: {run['exp']} {' '.join(run['own'])}"
                   f" {runs[-1]['seconds']} s",
                   flush=True)
+            if len(runs) < len(plan):  # what finished so far, should a later run fail
+                write_json(args.out, {**head, "complete": False, "runs": runs})
     result = compare(runs, args.max_gap)
     if not result["steps"]:
         raise SystemExit("the runs share no eval step: compare them with the same "
@@ -284,33 +332,19 @@ def main(argv=None) -> int:
     print(f"fp8 against base: largest |gap| after step 0 {worst:.3%} (<= {args.max_gap:.2%} at "
           f"every eval: {'PASS' if result['pass'] else 'FAIL'})"
           if worst is not None else "fp8 against base: no eval after step 0 (FAIL)")
-    out = {
-        "what":
-        "held-out loss, bf16 vs blockwise FP8 expert GEMMs (and FP8 variants), same "
-        "seed/data/steps",
-        "machine":
-        platform.node(),
-        "python":
-        platform.python_version(),
-        "command":
-        "python -m benchmarks.fp8_quality " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "runs":
-        runs,
-        "steps":
-        result["steps"],
-        "relative_gaps":
-        result["gaps"],
-        "max_abs_gap_fp8":
-        worst,
-        "max_gap":
-        args.max_gap,
-        "pass":
-        result["pass"],
-        "corpus_read":
-        seen,  # the share of the corpus's tokens the base run's steps read
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    write_json(
+        args.out,
+        {
+            **head,
+            "complete": True,
+            "runs": runs,
+            "steps": result["steps"],
+            "relative_gaps": result["gaps"],
+            "max_abs_gap_fp8": worst,
+            "max_gap": args.max_gap,
+            "pass": result["pass"],
+            "corpus_read": seen,  # the share of the corpus's tokens the base run's steps read
+        })
     return 0 if result["pass"] else 1
 
 

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -154,3 +155,59 @@ def test_the_command_given_to_the_main_and_what_is_read_back(tmp_path, monkeypat
     assert got["relative_gaps"]["fp8"]["8"] == pytest.approx(0.05) and not got["pass"]
     assert got["corpus_read"] == pytest.approx(8 * 256 / 2048)
     assert "read 1.00 of it" in capsys.readouterr().out
+
+
+def test_finished_runs_are_recorded_read_back_and_lose_their_checkpoints(tmp_path, monkeypatch):
+    """A finished run records its result in its job directory and its checkpoints go
+    (--keep_checkpoints keeps them); the same command again reads finished runs without
+    starting the main; a run that fails leaves the JSON of the runs before it, marked
+    incomplete; a record of other changes is not taken for this run."""
+    seen, fail = [], set()
+
+    class FakeData:
+        batch_size, seq_len = 4, 64
+
+    def fake_run(cmd):
+        job = Path(next(c.split("=", 1)[1] for c in cmd if c.startswith("--job_log_dir=")))
+        seen.append(job.name)
+        if job.name in fail:
+            return subprocess.CompletedProcess(cmd, 3, "", "disk full")
+        (job / "checkpoints" / "8").mkdir(parents=True, exist_ok=True)
+        recs = [
+            dict(kind="eval", step=0, heldout_loss=5.0),
+            dict(kind="train", step=8, tokens_per_sec=10.0),
+            dict(kind="eval", step=8, heldout_loss=2.0)
+        ]
+        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(fq, "run_child", fake_run)
+    monkeypatch.setattr(fq.jobdir, "load_recorded", lambda d: type("C", (), {"data": FakeData}))
+    out = tmp_path / "r.json"
+    argv = [
+        "--steps", "8", "--keep",
+        str(tmp_path / "k"), "--out",
+        str(out), "--variant", "v", "a.b=1"
+    ]
+    fail.add("v")
+    with pytest.raises(SystemExit, match=r"v \(.*\) failed \(exit 3\):\ndisk full"):
+        fq.main(argv)
+    part = json.loads(out.read_text())
+    assert part["complete"] is False and [r["name"] for r in part["runs"]] == ["base", "fp8"]
+    for name in ("base", "fp8"):
+        assert not (tmp_path / "k" / name / "checkpoints").exists()
+        assert (tmp_path / "k" / name / fq.RECORD).exists()
+    fail.clear()
+    seen.clear()
+    assert fq.main(argv) == 0
+    assert seen == ["v"]  # base and fp8 were read, not trained again
+    got = json.loads(out.read_text())
+    assert got["complete"] is True and got["relative_gaps"]["fp8"]["8"] == 0.0
+    # a record made under other changes is not this run's
+    other = fq.plan_runs(fq.parse_args(argv + ["--fdl_set", "c.d=2"]))[0]
+    assert fq.finished(other, tmp_path / "k" / "base") is None
+    seen.clear()
+    assert fq.main(argv[:4] + ["--keep_checkpoints", "--out", str(out)]) == 0
+    assert seen == []  # same changes as before: all read
+    fq.train(dict(name="w", exp="x", changes=["e.f=1"], own=[]), tmp_path / "k" / "w", True)
+    assert (tmp_path / "k" / "w" / "checkpoints").exists()
