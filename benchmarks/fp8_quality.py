@@ -6,7 +6,8 @@ compared at every evaluation; and FP8 variants that change one thing at a time.
         [--fp8 configs.experiments.TinyFp8] [--steps N] [--eval_every N]
         [--data PATH | --stdlib_corpus FILE]
         [--fdl_set PATH=VALUE ...] [--variant NAME PATH=VALUE [PATH=VALUE ...]] ...
-        [--max_gap 0.01] [--keep DIR] [--out benchmarks/results/fp8_quality.json]
+        [--control NAME PATH=VALUE [PATH=VALUE ...]] ...
+        [--max_gap 0.01] [--keep DIR [--keep_checkpoints]] [--out FILE.json]
 
 Each run is `python -m experiments.main` in its own job directory (a temporary one unless
 --keep DIR). --data, --steps, --eval_every and every --fdl_set apply to all runs; a --variant
@@ -14,11 +15,16 @@ is one more run of the --fp8 experiment with its own changes, e.g. the wgrads in
 
     --variant wgrad_bf16 "model.stacked_transformer_tpl.block.moe_layer_tpl.fp8_gemms='fwd+dgrad'"
 
+and a --control one more run of the --base experiment with its own, meant to change only the
+rounding (e.g. "...moe_layer_tpl.router_precision='float32'": the router's logits exact where
+the GPU's default 'bf16x3' is within about 1e-5): its gap to base is how far two bf16 runs
+drift apart from a perturbation that small, the noise floor the FP8 gaps are read against.
+
 With --keep a run whose job directory already holds its final step is read, not trained
 again, and one cut short resumes from its checkpoint: a set of runs longer than one sitting is
 finished by running the same command again. A finished run's checkpoints are removed (its
 curves and record stay; --keep_checkpoints keeps them): at the Mixtral-like preset each is
-31 GB, and three of them filled a 64 GB disk. The JSON is written after every run, marked
+31 GB, and three of them filled the GPU machine's disk. The JSON is written after every run, marked
 "complete": false until the last, so a set cut short keeps what finished.
 
 Prints the held-out loss of every run at every evaluation, each FP8 run's relative gap to the
@@ -88,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
                     default=[],
                     metavar="NAME PATH=VALUE",
                     help="one more run of --fp8 with these changes, named NAME")
+    ap.add_argument("--control",
+                    action="append",
+                    nargs="+",
+                    default=[],
+                    metavar="NAME PATH=VALUE",
+                    help="one more run of --base with these changes (the same arithmetic "
+                    "rounded otherwise, e.g. router_precision='float32'): its gap to base is "
+                    "the runs' noise floor")
     ap.add_argument("--max_gap", type=float, default=0.01, help="relative held-out loss gap")
     ap.add_argument("--keep",
                     default=None,
@@ -104,18 +118,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args(argv)
     names = ["base", "fp8"]
-    for v in args.variant:
-        name, changes = v[0], v[1:]
-        if not _NAME.match(name) or "=" in name:
-            ap.error(f"--variant {name!r}: the first value is the run's name (letters, digits, "
-                     "'_', '.', '-'), then its PATH=VALUE changes")
-        if not changes or any("=" not in c for c in changes):
-            ap.error(f"--variant {name}: {changes or 'nothing'}: give one or more PATH=VALUE "
-                     "changes after the name")
-        names.append(name)
+    for flag, given in (("--variant", args.variant), ("--control", args.control)):
+        for v in given:
+            name, changes = v[0], v[1:]
+            if not _NAME.match(name) or "=" in name:
+                ap.error(f"{flag} {name!r}: the first value is the run's name (letters, digits, "
+                         "'_', '.', '-'), then its PATH=VALUE changes")
+            if not changes or any("=" not in c for c in changes):
+                ap.error(f"{flag} {name}: {changes or 'nothing'}: give one or more PATH=VALUE "
+                         "changes after the name")
+            names.append(name)
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
-        ap.error(f"--variant names must differ from each other and from base, fp8: {dup}")
+        ap.error(f"--variant and --control names must differ from each other and from base, "
+                 f"fp8: {dup}")
     for c in args.fdl_set:
         if "=" not in c:
             ap.error(f"--fdl_set {c!r}: give PATH=VALUE")
@@ -164,6 +180,10 @@ def plan_runs(args) -> list[dict]:
     runs += [
         dict(name=v[0], exp=args.fp8, changes=common + list(v[1:]), own=list(v[1:]))
         for v in args.variant
+    ]
+    runs += [
+        dict(name=v[0], exp=args.base, changes=common + list(v[1:]), own=list(v[1:]), control=True)
+        for v in args.control
     ]
     return runs
 
@@ -270,10 +290,13 @@ def compare(runs: list[dict], max_gap: float) -> dict:
     }
     checked = [s for s in steps if s > 0]
     worst = max((abs(gaps["fp8"][s]) for s in checked), default=None)
+    controls = [r["name"] for r in runs if r.get("control")]
+    floor = max((abs(gaps[n][s]) for n in controls for s in checked), default=None)
     return {
         "steps": steps,
         "gaps": gaps,
         "max_abs_gap_fp8": worst,
+        "noise_floor": floor,
         "pass": worst is not None and worst <= max_gap,
     }
 
@@ -332,6 +355,9 @@ def main(argv=None) -> int:
     print(f"fp8 against base: largest |gap| after step 0 {worst:.3%} (<= {args.max_gap:.2%} at "
           f"every eval: {'PASS' if result['pass'] else 'FAIL'})"
           if worst is not None else "fp8 against base: no eval after step 0 (FAIL)")
+    if result["noise_floor"] is not None:
+        print(f"noise floor: the controls' largest |gap| after step 0 {result['noise_floor']:.3%}"
+              " (bf16 against bf16 in another summation order)")
     write_json(
         args.out,
         {
@@ -341,6 +367,7 @@ def main(argv=None) -> int:
             "steps": result["steps"],
             "relative_gaps": result["gaps"],
             "max_abs_gap_fp8": worst,
+            "noise_floor": result["noise_floor"],
             "max_gap": args.max_gap,
             "pass": result["pass"],
             "corpus_read": seen,  # the share of the corpus's tokens the base run's steps read
