@@ -24,8 +24,8 @@ With --keep a run whose job directory already holds its final step is read, not 
 again, and one cut short resumes from its checkpoint: a set of runs longer than one sitting is
 finished by running the same command again. A finished run's checkpoints are removed (its
 curves and record stay; --keep_checkpoints keeps them): at the Mixtral-like preset each is
-31 GB, and three of them filled the GPU machine's disk. The JSON is written after every run, marked
-"complete": false until the last, so a set cut short keeps what finished.
+31 GB, and three of them filled the GPU machine's disk. The JSON is written after every run,
+marked "complete": false until the last, so a set cut short keeps what finished.
 
 Prints the held-out loss of every run at every evaluation, each FP8 run's relative gap to the
 base, the corpus and how much of it the runs read; writes the JSON (both curves, the gaps).
