@@ -357,7 +357,7 @@ def main(argv=None) -> int:
           if worst is not None else "fp8 against base: no eval after step 0 (FAIL)")
     if result["noise_floor"] is not None:
         print(f"noise floor: the controls' largest |gap| after step 0 {result['noise_floor']:.3%}"
-              " (bf16 against bf16 in another summation order)")
+              " (bf16 against bf16 rounded otherwise)")
     write_json(
         args.out,
         {
