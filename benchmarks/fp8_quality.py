@@ -164,8 +164,9 @@ def stdlib_corpus(path: Path, max_file_bytes: int = 200_000) -> Path:
 
 
 def plan_runs(args) -> list[dict]:
-    """[{name, exp, changes, own}] in run order: base, fp8, then each variant (of --fp8);
-    `changes` every --fdl_set the run gets, `own` the variant's (none for base and fp8)."""
+    """[{name, exp, changes, own}] in run order: base, fp8, each control (of --base, marked
+    control=True), then each variant (of --fp8); `changes` every --fdl_set the run gets, `own`
+    the control's or variant's (none for base and fp8)."""
     common = list(args.fdl_set)
     if args.data is not None:
         common.append(f"data.path={str(Path(args.data).resolve())!r}")
@@ -177,13 +178,13 @@ def plan_runs(args) -> list[dict]:
         dict(name="base", exp=args.base, changes=common, own=[]),
         dict(name="fp8", exp=args.fp8, changes=common, own=[])
     ]
+    runs += [  # the noise floor before the variants: it is what their gaps are read against
+        dict(name=v[0], exp=args.base, changes=common + list(v[1:]), own=list(v[1:]), control=True)
+        for v in args.control
+    ]
     runs += [
         dict(name=v[0], exp=args.fp8, changes=common + list(v[1:]), own=list(v[1:]))
         for v in args.variant
-    ]
-    runs += [
-        dict(name=v[0], exp=args.base, changes=common + list(v[1:]), own=list(v[1:]), control=True)
-        for v in args.control
     ]
     return runs
 
@@ -277,8 +278,8 @@ def read_share(run: dict):
 
 
 def compare(runs: list[dict], max_gap: float) -> dict:
-    """Each FP8 run's relative gap to the base at the common eval steps, and the check (the
-    'fp8' run within max_gap at every step after 0)."""
+    """Each run's relative gap to the base at the common eval steps, the controls' largest
+    (the noise floor), and the check (the 'fp8' run within max_gap at every step after 0)."""
     base = runs[0]["heldout_loss"]
     steps = sorted(set(base).intersection(*(r["heldout_loss"] for r in runs[1:])))
     gaps = {
@@ -324,8 +325,8 @@ def main(argv=None) -> int:
     command = "python -m benchmarks.fp8_quality " + shlex.join(sys.argv[1:] if argv is
                                                                None else argv)
     head = {
-        "what": "held-out loss, bf16 vs blockwise FP8 expert GEMMs (and FP8 variants), same "
-        "seed/data/steps",
+        "what": "held-out loss, bf16 vs blockwise FP8 expert GEMMs (and bf16 controls, FP8 "
+        "variants), same seed/data/steps",
         "machine": platform.node(),
         "python": platform.python_version(),
         "command": command,

@@ -216,16 +216,16 @@ def test_finished_runs_are_recorded_read_back_and_lose_their_checkpoints(tmp_pat
 def test_a_control_is_a_run_of_the_base_and_sets_the_noise_floor(tmp_path, capsys):
     """--control NAME PATH=VALUE: one more run of --base (not --fp8) with its changes; its gap
     to base is reported as the noise floor, and the check stays the fp8 run's."""
-    ctl = "model.stacked_transformer_tpl.moe_layer_tpl.fuse_gate_up=True"
-    args = fq.parse_args(["--variant", "v", VARIANT, "--control", "bf16_fused", ctl])
+    ctl = "model.stacked_transformer_tpl.moe_layer_tpl.router_precision='bf16x3'"
+    args = fq.parse_args(["--variant", "v", VARIANT, "--control", "bf16_router", ctl])
     runs = fq.plan_runs(args)
     assert [(r["name"], r["exp"], r.get("control", False))
             for r in runs] == [("base", args.base, False), ("fp8", args.fp8, False),
-                               ("v", args.fp8, False), ("bf16_fused", args.base, True)]
-    assert runs[3]["own"] == [ctl] and runs[3]["changes"][-1] == ctl
+                               ("bf16_router", args.base, True), ("v", args.fp8, False)]
+    assert runs[2]["own"] == [ctl] and runs[2]["changes"][-1] == ctl
     base = _run("base", {0: 5.0, 100: 2.0, 200: 1.5})
     fp8 = _run("fp8", {0: 5.0, 100: 2.01, 200: 1.5})
-    control = _run("bf16_fused", {0: 5.0, 100: 2.04, 200: 1.47}, control=True)
+    control = _run("bf16_router", {0: 5.0, 100: 2.04, 200: 1.47}, control=True)
     got = fq.compare([base, fp8, control], 0.01)
     assert got["noise_floor"] == pytest.approx(0.02) and got["pass"]
     assert fq.compare([base, fp8], 0.01)["noise_floor"] is None
