@@ -90,8 +90,8 @@ def _mixed(rows: Rows, group_sizes, weights, config: MoEConfig, *, backend, row_
                                             lhs_fp8=lhs_fp8,
                                             backend=backend)
 
-    up = checkpoint_name(gemm(x, "wi_up", rows_fp8), "moe_up")
-    gate = checkpoint_name(gemm(x, "wi_gate", rows_fp8), "moe_gate") if config.gated else None
+    up = gemm(x, "wi_up", rows_fp8)
+    gate, up = ops.named_gate_up(gemm(x, "wi_gate", rows_fp8) if config.gated else None, up)
     act_fp8 = None
     if kernels and config.gated and config.activation == "silu" and choices["wo"].fwd:
         act, *act_fp8 = fp8_fused.swiglu_fp8(gate, up, row_weights, backend="auto")
@@ -123,8 +123,7 @@ def _kernels(rows: Rows, group_sizes, weights, config: MoEConfig, *, backend, ro
     names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
     outs = fp8.fp8_gemms_shared_lhs(x, rows_fp8, tuple(weights[n] for n in names), group_sizes,
                                     _given(weights, names))
-    up = checkpoint_name(outs[-1], "moe_up")
-    gate = checkpoint_name(outs[0], "moe_gate") if config.gated else None
+    gate, up = ops.named_gate_up(outs[0] if config.gated else None, outs[-1])
     act = activation_reference(gate, up, row_weights, config).astype(x.dtype)
     act = checkpoint_name(act, "ffn1")
     out = fp8.fp8_gemms_shared_lhs(act, None, (weights["wo"], ), group_sizes,
@@ -172,8 +171,8 @@ def _per_weight(rows: Rows, group_sizes, weights, config: MoEConfig, *, row_weig
                                                  backend=impl)
         return fp8.fp8_grouped_gemm(lhs, weights[name], group_sizes, backend=impl)
 
-    up = checkpoint_name(gemm(x, "wi_up"), "moe_up")
-    gate = checkpoint_name(gemm(x, "wi_gate"), "moe_gate") if config.gated else None
+    up = gemm(x, "wi_up")
+    gate, up = ops.named_gate_up(gemm(x, "wi_gate") if config.gated else None, up)
     act = checkpoint_name(
         activation_reference(gate, up, row_weights, config).astype(x.dtype), "ffn1")
     return checkpoint_name(gemm(act, "wo"), "ffn2")
