@@ -37,6 +37,7 @@ emulation of the FP8 GEMMs (the same arithmetic as the kernels, up to summation 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import platform
 import re
@@ -144,22 +145,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def stdlib_corpus(path: Path, max_file_bytes: int = 200_000) -> Path:
+def stdlib_corpus(path: Path, max_file_bytes: int = 200_000, min_bytes: int = 12_000_000) -> Path:
     """This Python's standard library .py files under max_file_bytes (site-packages left out),
     in sorted order, one text file at `path` (kept if it exists): a varied corpus of code that
-    needs no download."""
+    needs no download. Where the standard library holds less than min_bytes (a Python
+    installed without its tests: 9.6 MB on the GPU machine's 3.12), the installed packages'
+    .py files (site-packages, sorted) follow until it does: the issue asks for 10 MB or more."""
     if path.exists():
         return path
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(f for f in root.rglob("*.py")
                    if "site-packages" not in f.parts and f.stat().st_size < max_file_bytes)
+    total = sum(f.stat().st_size for f in files)
+    extra = []
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    if total < min_bytes and purelib.is_dir():
+        for f in sorted(purelib.rglob("*.py")):
+            if total >= min_bytes:
+                break
+            size = f.stat().st_size
+            if size < max_file_bytes:
+                extra.append(f)
+                total += size
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as out:
-        for f in files:
+        for f in files + extra:
             out.write(f.read_text(encoding="utf-8", errors="replace") + "\n")
     tmp.replace(path)
-    print(f"wrote {path}: {len(files)} files of {root}, {path.stat().st_size:,} bytes", flush=True)
+    more = f" and {len(extra)} of {purelib}" if extra else ""
+    print(f"wrote {path}: {len(files)} files of {root}{more}, {path.stat().st_size:,} bytes",
+          flush=True)
     return path
 
 
@@ -223,7 +239,17 @@ def finished(run: dict, job_dir: Path) -> dict | None:
     if (got.get("exp"), got.get("changes")) != (run["exp"], run["changes"]):
         return None
     got["heldout_loss"] = {int(k): v for k, v in got["heldout_loss"].items()}
+    if "train_xent" in got:
+        got["train_xent"] = {int(k): v for k, v in got["train_xent"].items()}
+    else:  # recorded before the train curve was: its metrics hold it
+        got["train_xent"] = train_xent(read_metrics(job_dir / "metrics.jsonl"))
     return got
+
+
+def train_xent(recs: list[dict]) -> dict[int, float]:
+    """The train cross-entropy (the loss less its aux and z terms) by step: every run reads
+    the same batches in the same order, so the runs compare step by step."""
+    return {r["step"]: r["xent"] for r in recs if r["kind"] == "train" and "xent" in r}
 
 
 def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
@@ -262,6 +288,7 @@ def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
             r["step"]: r["heldout_loss"]
             for r in evals
         },
+        "train_xent": train_xent(recs),
     }
     (job_dir / RECORD).write_text(json.dumps(result, indent=1) + "\n")
     if not keep_checkpoints:
@@ -277,9 +304,26 @@ def read_share(run: dict):
     return run["final_step"] * run["tokens_per_step"] / run["corpus_tokens"]
 
 
+def window_means(runs: list[dict], steps: list[int]) -> dict[int, list[float]]:
+    """{s: each run's mean train cross-entropy over the steps (previous eval step, s]} for
+    every eval step s after 0, over the train steps every run recorded: a mean of many steps
+    on the same batches, steadier than one held-out loss (none where a run has no train curve)."""
+    out, prev = {}, 0
+    for s in steps:
+        if s <= 0:
+            continue
+        common = set(range(prev + 1, s + 1)).intersection(*(r.get("train_xent", {}) for r in runs))
+        if common:
+            out[s] = [sum(r["train_xent"][t] for t in common) / len(common) for r in runs]
+        prev = s
+    return out
+
+
 def compare(runs: list[dict], max_gap: float) -> dict:
     """Each run's relative gap to the base at the common eval steps, the controls' largest
-    (the noise floor), and the check (the 'fp8' run within max_gap at every step after 0)."""
+    (the noise floor), and the check (the 'fp8' run within max_gap at every step after 0);
+    beside them the same gaps of the train cross-entropy's mean over each eval interval
+    (window_means) and their noise floor, which are reported, not checked."""
     base = runs[0]["heldout_loss"]
     steps = sorted(set(base).intersection(*(r["heldout_loss"] for r in runs[1:])))
     gaps = {
@@ -289,28 +333,73 @@ def compare(runs: list[dict], max_gap: float) -> dict:
         }
         for r in runs[1:]
     }
+    means = window_means(runs, steps)
+    window_gaps = {
+        r["name"]: {
+            s: (m[i] - m[0]) / m[0]
+            for s, m in means.items()
+        }
+        for i, r in enumerate(runs) if i > 0
+    }
     checked = [s for s in steps if s > 0]
     worst = max((abs(gaps["fp8"][s]) for s in checked), default=None)
     controls = [r["name"] for r in runs if r.get("control")]
     floor = max((abs(gaps[n][s]) for n in controls for s in checked), default=None)
+    floor_train = max((abs(window_gaps[n][s]) for n in controls for s in means), default=None)
     return {
         "steps": steps,
         "gaps": gaps,
         "max_abs_gap_fp8": worst,
         "noise_floor": floor,
         "pass": worst is not None and worst <= max_gap,
+        "train_windows": means,
+        "train_window_gaps": window_gaps,
+        "noise_floor_train": floor_train,
     }
 
 
 def table(runs: list[dict], result: dict) -> str:
+    """The held-out losses and gaps by eval step; then, where the runs have train curves, the
+    mean train cross-entropy over each eval interval and its gaps."""
     names = [r["name"] for r in runs]
-    head = "| step | " + " | ".join(names) + " | " + " | ".join(f"gap {n}" for n in names[1:])
-    lines = [head + " |", "|---" * (2 * len(names)) + "|"]
+    head = " | ".join(names) + " | " + " | ".join(f"gap {n}" for n in names[1:]) + " |"
+    rule = "|---" * (2 * len(names)) + "|"
+    lines = ["held-out loss:", "| step | " + head, rule]
     for s in result["steps"]:
         losses = " | ".join(f"{r['heldout_loss'][s]:.4f}" for r in runs)
         gaps = " | ".join(f"{result['gaps'][n][s]:+.2%}" for n in names[1:])
         lines.append(f"| {s} | {losses} | {gaps} |")
+    if result.get("train_windows"):
+        lines += [
+            "train cross-entropy, mean over the steps since the last eval:", "| steps | " + head,
+            rule
+        ]
+        for s, m in result["train_windows"].items():
+            prev = max((t for t in result["steps"] if t < s), default=0)
+            gaps = " | ".join(f"{result['train_window_gaps'][n][s]:+.2%}" for n in names[1:])
+            lines.append(f"| {prev + 1}-{s} | " + " | ".join(f"{v:.4f}"
+                                                             for v in m) + f" | {gaps} |")
     return "\n".join(lines)
+
+
+def _first_line(cmd: list[str]):
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = p.stdout.strip().splitlines()
+    return lines[0].strip() if p.returncode == 0 and lines else None
+
+
+def accelerator():
+    """The first GPU's name as nvidia-smi gives it (the parent never starts JAX: the runs
+    need the whole GPU), or None where there is none."""
+    return _first_line(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
+
+
+def commit():
+    """The checkout's commit, or None outside a git checkout."""
+    return _first_line(["git", "rev-parse", "--short", "HEAD"])
 
 
 def write_json(path: str, out: dict):
@@ -328,6 +417,9 @@ def main(argv=None) -> int:
         "what": "held-out loss, bf16 vs blockwise FP8 expert GEMMs (and bf16 controls, FP8 "
         "variants), same seed/data/steps",
         "machine": platform.node(),
+        "accelerator": accelerator(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        "commit": commit(),
         "python": platform.python_version(),
         "command": command,
     }
@@ -359,6 +451,10 @@ def main(argv=None) -> int:
     if result["noise_floor"] is not None:
         print(f"noise floor: the controls' largest |gap| after step 0 {result['noise_floor']:.3%}"
               " (bf16 against bf16 rounded otherwise)")
+    if result["noise_floor_train"] is not None:
+        fp8_train = max(abs(g) for g in result["train_window_gaps"]["fp8"].values())
+        print(f"train cross-entropy means: fp8's largest |gap| {fp8_train:.3%}, the controls' "
+              f"{result['noise_floor_train']:.3%}")
     write_json(
         args.out,
         {
@@ -369,6 +465,9 @@ def main(argv=None) -> int:
             "relative_gaps": result["gaps"],
             "max_abs_gap_fp8": worst,
             "noise_floor": result["noise_floor"],
+            "train_windows": result["train_windows"],
+            "train_window_gaps": result["train_window_gaps"],
+            "noise_floor_train": result["noise_floor_train"],
             "max_gap": args.max_gap,
             "pass": result["pass"],
             "corpus_read": seen,  # the share of the corpus's tokens the base run's steps read

@@ -59,6 +59,28 @@ def test_stdlib_corpus_is_made_once_and_used_as_the_data(tmp_path, capsys):
     assert "not both" in capsys.readouterr().err
 
 
+def test_a_small_stdlib_is_topped_up_from_site_packages(tmp_path, monkeypatch, capsys):
+    """A standard library under min_bytes (the GPU machine's 3.12 holds 9.6 MB) is followed by
+    the installed packages' sources, sorted, until the corpus reaches it; files over
+    max_file_bytes are left out of both."""
+    std, pure = tmp_path / "lib", tmp_path / "lib" / "site-packages"
+    (pure / "pkg").mkdir(parents=True)
+    (std / "a.py").write_text("s" * 400)
+    (std / "big.py").write_text("x" * 2000)
+    (pure / "pkg" / "b.py").write_text("b" * 300)
+    (pure / "pkg" / "c.py").write_text("c" * 300)
+    (pure / "pkg" / "d.py").write_text("d" * 300)
+    monkeypatch.setattr(fq.sysconfig, "get_paths", lambda: {
+        "stdlib": str(std),
+        "purelib": str(pure)
+    })
+    out = fq.stdlib_corpus(tmp_path / "c.txt", max_file_bytes=1000, min_bytes=900)
+    assert out.read_text() == "s" * 400 + "\n" + "b" * 300 + "\n" + "c" * 300 + "\n"
+    assert f"1 files of {std} and 2 of {pure}" in capsys.readouterr().out
+    whole = fq.stdlib_corpus(tmp_path / "w.txt", max_file_bytes=1000, min_bytes=100)
+    assert whole.read_text() == "s" * 400 + "\n"  # enough already: no site-packages
+
+
 def test_a_stopped_benchmark_stops_its_main_first(tmp_path):
     """SIGTERM to the benchmark (timeout(1)) reaches the main it runs before it exits: a child
     that records the signal and exits writes its file, and the benchmark ends with the signal."""
@@ -108,6 +130,52 @@ def test_gaps_and_the_check_at_every_eval():
     assert fq.read_share(seen) == 2.0 and fq.read_share(dict(seen, corpus_tokens=None)) is None
 
 
+def test_train_windows_compare_the_runs_between_evals():
+    """Beside the held-out gaps: each run's mean train cross-entropy over the steps since the
+    previous eval (only the steps every run recorded), its gap to the base and the controls'
+    largest; the table prints them under the held-out one."""
+    xb = {t: 2.0 for t in range(1, 201)}
+    xf = {t: 2.0 if t <= 100 else 2.2 for t in range(1, 201)}
+    xc = {t: 2.0 + (0.02 if t % 2 else -0.02) for t in range(1, 201) if t != 150}
+    runs = [
+        _run("base", {
+            0: 5.0,
+            100: 2.0,
+            200: 1.5
+        }, train_xent=xb),
+        _run("fp8", {
+            0: 5.0,
+            100: 2.0,
+            200: 1.5
+        }, train_xent=xf),
+        _run("ctl", {
+            0: 5.0,
+            100: 2.0,
+            200: 1.5
+        }, train_xent=xc, control=True)
+    ]
+    got = fq.compare(runs, 0.01)
+    assert list(got["train_windows"]) == [100, 200]
+    assert got["train_windows"][200][1] == pytest.approx(2.2)
+    assert got["train_window_gaps"]["fp8"] == pytest.approx({100: 0.0, 200: 0.1})
+    # step 150 is missing from the control: the window 101-200 averages the 99 common steps
+    assert got["train_window_gaps"]["ctl"][200] == pytest.approx(0.02 / 99 / 2.0)
+    assert got["noise_floor_train"] == pytest.approx(0.02 / 99 / 2.0)
+    assert got["pass"]  # the held-out check alone decides
+    text = fq.table(runs, got)
+    assert "| 101-200 | 2.0000 | 2.2000 | 2.0002 | +10.00% | +0.01% |" in text
+    bare = fq.compare([_run("base", {0: 5.0, 100: 2.0}), _run("fp8", {0: 5.0, 100: 2.0})], 0.01)
+    assert bare["train_windows"] == {} and bare["noise_floor_train"] is None
+    assert "train cross-entropy" not in fq.table(
+        [_run("base", {
+            0: 5.0,
+            100: 2.0
+        }), _run("fp8", {
+            0: 5.0,
+            100: 2.0
+        })], bare)
+
+
 def test_the_command_given_to_the_main_and_what_is_read_back(tmp_path, monkeypatch, capsys):
     """A fake experiments.main records its argv and writes metrics, a config and the data
     line; the benchmark passes each run its changes, reads the curves back and writes the
@@ -153,6 +221,7 @@ def test_the_command_given_to_the_main_and_what_is_read_back(tmp_path, monkeypat
     assert "--fdl_set=a.b=1" not in seen[1]
     got = json.loads(out.read_text())
     assert got["relative_gaps"]["fp8"]["8"] == pytest.approx(0.05) and not got["pass"]
+    assert got["date"].startswith("20") and "commit" in got and "accelerator" in got
     assert got["corpus_read"] == pytest.approx(8 * 256 / 2048)
     assert "read 1.00 of it" in capsys.readouterr().out
 
