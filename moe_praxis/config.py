@@ -150,7 +150,10 @@ class MoEConfig:
         any rows) or the GEMMs named and joined by '+' ('fwd', 'fwd+dgrad', ...: those GEMMs
         of every expert weight in FP8 at any rows, the others in bf16 on the master weight,
         as TransformerEngine's override_linear_precision; for quality runs that change one
-        GEMM at a time). backend_info(config) and the layer's summaries name the choice.
+        GEMM at a time), or per weight WEIGHT=GEMMS joined by ',' ('wi=fwd,wo=none': the gate
+        and up projections' forwards in FP8; 'wo=fwd': only the down projection's; WEIGHT
+        wi_gate, wi_up, wo or 'wi' for both, GEMMS as above, 'all' or 'none'; weights not
+        named run bf16). backend_info(config) and the layer's summaries name the choice.
     """
 
     d_model: int
@@ -276,6 +279,12 @@ class MoEConfig:
             fp8_rule.parse(self.fp8_gemms)
         except ValueError:
             raise _err("fp8_gemms", self.fp8_gemms, f"valid: {fp8_rule.VALID}") from None
+        extra = fp8_rule.missing_weights(self.fp8_gemms, self.gated)
+        if extra:
+            raise _err(
+                "fp8_gemms", self.fp8_gemms, f"it names {extra}, which an FFN with "
+                f"gated={self.gated} has not (its weights: "
+                f"{tuple(fp8_rule.weight_shapes(1, 1, self.gated))})")
         if not self.param_init_scale > 0:
             raise _err("param_init_scale", self.param_init_scale, "must be > 0")
         if self.ep_exchange not in EP_EXCHANGES:

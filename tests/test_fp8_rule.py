@@ -124,6 +124,93 @@ def test_named_gemms_reach_the_block():
         assert rel_err(back[3][w], bf16[3][w]) > 1e-3, f"seed={seed} {w}: wgrad in bf16?"
 
 
+def test_the_per_weight_form_parses_and_names_what_is_wrong():
+    """'wi=fwd,wo=none': {weight: Fp8Gemms} ('wi' both gate and up, weights not named NONE);
+    an unknown, repeated or unnamed weight, GEMMs that are not, or no FP8 GEMM at all is a
+    one-line error; wi_gate named for an FFN without a gate is an error, not ignored."""
+    fwd = Fp8Gemms(True, False, False)
+    assert fp8_rule.parse("wi=fwd,wo=none") == {"wi_gate": fwd, "wi_up": fwd, "wo": fp8_rule.NONE}
+    assert fp8_rule.parse("wo=all") == {"wo": fp8_rule.ALL}
+    cfg = mp.MoEConfig(d_model=128, d_ff=128, num_experts=2, fp8="blockwise", fp8_gemms="wo=fwd")
+    assert {
+        w: c.label()
+        for w, c in cfg.fp8_choices().items()
+    } == {
+        "wi_gate": "none",
+        "wi_up": "none",
+        "wo": "fwd"
+    }
+    assert fp8_rule.form_pays("wo=fwd", 1)
+    assert ops.backend_info(cfg)["fp8_gemms"]["choice"]["wi_up"]["fwd"] == "bf16"
+    for bad in ("wi=fwd,wi_up=fwd", "wx=fwd", "=fwd", "wi=fwd,", "wi=some", "wi=none",
+                "wi=fwd,wo=none,wi_gate=all", "wo=fwd+fwd"):
+        with pytest.raises(ValueError, match=rf"fp8_gemms={re.escape(repr(bad))} is invalid"):
+            fp8_rule.parse(bad)
+        with pytest.raises(ValueError, match=r"is invalid: valid: .*per weight WEIGHT=GEMMS"):
+            mp.MoEConfig(d_model=128, d_ff=128, num_experts=2, fp8="blockwise", fp8_gemms=bad)
+    with pytest.raises(ValueError, match="runs no GEMM in FP8"):
+        fp8_rule.parse("wi=none,wo=none")
+    with pytest.raises(ValueError,
+                       match=r"MoEConfig.fp8_gemms='wi_gate=fwd' is invalid: it names "
+                       r"\['wi_gate'\], which an FFN with gated=False has not \(its weights: "
+                       r"\('wi_up', 'wo'\)\)"):
+        mp.MoEConfig(d_model=128,
+                     d_ff=128,
+                     num_experts=2,
+                     gated=False,
+                     activation="gelu",
+                     fp8="blockwise",
+                     fp8_gemms="wi_gate=fwd")
+    with pytest.raises(ValueError, match="choose_all resolves it"):
+        fp8_rule.choose("wo=fwd", 128, 128)
+
+
+def test_the_per_weight_form_reaches_the_block():
+    """Every weight named with the uniform form's GEMMs runs the uniform form bitwise (output
+    and every gradient); 'wi=fwd' and 'wo=fwd' each run FP8 where they say: their outputs
+    differ from the bf16 layer's and from each other's by more than 1e-3. Under 'wo=fwd' every
+    gradient is the bf16 layer's (within float32 rounding, 1e-5 norm-wise): the backward reads
+    bf16 gate and up outputs and runs wo's dgrad and wgrad in bf16; under 'wi=fwd' they
+    differ (the gate and up outputs came from FP8)."""
+    seed = _seed()
+    base = dict(d_model=256, d_ff=384, num_experts=4, top_k=2, kernel_backend="xla")
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    params = mp.init_moe_params(k1, mp.MoEConfig(**base))
+    x = jax.random.normal(k2, (2, 16, 256), jnp.float32)
+    cot = jax.random.normal(k3, x.shape, jnp.float32)
+
+    def run(**kw):
+        cfg = mp.MoEConfig(**base, **kw)
+        ran = mp.moe_block(params, x, cfg).fp8_gemms
+        (loss, y), (dp, dx) = _block_step(cfg, cot, False)(params, x)
+        return dict(ran), y, dx, dp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the emulation's notice
+        uniform = run(fp8="blockwise", fp8_gemms="fwd+dgrad")
+        per = run(fp8="blockwise", fp8_gemms="wi_gate=fwd+dgrad,wi_up=dgrad+fwd,wo=fwd+dgrad")
+        wi, wo, bf16 = (run(fp8="blockwise",
+                            fp8_gemms="wi=fwd"), run(fp8="blockwise", fp8_gemms="wo=fwd"), run())
+    assert per[0] == uniform[0]
+    for a, b in zip(jax.tree.leaves(per[1:]), jax.tree.leaves(uniform[1:])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert {
+        w: c.label()
+        for w, c in wi[0].items()
+    } == {
+        "wi_gate": "fwd",
+        "wi_up": "fwd",
+        "wo": "none"
+    }
+    assert rel_err(wi[1], bf16[1]) > 1e-3 and rel_err(wo[1], bf16[1]) > 1e-3, seed
+    assert rel_err(wi[1], wo[1]) > 1e-3, seed
+    assert rel_err(wo[1], bf16[1]) < 0.1 and rel_err(wi[1], bf16[1]) < 0.1, seed
+    assert rel_err(wo[2], bf16[2]) < 1e-5 and rel_err(wi[2], bf16[2]) > 1e-3, seed
+    for w in ("wi_gate", "wi_up", "wo"):
+        assert rel_err(wo[3][w], bf16[3][w]) < 1e-5, f"seed={seed} {w}"
+        assert rel_err(wi[3][w], bf16[3][w]) > 1e-3, f"seed={seed} {w}"
+
+
 def _gemm_inputs(seed):
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     x = jax.random.normal(k1, (300, 256), jnp.bfloat16)

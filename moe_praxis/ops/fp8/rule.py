@@ -60,6 +60,11 @@ any rows), or the GEMMs to run in FP8 named and joined by '+' ('fwd', 'fwd+dgrad
 ...: the same GEMMs of every expert weight, at any rows; the others in bf16 on the master
 weight), as TransformerEngine's `override_linear_precision` keeps chosen GEMMs out of FP8: for
 training-quality runs that change one GEMM at a time, or to keep a GEMM out of FP8 by choice.
+Per weight: WEIGHT=GEMMS entries joined by ',' ('wi=fwd,wo=none': the gate and up projections'
+forwards in FP8, everything else bf16; 'wo=fwd': only the down projection's forward), WEIGHT one
+of WEIGHTS or 'wi' (the gate and up projections), GEMMS as above, 'all' or 'none'; a weight not
+named runs bf16. A quality run that finds a gap with 'fwd' (benchmarks.fp8_quality) bisects it
+over the weights this way.
 """
 
 from __future__ import annotations
@@ -69,7 +74,12 @@ import dataclasses
 FP8_GEMMS = ("auto", "all")  # MoEConfig.fp8_gemms' named modes (also: GEMMS joined by '+')
 GEMMS = ("fwd", "dgrad", "wgrad")
 EXAMPLE = "fwd+dgrad"  # GEMMs named by hand: the wgrad in bf16
-VALID = f"'auto', 'all', or GEMMs from {GEMMS} joined by '+', e.g. {EXAMPLE!r}"
+WEIGHTS = ("wi_gate", "wi_up", "wo")  # moe.param_shapes' expert weights
+WEIGHT_GROUPS = {"wi": ("wi_gate", "wi_up")}  # names for several weights in the per-weight form
+VALID = (f"'auto', 'all', or GEMMs from {GEMMS} joined by '+', e.g. {EXAMPLE!r}, or per weight "
+         f"WEIGHT=GEMMS joined by ',' (WEIGHT from {WEIGHTS} or 'wi' for the gate and up "
+         "projections; GEMMS as above, 'all' or 'none'; a weight not named runs bf16), e.g. "
+         "'wi=fwd,wo=none'")
 # The rule's thresholds (module doc: the rows that set each)
 DGRAD_MIN_K = 4096
 WGRAD_MIN_KN = 4096
@@ -101,18 +111,44 @@ ALL = Fp8Gemms()
 NONE = Fp8Gemms(fwd=False, dgrad=False, wgrad=False)
 
 
-def parse(mode) -> Fp8Gemms | None:
-    """MoEConfig.fp8_gemms as the GEMMs it names: None for 'auto' (the rule, per weight), ALL
-    for 'all', else the '+'-joined GEMMs ('fwd+dgrad': forward and dgrad in FP8, wgrad in bf16).
-    A ValueError names the value and what is valid (an unknown or repeated name, none)."""
-    if mode == "auto":
-        return None
-    if mode == "all":
+def _gemms(text: str, mode) -> Fp8Gemms:
+    """'fwd+dgrad' (GEMMs joined by '+') or 'all' as an Fp8Gemms; ValueError otherwise."""
+    if text == "all":
         return ALL
-    names = mode.split("+") if isinstance(mode, str) else []
-    if not mode or any(g not in GEMMS for g in names) or len(set(names)) != len(names):
+    names = text.split("+")
+    if not text or any(g not in GEMMS for g in names) or len(set(names)) != len(names):
         raise ValueError(f"fp8_gemms={mode!r} is invalid; valid: {VALID}")
     return Fp8Gemms(**{g: g in names for g in GEMMS})
+
+
+def _per_weight(mode: str) -> dict[str, Fp8Gemms]:
+    """'wi=fwd,wo=none' as {weight: Fp8Gemms} of the weights named; ValueError for an unknown
+    or repeated weight, a part without '=', or no FP8 GEMM at all."""
+    out = {}
+    for part in mode.split(","):
+        weight, eq, gemms = part.partition("=")
+        names = WEIGHT_GROUPS.get(weight, (weight, ))
+        if not eq or any(n not in WEIGHTS or n in out for n in names):
+            raise ValueError(f"fp8_gemms={mode!r} is invalid; valid: {VALID}")
+        for n in names:
+            out[n] = NONE if gemms == "none" else _gemms(gemms, mode)
+    if not any(c.any for c in out.values()):
+        raise ValueError(f"fp8_gemms={mode!r} is invalid (it runs no GEMM in FP8: leave fp8 "
+                         f"None for that); valid: {VALID}")
+    return out
+
+
+def parse(mode) -> Fp8Gemms | dict[str, Fp8Gemms] | None:
+    """MoEConfig.fp8_gemms as the GEMMs it names: None for 'auto' (the rule, per weight), ALL
+    for 'all', the '+'-joined GEMMs ('fwd+dgrad': forward and dgrad in FP8, wgrad in bf16) of
+    every weight, or {weight: Fp8Gemms} of the per-weight form ('wi=fwd,wo=none'; the weights
+    not named: NONE). A ValueError names the value and what is valid (an unknown or repeated
+    name, none)."""
+    if mode == "auto":
+        return None
+    if not isinstance(mode, str) or not mode:
+        raise ValueError(f"fp8_gemms={mode!r} is invalid; valid: {VALID}")
+    return _per_weight(mode) if "=" in mode else _gemms(mode, mode)
 
 
 def fp8_gemm_rule(k: int, n: int) -> Fp8Gemms:
@@ -129,8 +165,11 @@ def form_pays(mode: str, rows_per_form: float) -> bool:
 
 
 def choose(mode: str, k: int, n: int) -> Fp8Gemms:
-    """The FP8 GEMMs of a weight [E, K, N] under MoEConfig.fp8_gemms=mode."""
+    """The FP8 GEMMs of a weight [E, K, N] under a MoEConfig.fp8_gemms that names no weight
+    ('auto', 'all', '+'-joined GEMMs; choose_all takes the per-weight form too)."""
     named = parse(mode)
+    if isinstance(named, dict):
+        raise ValueError(f"fp8_gemms={mode!r} names weights: choose_all resolves it")
     return fp8_gemm_rule(k, n) if named is None else named
 
 
@@ -140,9 +179,26 @@ def weight_shapes(d_model: int, d_ff: int, gated: bool) -> dict[str, tuple[int, 
     return {**shapes, "wi_up": (d_model, d_ff), "wo": (d_ff, d_model)}
 
 
+def missing_weights(mode: str, gated: bool) -> list[str]:
+    """The weights a per-weight mode names that an FFN (gated or not) has not: wi_gate without
+    a gate ([] for every other mode)."""
+    named = parse(mode)
+    have = weight_shapes(1, 1, gated)
+    return sorted(set(named) - set(have)) if isinstance(named, dict) else []
+
+
 def choose_all(mode: str, d_model: int, d_ff: int, gated: bool) -> dict[str, Fp8Gemms]:
-    """{expert weight: its Fp8Gemms} of an FFN under mode."""
-    return {w: choose(mode, k, n) for w, (k, n) in weight_shapes(d_model, d_ff, gated).items()}
+    """{expert weight: its Fp8Gemms} of an FFN under mode. A per-weight mode naming a weight
+    the FFN has not (missing_weights) is a ValueError, not ignored."""
+    shapes = weight_shapes(d_model, d_ff, gated)
+    extra = missing_weights(mode, gated)
+    if extra:
+        raise ValueError(f"fp8_gemms={mode!r} names {extra}, which this FFN has not (gated="
+                         f"{gated}: its weights are {tuple(shapes)})")
+    named = parse(mode)
+    if isinstance(named, dict):
+        return {w: named.get(w, NONE) for w in shapes}
+    return {w: fp8_gemm_rule(k, n) if named is None else named for w, (k, n) in shapes.items()}
 
 
 def describe(choices: dict[str, Fp8Gemms]) -> dict[str, dict[str, str]]:
