@@ -88,13 +88,9 @@ def test_gemms_named_by_hand_apply_to_every_weight_at_any_rows():
                                                                           else "bf16")
 
 
-def test_named_gemms_reach_the_block():
-    """At 16 rows per expert (where 'auto' runs the bf16 layer) the block runs the GEMMs named:
-    'fwd+dgrad' has the forward and dx of 'all' (the same FP8 arithmetic, within float32
-    rounding: 1e-5 norm-wise) and weight gradients that differ from them (bf16 wgrads, > 1e-3);
-    'dgrad+wgrad' has the forward of the bf16 layer (fp8=None) and its weight gradients
-    differ from the bf16 layer's. MoEOutput.fp8_gemms names what ran."""
-    seed = _seed()
+def _block_runner(seed):
+    """run(**MoEConfig fields) -> (MoEOutput.fp8_gemms as a dict, y, dx, dparams) of one block
+    step at 16 rows per expert (4 experts, top-2, 2 x 16 tokens), the same inputs every call."""
     base = dict(d_model=256, d_ff=384, num_experts=4, top_k=2, kernel_backend="xla")
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     params = mp.init_moe_params(k1, mp.MoEConfig(**base))
@@ -103,17 +99,27 @@ def test_named_gemms_reach_the_block():
 
     def run(**kw):
         cfg = mp.MoEConfig(**base, **kw)
-        ran = mp.moe_block(params, x, cfg).fp8_gemms
-        (loss, y), (dp, dx) = _block_step(cfg, cot, False)(params, x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the emulation's notice
+            ran = mp.moe_block(params, x, cfg).fp8_gemms
+            (_, y), (dp, dx) = _block_step(cfg, cot, False)(params, x)
         return dict(ran), y, dx, dp
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the emulation's notice
-        every, named, back, bf16 = (run(fp8="blockwise",
-                                        fp8_gemms="all"), run(fp8="blockwise",
-                                                              fp8_gemms="fwd+dgrad"),
-                                    run(fp8="blockwise", fp8_gemms="dgrad+wgrad"), run())
-        auto = run(fp8="blockwise")
+    return run
+
+
+def test_named_gemms_reach_the_block():
+    """At 16 rows per expert (where 'auto' runs the bf16 layer) the block runs the GEMMs named:
+    'fwd+dgrad' has the forward and dx of 'all' (the same FP8 arithmetic, within float32
+    rounding: 1e-5 norm-wise) and weight gradients that differ from them (bf16 wgrads, > 1e-3);
+    'dgrad+wgrad' has the forward of the bf16 layer (fp8=None) and its weight gradients
+    differ from the bf16 layer's. MoEOutput.fp8_gemms names what ran."""
+    seed = _seed()
+    run = _block_runner(seed)
+    every = run(fp8="blockwise", fp8_gemms="all")
+    named = run(fp8="blockwise", fp8_gemms="fwd+dgrad")
+    back = run(fp8="blockwise", fp8_gemms="dgrad+wgrad")
+    bf16, auto = run(), run(fp8="blockwise")
     assert {c.label() for c in named[0].values()} == {"fwd+dgrad"}
     assert {c.label() for c in back[0].values()} == {"dgrad+wgrad"}
     assert {c.label() for c in auto[0].values()} == {"none"}  # 16 rows per expert: bf16 layer
@@ -173,24 +179,11 @@ def test_the_per_weight_form_reaches_the_block():
     bf16 gate and up outputs and runs wo's dgrad and wgrad in bf16; under 'wi=fwd' they
     differ (the gate and up outputs came from FP8)."""
     seed = _seed()
-    base = dict(d_model=256, d_ff=384, num_experts=4, top_k=2, kernel_backend="xla")
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    params = mp.init_moe_params(k1, mp.MoEConfig(**base))
-    x = jax.random.normal(k2, (2, 16, 256), jnp.float32)
-    cot = jax.random.normal(k3, x.shape, jnp.float32)
-
-    def run(**kw):
-        cfg = mp.MoEConfig(**base, **kw)
-        ran = mp.moe_block(params, x, cfg).fp8_gemms
-        (loss, y), (dp, dx) = _block_step(cfg, cot, False)(params, x)
-        return dict(ran), y, dx, dp
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the emulation's notice
-        uniform = run(fp8="blockwise", fp8_gemms="fwd+dgrad")
-        per = run(fp8="blockwise", fp8_gemms="wi_gate=fwd+dgrad,wi_up=dgrad+fwd,wo=fwd+dgrad")
-        wi, wo, bf16 = (run(fp8="blockwise",
-                            fp8_gemms="wi=fwd"), run(fp8="blockwise", fp8_gemms="wo=fwd"), run())
+    run = _block_runner(seed)
+    uniform = run(fp8="blockwise", fp8_gemms="fwd+dgrad")
+    per = run(fp8="blockwise", fp8_gemms="wi_gate=fwd+dgrad,wi_up=dgrad+fwd,wo=fwd+dgrad")
+    wi, wo = run(fp8="blockwise", fp8_gemms="wi=fwd"), run(fp8="blockwise", fp8_gemms="wo=fwd")
+    bf16 = run()
     assert per[0] == uniform[0]
     for a, b in zip(jax.tree.leaves(per[1:]), jax.tree.leaves(uniform[1:])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
