@@ -182,7 +182,7 @@ def stdlib_corpus(path: Path, max_file_bytes: int = 200_000, min_bytes: int = 12
 def plan_runs(args) -> list[dict]:
     """[{name, exp, changes, own}] in run order: base, fp8, each control (of --base, marked
     control=True), then each variant (of --fp8); `changes` every --fdl_set the run gets, `own`
-    the control's or variant's (none for base and fp8)."""
+    the control's or variant's (none for base and fp8), `data_bytes` the corpus's size."""
     common = list(args.fdl_set)
     if args.data is not None:
         common.append(f"data.path={str(Path(args.data).resolve())!r}")
@@ -190,6 +190,7 @@ def plan_runs(args) -> list[dict]:
         common.append(f"train.num_steps={args.steps}")
     if args.eval_every:
         common.append(f"train.eval_every={args.eval_every}")
+    size = data_bytes(args.data)
     runs = [
         dict(name="base", exp=args.base, changes=common, own=[]),
         dict(name="fp8", exp=args.fp8, changes=common, own=[])
@@ -202,7 +203,16 @@ def plan_runs(args) -> list[dict]:
         dict(name=v[0], exp=args.fp8, changes=common + list(v[1:]), own=list(v[1:]))
         for v in args.variant
     ]
-    return runs
+    return [dict(r, data_bytes=size) for r in runs]
+
+
+def data_bytes(path) -> int | None:
+    """The bytes under --data (a file, or a folder's files), None without it."""
+    if path is None:
+        return None
+    p = Path(path)
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*")
+                                                    if f.is_file())
 
 
 def run_child(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -227,6 +237,9 @@ def _interrupt(signum, frame):
 
 
 RECORD = "fp8_quality_run.json"  # a finished run's result, in its job directory
+# what a recorded run must share with this one beyond its experiment and changes: the corpus
+# behind the same data.path (a standard library topped up or not) and the GPU it ran on
+MUST_MATCH = ("data_bytes", "accelerator")
 
 
 def finished(run: dict, job_dir: Path) -> dict | None:
@@ -238,6 +251,13 @@ def finished(run: dict, job_dir: Path) -> dict | None:
         return None
     if (got.get("exp"), got.get("changes")) != (run["exp"], run["changes"]):
         return None
+    for key in MUST_MATCH:  # absent from records made before they were recorded
+        if got.get(key) is not None and run.get(key) is not None and got[key] != run[key]:
+            print(
+                f"{run['name']}: the run in {job_dir} had {key}={got[key]!r}, this one "
+                f"{run[key]!r}: training it again",
+                flush=True)
+            return None
     got["heldout_loss"] = {int(k): v for k, v in got["heldout_loss"].items()}
     if "train_xent" in got:
         got["train_xent"] = {int(k): v for k, v in got["train_xent"].items()}
@@ -410,14 +430,14 @@ def write_json(path: str, out: dict):
 def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # timeout(1)'s signal: the child saves first
-    plan = plan_runs(args)
+    plan = [dict(r, accelerator=accelerator()) for r in plan_runs(args)]
     command = "python -m benchmarks.fp8_quality " + shlex.join(sys.argv[1:] if argv is
                                                                None else argv)
     head = {
         "what": "held-out loss, bf16 vs blockwise FP8 expert GEMMs (and bf16 controls, FP8 "
         "variants), same seed/data/steps",
         "machine": platform.node(),
-        "accelerator": accelerator(),
+        "accelerator": plan[0]["accelerator"],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
         "commit": commit(),
         "python": platform.python_version(),

@@ -81,6 +81,27 @@ def test_a_small_stdlib_is_topped_up_from_site_packages(tmp_path, monkeypatch, c
     assert whole.read_text() == "s" * 400 + "\n"  # enough already: no site-packages
 
 
+def test_a_record_of_another_corpus_or_gpu_is_trained_again(tmp_path, capsys):
+    """A finished run is read back only where its corpus's size and its GPU match this run's
+    (the same data.path can hold a topped-up corpus; another GPU rounds otherwise); a record
+    made before they were recorded matches on the experiment and changes alone."""
+    run = dict(name="base", exp="e", changes=["a=1"], data_bytes=10, accelerator="H100")
+    rec = dict(run, heldout_loss={"0": 5.0}, train_xent={"1": 5.5})
+    (tmp_path / fq.RECORD).write_text(json.dumps(rec))
+    got = fq.finished(run, tmp_path)
+    assert got["heldout_loss"] == {0: 5.0} and got["train_xent"] == {1: 5.5}
+    assert fq.finished(dict(run, data_bytes=12), tmp_path) is None
+    assert "had data_bytes=10, this one 12: training it again" in capsys.readouterr().out
+    assert fq.finished(dict(run, accelerator="H200"), tmp_path) is None
+    old = {k: v for k, v in rec.items() if k not in fq.MUST_MATCH}
+    (tmp_path / fq.RECORD).write_text(json.dumps(old))
+    assert fq.finished(run, tmp_path)["heldout_loss"] == {0: 5.0}
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.txt").write_text("abc")
+    (tmp_path / "d" / "y.txt").write_text("de")
+    assert fq.data_bytes(tmp_path / "d") == 5 and fq.data_bytes(None) is None
+
+
 def test_a_stopped_benchmark_stops_its_main_first(tmp_path):
     """SIGTERM to the benchmark (timeout(1)) reaches the main it runs before it exits: a child
     that records the signal and exits writes its file, and the benchmark ends with the signal."""

@@ -1,0 +1,42 @@
+#!/bin/bash
+# One call on the GPU machine for the FP8 training-quality runs (python -m benchmarks.fp8_quality)
+# of the Mixtral-like preset: base, FP8, the control router_f32 (exact router logits: the noise
+# floor) and the variants named in VARIANTS, on the standard-library corpus; the log and JSON
+# under $OUT, the runs' metrics and records as $OUT/fq_runs.tgz.
+#   bash benchmarks/fp8_quality_device_run.sh [BUDGET_S]
+# BUDGET_S (default 570): the benchmark's hard limit (a SIGTERM stops the run in flight, which
+# saves its step; the same command again, on the same machine, reads the finished runs and
+# resumes it). STEPS (default 300), EVAL (default 100), LR (default 1e-4: at the preset's 3e-4 two
+# bf16 runs drift apart by 9%, docs/performance.md), KEEP (default /tmp/fq) the job
+# directories. VARIANTS (default "wi_fwd wo_fwd"), each one of:
+#   fwd_only (fp8_gemms='fwd'), wgrad_bf16 ('fwd+dgrad'), wi_fwd ('wi=fwd'), wo_fwd ('wo=fwd').
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/fq_out}
+mkdir -p "$OUT"
+BUDGET=${1:-570}
+KEEP=${KEEP:-/tmp/fq}
+P=model.stacked_transformer_tpl.block.moe_layer_tpl
+source "$(dirname "$0")/device_common.sh"
+device_env "$OUT/env_fq.txt"
+ensure_library "$OUT" | tee -a "$OUT/env_fq.txt"
+ARGS=(--base mixtral_moe_gpu --fp8 mixtral_moe_gpu_fp8 --steps "${STEPS:-300}"
+      --eval_every "${EVAL:-100}" --stdlib_corpus /tmp/stdlib.txt --keep "$KEEP"
+      --fdl_set "optimizer.learning_rate=${LR:-1e-4}"
+      --control router_f32 "$P.router_precision='float32'")
+for V in ${VARIANTS:-wi_fwd wo_fwd}; do
+  case $V in
+    fwd_only) G=fwd ;;
+    wgrad_bf16) G=fwd+dgrad ;;
+    wi_fwd) G=wi=fwd ;;
+    wo_fwd) G=wo=fwd ;;
+    *) echo "VARIANTS: unknown $V (fwd_only, wgrad_bf16, wi_fwd, wo_fwd)"; exit 2 ;;
+  esac
+  ARGS+=(--variant "$V" "$P.fp8_gemms='$G'")
+done
+S=$(date +%s)
+timeout "$BUDGET" python3 -m benchmarks.fp8_quality "${ARGS[@]}" --out "$OUT/fp8_quality.json" \
+  > "$OUT/fp8_quality.log" 2>&1
+echo "fp8_quality rc=$? in $(( $(date +%s) - S )) s"
+grep -v -E "it/s|s/it|^\s*$" "$OUT/fp8_quality.log" | tail -40
+(cd "$KEEP" && tar czf "$OUT/fq_runs.tgz" $(find . -name metrics.jsonl -o -name fp8_quality_run.json))
