@@ -6,8 +6,8 @@
 #   bash benchmarks/fp8_quality_device_run.sh [BUDGET_S]
 # BUDGET_S (default 570): the benchmark's hard limit (a SIGTERM stops the run in flight, which
 # saves its step; the same command again, on the same machine, reads the finished runs and
-# resumes it). STEPS (default 300), EVAL (default 100), LR (default 1e-4: at the preset's 3e-4 two
-# bf16 runs drift apart by 9%, docs/performance.md), KEEP (default /tmp/fq) the job
+# resumes it). STEPS (default 300), EVAL (default 100), LR (default: the preset's, 1e-4; at 3e-4
+# two bf16 runs drift apart by 9%, docs/performance.md), KEEP (default /tmp/fq) the job
 # directories. VARIANTS (default "wi_fwd wo_fwd"), each one of:
 #   fwd_only (fp8_gemms='fwd'), wgrad_bf16 ('fwd+dgrad'), wi_fwd ('wi=fwd'), wo_fwd ('wo=fwd').
 set -o pipefail
@@ -22,8 +22,8 @@ device_env "$OUT/env_fq.txt"
 ensure_library "$OUT" | tee -a "$OUT/env_fq.txt"
 ARGS=(--base mixtral_moe_gpu --fp8 mixtral_moe_gpu_fp8 --steps "${STEPS:-300}"
       --eval_every "${EVAL:-100}" --stdlib_corpus /tmp/stdlib.txt --keep "$KEEP"
-      --fdl_set "optimizer.learning_rate=${LR:-1e-4}"
       --control router_f32 "$P.router_precision='float32'")
+[ -n "${LR:-}" ] && ARGS+=(--fdl_set "optimizer.learning_rate=$LR")
 for V in ${VARIANTS:-wi_fwd wo_fwd}; do
   case $V in
     fwd_only) G=fwd ;;
