@@ -1,0 +1,91 @@
+"""What benchmarks.fp8_quality reports of its runs: the held-out gaps to the base at every
+evaluation and the check, the controls' noise floor, the train cross-entropy's means between
+evaluations and their gaps, the tables it prints and the share of the corpus the runs read."""
+
+from __future__ import annotations
+
+
+def read_share(run: dict):
+    """The share of the corpus's tokens a run's steps read (None where the main printed no
+    data line), over its train and held-out tokens alike."""
+    if not run["corpus_tokens"]:
+        return None
+    return run["final_step"] * run["tokens_per_step"] / run["corpus_tokens"]
+
+
+def window_means(runs: list[dict], steps: list[int]) -> dict[int, list[float]]:
+    """{s: each run's mean train cross-entropy over the steps (previous eval step, s]} for
+    every eval step s after 0, over the train steps every run recorded: a mean of many steps
+    on the same batches, steadier than one held-out loss (none where a run has no train curve)."""
+    out, prev = {}, 0
+    for s in steps:
+        if s <= 0:
+            continue
+        common = set(range(prev + 1, s + 1)).intersection(*(r.get("train_xent", {}) for r in runs))
+        if common:
+            out[s] = [sum(r["train_xent"][t] for t in common) / len(common) for r in runs]
+        prev = s
+    return out
+
+
+def compare(runs: list[dict], max_gap: float) -> dict:
+    """Each run's relative gap to the base at the common eval steps, the controls' largest
+    (the noise floor), and the check (the 'fp8' run within max_gap at every step after 0);
+    beside them the same gaps of the train cross-entropy's mean over each eval interval
+    (window_means) and their noise floor, which are reported, not checked."""
+    base = runs[0]["heldout_loss"]
+    steps = sorted(set(base).intersection(*(r["heldout_loss"] for r in runs[1:])))
+    gaps = {
+        r["name"]: {
+            s: (r["heldout_loss"][s] - base[s]) / base[s]
+            for s in steps
+        }
+        for r in runs[1:]
+    }
+    means = window_means(runs, steps)
+    window_gaps = {
+        r["name"]: {
+            s: (m[i] - m[0]) / m[0]
+            for s, m in means.items()
+        }
+        for i, r in enumerate(runs) if i > 0
+    }
+    checked = [s for s in steps if s > 0]
+    worst = max((abs(gaps["fp8"][s]) for s in checked), default=None)
+    controls = [r["name"] for r in runs if r.get("control")]
+    floor = max((abs(gaps[n][s]) for n in controls for s in checked), default=None)
+    floor_train = max((abs(window_gaps[n][s]) for n in controls for s in means), default=None)
+    return {
+        "steps": steps,
+        "gaps": gaps,
+        "max_abs_gap_fp8": worst,
+        "noise_floor": floor,
+        "pass": worst is not None and worst <= max_gap,
+        "train_windows": means,
+        "train_window_gaps": window_gaps,
+        "noise_floor_train": floor_train,
+    }
+
+
+def table(runs: list[dict], result: dict) -> str:
+    """The held-out losses and gaps by eval step; then, where the runs have train curves, the
+    mean train cross-entropy over each eval interval and its gaps."""
+    names = [r["name"] for r in runs]
+    head = " | ".join(names) + " | " + " | ".join(f"gap {n}" for n in names[1:]) + " |"
+    rule = "|---" * (2 * len(names)) + "|"
+    lines = ["held-out loss:", "| step | " + head, rule]
+    for s in result["steps"]:
+        losses = " | ".join(f"{r['heldout_loss'][s]:.4f}" for r in runs)
+        gaps = " | ".join(f"{result['gaps'][n][s]:+.2%}" for n in names[1:])
+        lines.append(f"| {s} | {losses} | {gaps} |")
+    if result.get("train_windows"):
+        lines += [
+            "train cross-entropy, mean over the steps since the last eval:", "| steps | " + head,
+            rule
+        ]
+        for s, m in result["train_windows"].items():
+            prev = max((t for t in result["steps"] if t < s), default=0)
+            gaps = " | ".join(f"{result['train_window_gaps'][n][s]:+.2%}" for n in names[1:])
+            lines.append(f"| {prev + 1}-{s} | " + " | ".join(f"{v:.4f}"
+                                                             for v in m) + f" | {gaps} |")
+    return "\n".join(lines)
