@@ -164,15 +164,6 @@ def form_pays(mode: str, rows_per_form: float) -> bool:
     return parse(mode) is not None or rows_per_form >= FORM_MIN_ROWS
 
 
-def choose(mode: str, k: int, n: int) -> Fp8Gemms:
-    """The FP8 GEMMs of a weight [E, K, N] under a MoEConfig.fp8_gemms that names no weight
-    ('auto', 'all', '+'-joined GEMMs; choose_all takes the per-weight form too)."""
-    named = parse(mode)
-    if isinstance(named, dict):
-        raise ValueError(f"fp8_gemms={mode!r} names weights: choose_all resolves it")
-    return fp8_gemm_rule(k, n) if named is None else named
-
-
 def weight_shapes(d_model: int, d_ff: int, gated: bool) -> dict[str, tuple[int, int]]:
     """{expert weight: (K, N)} of an FFN (moe.param_shapes' names)."""
     shapes = {"wi_gate": (d_model, d_ff)} if gated else {}
