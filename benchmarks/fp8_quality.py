@@ -21,14 +21,17 @@ the GPU's default 'bf16x3' is within about 1e-5): its gap to base is how far two
 drift apart from a perturbation that small, the noise floor the FP8 gaps are read against.
 
 With --keep a run whose job directory already holds its final step is read, not trained
-again, and one cut short resumes from its checkpoint: a set of runs longer than one sitting is
+again (where its corpus size and GPU match this run's), and one cut short resumes from its
+checkpoint: a set of runs longer than one sitting is
 finished by running the same command again. A finished run's checkpoints are removed (its
 curves and record stay; --keep_checkpoints keeps them): at the Mixtral-like preset each is
 31 GB, and three of them filled the GPU machine's disk. The JSON is written after every run,
 marked "complete": false until the last, so a set cut short keeps what finished.
 
 Prints the held-out loss of every run at every evaluation, each FP8 run's relative gap to the
-base, the corpus and how much of it the runs read; writes the JSON (both curves, the gaps).
+base, the same for the train cross-entropy's mean between evaluations (every run reads the same
+batches: steadier than one held-out loss; benchmarks.fp8_quality_report), the corpus and how
+much of it the runs read; writes the JSON (the curves, the gaps, date, commit and GPU).
 The check: the --fp8 run's held-out loss within --max_gap (relative) of the base at every
 evaluation after step 0 (PASS / FAIL; exit 1 on FAIL). On a CPU the FP8 runs use the pure-JAX
 emulation of the FP8 GEMMs (the same arithmetic as the kernels, up to summation order).
