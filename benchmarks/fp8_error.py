@@ -13,7 +13,8 @@ tokens through freshly initialised experts:
 and for each ||y - y_float32|| / ||y_float32|| and ||y - y_bf16|| / ||y_bf16|| (the routing is
 the same in all of them but bf16 against float32, where rounded logits move some top-k
 choices). Beside them the rounding the recipe starts from: e4m3 with one scale per 1x128 block
-(amax / 448) on Gaussian values, element-wise, and for a product of two such operands.
+(ops.fp8.quant.quantize_tiles) on Gaussian values, element-wise, and for a product of two
+such operands.
 Prints a table, writes JSON (default benchmarks/results/fp8_error.json). Measures numerics,
 not speed: it runs anywhere.
 """
@@ -29,37 +30,31 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
 
 import moe_praxis as mp
+from benchmarks.timing import rel_err
+from moe_praxis.ops.fp8 import quant as fp8_quant
 
 MODES = ("fwd", "wi=fwd", "wo=fwd")
 DEFAULT_JSON = "benchmarks/results/fp8_error.json"
-E4M3_MAX = 448.0
-BLOCK = 128
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+BLOCK = fp8_quant.BLOCK
 
 
 def e4m3_rounding(rows: int, cols: int, seed: int) -> tuple[float, float]:
-    """(element-wise, product) relative error of e4m3 with one scale per 1x128 block of
-    Gaussian values: ||q(a) - a|| / ||a||, and ||q(a) q(b) - a b|| / ||a b|| of a [rows, cols]
-    x [cols, cols] product (both operands blocked along the contraction)."""
-    rng = np.random.default_rng(seed)
+    """(element-wise, product) relative error of the recipe's 1x128 tile quantization
+    (ops.fp8.quant.quantize_tiles: e4m3, one scale per tile) of Gaussian values: ||q(a) - a|| /
+    ||a||, and ||q(a) q(b) - a b|| / ||a b|| of a [rows, cols] x [cols, cols] product (both
+    operands tiled along the contraction)."""
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a = jax.random.normal(ka, (rows, cols), jnp.float32)
+    b = jax.random.normal(kb, (cols, cols), jnp.float32)
 
-    def q(a):
-        blocks = a.reshape(a.shape[0], -1, BLOCK)
-        scale = np.abs(blocks).max(-1, keepdims=True) / E4M3_MAX
-        out = (blocks / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
-        return out.reshape(a.shape)
+    def q(v, axis):
+        return fp8_quant.dequantize_tiles(*fp8_quant.quantize_tiles(v, axis), axis)
 
-    a = rng.standard_normal((rows, cols))
-    b = rng.standard_normal((cols, cols))
-    return rel(q(a), a), rel(q(a) @ q(b.T).T, a @ b)
+    exact = jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST)
+    rounded = jnp.dot(q(a, 1), q(b, 0), precision=jax.lax.Precision.HIGHEST)
+    return rel_err(q(a, 1), a), rel_err(rounded, exact)
 
 
 def measure(d_model: int, d_ff: int, experts: int, top_k: int, tokens: int, seed: int) -> dict:
@@ -72,8 +67,7 @@ def measure(d_model: int, d_ff: int, experts: int, top_k: int, tokens: int, seed
     x16 = x.astype(jnp.bfloat16)
 
     def y(p, xx, **kw):
-        out = mp.moe_block(p, xx, mp.MoEConfig(**base, **kw)).y
-        return np.asarray(out.astype(jnp.float32), np.float64)
+        return mp.moe_block(p, xx, mp.MoEConfig(**base, **kw)).y.astype(jnp.float32)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the FP8 emulation's notice
@@ -81,7 +75,13 @@ def measure(d_model: int, d_ff: int, experts: int, top_k: int, tokens: int, seed
         got = {"bf16": y16}
         for mode in MODES:
             got[f"fp8 {mode}"] = y(p16, x16, fp8="blockwise", fp8_gemms=mode)
-    return {name: {"vs_float32": rel(v, y32), "vs_bf16": rel(v, y16)} for name, v in got.items()}
+    return {
+        name: {
+            "vs_float32": rel_err(v, y32),
+            "vs_bf16": rel_err(v, y16)
+        }
+        for name, v in got.items()
+    }
 
 
 def table(errors: dict, rounding: tuple[float, float]) -> str:

@@ -284,7 +284,7 @@ class MoEConfig:
             raise _err(
                 "fp8_gemms", self.fp8_gemms, f"it names {extra}, which an FFN with "
                 f"gated={self.gated} has not (its weights: "
-                f"{tuple(fp8_rule.weight_shapes(1, 1, self.gated))})")
+                f"{fp8_rule.weight_names(self.gated)})")
         if not self.param_init_scale > 0:
             raise _err("param_init_scale", self.param_init_scale, "must be > 0")
         if self.ep_exchange not in EP_EXCHANGES:

@@ -29,6 +29,11 @@ from tests.testutil import seed as _seed
 FP8_WEIGHTS = "fp8_weights"
 
 
+def _labels(choices) -> dict[str, str]:
+    """{weight: 'fwd+dgrad' | ... | 'none'} of a {weight: Fp8Gemms}."""
+    return {w: c.label() for w, c in choices.items()}
+
+
 @pytest.fixture(autouse=True)
 def _on_the_cpu():
     with jax.default_device(jax.devices("cpu")[0]):
@@ -46,14 +51,7 @@ def test_rule_at_the_measured_shapes_and_its_thresholds():
     assert rule(4095, 8192) == Fp8Gemms(True, False, False)
     assert rule(4096, 4095) == Fp8Gemms(True, True, False)
     cfg = mp.MoEConfig(d_model=7168, d_ff=2048, num_experts=8, fp8="blockwise")
-    assert {
-        w: c.label()
-        for w, c in cfg.fp8_choices().items()
-    } == {
-        "wi_gate": "fwd+dgrad",
-        "wi_up": "fwd+dgrad",
-        "wo": "fwd"
-    }
+    assert _labels(cfg.fp8_choices()) == {"wi_gate": "fwd+dgrad", "wi_up": "fwd+dgrad", "wo": "fwd"}
     every = mp.MoEConfig(d_model=128, d_ff=128, num_experts=2, fp8="blockwise", fp8_gemms="all")
     assert all(c.all for c in every.fp8_choices().values())
     assert fp8_rule.shares(cfg.fp8_choices()) == {"fwd": 1.0, "dgrad": 2 / 3, "wgrad": 0.0}
@@ -138,14 +136,7 @@ def test_the_per_weight_form_parses_and_names_what_is_wrong():
     assert fp8_rule.parse("wi=fwd,wo=none") == {"wi_gate": fwd, "wi_up": fwd, "wo": fp8_rule.NONE}
     assert fp8_rule.parse("wo=all") == {"wo": fp8_rule.ALL}
     cfg = mp.MoEConfig(d_model=128, d_ff=128, num_experts=2, fp8="blockwise", fp8_gemms="wo=fwd")
-    assert {
-        w: c.label()
-        for w, c in cfg.fp8_choices().items()
-    } == {
-        "wi_gate": "none",
-        "wi_up": "none",
-        "wo": "fwd"
-    }
+    assert _labels(cfg.fp8_choices()) == {"wi_gate": "none", "wi_up": "none", "wo": "fwd"}
     assert fp8_rule.form_pays("wo=fwd", 1)
     assert ops.backend_info(cfg)["fp8_gemms"]["choice"]["wi_up"]["fwd"] == "bf16"
     for bad in ("wi=fwd,wi_up=fwd", "wx=fwd", "=fwd", "wi=fwd,", "wi=some", "wi=none",
@@ -185,14 +176,7 @@ def test_the_per_weight_form_reaches_the_block():
     assert per[0] == uniform[0]
     for a, b in zip(jax.tree.leaves(per[1:]), jax.tree.leaves(uniform[1:])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert {
-        w: c.label()
-        for w, c in wi[0].items()
-    } == {
-        "wi_gate": "fwd",
-        "wi_up": "fwd",
-        "wo": "none"
-    }
+    assert _labels(wi[0]) == {"wi_gate": "fwd", "wi_up": "fwd", "wo": "none"}
     assert rel_err(wi[1], bf16[1]) > 1e-3 and rel_err(wo[1], bf16[1]) > 1e-3, seed
     assert rel_err(wi[1], wo[1]) > 1e-3, seed
     assert rel_err(wo[1], bf16[1]) < 0.1 and rel_err(wi[1], bf16[1]) < 0.1, seed

@@ -164,29 +164,36 @@ def form_pays(mode: str, rows_per_form: float) -> bool:
     return parse(mode) is not None or rows_per_form >= FORM_MIN_ROWS
 
 
+def weight_names(gated: bool) -> tuple[str, ...]:
+    """An FFN's expert weights (moe.param_shapes' names): WEIGHTS, less wi_gate without a gate."""
+    return WEIGHTS if gated else WEIGHTS[1:]
+
+
 def weight_shapes(d_model: int, d_ff: int, gated: bool) -> dict[str, tuple[int, int]]:
-    """{expert weight: (K, N)} of an FFN (moe.param_shapes' names)."""
-    shapes = {"wi_gate": (d_model, d_ff)} if gated else {}
-    return {**shapes, "wi_up": (d_model, d_ff), "wo": (d_ff, d_model)}
+    """{expert weight: (K, N)} of an FFN."""
+    kn = {"wi_gate": (d_model, d_ff), "wi_up": (d_model, d_ff), "wo": (d_ff, d_model)}
+    return {w: kn[w] for w in weight_names(gated)}
+
+
+def _missing(named, gated: bool) -> list[str]:
+    return sorted(set(named) - set(weight_names(gated))) if isinstance(named, dict) else []
 
 
 def missing_weights(mode: str, gated: bool) -> list[str]:
     """The weights a per-weight mode names that an FFN (gated or not) has not: wi_gate without
     a gate ([] for every other mode)."""
-    named = parse(mode)
-    have = weight_shapes(1, 1, gated)
-    return sorted(set(named) - set(have)) if isinstance(named, dict) else []
+    return _missing(parse(mode), gated)
 
 
 def choose_all(mode: str, d_model: int, d_ff: int, gated: bool) -> dict[str, Fp8Gemms]:
     """{expert weight: its Fp8Gemms} of an FFN under mode. A per-weight mode naming a weight
     the FFN has not (missing_weights) is a ValueError, not ignored."""
-    shapes = weight_shapes(d_model, d_ff, gated)
-    extra = missing_weights(mode, gated)
+    named = parse(mode)
+    extra = _missing(named, gated)
     if extra:
         raise ValueError(f"fp8_gemms={mode!r} names {extra}, which this FFN has not (gated="
-                         f"{gated}: its weights are {tuple(shapes)})")
-    named = parse(mode)
+                         f"{gated}: its weights are {weight_names(gated)})")
+    shapes = weight_shapes(d_model, d_ff, gated)
     if isinstance(named, dict):
         return {w: named.get(w, NONE) for w in shapes}
     return {w: fp8_gemm_rule(k, n) if named is None else named for w, (k, n) in shapes.items()}
