@@ -9,7 +9,8 @@
 # (attention 'default' or remat 'default': the experiment's own; the optional fourth field:
 # config changes, each passed as --fdl_set, e.g.
 # train.cast_weights_once=True+optimizer.mu_dtype='bfloat16'). BREAKDOWN=1 adds --breakdown to
-# the cuDNN runs with the experiment's remat (XLA's command buffers off so every kernel carries its HLO op).
+# the cuDNN runs with the experiment's remat (XLA's command buffers off so every kernel carries its HLO op),
+# BREAKDOWN=all to every cuDNN run.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/e2e_out}
@@ -45,7 +46,8 @@ for RUN in $RUNS; do
   IFS=+ read -r -a SET_LIST <<< "$SETS"
   for S in "${SET_LIST[@]}"; do SET_ARGS+=(--fdl_set "$S"); done
   FLAGS=""
-  if [ "${BREAKDOWN:-0}" = 1 ] && [ "$ATT" = cudnn ] && [ "$REMAT" = default ]; then
+  if [ "$ATT" = cudnn ] && { [ "${BREAKDOWN:-0}" = all ] ||
+                             { [ "${BREAKDOWN:-0}" = 1 ] && [ "$REMAT" = default ]; }; }; then
     ARGS="$ARGS --breakdown"
     FLAGS="--xla_gpu_enable_command_buffer="
   fi

@@ -8,8 +8,11 @@
 # saves its step; the same command again, on the same machine, reads the finished runs and
 # resumes it). STEPS (default 300), EVAL (default 100), LR (default: the preset's, 1e-4; at 3e-4
 # two bf16 runs drift apart by 9%, docs/performance.md), KEEP (default /tmp/fq) the job
-# directories. VARIANTS (default "wi_fwd wo_fwd"), each one of:
-#   fwd_only (fp8_gemms='fwd'), wgrad_bf16 ('fwd+dgrad'), wi_fwd ('wi=fwd'), wo_fwd ('wo=fwd').
+# directories; CONTROL=0 leaves the control out (where its floor was measured on this GPU before).
+# VARIANTS (default "wi_fwd wo_fwd"), each one of:
+#   fwd_only (fp8_gemms='fwd'), wgrad_bf16 ('fwd+dgrad'), wi_fwd ('wi=fwd'), wo_fwd ('wo=fwd'),
+#   xla (kernel_backend='xla': the same recipe in plain JAX, XLA's GEMMs and accumulation
+#   instead of the CUTLASS kernels').
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/fq_out}
@@ -21,18 +24,19 @@ source "$(dirname "$0")/device_common.sh"
 device_env "$OUT/env_fq.txt"
 ensure_library "$OUT" | tee -a "$OUT/env_fq.txt"
 ARGS=(--base mixtral_moe_gpu --fp8 mixtral_moe_gpu_fp8 --steps "${STEPS:-300}"
-      --eval_every "${EVAL:-100}" --stdlib_corpus /tmp/stdlib.txt --keep "$KEEP"
-      --control router_f32 "$P.router_precision='float32'")
+      --eval_every "${EVAL:-100}" --stdlib_corpus /tmp/stdlib.txt --keep "$KEEP")
+[ "${CONTROL:-1}" = 0 ] || ARGS+=(--control router_f32 "$P.router_precision='float32'")
 [ -n "${LR:-}" ] && ARGS+=(--fdl_set "optimizer.learning_rate=$LR")
 for V in ${VARIANTS:-wi_fwd wo_fwd}; do
   case $V in
-    fwd_only) G=fwd ;;
-    wgrad_bf16) G=fwd+dgrad ;;
-    wi_fwd) G=wi=fwd ;;
-    wo_fwd) G=wo=fwd ;;
-    *) echo "VARIANTS: unknown $V (fwd_only, wgrad_bf16, wi_fwd, wo_fwd)"; exit 2 ;;
+    fwd_only) C="fp8_gemms='fwd'" ;;
+    wgrad_bf16) C="fp8_gemms='fwd+dgrad'" ;;
+    wi_fwd) C="fp8_gemms='wi=fwd'" ;;
+    wo_fwd) C="fp8_gemms='wo=fwd'" ;;
+    xla) C="kernel_backend='xla'" ;;
+    *) echo "VARIANTS: unknown $V (fwd_only, wgrad_bf16, wi_fwd, wo_fwd, xla)"; exit 2 ;;
   esac
-  ARGS+=(--variant "$V" "$P.fp8_gemms='$G'")
+  ARGS+=(--variant "$V" "$P.$C")
 done
 S=$(date +%s)
 timeout "$BUDGET" python3 -m benchmarks.fp8_quality "${ARGS[@]}" --out "$OUT/fp8_quality.json" \
