@@ -10,9 +10,7 @@
 # two bf16 runs drift apart by 9%, docs/performance.md), KEEP (default /tmp/fq) the job
 # directories; CONTROL=0 leaves the control out (where its floor was measured on this GPU before).
 # VARIANTS (default "wi_fwd wo_fwd"), each one of:
-#   fwd_only (fp8_gemms='fwd'), wgrad_bf16 ('fwd+dgrad'), wi_fwd ('wi=fwd'), wo_fwd ('wo=fwd'),
-#   xla (kernel_backend='xla': the same recipe in plain JAX, XLA's GEMMs and accumulation
-#   instead of the CUTLASS kernels').
+#   fwd_only (fp8_gemms='fwd'), wgrad_bf16 ('fwd+dgrad'), wi_fwd ('wi=fwd'), wo_fwd ('wo=fwd').
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/fq_out}
@@ -33,8 +31,7 @@ for V in ${VARIANTS:-wi_fwd wo_fwd}; do
     wgrad_bf16) C="fp8_gemms='fwd+dgrad'" ;;
     wi_fwd) C="fp8_gemms='wi=fwd'" ;;
     wo_fwd) C="fp8_gemms='wo=fwd'" ;;
-    xla) C="kernel_backend='xla'" ;;
-    *) echo "VARIANTS: unknown $V (fwd_only, wgrad_bf16, wi_fwd, wo_fwd, xla)"; exit 2 ;;
+    *) echo "VARIANTS: unknown $V (fwd_only, wgrad_bf16, wi_fwd, wo_fwd)"; exit 2 ;;
   esac
   ARGS+=(--variant "$V" "$P.$C")
 done
