@@ -10,7 +10,8 @@
 # two bf16 runs drift apart by 9%, docs/performance.md), KEEP (default /tmp/fq) the job
 # directories; CONTROL=0 leaves the control out (where its floor was measured on this GPU before).
 # VARIANTS (default "wi_fwd wo_fwd"), each one of:
-#   fwd_only (fp8_gemms='fwd'), wgrad_bf16 ('fwd+dgrad'), wi_fwd ('wi=fwd'), wo_fwd ('wo=fwd').
+#   fwd_only (fp8_gemms='fwd'), wgrad_bf16 ('fwd+dgrad'), wi_fwd ('wi=fwd'), wo_fwd ('wo=fwd'),
+#   fp8_router_f32 (FP8 with the control's change: how far FP8 itself drifts under it).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/fq_out}
@@ -31,7 +32,8 @@ for V in ${VARIANTS:-wi_fwd wo_fwd}; do
     wgrad_bf16) C="fp8_gemms='fwd+dgrad'" ;;
     wi_fwd) C="fp8_gemms='wi=fwd'" ;;
     wo_fwd) C="fp8_gemms='wo=fwd'" ;;
-    *) echo "VARIANTS: unknown $V (fwd_only, wgrad_bf16, wi_fwd, wo_fwd)"; exit 2 ;;
+    fp8_router_f32) C="router_precision='float32'" ;;
+    *) echo "VARIANTS: unknown $V (fwd_only, wgrad_bf16, wi_fwd, wo_fwd, fp8_router_f32)"; exit 2 ;;
   esac
   ARGS+=(--variant "$V" "$P.$C")
 done
