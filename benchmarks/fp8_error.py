@@ -1,6 +1,6 @@
 """How far the FP8 forward moves the MoE block's output, weight by weight: `python -m
 benchmarks.fp8_error [--d_model 512] [--d_ff 1792] [--experts 8] [--top_k 2] [--tokens 2048]
-[--seed 0] [--json PATH]`.
+[--seed 0] [--backend xla|cuda] [--json PATH]`.
 
 One moe_block forward (kernel_backend 'xla': on a CPU the pure-JAX FP8 recipe, the kernels'
 arithmetic up to summation order; on a GPU the same emulation, so machines compare) of Gaussian
@@ -12,7 +12,11 @@ tokens through freshly initialised experts:
               projection's)
 and for each ||y - y_float32|| / ||y_float32|| and ||y - y_bf16|| / ||y_bf16|| (the routing is
 the same in all of them but bf16 against float32, where rounded logits move some top-k
-choices). Beside them the rounding the recipe starts from: e4m3 with one scale per 1x128 block
+choices). `--backend cuda` (a GPU with the kernel library) runs the bf16 and FP8 rows on the CUDA
+kernels instead and adds each one's distance from the same format in the pure-JAX recipe
+(`vs_emulation`: the same quantized operands, so what is left is the kernels' accumulation and
+summation order; the float32 reference is XLA's at HIGHEST precision either way). Beside them
+the rounding the recipe starts from: e4m3 with one scale per 1x128 block
 (ops.fp8.quant.quantize_tiles) on Gaussian values, element-wise, and for a product of two
 such operands.
 Prints a table, writes JSON (default benchmarks/results/fp8_error.json). Measures numerics,
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 
 import moe_praxis as mp
 from benchmarks.timing import rel_err
+from moe_praxis.ops import backend as kernels
 from moe_praxis.ops.fp8 import quant as fp8_quant
 
 MODES = ("fwd", "wi=fwd", "wo=fwd")
@@ -57,36 +62,54 @@ def e4m3_rounding(rows: int, cols: int, seed: int) -> tuple[float, float]:
     return rel_err(q(a, 1), a), rel_err(rounded, exact)
 
 
-def measure(d_model: int, d_ff: int, experts: int, top_k: int, tokens: int, seed: int) -> dict:
-    """{name: {'vs_float32', 'vs_bf16'}} of the block's output under each format (module doc)."""
-    base = dict(d_model=d_model, d_ff=d_ff, num_experts=experts, top_k=top_k, kernel_backend="xla")
+def measure(d_model: int,
+            d_ff: int,
+            experts: int,
+            top_k: int,
+            tokens: int,
+            seed: int,
+            backend: str = "xla") -> dict:
+    """{name: {'vs_float32', 'vs_bf16'[, 'vs_emulation']}} of the block's output under each
+    format (module doc); backend: the kernel_backend of the bf16 and FP8 rows."""
+    base = dict(d_model=d_model, d_ff=d_ff, num_experts=experts, top_k=top_k)
     k1, k2 = jax.random.split(jax.random.key(seed))
     params = mp.init_moe_params(k1, mp.MoEConfig(**base))
     x = jax.random.normal(k2, (1, tokens, d_model), jnp.float32)
     p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.ndim == 3 else a, params)
     x16 = x.astype(jnp.bfloat16)
 
-    def y(p, xx, **kw):
-        return mp.moe_block(p, xx, mp.MoEConfig(**base, **kw)).y.astype(jnp.float32)
+    def y(p, xx, kernel_backend="xla", **kw):
+        cfg = mp.MoEConfig(**base, kernel_backend=kernel_backend, **kw)
+        return mp.moe_block(p, xx, cfg).y.astype(jnp.float32)
 
+    formats = {"bf16": {}}
+    formats.update({f"fp8 {mode}": dict(fp8="blockwise", fp8_gemms=mode) for mode in MODES})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the FP8 emulation's notice
-        y32, y16 = y(params, x), y(p16, x16)
-        got = {"bf16": y16}
-        for mode in MODES:
-            got[f"fp8 {mode}"] = y(p16, x16, fp8="blockwise", fp8_gemms=mode)
-    return {
-        name: {
-            "vs_float32": rel_err(v, y32),
-            "vs_bf16": rel_err(v, y16)
+        with jax.default_matmul_precision("highest"):  # a GPU's float32 default is TF32
+            y32 = y(params, x)
+        emulated = {name: y(p16, x16, **kw) for name, kw in formats.items()}
+        got = emulated if backend == "xla" else {
+            name: y(p16, x16, backend, **kw)
+            for name, kw in formats.items()
         }
-        for name, v in got.items()
-    }
+    out = {}
+    for name, v in got.items():
+        out[name] = {"vs_float32": rel_err(v, y32), "vs_bf16": rel_err(v, got["bf16"])}
+        if backend != "xla":
+            out[name]["vs_emulation"] = rel_err(v, emulated[name])
+    return out
 
 
 def table(errors: dict, rounding: tuple[float, float]) -> str:
-    lines = ["| output | vs float32 | vs bf16 |", "|---|---|---|"]
-    lines += [f"| {n} | {e['vs_float32']:.2%} | {e['vs_bf16']:.2%} |" for n, e in errors.items()]
+    cols = list(next(iter(errors.values())))
+    lines = [
+        "| output | " + " | ".join(c.replace("_", " ") for c in cols) + " |",
+        "|---" * (len(cols) + 1) + "|"
+    ]
+    lines += [
+        f"| {n} | " + " | ".join(f"{e[c]:.2%}" for c in cols) + " |" for n, e in errors.items()
+    ]
     lines.append(f"e4m3, one scale per 1x{BLOCK} block, Gaussian values: {rounding[0]:.2%} per "
                  f"element, {rounding[1]:.2%} for a product of two such operands")
     return "\n".join(lines)
@@ -101,19 +124,30 @@ def main(argv=None) -> int:
     ap.add_argument("--top_k", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend",
+                    choices=("xla", "cuda"),
+                    default="xla",
+                    help="the kernel_backend of the bf16 and FP8 rows (cuda: a GPU)")
     ap.add_argument("--json", default=DEFAULT_JSON)
     args = ap.parse_args(argv)
     for name in ("d_model", "d_ff"):
         v = getattr(args, name)
         if v < BLOCK or v % BLOCK:
             ap.error(f"--{name} {v}: the FP8 recipe needs a positive multiple of {BLOCK}")
-    errors = measure(args.d_model, args.d_ff, args.experts, args.top_k, args.tokens, args.seed)
+    if args.backend == "cuda":
+        ok, why = kernels.cuda_status()
+        if not ok:
+            ap.error(f"--backend cuda: the CUDA kernels cannot run here ({why})")
+    errors = measure(args.d_model, args.d_ff, args.experts, args.top_k, args.tokens, args.seed,
+                     args.backend)
     rounding = e4m3_rounding(args.tokens, args.d_model, args.seed)
     print(table(errors, rounding))
     out = {
         "what":
         "relative distance of moe_block's output from float32 and bf16 under the FP8 "
-        "forward, weight by weight (the pure-JAX recipe)",
+        "forward, weight by weight (the pure-JAX recipe, or the CUDA kernels beside it)",
+        "backend":
+        args.backend,
         "date":
         datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
         "machine":

@@ -34,3 +34,31 @@ def test_a_width_the_recipe_cannot_take_is_refused(capsys):
         fp8_error.main(["--d_model", "200"])
     assert "--d_model 200: the FP8 recipe needs a positive multiple of 128" in \
         capsys.readouterr().err
+
+
+def test_the_cuda_rows_are_refused_without_the_kernels(capsys, monkeypatch):
+    monkeypatch.setattr(fp8_error.kernels, "cuda_status", lambda op="": (False, "no GPU here"))
+    with pytest.raises(SystemExit):
+        fp8_error.main(["--backend", "cuda"])
+    assert "--backend cuda: the CUDA kernels cannot run here (no GPU here)" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_the_cuda_kernels_round_as_the_emulation_does(tmp_path):
+    """On a GPU: the CUDA kernels' FP8 forward sits as far from float32 as the pure-JAX recipe's,
+    and near it (the same quantized operands; accumulation and summation order apart)."""
+    ok, why = fp8_error.kernels.cuda_status()
+    if not ok:
+        pytest.skip(why)
+    out = tmp_path / "e.json"
+    assert fp8_error.main([
+        "--d_model", "512", "--d_ff", "768", "--experts", "4", "--tokens", "1024", "--seed",
+        str(_seed()), "--backend", "cuda", "--json",
+        str(out)
+    ]) == 0
+    err = json.loads(out.read_text())["errors"]
+    assert err["bf16"]["vs_emulation"] < 0.01, err
+    for mode in ("fp8 fwd", "fp8 wi=fwd", "fp8 wo=fwd"):
+        assert err[mode]["vs_emulation"] < 0.02, (mode, err)
+        assert 0.02 < err[mode]["vs_float32"] < 0.12, (mode, err)
