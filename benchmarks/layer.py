@@ -74,7 +74,8 @@ in interleaved batches (benchmarks.timing.time_paired: median of --reps rounds).
 Columns: ms; TFLOP/s of the expert FLOPs (2 * T*k * M * H * 3, x3 for fwd+bwd); % of ideal
 (ideal ms / ms); % of roofline; x GShard (GShard cf 2.5 ms / ms, Mixtral, balanced); peak
 device memory of the executable (XLA's memory analysis: arguments + outputs + temporaries -
-aliased); target and PASS/FAIL against the layer's targets (fwd+bwd, 'cuda' and 'cuda+fuse'): Qwen3-like
+aliased) and its temporaries alone (act GB: what the step keeps and works in beyond the
+weights, inputs, gradients and outputs); target and PASS/FAIL against the layer's targets (fwd+bwd, 'cuda' and 'cuda+fuse'): Qwen3-like
 >= 80% of ideal; DeepSeek-V3-like >= 75% of ideal or >= 90% of the roofline; Mixtral-like
 >= 95% of ideal and >= 1.25x GShard; skewed load within 15% of the balanced time. Speed is
 asserted here, in the output, never in a test.
@@ -119,20 +120,23 @@ from moe_praxis.ops import backend as ops_backend
 
 
 def compile_step(fn, args):
-    """(compiled, peak bytes or None): jit's AOT compile, and XLA's memory analysis of it."""
+    """(compiled, memory): jit's AOT compile, and XLA's memory analysis of it as row fields:
+    peak_bytes (arguments + outputs + temporaries - aliased) and temp_bytes (the temporaries
+    alone: the activations the backward keeps, the workspaces; what a step adds to the weights,
+    inputs, gradients and outputs); {} where the backend has no analysis (the columns say -)."""
     compiled = fn.lower(*args).compile()
-    peak = None
     try:
         ma = compiled.memory_analysis()
-        peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes -
-                ma.alias_size_in_bytes)
-    except Exception:  # noqa: BLE001 - a backend without the analysis: the column says n/a
-        pass
-    return compiled, peak
+        mem = dict(peak_bytes=ma.argument_size_in_bytes + ma.output_size_in_bytes +
+                   ma.temp_size_in_bytes - ma.alias_size_in_bytes,
+                   temp_bytes=ma.temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - a backend without the analysis
+        mem = {}
+    return compiled, mem
 
 
 class Shape:
-    """One shape's arrays and executables: `steps[(method, pass)] = (compiled, peak)` and
+    """One shape's arrays and executables: `steps[(method, pass)] = (compiled, memory)` and
     `args(method, pass, load)` (the skewed load only changes values: same executables)."""
 
     def __init__(self, name, shape, methods, backend, key):
@@ -273,7 +277,7 @@ def _gshard_sweep(sh: Shape, opts) -> int | None:
 
 
 def gshard_rows(sh: Shape, opts, pass_: str) -> dict:
-    """{label: (compiled, args, peak, extra)} of GShard at cf 2.5 and 2.0, both at the
+    """{label: (compiled, args, memory, extra)} of GShard at cf 2.5 and 2.0, both at the
     num_groups of the sweep at 2.5 (_gshard_sweep), with the share of copies each drops."""
     out = {}
     x3, c3 = lc.layer_x(sh.shape, sh.x), lc.layer_x(sh.shape, sh.cot)
@@ -294,8 +298,8 @@ def gshard_rows(sh: Shape, opts, pass_: str) -> dict:
             args = (v, x3) if pass_ == "fwd" else (v, x3, c3)
             if pass_ not in best:
                 best[pass_] = compile_step(best["fns"][pass_], args)
-            comp, peak = best[pass_]
-            out[f"gshard cf{cf}"] = (comp, args, peak,
+            comp, mem = best[pass_]
+            out[f"gshard cf{cf}"] = (comp, args, mem,
                                      dict(num_groups=groups, dropped=best["dropped"]))
         except Exception as ex:  # noqa: BLE001
             print(f"  gshard cf={cf} {pass_}: {_failure(ex)}", flush=True)
@@ -320,7 +324,8 @@ def time_unit(sh: Shape, opts, load: str, pass_: str) -> list[dict]:
                 with sh.forcing(method):
                     sh.steps[key] = compile_step(fns[pass_], sh.args(method, pass_, load))
             args = sh.args(method, pass_, load)
-            comp, row["peak_bytes"] = sh.steps[key]
+            comp, mem = sh.steps[key]
+            row.update(mem)
             jax.block_until_ready(comp(*args))
             timed[method] = (comp, args)
         except Exception as ex:  # noqa: BLE001
@@ -331,10 +336,9 @@ def time_unit(sh: Shape, opts, load: str, pass_: str) -> list[dict]:
         rows.append(row)
     if "gshard" in sh.methods and layer_sweep.base_name(sh.name) == "mixtral" and \
             load == "balanced":
-        for label, (comp, args, peak, extra) in gshard_rows(sh, opts, pass_).items():
+        for label, (comp, args, mem, extra) in gshard_rows(sh, opts, pass_).items():
             timed[label] = (comp, args)
-            rows.append(
-                dict(shape=sh.name, load=load, pass_=pass_, method=label, peak_bytes=peak, **extra))
+            rows.append(dict(shape=sh.name, load=load, pass_=pass_, method=label, **mem, **extra))
     fns = {m: (lambda c=c, a=a: c(*a)) for m, (c, a) in timed.items()}
     with gpu_clocks.Sampler() as sampler:
         secs = _timed(fns, rows, opts)

@@ -182,7 +182,7 @@ def _method(r: dict) -> str:
 def table(rows: list[dict]) -> str:
     out = [
         "| shape | load | pass | method | ms | TFLOP/s | % of ideal | % of roofline | x GShard "
-        "| x torch | peak GB | target | PASS/FAIL |", "|" + "---|" * 13
+        "| x torch | peak GB | act GB | target | PASS/FAIL |", "|" + "---|" * 14
     ]
     for r in rows:
         load = r["load"]
@@ -190,11 +190,12 @@ def table(rows: list[dict]) -> str:
             load += f" ({r['skew_max_over_mean']:.2f}x)"
         ms = _f(r.get("ms"), ".3f") if r.get("ms") else r.get("status", "-")
         peak = _f(r["peak_bytes"] / 1e9, ".1f") if r.get("peak_bytes") else "-"
+        act = _f(r["temp_bytes"] / 1e9, ".2f") if r.get("temp_bytes") is not None else "-"
         out.append(f"| {r['shape']} | {load} | {r['pass_']} | {_method(r)} | {ms} | "
                    f"{_f(r.get('tflops'), '.0f')} | {_f(r.get('pct_ideal'), '.0f')} | "
                    f"{_f(r.get('pct_roofline'), '.0f')} | {_f(r.get('x_gshard'), '.2f')} | "
                    f"{_f(r.get('x_torch'), '.2f')} | "
-                   f"{peak} | {r.get('target', '-')} | {r.get('verdict', '-')} |")
+                   f"{peak} | {act} | {r.get('target', '-')} | {r.get('verdict', '-')} |")
     return "\n".join(out)
 
 
