@@ -153,7 +153,9 @@ class MoEConfig:
         GEMM at a time), or per weight WEIGHT=GEMMS joined by ',' ('wi=fwd,wo=none': the gate
         and up projections' forwards in FP8; 'wo=fwd': only the down projection's; WEIGHT
         wi_gate, wi_up, wo or 'wi' for both, GEMMS as above, 'all' or 'none'; weights not
-        named run bf16). backend_info(config) and the layer's summaries name the choice.
+        named run bf16; on the Mixtral-like preset 'wo=fwd' alone trained 13% behind bf16,
+        outside FP8's run-to-run drift, docs/performance.md). backend_info(config) and the
+        layer's summaries name the choice.
     """
 
     d_model: int
