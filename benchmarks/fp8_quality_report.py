@@ -1,6 +1,7 @@
 """What benchmarks.fp8_quality reports of its runs: the held-out gaps to the base at every
 evaluation and the check, the controls' noise floor, the train cross-entropy's means between
-evaluations and their gaps, the tables it prints and the share of the corpus the runs read."""
+evaluations and their gaps, with --seeds the two formats' means over their seeds
+(seed_stats), the tables it prints and the share of the corpus the runs read."""
 
 from __future__ import annotations
 
@@ -28,11 +29,43 @@ def window_means(runs: list[dict], steps: list[int]) -> dict[int, list[float]]:
     return out
 
 
+def _mean(v: list[float]) -> float:
+    return sum(v) / len(v)
+
+
+def seed_stats(runs: list[dict], steps: list[int], means: dict[int, list[float]]) -> dict | None:
+    """With more than one run of each format (group 'base' and 'fp8', paired by seed in run
+    order), at every eval step: each format's mean held-out loss over its seeds, the relative
+    gap of the fp8 mean to the base mean, the per-seed gaps (fp8 seed I against base seed I) and
+    each format's spread (its seeds' largest relative distance from their mean); the same gap of
+    the train cross-entropy's window means. None with one run per format."""
+    by = {g: [i for i, r in enumerate(runs) if r.get("group") == g] for g in ("base", "fp8")}
+    if len(by["base"]) < 2 or len(by["base"]) != len(by["fp8"]):
+        return None
+    out = {"seeds": len(by["base"]), "steps": {}, "train_windows": {}}
+    for st in steps:
+        loss = {g: [runs[i]["heldout_loss"][st] for i in idx] for g, idx in by.items()}
+        mb, mf = _mean(loss["base"]), _mean(loss["fp8"])
+        out["steps"][st] = {
+            "base_mean": mb,
+            "fp8_mean": mf,
+            "gap_of_means": (mf - mb) / mb,
+            "paired_gaps": [(f - b) / b for b, f in zip(loss["base"], loss["fp8"])],
+            "base_spread": max(abs(v - mb) for v in loss["base"]) / mb,
+            "fp8_spread": max(abs(v - mf) for v in loss["fp8"]) / mf,
+        }
+    for st, m in means.items():
+        mb, mf = (_mean([m[i] for i in by[g]]) for g in ("base", "fp8"))
+        out["train_windows"][st] = {"base_mean": mb, "fp8_mean": mf, "gap_of_means": (mf - mb) / mb}
+    return out
+
+
 def compare(runs: list[dict], max_gap: float) -> dict:
     """Each run's relative gap to the base at the common eval steps, the controls' largest
     (the noise floor), and the check (the 'fp8' run within max_gap at every step after 0);
     beside them the same gaps of the train cross-entropy's mean over each eval interval
-    (window_means) and their noise floor, which are reported, not checked."""
+    (window_means) and their noise floor, which are reported, not checked. With runs of each
+    format at several seeds (seed_stats) the check is the gap of the two formats' means."""
     base = runs[0]["heldout_loss"]
     steps = sorted(set(base).intersection(*(r["heldout_loss"] for r in runs[1:])))
     gaps = {
@@ -55,12 +88,18 @@ def compare(runs: list[dict], max_gap: float) -> dict:
     controls = [r["name"] for r in runs if r.get("control")]
     floor = max((abs(gaps[n][s]) for n in controls for s in checked), default=None)
     floor_train = max((abs(window_gaps[n][s]) for n in controls for s in means), default=None)
+    seeds = seed_stats(runs, steps, means)
+    checked_gap = worst
+    if seeds is not None:
+        checked_gap = max((abs(seeds["steps"][s]["gap_of_means"]) for s in checked), default=None)
     return {
         "steps": steps,
         "gaps": gaps,
         "max_abs_gap_fp8": worst,
         "noise_floor": floor,
-        "pass": worst is not None and worst <= max_gap,
+        "seeds": seeds,
+        "max_abs_gap_checked": checked_gap,
+        "pass": checked_gap is not None and checked_gap <= max_gap,
         "train_windows": means,
         "train_window_gaps": window_gaps,
         "noise_floor_train": floor_train,
@@ -88,4 +127,20 @@ def table(runs: list[dict], result: dict) -> str:
             gaps = " | ".join(f"{result['train_window_gaps'][n][s]:+.2%}" for n in names[1:])
             lines.append(f"| {prev + 1}-{s} | " + " | ".join(f"{v:.4f}"
                                                              for v in m) + f" | {gaps} |")
+    seeds = result.get("seeds")
+    if seeds:
+        lines += [
+            f"over {seeds['seeds']} seeds each, held-out loss:",
+            "| step | base mean | fp8 mean | gap of the means | per-seed gaps | base spread "
+            "| fp8 spread |", "|---|---|---|---|---|---|---|"
+        ]
+        for s, v in seeds["steps"].items():
+            paired = ", ".join(f"{g:+.2%}" for g in v["paired_gaps"])
+            lines.append(f"| {s} | {v['base_mean']:.4f} | {v['fp8_mean']:.4f} | "
+                         f"{v['gap_of_means']:+.2%} | {paired} | {v['base_spread']:.2%} | "
+                         f"{v['fp8_spread']:.2%} |")
+        for s, v in seeds["train_windows"].items():
+            lines.append(f"train cross-entropy to step {s}: base mean {v['base_mean']:.4f}, "
+                         f"fp8 mean {v['fp8_mean']:.4f}, gap of the means "
+                         f"{v['gap_of_means']:+.2%}")
     return "\n".join(lines)

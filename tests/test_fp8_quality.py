@@ -293,6 +293,15 @@ def test_finished_runs_are_recorded_read_back_and_lose_their_checkpoints(tmp_pat
     assert seen == ["v"]  # base and fp8 were read, not trained again
     got = json.loads(out.read_text())
     assert got["complete"] is True and got["relative_gaps"]["fp8"]["8"] == 0.0
+    # a record made before `group` was recorded takes this plan's
+    rec = tmp_path / "k" / "fp8" / fq.RECORD
+    rec.write_text(
+        json.dumps({
+            k: v
+            for k, v in json.loads(rec.read_text()).items() if k != "group"
+        }))
+    plan = fq.plan_runs(fq.parse_args(argv))
+    assert fq.train(plan[1], tmp_path / "k" / "fp8")["group"] == "fp8"
     # a record made under other changes is not this run's
     other = fq.plan_runs(fq.parse_args(argv + ["--fdl_set", "c.d=2"]))[0]
     assert fq.finished(other, tmp_path / "k" / "base") is None
@@ -322,3 +331,67 @@ def test_a_control_is_a_run_of_the_base_and_sets_the_noise_floor(tmp_path, capsy
     with pytest.raises(SystemExit):
         fq.parse_args(["--control", "base", ctl])
     assert "must differ" in capsys.readouterr().err
+
+
+def test_seeds_plan_both_formats_at_each_seed(tmp_path, capsys):
+    args = fq.parse_args(
+        ["--steps", "300", "--seeds", "3", "--control", "ctl", "a=1", "--variant", "v", "b=2"])
+    runs = fq.plan_runs(args)
+    assert [r["name"]
+            for r in runs] == ["base", "fp8", "base.s1", "fp8.s1", "base.s2", "fp8.s2", "ctl", "v"]
+    assert [r.get("group") for r in runs] == ["base", "fp8"] * 3 + [None, None]
+    assert runs[4]["exp"] == args.base and runs[5]["exp"] == args.fp8
+    assert runs[4]["changes"] == runs[0]["changes"] + ["train.seed=2"]
+    assert runs[5]["own"] == ["train.seed=2"] and runs[1]["own"] == []
+    for bad, said in ((["--seeds", "0"], "--seeds 0: give 1 or more"),
+                      (["--seeds", "2", "--variant", "fp8.s1", "a=1"], "must differ")):
+        with pytest.raises(SystemExit):
+            fq.parse_args(bad)
+        assert said in capsys.readouterr().err, bad
+
+
+def test_with_seeds_the_check_is_the_gap_of_the_means():
+    """Two seeds a format: the seed-0 pair is 4% apart, but the other pair is 3.5% apart the
+    other way, so the means are 0.25% apart and the check passes on them; the per-seed gaps
+    and each format's spread are reported beside them, train windows too."""
+    x = lambda v: {t: v for t in range(1, 101)}
+    runs = [
+        _run("base", {
+            0: 5.0,
+            100: 2.0
+        }, group="base", train_xent=x(2.0)),
+        _run("fp8", {
+            0: 5.0,
+            100: 2.08
+        }, group="fp8", train_xent=x(2.1)),
+        _run("base.s1", {
+            0: 5.0,
+            100: 2.2
+        }, group="base", train_xent=x(2.2)),
+        _run("fp8.s1", {
+            0: 5.0,
+            100: 2.13
+        }, group="fp8", train_xent=x(2.1)),
+        _run("ctl", {
+            0: 5.0,
+            100: 2.01
+        }, control=True, train_xent=x(2.0)),
+    ]
+    got = fq.compare(runs, 0.01)
+    st = got["seeds"]["steps"][100]
+    assert got["seeds"]["seeds"] == 2
+    assert st["base_mean"] == pytest.approx(2.1) and st["fp8_mean"] == pytest.approx(2.105)
+    assert st["gap_of_means"] == pytest.approx(0.005 / 2.1)
+    assert st["paired_gaps"] == pytest.approx([0.04, -0.07 / 2.2])
+    assert st["base_spread"] == pytest.approx(0.1 / 2.1)
+    assert st["fp8_spread"] == pytest.approx(0.025 / 2.105)
+    assert got["max_abs_gap_fp8"] == pytest.approx(0.04)  # the seed-0 pair, reported
+    assert got["max_abs_gap_checked"] == pytest.approx(0.005 / 2.1) and got["pass"]
+    assert got["seeds"]["train_windows"][100]["gap_of_means"] == pytest.approx(0.0)
+    text = fq.table(runs, got)
+    assert "over 2 seeds each, held-out loss:" in text
+    assert "| 100 | 2.1000 | 2.1050 | +0.24% | +4.00%, -3.18% | 4.76% | 1.19% |" in text
+    # one run a format: no seed statistics, the seed-0 pair is the check
+    single = fq.compare([runs[0], runs[1], runs[4]], 0.01)
+    assert single["seeds"] is None and not single["pass"]
+    assert single["max_abs_gap_checked"] == pytest.approx(0.04)
