@@ -55,12 +55,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 from experiments.job import jobdir
+from benchmarks.corpus import data_bytes, stdlib_corpus
 from benchmarks.fp8_quality_report import compare, read_share, table
 from experiments.train.metrics import read_metrics
 
@@ -162,40 +162,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def stdlib_corpus(path: Path, max_file_bytes: int = 200_000, min_bytes: int = 12_000_000) -> Path:
-    """This Python's standard library .py files under max_file_bytes (site-packages left out),
-    in sorted order, one text file at `path` (kept if it exists): a varied corpus of code that
-    needs no download. Where the standard library holds less than min_bytes (a Python
-    installed without its tests: 9.6 MB on the GPU machine's 3.12), the installed packages'
-    .py files (site-packages, sorted) follow until it does: the issue asks for 10 MB or more."""
-    if path.exists():
-        return path
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(f for f in root.rglob("*.py")
-                   if "site-packages" not in f.parts and f.stat().st_size < max_file_bytes)
-    total = sum(f.stat().st_size for f in files)
-    extra = []
-    purelib = Path(sysconfig.get_paths()["purelib"])
-    if total < min_bytes and purelib.is_dir():
-        for f in sorted(purelib.rglob("*.py")):
-            if total >= min_bytes:
-                break
-            size = f.stat().st_size
-            if size < max_file_bytes:
-                extra.append(f)
-                total += size
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as out:
-        for f in files + extra:
-            out.write(f.read_text(encoding="utf-8", errors="replace") + "\n")
-    tmp.replace(path)
-    more = f" and {len(extra)} of {purelib}" if extra else ""
-    print(f"wrote {path}: {len(files)} files of {root}{more}, {path.stat().st_size:,} bytes",
-          flush=True)
-    return path
-
-
 def plan_runs(args) -> list[dict]:
     """[{name, exp, changes, own}] in run order: base, fp8, with --seeds N > 1 base.sI and
     fp8.sI for I = 1 .. N-1 (train.seed=I), each control (of --base, marked control=True), then
@@ -229,15 +195,6 @@ def plan_runs(args) -> list[dict]:
         for v in args.variant
     ]
     return [dict(r, data_bytes=size) for r in runs]
-
-
-def data_bytes(path) -> int | None:
-    """The bytes under --data (a file, or a folder's files), None without it."""
-    if path is None:
-        return None
-    p = Path(path)
-    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*")
-                                                    if f.is_file())
 
 
 def run_child(cmd: list[str]) -> subprocess.CompletedProcess:

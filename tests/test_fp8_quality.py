@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import corpus
 from benchmarks import fp8_quality as fq
 
 VARIANT = "model.stacked_transformer_tpl.moe_layer_tpl.fp8_gemms='fwd+dgrad'"
@@ -70,14 +71,14 @@ def test_a_small_stdlib_is_topped_up_from_site_packages(tmp_path, monkeypatch, c
     (pure / "pkg" / "b.py").write_text("b" * 300)
     (pure / "pkg" / "c.py").write_text("c" * 300)
     (pure / "pkg" / "d.py").write_text("d" * 300)
-    monkeypatch.setattr(fq.sysconfig, "get_paths", lambda: {
+    monkeypatch.setattr(corpus.sysconfig, "get_paths", lambda: {
         "stdlib": str(std),
         "purelib": str(pure)
     })
-    out = fq.stdlib_corpus(tmp_path / "c.txt", max_file_bytes=1000, min_bytes=900)
+    out = corpus.stdlib_corpus(tmp_path / "c.txt", max_file_bytes=1000, min_bytes=900)
     assert out.read_text() == "s" * 400 + "\n" + "b" * 300 + "\n" + "c" * 300 + "\n"
     assert f"1 files of {std} and 2 of {pure}" in capsys.readouterr().out
-    whole = fq.stdlib_corpus(tmp_path / "w.txt", max_file_bytes=1000, min_bytes=100)
+    whole = corpus.stdlib_corpus(tmp_path / "w.txt", max_file_bytes=1000, min_bytes=100)
     assert whole.read_text() == "s" * 400 + "\n"  # enough already: no site-packages
 
 
@@ -99,7 +100,7 @@ def test_a_record_of_another_corpus_or_gpu_is_trained_again(tmp_path, capsys):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x.txt").write_text("abc")
     (tmp_path / "d" / "y.txt").write_text("de")
-    assert fq.data_bytes(tmp_path / "d") == 5 and fq.data_bytes(None) is None
+    assert corpus.data_bytes(tmp_path / "d") == 5 and corpus.data_bytes(None) is None
 
 
 def test_a_stopped_benchmark_stops_its_main_first(tmp_path):
