@@ -9,8 +9,8 @@
 # (attention 'default' or remat 'default': the experiment's own; the optional fourth field:
 # config changes, each passed as --fdl_set, e.g.
 # train.cast_weights_once=True+optimizer.mu_dtype='bfloat16'). BREAKDOWN=1 adds --breakdown to
-# the cuDNN runs with the experiment's remat (XLA's command buffers off so every kernel carries its HLO op),
-# BREAKDOWN=all to every cuDNN run.
+# the cuDNN runs with the experiment's remat (XLA's command buffers off so every kernel carries
+# its HLO op), BREAKDOWN=all to every cuDNN run.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/e2e_out}

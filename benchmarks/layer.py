@@ -75,8 +75,8 @@ Columns: ms; TFLOP/s of the expert FLOPs (2 * T*k * M * H * 3, x3 for fwd+bwd); 
 (ideal ms / ms); % of roofline; x GShard (GShard cf 2.5 ms / ms, Mixtral, balanced); peak
 device memory of the executable (XLA's memory analysis: arguments + outputs + temporaries -
 aliased) and its temporaries alone (act GB: what the step keeps and works in beyond the
-weights, inputs, gradients and outputs); target and PASS/FAIL against the layer's targets (fwd+bwd, 'cuda' and 'cuda+fuse'): Qwen3-like
->= 80% of ideal; DeepSeek-V3-like >= 75% of ideal or >= 90% of the roofline; Mixtral-like
+weights, inputs, gradients and outputs); target and PASS/FAIL against the layer's targets
+(fwd+bwd, 'cuda' and 'cuda+fuse'): Qwen3-like >= 80% of ideal; DeepSeek-V3-like >= 75% of ideal or >= 90% of the roofline; Mixtral-like
 >= 95% of ideal and >= 1.25x GShard; skewed load within 15% of the balanced time. Speed is
 asserted here, in the output, never in a test.
 
