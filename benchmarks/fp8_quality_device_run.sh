@@ -10,7 +10,7 @@
 # two bf16 runs drift apart by 9%, docs/performance.md), KEEP (default /tmp/fq) the job
 # directories; SEEDS=N base and fp8 at N seeds each (--seeds); CONTROL=0 leaves the control
 # out (where its floor was measured on this GPU before).
-# VARIANTS (default "wi_fwd wo_fwd"), each one of:
+# VARIANTS (default "wi_fwd wo_fwd"; set empty for none), each one of:
 #   fwd_only (fp8_gemms='fwd'), wgrad_bf16 ('fwd+dgrad'), wi_fwd ('wi=fwd'), wo_fwd ('wo=fwd'),
 #   fp8_router_f32 (FP8 with the control's change: how far FP8 itself drifts under it).
 set -o pipefail
@@ -28,7 +28,7 @@ ARGS=(--base mixtral_moe_gpu --fp8 mixtral_moe_gpu_fp8 --steps "${STEPS:-300}"
 [ "${CONTROL:-1}" = 0 ] || ARGS+=(--control router_f32 "$P.router_precision='float32'")
 [ -n "${LR:-}" ] && ARGS+=(--fdl_set "optimizer.learning_rate=$LR")
 [ -n "${SEEDS:-}" ] && ARGS+=(--seeds "$SEEDS")
-for V in ${VARIANTS:-wi_fwd wo_fwd}; do
+for V in ${VARIANTS-wi_fwd wo_fwd}; do
   case $V in
     fwd_only) C="fp8_gemms='fwd'" ;;
     wgrad_bf16) C="fp8_gemms='fwd+dgrad'" ;;
