@@ -365,17 +365,13 @@ def main(argv=None) -> int:
               f" {runs[0]['final_step']} steps of {runs[0]['tokens_per_step']:,} tokens read "
               f"{seen:.2f} of it" + ("" if seen <= 1 else " (more than once: the runs repeat "
                                      "examples; a larger --data compares the formats better)"))
-    worst, verdict = result["max_abs_gap_fp8"], 'PASS' if result['pass'] else 'FAIL'
-    if result["seeds"]:
-        n, got = result["seeds"]["seeds"], result["max_abs_gap_checked"]
-        print(f"fp8 against base over {n} seeds each: largest |gap of the mean held-out losses| "
-              f"after step 0 {got:.3%} (<= {args.max_gap:.2%} at every eval: {verdict}); the "
-              f"seed-0 pair alone {worst:.3%}" if got is not None else
-              f"fp8 against base over {n} seeds: no eval after step 0 (FAIL)")
-    else:
-        print(f"fp8 against base: largest |gap| after step 0 {worst:.3%} (<= {args.max_gap:.2%} "
-              f"at every eval: {verdict})"
-              if worst is not None else "fp8 against base: no eval after step 0 (FAIL)")
+    worst, got, seeds = result["max_abs_gap_fp8"], result["max_abs_gap_checked"], result["seeds"]
+    what = (f"fp8 against base over {seeds['seeds']} seeds each: largest |gap of the mean "
+            "held-out losses|" if seeds else "fp8 against base: largest |gap|")
+    print(f"{what} after step 0 {got:.3%} (<= {args.max_gap:.2%} at every eval: "
+          f"{'PASS' if result['pass'] else 'FAIL'})" +
+          (f"; the seed-0 pair alone {worst:.3%}" if seeds else "")
+          if got is not None else f"{what}: no eval after step 0 (FAIL)")
     if result["noise_floor"] is not None:
         print(f"noise floor: the controls' largest |gap| after step 0 {result['noise_floor']:.3%}"
               " (bf16 against bf16 rounded otherwise)")

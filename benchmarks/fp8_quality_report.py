@@ -5,6 +5,8 @@ evaluations and their gaps, with --seeds the two formats' means over their seeds
 
 from __future__ import annotations
 
+from statistics import fmean
+
 
 def read_share(run: dict):
     """The share of the corpus's tokens a run's steps read (None where the main printed no
@@ -29,10 +31,6 @@ def window_means(runs: list[dict], steps: list[int]) -> dict[int, list[float]]:
     return out
 
 
-def _mean(v: list[float]) -> float:
-    return sum(v) / len(v)
-
-
 def seed_stats(runs: list[dict], steps: list[int], means: dict[int, list[float]]) -> dict | None:
     """With more than one run of each format (group 'base' and 'fp8', paired by seed in run
     order), at every eval step: each format's mean held-out loss over its seeds, the relative
@@ -45,7 +43,7 @@ def seed_stats(runs: list[dict], steps: list[int], means: dict[int, list[float]]
     out = {"seeds": len(by["base"]), "steps": {}, "train_windows": {}}
     for st in steps:
         loss = {g: [runs[i]["heldout_loss"][st] for i in idx] for g, idx in by.items()}
-        mb, mf = _mean(loss["base"]), _mean(loss["fp8"])
+        mb, mf = fmean(loss["base"]), fmean(loss["fp8"])
         out["steps"][st] = {
             "base_mean": mb,
             "fp8_mean": mf,
@@ -55,7 +53,7 @@ def seed_stats(runs: list[dict], steps: list[int], means: dict[int, list[float]]
             "fp8_spread": max(abs(v - mf) for v in loss["fp8"]) / mf,
         }
     for st, m in means.items():
-        mb, mf = (_mean([m[i] for i in by[g]]) for g in ("base", "fp8"))
+        mb, mf = (fmean([m[i] for i in by[g]]) for g in ("base", "fp8"))
         out["train_windows"][st] = {"base_mean": mb, "fp8_mean": mf, "gap_of_means": (mf - mb) / mb}
     return out
 

@@ -168,8 +168,9 @@ def test_options_are_checked_naming_the_valid_ones(capsys):
 
 
 def test_options_and_device_script_knobs_are_documented():
-    """Every option of the layer benchmark and every knob of its device script is in
-    docs/performance.md, and the page names no option the benchmark lacks."""
+    """Every option of the layer benchmark and every knob of its device script (and of the
+    end-to-end and FP8 quality ones) is in docs/performance.md, and the page names no option
+    the benchmarks lack."""
     text = (ROOT / "docs/performance.md").read_text()
     opts = long_options(layer_report.build_parser())
     assert {"--shapes", "--methods", "--skew", "--breakdown", "--json", "--quick"} <= opts
@@ -189,6 +190,10 @@ def test_options_and_device_script_knobs_are_documented():
     script = (ROOT / "benchmarks/e2e_device_run.sh").read_text()
     knobs |= set(re.findall(r"\$\{([A-Z_]+):-", script)) - {"OUT", "PYTHONPATH", "XLA_FLAGS"}
     assert {"RUNS", "BREAKDOWN"} <= knobs
+    script = (ROOT / "benchmarks/fp8_quality_device_run.sh").read_text()
+    fq_knobs = set(re.findall(r"\$\{([A-Z_]+):?-", script)) - {"OUT", "PYTHONPATH"}
+    assert {"SEEDS", "CONTROL", "VARIANTS", "LR", "STEPS", "EVAL", "KEEP"} <= fq_knobs
+    knobs |= fq_knobs
     for knob in knobs:
         assert knob in text, f"device-script knob {knob} is not in docs/performance.md"
 
