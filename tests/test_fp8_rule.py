@@ -23,7 +23,7 @@ from moe_praxis import ops
 from moe_praxis.ops.fp8 import recipe as fp8, rule as fp8_rule, weights as fp8_weights
 from moe_praxis.ops.fp8.mixed import mixed_grouped_gemm
 from moe_praxis.ops.fp8.rule import Fp8Gemms
-from tests.testutil import rel_err
+from tests.testutil import rel_err, sum_err
 from tests.testutil import seed as _seed
 
 FP8_WEIGHTS = "fp8_weights"
@@ -256,10 +256,12 @@ def _block_step(cfg, cot, once, **mesh):
 def test_auto_on_fsdp_ep_mesh_equals_one_device():
     """fsdp4 x ep2, d_model 512 (the rule: every forward in FP8, dgrad and wgrad in bf16), the
     FP8 form made beforehand: dx and the weight gradients equal one device's within 1e-5
-    norm-wise (float32 master weights and rows; the mesh only reorders float32 sums), loss and
-    y within 2e-3 (the SwiGLU output's last float32 bit may differ, and an e4m3 rounding of it
-    flip: one e4m3 step, 2^-4, on a few elements; the same with fp8_gemms='all'). The master
-    weights are gathered for the bf16 GEMMs, the FP8 form in e4m3."""
+    norm-wise (float32 master weights and rows; the mesh only reorders float32 sums). y: every
+    token's row within 1e-4 but at most 4 of the 160, each within 5e-2 (a reordered sum may move
+    a SwiGLU output's last float32 bit, and with it a 1x128 tile's amax and scale: that row's
+    tile rounds anew in e4m3; seen: one row 1.6% off in 81 seeds; a bf16 forward would be
+    about 3% off on every row); the loss within 2e-3 of its terms' magnitudes (its terms
+    cancel). The master weights are gathered for the bf16 GEMMs, the FP8 form in e4m3."""
     seed = _seed()
     cfg = mp.MoEConfig(d_model=512,
                        d_ff=384,
@@ -280,12 +282,16 @@ def test_auto_on_fsdp_ep_mesh_equals_one_device():
         meshed = _block_step(cfg, cot, True, mesh=mesh, resources=res)
         got = meshed(params, x)
         hlo = meshed.lower(params, x).as_text()
-    for name, a, b in zip(["loss", "y", "dx"] + [f"d{n}" for n in sorted(params)],
-                          jax.tree.leaves((got[0], got[1][1], got[1][0])),
-                          jax.tree.leaves((one[0], one[1][1], one[1][0]))):
+    terms = jnp.sum(jnp.abs(one[0][1] * cot))  # the loss's terms' magnitudes
+    err = sum_err(got[0][0], one[0][0], terms)
+    assert err < 2e-3, f"seed={seed} loss: {err} of the terms' magnitudes"
+    rows = [rel_err(a, b) for a, b in zip(got[0][1].reshape(-1, 512), one[0][1].reshape(-1, 512))]
+    assert sum(e > 1e-4 for e in rows) <= 4 and max(rows) < 5e-2, f"seed={seed} y rows: {rows}"
+    for name, a, b in zip(["dx"] + [f"d{n}" for n in sorted(params)],
+                          jax.tree.leaves((got[1][1], got[1][0])),
+                          jax.tree.leaves((one[1][1], one[1][0]))):
         err = rel_err(a, b)
-        bound = 2e-3 if name in ("loss", "y") else 1e-5
-        assert err < bound and float(jnp.max(jnp.abs(a))) > 0, f"seed={seed} {name}: {err}"
+        assert err < 1e-5 and float(jnp.max(jnp.abs(a))) > 0, f"seed={seed} {name}: {err}"
     gathers = [line for line in hlo.splitlines() if "all_gather" in line]
     assert any("f8E4M3FN" in line for line in gathers), gathers
     for master in ("tensor<4x512x384xf32>", "tensor<4x384x512xf32>"):  # wi, wo of 4 experts
