@@ -259,9 +259,9 @@ def test_auto_on_fsdp_ep_mesh_equals_one_device():
     norm-wise (float32 master weights and rows; the mesh only reorders float32 sums). y: every
     token's row within 1e-4 but at most 4 of the 160, each within 5e-2 (a reordered sum may move
     a SwiGLU output's last float32 bit, and with it a 1x128 tile's amax and scale: that row's
-    tile rounds anew in e4m3; seen: one row 1.6% off in 81 seeds; a bf16 forward would be
-    about 3% off on every row); the loss within 2e-3 of its terms' magnitudes (its terms
-    cancel). The master weights are gathered for the bf16 GEMMs, the FP8 form in e4m3."""
+    tile rounds anew in e4m3: one row 1.6% off at one seed; a bf16 forward would be about 3%
+    off on every row); the loss within 2e-3 of its terms' magnitudes (its terms cancel). The
+    master weights are gathered for the bf16 GEMMs, the FP8 form in e4m3."""
     seed = _seed()
     cfg = mp.MoEConfig(d_model=512,
                        d_ff=384,
@@ -287,6 +287,7 @@ def test_auto_on_fsdp_ep_mesh_equals_one_device():
     assert err < 2e-3, f"seed={seed} loss: {err} of the terms' magnitudes"
     rows = [rel_err(a, b) for a, b in zip(got[0][1].reshape(-1, 512), one[0][1].reshape(-1, 512))]
     assert sum(e > 1e-4 for e in rows) <= 4 and max(rows) < 5e-2, f"seed={seed} y rows: {rows}"
+    assert float(jnp.max(jnp.abs(got[0][1]))) > 0, f"seed={seed}: y is zero"
     for name, a, b in zip(["dx"] + [f"d{n}" for n in sorted(params)],
                           jax.tree.leaves((got[1][1], got[1][0])),
                           jax.tree.leaves((one[1][1], one[1][0]))):
