@@ -135,7 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error(f"--seeds {args.seeds}: give 1 or more (1: one run per format)")
-    names = ["base", "fp8"] + [f"{g}.s{i}" for i in range(1, args.seeds) for g in ("base", "fp8")]
+    names = [name for name, _, _ in format_runs(args.seeds)]
     for flag, given in (("--variant", args.variant), ("--control", args.control)):
         for v in given:
             name, changes = v[0], v[1:]
@@ -162,6 +162,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def format_runs(seeds: int) -> list[tuple[str, str, list[str]]]:
+    """(name, group, own changes) of the two formats' runs in run order: base and fp8 at the
+    experiment's seed, then base.sI and fp8.sI at train.seed=I for I = 1 .. seeds-1."""
+    runs = [("base", "base", []), ("fp8", "fp8", [])]
+    for i in range(1, seeds):
+        runs += [(f"{g}.s{i}", g, [f"train.seed={i}"]) for g in ("base", "fp8")]
+    return runs
+
+
 def plan_runs(args) -> list[dict]:
     """[{name, exp, changes, own}] in run order: base, fp8, with --seeds N > 1 base.sI and
     fp8.sI for I = 1 .. N-1 (train.seed=I), each control (of --base, marked control=True), then
@@ -176,16 +185,11 @@ def plan_runs(args) -> list[dict]:
     if args.eval_every:
         common.append(f"train.eval_every={args.eval_every}")
     size = data_bytes(args.data)
+    exps = {"base": args.base, "fp8": args.fp8}
     runs = [
-        dict(name="base", exp=args.base, changes=common, own=[], group="base"),
-        dict(name="fp8", exp=args.fp8, changes=common, own=[], group="fp8")
+        dict(name=name, exp=exps[g], changes=common + own, own=own, group=g)
+        for name, g, own in format_runs(args.seeds)
     ]
-    for i in range(1, args.seeds):
-        seed = [f"train.seed={i}"]
-        runs += [
-            dict(name=f"{g}.s{i}", exp=exp, changes=common + seed, own=seed, group=g)
-            for g, exp in (("base", args.base), ("fp8", args.fp8))
-        ]
     runs += [  # the noise floor before the variants: it is what their gaps are read against
         dict(name=v[0], exp=args.base, changes=common + list(v[1:]), own=list(v[1:]), control=True)
         for v in args.control
@@ -368,10 +372,12 @@ def main(argv=None) -> int:
     worst, got, seeds = result["max_abs_gap_fp8"], result["max_abs_gap_checked"], result["seeds"]
     what = (f"fp8 against base over {seeds['seeds']} seeds each: largest |gap of the mean "
             "held-out losses|" if seeds else "fp8 against base: largest |gap|")
-    print(f"{what} after step 0 {got:.3%} (<= {args.max_gap:.2%} at every eval: "
-          f"{'PASS' if result['pass'] else 'FAIL'})" +
-          (f"; the seed-0 pair alone {worst:.3%}" if seeds else "")
-          if got is not None else f"{what}: no eval after step 0 (FAIL)")
+    if got is None:
+        print(f"{what}: no eval after step 0 (FAIL)")
+    else:
+        alone = f"; the seed-0 pair alone {worst:.3%}" if seeds else ""
+        print(f"{what} after step 0 {got:.3%} (<= {args.max_gap:.2%} at every eval: "
+              f"{'PASS' if result['pass'] else 'FAIL'}){alone}")
     if result["noise_floor"] is not None:
         print(f"noise floor: the controls' largest |gap| after step 0 {result['noise_floor']:.3%}"
               " (bf16 against bf16 rounded otherwise)")

@@ -76,9 +76,9 @@ Columns: ms; TFLOP/s of the expert FLOPs (2 * T*k * M * H * 3, x3 for fwd+bwd); 
 device memory of the executable (XLA's memory analysis: arguments + outputs + temporaries -
 aliased) and its temporaries alone (act GB: what the step keeps and works in beyond the
 weights, inputs, gradients and outputs); target and PASS/FAIL against the layer's targets
-(fwd+bwd, 'cuda' and 'cuda+fuse'): Qwen3-like >= 80% of ideal; DeepSeek-V3-like >= 75% of ideal or >= 90% of the roofline; Mixtral-like
->= 95% of ideal and >= 1.25x GShard; skewed load within 15% of the balanced time. Speed is
-asserted here, in the output, never in a test.
+(fwd+bwd, 'cuda' and 'cuda+fuse'): Qwen3-like >= 80% of ideal; DeepSeek-V3-like >= 75% of
+ideal or >= 90% of the roofline; Mixtral-like >= 95% of ideal and >= 1.25x GShard; skewed load
+within 15% of the balanced time. Speed is asserted here, in the output, never in a test.
 
 --breakdown: per-stage GPU time of the balanced fwd+bwd step of 'cuda', 'cuda+fuse', 'cuda+gather',
 'cuda+dswiglu', 'cuda+fuse+dswiglu' and 'cuda+fp8' from a

@@ -176,22 +176,23 @@ def test_options_and_device_script_knobs_are_documented():
     assert {"--shapes", "--methods", "--skew", "--breakdown", "--json", "--quick"} <= opts
     missing = sorted(o for o in opts if o not in text)
     assert not missing, f"options missing from docs/performance.md: {missing}"
-    e2e_opts = long_options(e2e.build_parser())  # the end-to-end benchmark's, also there
-    missing = sorted(o for o in e2e_opts if o not in text)
-    assert not missing, f"benchmarks.e2e options missing from docs/performance.md: {missing}"
-    fq_opts = long_options(fp8_quality.build_parser())  # the FP8 quality benchmark's, also
-    missing = sorted(o for o in fq_opts if o not in text)
-    assert not missing, f"benchmarks.fp8_quality options missing from docs/performance.md: {missing}"
-    unknown = set(re.findall(r"`(--[a-z0-9_-]+)", text)) - opts - e2e_opts - fq_opts
+    others = {}  # the end-to-end and FP8 quality benchmarks' options, also there
+    for name, mod in (("benchmarks.e2e", e2e), ("benchmarks.fp8_quality", fp8_quality)):
+        others[name] = long_options(mod.build_parser())
+        missing = sorted(o for o in others[name] if o not in text)
+        assert not missing, f"{name} options missing from docs/performance.md: {missing}"
+    unknown = set(re.findall(r"`(--[a-z0-9_-]+)", text)) - opts.union(*others.values())
     assert not unknown, f"docs/performance.md names options the benchmarks lack: {unknown}"
-    script = (ROOT / "benchmarks/layer_device_run.sh").read_text()
-    knobs = set(re.findall(r"\$\{([A-Z_]+):-", script)) - {"OUT", "PYTHONPATH", "XLA_FLAGS"}
+
+    def knobs_of(script):  # ${NAME:-default} and ${NAME-default}
+        body = (ROOT / "benchmarks" / script).read_text()
+        return set(re.findall(r"\$\{([A-Z_]+):?-", body)) - {"OUT", "PYTHONPATH", "XLA_FLAGS"}
+
+    knobs = knobs_of("layer_device_run.sh")
     assert "BREAKDOWN_S" in knobs
-    script = (ROOT / "benchmarks/e2e_device_run.sh").read_text()
-    knobs |= set(re.findall(r"\$\{([A-Z_]+):-", script)) - {"OUT", "PYTHONPATH", "XLA_FLAGS"}
+    knobs |= knobs_of("e2e_device_run.sh")
     assert {"RUNS", "BREAKDOWN"} <= knobs
-    script = (ROOT / "benchmarks/fp8_quality_device_run.sh").read_text()
-    fq_knobs = set(re.findall(r"\$\{([A-Z_]+):?-", script)) - {"OUT", "PYTHONPATH"}
+    fq_knobs = knobs_of("fp8_quality_device_run.sh")
     assert {"SEEDS", "CONTROL", "VARIANTS", "LR", "STEPS", "EVAL", "KEEP"} <= fq_knobs
     knobs |= fq_knobs
     for knob in knobs:
