@@ -63,7 +63,7 @@ def test_op_prequantized_bitwise_equals_quantize_per_call(path):
                                       np.asarray(jnp.swapaxes(fw.q, 1, 2), np.float32))
 
 
-def _block_setup(seed, gated=True, m=256, dtype=jnp.bfloat16, num_experts=4):
+def _block_setup(seed, gated=True, m=256, dtype=jnp.bfloat16, num_experts=4, fp8_gemms="all"):
     cfg = mp.MoEConfig(d_model=m,
                        d_ff=384,
                        num_experts=num_experts,
@@ -71,7 +71,7 @@ def _block_setup(seed, gated=True, m=256, dtype=jnp.bfloat16, num_experts=4):
                        gated=gated,
                        kernel_backend="xla",
                        fp8="blockwise",
-                       fp8_gemms="all")
+                       fp8_gemms=fp8_gemms)
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     params = jax.tree.map(lambda a: a.astype(dtype), mp.init_moe_params(k1, cfg))
     x = jax.random.normal(k2, (8, 20, m), dtype)
@@ -97,13 +97,17 @@ def _step(cfg, cot, once, **mesh):
     return jax.jit(step)
 
 
+@pytest.mark.parametrize("fp8_gemms", ["all", "fwd", "wo=fwd", "wi=fwd"])
 @pytest.mark.parametrize("kernels", [False, True], ids=["emulation", "kernel_path"])
-def test_moe_block_quantize_once_bitwise_equals_quantize_per_call(monkeypatch, kernels):
+def test_moe_block_quantize_once_bitwise_equals_quantize_per_call(monkeypatch, kernels, fp8_gemms):
     """The whole block, loss, y, dx and every parameter gradient bitwise, on the emulation and
     on the FP8 kernels' FFN forced on the CPU (each kernel lowered to its reference; there the
-    forward reads qt). Float32 master weights: their gradients come back in float32."""
+    forward reads qt). Float32 master weights: their gradients come back in float32. Every GEMM
+    in FP8, and the mixed forms the FP8 quality runs train with (the forwards only, one
+    weight's forward only): a train step makes the form once (moe_praxis.step_fp8_weights), so
+    it must be what each layer would make itself."""
     seed = _seed()
-    cfg, params, x, cot = _block_setup(seed, dtype=jnp.float32)
+    cfg, params, x, cot = _block_setup(seed, dtype=jnp.float32, fp8_gemms=fp8_gemms)
     if kernels:
         monkeypatch.setattr(fp8, "resolve", lambda backend: "cuda")
     with warnings.catch_warnings():
@@ -118,10 +122,12 @@ def test_moe_block_quantize_once_bitwise_equals_quantize_per_call(monkeypatch, k
     assert (fws["wo"].qt is not None) == kernels
 
 
-def test_moe_block_with_fp8_weights_quantizes_no_weight(monkeypatch):
+@pytest.mark.parametrize("fp8_gemms,quantized", [("all", 2), ("fwd", 2), ("wo=fwd", 1),
+                                                 ("wi_up=fwd", 1)])
+def test_moe_block_with_fp8_weights_quantizes_no_weight(monkeypatch, fp8_gemms, quantized):
     """Traced with the FP8 form given, moe_block calls no weight quantizer; without it, one per
-    expert weight and call (so calling it once per micro-batch would quantize n times)."""
-    cfg, params, x, _ = _block_setup(_seed(), gated=False)
+    expert weight in FP8 and call (so calling it once per micro-batch would quantize n times)."""
+    cfg, params, x, _ = _block_setup(_seed(), gated=False, fp8_gemms=fp8_gemms)
     calls = []
     for name in ("quantize_blocks", "quantize_weight"):
         real = getattr(fp8, name)
@@ -132,7 +138,7 @@ def test_moe_block_with_fp8_weights_quantizes_no_weight(monkeypatch):
         jax.eval_shape(lambda p, x: mp.moe_block(p, x, cfg).y, given, x)
         assert calls == []
         jax.eval_shape(lambda p, x: mp.moe_block(p, x, cfg).y, params, x)
-    assert len(calls) == 2  # wi_up, wo
+    assert len(calls) == quantized, calls  # of wi_up and wo, those with a GEMM in FP8
 
 
 def test_fsdp_ep_fp8_weights_gathered_in_fp8_and_bitwise():
