@@ -51,6 +51,14 @@ def rel_err(got, want) -> float:
     return sum_err(got, want, want)
 
 
+def row_errs(got, want) -> np.ndarray:
+    """||got - want|| / ||want|| along the last axis, one per row, in float64 (inf for a row of
+    got with NaN / inf)."""
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    err = np.linalg.norm(g - w, axis=-1) / np.maximum(np.linalg.norm(w, axis=-1), 1e-30)
+    return np.where(np.all(np.isfinite(g), axis=-1), err, np.inf)
+
+
 def sum_err(got, want, scale) -> float:
     """||got - want|| / ||scale|| in float64, for sums whose terms may cancel: scale is the sum
     of the terms' magnitudes (a float32 sum is exact to a few ulps of that, not of the sum)."""
