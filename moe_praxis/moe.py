@@ -139,8 +139,7 @@ def _local_experts(x, r, d, w_sorted, weights, *, plan: Plan, layout: EPLayout, 
     w_axes = tuple(vma.varying_axes(weights["wo"]))
     rows = plan.dispatcher.entry.run(x, d, index, backend=plan.backend, axes=w_axes)
     combiner = plan.combiner.entry
-    row_w = vma.vary(w_sorted, tuple(vma.varying_axes(rows.rows))) if combiner.weights_in_rows \
-        else None
+    row_w = vma.vary(w_sorted, rows.varying_axes()) if combiner.weights_in_rows else None
     out = plan.experts.entry.run(rows,
                                  d.group_sizes,
                                  weights,

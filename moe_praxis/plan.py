@@ -129,9 +129,10 @@ def resolve_plan(config: MoEConfig,
                   weights=_local_weights(params, config, layout, x.dtype),
                   fp8_gather=_fp8_gather(params, config, layout),
                   fp8_given=FP8_WEIGHTS in (params or {}))
-    dispatchers = DISPATCHERS if layout.ep_size == 1 else tuple(d for d in DISPATCHERS
-                                                                if d.regrouped is not None)
-    dispatcher = pick(dispatchers, query, "dispatcher")
+    dispatcher = pick(DISPATCHERS, query, "dispatcher")
+    if layout.ep_size > 1 and dispatcher.entry.regrouped is None:  # each choose checks ep_size
+        raise RuntimeError(f"dispatcher {dispatcher.name!r} applied under expert parallelism "
+                           "but has no form for the exchanged rows (Entry.regrouped)")
     return Plan(backend=backend,
                 config=config,
                 exchange="none" if layout.ep_size == 1 else exchange_kind,

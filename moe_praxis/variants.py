@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import jax
 
 from moe_praxis.config import MoEConfig
+from moe_praxis.ops import vma
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +38,19 @@ class Query:
 class Rows:
     """The experts' input, in the form a dispatcher made it.
 
-    rows: [R, M] expert-sorted rows; rows_up: [R, M] the same rows again for the up
-    projection (their two cotangents summed in the permute's backward); rows_fp8: (q, s_t) the
-    rows' FP8 operand written by the permute."""
-    rows: jax.Array
+    rows: [R, M] expert-sorted rows (None where `source` is given); rows_up: [R, M] the same
+    rows again for the up projection (their two cotangents summed in the permute's backward);
+    rows_fp8: (q, s_t) the rows' FP8 operand written by the permute; source: (x [T, M], row_map
+    [R], index) where the experts make the rows = permute(x, row_map) themselves, to gather them
+    again in the backward (MoEConfig.regather_rows; index: ops.permute_index's or None)."""
+    rows: Optional[jax.Array] = None
     rows_up: Optional[jax.Array] = None
     rows_fp8: Optional[tuple] = None
+    source: Optional[tuple] = None
+
+    def varying_axes(self) -> tuple:
+        """The mesh axes the rows vary over (shard_map's type; () outside shard_map)."""
+        return tuple(vma.varying_axes(self.rows if self.source is None else self.source[0]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from moe_praxis import ops
 from moe_praxis.dispatch import sort
 from moe_praxis.ops.combine import combine_cuda
 from tests.moe_reference import block_inputs
-from tests.testutil import rel_err
+from tests.testutil import poison, rel_err
 from tests.testutil import seed as _seed
 
 LOADS = ("skewed", "one_expert", "empty_experts")
@@ -135,13 +135,6 @@ def test_cuda_lowering_calls_both_kernels():
 # ---------------------------------------------------------------------------------- GPU
 
 
-def _poison(nbytes: int = 1 << 30):
-    """NaN-filled then freed device memory: outputs the kernel does not write show up as NaN."""
-    a = jnp.full((nbytes // 4, ), jnp.nan, jnp.float32)
-    a.block_until_ready()
-    a.delete()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("load", LOADS)
 @pytest.mark.parametrize("out_dtype,y_dtype", DTYPES)
@@ -153,7 +146,7 @@ def test_kernels_against_float64(load, out_dtype, y_dtype, t, k, m):
     s = _seed()
     out, w, d, dy, _ = _case(load, t, k, 16, m, out_dtype, y_dtype, s)
     want = _want(out, w, d, dy, t, k)
-    _poison()
+    poison()
     got = _run(out, w, d, dy, t, y_dtype, "cuda")
     tag = f"seed={s} {load} t={t} k={k} m={m}"
     _check(got, want, out_dtype, y_dtype, np.asarray(d.row_map) >= t, tag)

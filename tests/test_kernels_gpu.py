@@ -25,7 +25,7 @@ from moe_praxis.config import MoEConfig
 from moe_praxis.ops.permute import permute_index_cuda
 from moe_praxis.ops.router import router_cuda
 from tests import kernel_reference as ref
-from tests.testutil import router_config
+from tests.testutil import poison, router_config
 
 pytestmark = pytest.mark.gpu
 
@@ -37,13 +37,6 @@ def _need_cuda_kernels():
     info = ops.backend_info()["cuda"]
     if not info["usable"]:
         pytest.skip(f"CUDA kernels not usable here: {info['reason']}")
-
-
-def poison(nbytes: int = 1 << 30):
-    """Fills and frees `nbytes` of device memory with NaN (see the module docstring)."""
-    a = jnp.full((nbytes // 4, ), jnp.nan, jnp.float32)
-    a.block_until_ready()
-    a.delete()
 
 
 def _group_near_tie(sel_row, groups, group_topk, m):

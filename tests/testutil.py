@@ -1,9 +1,10 @@
-"""Helpers shared by the tests: fresh seeds, the norm-wise relative error and the repository's
-own files."""
+"""Helpers shared by the tests: fresh seeds, the norm-wise relative error, poisoned device
+memory and the repository's own files."""
 
 import subprocess
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from moe_praxis import MoEConfig
@@ -44,6 +45,14 @@ def repo_files(suffixes=None, under: str = "") -> list[Path]:
 def seed() -> int:
     """A fresh random seed every call (print it in failure messages to reproduce)."""
     return int(np.random.SeedSequence().generate_state(1)[0])
+
+
+def poison(nbytes: int = 1 << 30):
+    """Fills `nbytes` of device memory with NaN and frees it: outputs a kernel then leaves
+    unwritten (taken from that freed memory) show up as NaN."""
+    a = jnp.full((nbytes // 4, ), jnp.nan, jnp.float32)
+    a.block_until_ready()
+    a.delete()
 
 
 def rel_err(got, want) -> float:

@@ -7,7 +7,7 @@ Every entry runs `run(x [T, M], d: sort.Dispatch, index, *, backend, axes) -> va
 on one device's tokens (index: sort.dispatch_index, or None; axes: the mesh axes the expert
 weights vary over, which the rows are marked to vary over too), and under expert parallelism
 `regrouped(rows [N, M], perm [N]) -> variants.Rows` on the exchanged rows (an entry without it
-does not apply there).
+must not apply there: its `choose` returns '' where query.ep_size > 1).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from moe_praxis.dispatch import sort
 from moe_praxis.experts.common import reads_rows_twice
 from moe_praxis.ops import vma
+from moe_praxis.ops.backend import warn_once
 from moe_praxis.ops.fp8 import recipe as fp8
 from moe_praxis.variants import Entry, Query, Rows
 
@@ -44,6 +45,24 @@ def _permute_fp8(x, d, index, *, backend, axes) -> Rows:
     return Rows(rows=_dispatched(rows, axes), rows_fp8=tuple(vma.vary(a, axes) for a in rows_fp8))
 
 
+def _source(x, d, index, *, backend, axes) -> Rows:
+    del backend  # the experts' op permutes on the block's backend
+    return Rows(source=(vma.vary(x, axes), d.row_map, index))
+
+
+def _regather_applies(q: Query) -> str:
+    if not q.config.regather_rows:
+        return ""
+    if q.ep_size > 1:
+        warn_once(
+            "regather_rows has no effect under expert parallelism (ep > 1): the experts' rows "
+            "are the exchange's output, not a permute of x, and are kept for the backward",
+            RuntimeWarning)
+        return ""
+    return ("regather_rows: the experts permute x themselves and again in their backward "
+            "(ops.regathered_gemms), keeping no [R, M] rows")
+
+
 def _fp8_permute_applies(q: Query) -> str:
     if q.ep_size == 1 and q.config.fp8 is not None and fp8.resolve(q.backend) == "cuda" \
             and not q.fp8_gather:
@@ -58,12 +77,14 @@ def _pair_applies(q: Query) -> str:
     return ""
 
 
+REGATHER = Entry("regather", _regather_applies, _source)
 PERMUTE_FP8 = Entry("permute_fp8", _fp8_permute_applies, _permute_fp8)
 PERMUTE_PAIR = Entry("permute_pair", _pair_applies, _permute_pair)
 PERMUTE = Entry("permute", lambda q: "a permuted copy of the rows", _permute, regrouped=_regrouped)
 
 # The registry, in order of preference: one line per dispatcher.
 DISPATCHERS = (
+    REGATHER,
     PERMUTE_FP8,
     PERMUTE_PAIR,
     PERMUTE,

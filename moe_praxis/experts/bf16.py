@@ -47,13 +47,24 @@ def named_projections(outs, config: MoEConfig):
 
 
 def _projected(rows: Rows, group_sizes, weights, config: MoEConfig, *, backend, row_weights):
-    """Separate gate and up projections (rows.rows_up for up where given), then `down`."""
-    dt = rows.rows.dtype
+    """Separate gate and up projections (rows.rows_up for up where given; from rows.source,
+    gathered again in their backward, where given: ops.regathered_gemms), then `down`."""
     names = ("wi_gate", "wi_up") if config.gated else ("wi_up", )
-    lhs = {"wi_gate": rows.rows, "wi_up": rows.rows if rows.rows_up is None else rows.rows_up}
-    outs = tuple(
-        ops.grouped_gemm(lhs[n], weights[n].astype(dt), group_sizes, backend=backend)
-        for n in names)
+    if rows.source is not None:
+        x, row_map, index = rows.source
+        dt = x.dtype
+        outs = ops.regathered_gemms(x,
+                                    row_map,
+                                    tuple(weights[n].astype(dt) for n in names),
+                                    group_sizes,
+                                    backend=backend,
+                                    index=index)
+    else:
+        dt = rows.rows.dtype
+        lhs = {"wi_gate": rows.rows, "wi_up": rows.rows if rows.rows_up is None else rows.rows_up}
+        outs = tuple(
+            ops.grouped_gemm(lhs[n], weights[n].astype(dt), group_sizes, backend=backend)
+            for n in names)
     gate, up = named_projections(outs, config)
     return down(gate, up, weights, group_sizes, config, backend, row_weights, dt)
 

@@ -4,7 +4,8 @@
    and the public op (a custom_vjp taking explicit static arguments), with its CUDA lowering
    (FFI calls, custom_partitioning, abstract shapes) beside it: `aux_loss`, `router`, `swiglu`,
    `permute`, `expert_sort`, `combine`, `grouped_gemm` (+ `grouped_gemm_tiles`, its kernel configurations and rule),
-   `gate_up` and `dswiglu` (swiglu_down: dSwiGLU in the down projection's dgrad epilogue).
+   `gate_up` and `dswiglu` (swiglu_down: dSwiGLU in the down projection's dgrad epilogue),
+   `regather` (grouped GEMMs over permuted rows that gather them again in the backward).
 2. `backend`: the device query, each op's compute-capability requirement, 'auto' | 'xla' |
    'cuda' resolution (once per block), the one warn-once, `backend_info()`.
 3. `_library` (private): the kernel library's table, path and environment variable, loading
@@ -27,6 +28,7 @@ from moe_praxis.ops.gate_up import (gate_up_swiglu, interleave_gate_up, split_ga
 from moe_praxis.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moe_praxis.ops.permute import (permute, permute_index, permute_pair, permute_reference,
                                     unpermute, unpermute2_reference, unpermute_reference)
+from moe_praxis.ops.regather import regathered_gemms, regathered_gemms_reference
 from moe_praxis.ops.router import route, router_reference
 from moe_praxis.ops.swiglu import activation, named_gate_up, swiglu, swiglu_reference
 from moe_praxis.ops.dswiglu import gate_up_swiglu_down, swiglu_down
@@ -52,6 +54,8 @@ __all__ = [
     "permute_index",
     "permute_pair",
     "permute_reference",
+    "regathered_gemms",
+    "regathered_gemms_reference",
     "resolve_backend",
     "route",
     "router_reference",

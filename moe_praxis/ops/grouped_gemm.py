@@ -293,9 +293,16 @@ def grouped_gemm(lhs, rhs, group_sizes, *, backend: str = "auto", config: str | 
     if config is not None:
         config = (SM80_TILE_CONFIGS[parse_sm80_config(config)]
                   if is_sm80_config(config) else config_name(*parse_config(config)))
+    return _grouped_gemm(lhs, rhs, group_sizes.astype(jnp.int32),
+                         resolve_impl(backend, lhs, rhs, config))
+
+
+def resolve_impl(backend: str, lhs, rhs, config: str | None = None) -> tuple:
+    """The static `impl` (backend, config, kernel family) that fwd_impl, dgrad_impl and
+    wgrad_impl run one grouped GEMM of lhs [M, K] (an array or ShapeDtypeStruct) and rhs
+    [E, K, N] with: `resolve`'s backend; config as grouped_gemm's (None: each GEMM's rule)."""
     resolved = resolve(backend, lhs, rhs)
     # the kernel family is part of the op's static arguments: fixed here, at the call, for the
     # forward and the backward alike, and a key of any trace cache that holds them
     family = _backend.grouped_gemm_kernel(dtype=lhs.dtype)[0] if resolved == "cuda" else None
-    impl = (resolved, config, family)
-    return _grouped_gemm(lhs, rhs, group_sizes.astype(jnp.int32), impl)
+    return (resolved, config, family)
