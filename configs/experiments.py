@@ -44,7 +44,7 @@ from moe_praxis.praxis.fields import config_default
 # (LanguageModel.SCORE_FUNC, ...), passed to models.transformer_lm as moe_fields.
 MOE_KNOBS = ("score_func", "norm_topk", "num_expert_groups", "group_topk", "use_expert_bias",
              "expert_bias_update_rate", "routed_scaling_factor", "num_shared_experts",
-             "shared_hidden_dims", "fp8", "fp8_gemms")
+             "shared_hidden_dims", "fp8", "fp8_gemms", "regather_rows")
 
 
 class LanguageModel:
@@ -87,6 +87,9 @@ class LanguageModel:
     # the GEMMs in FP8 joined by '+' ('fwd+dgrad': wgrad in bf16; quality runs, one GEMM at a time).
     FP8: Optional[str] = config_default("fp8")
     FP8_GEMMS = config_default("fp8_gemms")
+    # REGATHER_ROWS: the experts' backward permutes x again instead of keeping the rows [T*k, M]
+    # (less activation memory for one more permute; MoEConfig.regather_rows).
+    REGATHER_ROWS = config_default("regather_rows")
     # Attention (moe_praxis.praxis.attention.GroupedQueryAttention). NUM_KV_HEADS None: one
     # key/value head per query head (multi-head attention). ATTENTION_IMPL: 'auto', 'xla' or
     # 'cudnn'. QK_NORM: None, 'per_head' or 'full'. ROPE_MAX_WAVELENGTH: the rotary base.

@@ -14,8 +14,12 @@ import pytest
 from jax.sharding import Mesh
 
 import moe_praxis as mp
+from configs import experiments
 from moe_praxis import ops
 from moe_praxis.ops import backend
+from moe_praxis.praxis import fields
+from praxis import base_layer
+from tests import praxis_layer_util as pl
 from tests import kernel_reference as ref
 from tests.grouped_gemm_util import _fake_device, cuda_module, loop_grads, loop_reference
 from tests.moe_reference import block_inputs
@@ -267,3 +271,18 @@ def test_block_cuda_with_regather_rows_matches_xla(fields):
         want = _block_step(other, params, x, cot)
         for u, v in zip(jax.tree.leaves((got[0].y, got[1])), jax.tree.leaves((want[0].y, want[1]))):
             assert rel_err(u, v) <= BF16_TOL, f"seed={s} {fields} against {other}"
+
+
+def test_the_praxis_layer_field_and_the_experiment_knob_reach_the_block():
+    """MoEFeedForward.regather_rows is MoEConfig's, and the experiments' REGATHER_ROWS knob sets
+    it: the layer's output equals the default layer's (float32, 1e-5)."""
+    tpl = pl._moe_tpl(gating_func="topk", use_gated_activation=True)
+    on = pl._moe_tpl(gating_func="topk", use_gated_activation=True, regather_rows=True)
+    assert fields.build_config(base_layer.instantiate(on)).regather_rows
+    assert not fields.build_config(base_layer.instantiate(tpl)).regather_rows
+    x, pad = pl._inputs(_seed(), pad_from=3)
+    variables = pl._init_layer(tpl, x, pad)
+    want, got = pl._run_layer(tpl, variables, x, pad)[0], pl._run_layer(on, variables, x, pad)[0]
+    assert rel_err(got, want) <= F32_TOL
+    assert "regather_rows" in experiments.MOE_KNOBS
+    assert experiments.LanguageModel.REGATHER_ROWS is False

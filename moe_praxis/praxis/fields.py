@@ -58,6 +58,7 @@ CONFIG_FIELDS = {
     "fp8": "fp8",
     "fp8_quantize_before_gather": "fp8_quantize_before_gather",
     "fp8_gemms": "fp8_gemms",
+    "regather_rows": "regather_rows",
 }
 # MoEConfig field -> its declared type ('int', 'bool', 'Optional[float]', ...), from the dataclass.
 CONFIG_TYPES = {f.name: str(f.type) for f in dataclasses.fields(MoEConfig)}

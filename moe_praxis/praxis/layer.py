@@ -62,7 +62,8 @@ class MoEFeedForward(base_layer.BaseLayer):
       fuse_gate_up: gated only; one weight wi_gate_up [E, M, 2H] (MoEConfig.fuse_gate_up).
       num_experts_per_token: k for gating_func='topk' (top2 / dense_top2 need 2).
       aux_loss_type, kernel_backend, router_precision, ep_exchange, ep_buffer_factor, fp8,
-      fp8_quantize_before_gather, fp8_gemms, router_z_loss_weight (z_loss_coeff): MoEConfig's.
+      fp8_quantize_before_gather, fp8_gemms, regather_rows, router_z_loss_weight (z_loss_coeff):
+      MoEConfig's.
       mesh_resources: a moe_praxis.MeshResources; when set and a mesh is in scope
         (jax.set_mesh or `with mesh:`), moe_block runs expert-parallel on it, and when the
         layer also has mesh_axis_names and ici_mesh_shape its weight sharding is checked
@@ -142,6 +143,7 @@ class MoEFeedForward(base_layer.BaseLayer):
     fp8: Optional[str] = None  # FP8 expert GEMMs (MoEConfig.fp8, any gating_func)
     fp8_quantize_before_gather: bool = True
     fp8_gemms: str = "auto"  # which expert GEMMs run in FP8 (MoEConfig.fp8_gemms)
+    regather_rows: bool = False  # the backward permutes x again (MoEConfig.regather_rows)
 
     class WeightSharding(base_layer.BaseLayer.WeightSharding):
         """Weight sharding (mesh axis per dim).
