@@ -34,6 +34,8 @@ Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
                        fp8_gemms 'auto': which GEMMs run FP8 is printed per shape and in the
                        JSON's 'fp8_gemms' {shape: {method: {weight: {fwd|dgrad|wgrad: fp8|bf16}}}}
   cuda+fp8all          'cuda+fp8' with fp8_gemms='all' (every expert GEMM in FP8)
+  cuda+fp8-wo-fwd-bf16 'cuda+fp8' with fp8_gemms='wi=all,wo=dgrad+wgrad' (every expert GEMM in
+                       FP8 but the down projection's forward, which trained worse in FP8)
   cuda+fp8w, fp8-quant 'cuda+fp8' with the expert weights' FP8 form made beforehand, and that
                        quantization alone: with --microbatches N1,N2 (default 1,8) the rows
                        'cuda+fp8 @n' = cuda+fp8w + fp8-quant / n, weights quantized once per
@@ -420,7 +422,7 @@ def main(argv=None) -> int:
                          f"{name!r} on not run")
             break
         methods = opts.methods
-        fp8_methods = ("cuda+fp8", "cuda+fp8all") + layer_fp8w.METHODS
+        fp8_methods = ("cuda+fp8", "cuda+fp8all", "cuda+fp8-wo-fwd-bf16") + layer_fp8w.METHODS
         if set(fp8_methods) & set(methods) and (shape.m % 128 or shape.h % 128):
             methods = [m for m in methods if m not in fp8_methods]
             notes.append(f"cuda+fp8 not run at {name}: FP8 needs d_model and d_ff multiples of "

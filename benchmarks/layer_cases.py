@@ -67,6 +67,10 @@ BLOCK_METHODS = {
     "cuda-sm80": (dict(kernel_backend="cuda"), False),
     "cuda+fp8": (dict(kernel_backend="cuda", fp8="blockwise"), False),
     "cuda+fp8all": (dict(kernel_backend="cuda", fp8="blockwise", fp8_gemms="all"), False),
+    # every expert GEMM in FP8 but the down projection's forward (issue 52's quality runs)
+    "cuda+fp8-wo-fwd-bf16": (dict(kernel_backend="cuda",
+                                  fp8="blockwise",
+                                  fp8_gemms="wi=all,wo=dgrad+wgrad"), False),
     "xla": (dict(kernel_backend="xla"), False),
     "layer": (dict(kernel_backend="cuda"), True),
     "layer+fuse": (dict(kernel_backend="cuda", fuse_gate_up=True), True),
