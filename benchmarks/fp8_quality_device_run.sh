@@ -12,7 +12,10 @@
 # out (where its floor was measured on this GPU before).
 # VARIANTS (default "wi_fwd wo_fwd"; set empty for none), each one of:
 #   fwd_only (fp8_gemms='fwd'), wgrad_bf16 ('fwd+dgrad'), wi_fwd ('wi=fwd'), wo_fwd ('wo=fwd'),
-#   fp8_router_f32 (FP8 with the control's change: how far FP8 itself drifts under it).
+#   wo_fwd_bf16 ('wi=all,wo=dgrad+wgrad': every expert GEMM in FP8 but the down projection's
+#   forward), fp8_router_f32 (FP8 with the control's change: how far FP8 itself drifts under it).
+# With SEEDS=N every variant also runs at train.seed=1 .. N-1 (runs V.s1, ...), to be read
+# against the bf16 run of its own seed.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/fq_out}
@@ -34,10 +37,13 @@ for V in ${VARIANTS-wi_fwd wo_fwd}; do
     wgrad_bf16) C="fp8_gemms='fwd+dgrad'" ;;
     wi_fwd) C="fp8_gemms='wi=fwd'" ;;
     wo_fwd) C="fp8_gemms='wo=fwd'" ;;
+    wo_fwd_bf16) C="fp8_gemms='wi=all,wo=dgrad+wgrad'" ;;
     fp8_router_f32) C="router_precision='float32'" ;;
-    *) echo "VARIANTS: unknown $V (fwd_only, wgrad_bf16, wi_fwd, wo_fwd, fp8_router_f32)"; exit 2 ;;
+    *) echo "VARIANTS: unknown $V (fwd_only, wgrad_bf16, wi_fwd, wo_fwd, wo_fwd_bf16," \
+            "fp8_router_f32)"; exit 2 ;;
   esac
   ARGS+=(--variant "$V" "$P.$C")
+  for (( K = 1; K < ${SEEDS:-1}; K++ )); do ARGS+=(--variant "$V.s$K" "$P.$C" "train.seed=$K"); done
 done
 S=$(date +%s)
 timeout "$BUDGET" python3 -m benchmarks.fp8_quality "${ARGS[@]}" --out "$OUT/fp8_quality.json" \
