@@ -22,8 +22,9 @@ Methods (`--methods`, all by default), each timed in its fwd and fwd+bwd pass:
   cuda+bf16router      moe_block, 'cuda', router_precision='bf16'
   cuda+gather          moe_block, 'cuda', gather_combine=True (the routing weights in
                        one gather-and-sum combine kernel, kernels/combine.cu, not in the SwiGLU)
-  cuda+regather, cuda+dswiglu+regather
-                       moe_block, 'cuda', regather_rows=True, without / with fuse_swiglu_bwd
+  cuda+regather, cuda+fuse+regather, cuda+dswiglu+regather
+                       moe_block, 'cuda', regather_rows=True, alone / with fuse_gate_up / with
+                       fuse_swiglu_bwd
                        (the backward permutes x again instead of keeping the rows: act GB)
   cuda+dswiglu, cuda+fuse+dswiglu
                        moe_block, 'cuda', fuse_swiglu_bwd=True, without / with fuse_gate_up

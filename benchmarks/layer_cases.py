@@ -61,6 +61,8 @@ BLOCK_METHODS = {
     "cuda+fuse+dswiglu": (dict(kernel_backend="cuda", fuse_gate_up=True,
                                fuse_swiglu_bwd=True), False),
     "cuda+regather": (dict(kernel_backend="cuda", regather_rows=True), False),
+    "cuda+fuse+regather": (dict(kernel_backend="cuda", fuse_gate_up=True,
+                                regather_rows=True), False),
     "cuda+dswiglu+regather": (dict(kernel_backend="cuda", fuse_swiglu_bwd=True,
                                    regather_rows=True), False),
     "cuda+bf16router": (dict(kernel_backend="cuda", router_precision="bf16"), False),

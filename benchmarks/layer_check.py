@@ -22,8 +22,8 @@ from moe_praxis.ops.fp8 import rule as fp8_rule
 
 CHECK_TOL = 2e-2
 CHECKED = ("cuda", "cuda+fuse", "cuda+gather", "cuda+dswiglu", "cuda+fuse+dswiglu", "cuda-sm80",
-           "cuda+regather", "cuda+dswiglu+regather", "cuda+fp8", "cuda+fp8all",
-           "cuda+fp8-wo-fwd-bf16")  # checked against 'xla'
+           "cuda+regather", "cuda+fuse+regather", "cuda+dswiglu+regather", "cuda+fp8",
+           "cuda+fp8all", "cuda+fp8-wo-fwd-bf16")  # checked against 'xla'
 FP8_CHECK_TOL = 0.08
 CHECK_TOKENS = 2048
 CHECK_BYTES = 8 << 30

@@ -88,11 +88,12 @@ class MoEConfig:
         but not the activation). Runs where kernel_backend resolves to cuda with the Hopper
         grouped GEMM (bf16, d_ff % 8 == 0, silu); elsewhere the same function unfused. Off:
         measured 3-8% slower than the unfused backward on the H200 (docs/grouped_gemm.md).
-      regather_rows: not with fuse_gate_up or fp8. The backward of the gate and up
-        projections permutes x again for their weight gradients (ops.regathered_gemms) instead
-        of keeping the expert-sorted rows [T*k, M] from the forward, and runs their dgrads one
-        at a time, so the backward holds one [T*k, M] array at a time: less activation memory
-        for one more permute. On a block with expert parallelism (ep > 1) the rows are the
+      regather_rows: not with fp8, nor with fuse_gate_up and fuse_swiglu_bwd together. The
+        backward of the gate and up projections permutes x again for their weight gradients
+        (ops.regathered_gemms; with fuse_gate_up ops.gate_up_swiglu_regathered) instead of
+        keeping the expert-sorted rows [T*k, M] from the forward, and runs their dgrads one at
+        a time, so the backward holds one [T*k, M] array at a time: less activation memory for
+        one more permute. On a block with expert parallelism (ep > 1) the rows are the
         exchange's output, kept as without it (the plan says so, with a warning once).
       gather_combine: the combine as one gather-and-sum over each token's k rows with the
         routing weights (ops.combine: kernels/combine.cu on 'cuda'; its backward writes the
@@ -270,11 +271,13 @@ class MoEConfig:
         if self.fuse_swiglu_bwd and (not self.gated or self.fp8 is not None):
             raise _err("fuse_swiglu_bwd", self.fuse_swiglu_bwd,
                        "needs gated=True and fp8=None (it fuses the bf16 SwiGLU backward)")
-        if self.regather_rows and (self.fuse_gate_up or self.fp8 is not None):
+        if self.regather_rows and (self.fp8 is not None or
+                                   (self.fuse_gate_up and self.fuse_swiglu_bwd)):
             raise _err(
                 "regather_rows", self.regather_rows,
-                "needs fuse_gate_up=False and fp8=None (it regathers the rows of the "
-                "separate bf16 gate and up projections)")
+                "needs fp8=None and not both fuse_gate_up and fuse_swiglu_bwd (it "
+                "regathers the rows of the bf16 gate and up projections, separate or "
+                "fused, not of the op that fuses them with the down projection)")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _err("kernel_backend", self.kernel_backend, f"valid: {KERNEL_BACKENDS}")
         if self.fp8 not in FP8_RECIPES:

@@ -129,6 +129,95 @@ def test_lowered_for_cuda_the_backward_permutes_again_and_unpermutes_each_dgrad(
     assert text.count("optimization_barrier") >= 3
 
 
+def _fused_case(rng, t, k, e, m, h, dtype):
+    row_map, sizes = _dispatch(t, k, e, "skewed", rng)
+    x = jnp.asarray(rng.standard_normal((t, m)), dtype)
+    w = jnp.asarray(rng.standard_normal((e, m, 2 * h)) / np.sqrt(m), dtype)
+    rw = jnp.asarray(rng.random(t * k), jnp.float32)
+    dact = jnp.asarray(rng.standard_normal((t * k, h)), jnp.float32)
+    return jnp.asarray(row_map), jnp.asarray(sizes), x, w, rw, dact
+
+
+def _fused_grads(f, x, w, rw, dact):
+
+    def loss(x, w, rw):
+        act = f(x, w, rw)
+        return jnp.sum(act.astype(jnp.float32) * dact), act
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x, w, rw)
+
+
+def _fused_reference(row_map, sizes, dact, x, w, rw):
+    """float32 autodiff of the reference composition (permute, ragged_dot, SwiGLU), on x, w as
+    given (rounded where they are bf16)."""
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+
+    def ref(x, w, rw):
+        rows = ops.permute_reference(x, row_map)
+        return ops.gate_up.gate_up_swiglu_reference(rows, w, sizes, rw)[2]
+
+    return _fused_grads(ref, f32(x), f32(w), rw, dact)
+
+
+@pytest.mark.parametrize("path", ["xla", "cuda", "cuda-sm80"])
+def test_gate_up_swiglu_regathered_against_the_reference(path, monkeypatch):
+    """The fused gate/up + SwiGLU over permuted rows, gathered again in its backward (skewed
+    groups, some copies not kept, routing weights): act and the gradients of x, w_gate_up and
+    the routing weights against float32 autodiff of the reference composition; 'xla' in float32
+    within 1e-5, 'cuda' (the CUDA wiring on a faked Hopper GPU, every kernel lowered to its
+    reference on the CPU) in bf16 within 2e-2; 'cuda-sm80' (a faked A100: no fused kernel, so
+    ops.regathered_gemms against w_gate_up, then the SwiGLU, with a warning) the same."""
+    backend.reset_warnings()
+    if path != "xla":
+        sm80 = path == "cuda-sm80"
+        _fake_device(monkeypatch,
+                     80 if sm80 else 90,
+                     name="NVIDIA A100-SXM4-80GB" if sm80 else "NVIDIA H100 80GB HBM3")
+    s = _seed()
+    dtype, tol = (jnp.float32, F32_TOL) if path == "xla" else (jnp.bfloat16, BF16_TOL)
+    row_map, sizes, x, w, rw, dact = _fused_case(np.random.default_rng(s), 40, 4, 8, 64, 48, dtype)
+
+    def run(x, w, rw):
+        return ops.gate_up_swiglu_regathered(x,
+                                             row_map,
+                                             w,
+                                             sizes,
+                                             rw,
+                                             backend="xla" if path == "xla" else "cuda")
+
+    if path == "cuda-sm80":
+        with pytest.warns(UserWarning, match="gate_up_swiglu runs unfused"):
+            (_, act), grads = _fused_grads(run, x, w, rw, dact)
+    else:
+        (_, act), grads = _fused_grads(run, x, w, rw, dact)
+    (_, want_act), want = _fused_reference(row_map, sizes, dact, x, w, rw)
+    assert act.dtype == dtype and grads[0].dtype == dtype and grads[1].dtype == dtype
+    for got, ref_ in zip((act, ) + tuple(grads), (want_act, ) + tuple(want)):
+        assert rel_err(got, ref_) <= tol, f"seed={s} {path}"
+
+
+def test_lowered_for_cuda_the_fused_backward_permutes_again(monkeypatch):
+    """gate_up_swiglu_regathered lowered for CUDA: the fused forward kernel, two permutes (the
+    forward's and the backward's), one wgrad, one dgrad and one unpermute of it."""
+    _fake_device(monkeypatch, 90, name="NVIDIA H100 80GB HBM3")
+    t, k, e, m, h = 64, 4, 8, 128, 128
+    row_map = jnp.asarray(np.arange(t * k) % t, jnp.int32)
+    sizes = jnp.full((e, ), t * k // e, jnp.int32)
+
+    def loss(x, w):
+        act = ops.gate_up_swiglu_regathered(x, row_map, w, sizes, backend="cuda")
+        return jnp.sum(act.astype(jnp.float32))
+
+    text = cuda_module(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))),
+                       jnp.zeros((t, m), jnp.bfloat16), jnp.zeros((e, m, 2 * h), jnp.bfloat16))
+    calls = re.findall(r"custom_call @(moe_\w+)\(", text)
+    assert calls.count("moe_grouped_gemm_swiglu_fwd") == 1, calls
+    assert calls.count("moe_permute") + calls.count("moe_permute_indexed") == 2, calls
+    assert len([c for c in calls if c.startswith("moe_unpermute")]) == 1, calls
+    for op in ("dgrad", "wgrad"):
+        assert calls.count(f"moe_grouped_gemm_{op}") == 1, (op, calls)
+
+
 def _block_step(cfg, params, x, cot, **kw):
 
     def loss(params, x):
@@ -149,17 +238,12 @@ def _saved_shapes(cfg, params, x, capsys):
     return re.findall(r"\w+\[([\d,]+)\]", capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("gated", [True, False])
-def test_block_keeps_no_rows_for_the_backward(gated, capsys):
+@pytest.mark.parametrize("fields", [dict(), dict(gated=False), dict(fuse_gate_up=True)])
+def test_block_keeps_no_rows_for_the_backward(fields, capsys):
     """The residuals moe_block keeps for its backward: with regather_rows no [R, M] array (the
     rows) and x [T, M]; without it the rows are kept (the test can fail)."""
     t, k, m = 64, 4, 32
-    cfg = mp.MoEConfig(d_model=m,
-                       d_ff=48,
-                       num_experts=8,
-                       top_k=k,
-                       gated=gated,
-                       kernel_backend="xla")
+    cfg = mp.MoEConfig(d_model=m, d_ff=48, num_experts=8, top_k=k, kernel_backend="xla", **fields)
     params, x, _ = block_inputs(cfg, (t, m), _seed())
     rows = f"{t * k},{m}"
     assert rows in _saved_shapes(cfg, params, x, capsys)
@@ -173,6 +257,7 @@ def test_block_keeps_no_rows_for_the_backward(gated, capsys):
     dict(fuse_swiglu_bwd=True),
     dict(capacity_factor=1.0),
     dict(gather_combine=True),
+    dict(fuse_gate_up=True),
 ])
 def test_block_with_regather_rows_matches_todays_path(fields):
     """float32 on 'xla': y, the aux loss, the counts and every gradient with regather_rows equal
@@ -217,11 +302,12 @@ def test_block_with_regather_rows_on_a_mesh_equals_one_device(mesh_name):
         assert rel_err(v, u) <= F32_TOL, f"seed={s} mesh={mesh_name}"
 
 
-def test_regather_rows_with_fused_or_fp8_experts_is_an_error():
+def test_regather_rows_with_fp8_or_the_fully_fused_experts_is_an_error():
     base = dict(d_model=128, d_ff=128, num_experts=4, regather_rows=True)
-    for extra in (dict(fuse_gate_up=True), dict(fp8="blockwise")):
-        with pytest.raises(ValueError, match=r"regather_rows.*fuse_gate_up=False and fp8=None"):
+    for extra in (dict(fuse_gate_up=True, fuse_swiglu_bwd=True), dict(fp8="blockwise")):
+        with pytest.raises(ValueError, match=r"regather_rows.*needs fp8=None and not both"):
             mp.MoEConfig(**base, **extra)
+    assert mp.MoEConfig(**base, fuse_gate_up=True).regather_rows
 
 
 def test_regather_rows_under_expert_parallelism_warns_and_keeps_the_rows():
@@ -247,7 +333,11 @@ def test_regather_rows_under_expert_parallelism_warns_and_keeps_the_rows():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fields", [dict(), dict(fuse_swiglu_bwd=True), dict(gated=False)])
+@pytest.mark.parametrize(
+    "fields",
+    [dict(), dict(fuse_swiglu_bwd=True),
+     dict(gated=False),
+     dict(fuse_gate_up=True)])
 def test_block_cuda_with_regather_rows_matches_xla(fields):
     """moe_block on 'cuda' with regather_rows (bf16, skewed by the router's draw, some experts
     empty at E=32 and T=600) against 'xla' with it and 'cuda' without it: y and every gradient

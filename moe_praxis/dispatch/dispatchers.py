@@ -60,7 +60,7 @@ def _regather_applies(q: Query) -> str:
             RuntimeWarning)
         return ""
     return ("regather_rows: the experts permute x themselves and again in their backward "
-            "(ops.regathered_gemms), keeping no [R, M] rows")
+            "(ops.regathered_gemms, ops.gate_up_swiglu_regathered), keeping no [R, M] rows")
 
 
 def _fp8_permute_applies(q: Query) -> str:

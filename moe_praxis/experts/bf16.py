@@ -70,15 +70,28 @@ def _projected(rows: Rows, group_sizes, weights, config: MoEConfig, *, backend, 
 
 
 def _gate_up(rows: Rows, group_sizes, weights, config: MoEConfig, *, backend, row_weights):
-    """One grouped GEMM against wi_gate_up with the SwiGLU fused (ops.gate_up_swiglu), then the
-    down projection."""
-    dt = rows.rows.dtype
-    act = ops.gate_up_swiglu(rows.rows,
-                             weights["wi_gate_up"].astype(dt),
-                             group_sizes,
-                             row_weights,
-                             act=config.activation,
-                             backend=backend)
+    """One grouped GEMM against wi_gate_up with the SwiGLU fused (ops.gate_up_swiglu; from
+    rows.source, gathered again in its backward, where given: ops.gate_up_swiglu_regathered),
+    then the down projection."""
+    if rows.source is not None:
+        x, row_map, index = rows.source
+        dt = x.dtype
+        act = ops.gate_up_swiglu_regathered(x,
+                                            row_map,
+                                            weights["wi_gate_up"].astype(dt),
+                                            group_sizes,
+                                            row_weights,
+                                            act=config.activation,
+                                            backend=backend,
+                                            index=index)
+    else:
+        dt = rows.rows.dtype
+        act = ops.gate_up_swiglu(rows.rows,
+                                 weights["wi_gate_up"].astype(dt),
+                                 group_sizes,
+                                 row_weights,
+                                 act=config.activation,
+                                 backend=backend)
     act = checkpoint_name(act, "ffn1")
     wo = weights["wo"].astype(dt)
     return checkpoint_name(ops.grouped_gemm(act, wo, group_sizes, backend=backend), "ffn2")

@@ -5,7 +5,8 @@
    (FFI calls, custom_partitioning, abstract shapes) beside it: `aux_loss`, `router`, `swiglu`,
    `permute`, `expert_sort`, `combine`, `grouped_gemm` (+ `grouped_gemm_tiles`, its kernel configurations and rule),
    `gate_up` and `dswiglu` (swiglu_down: dSwiGLU in the down projection's dgrad epilogue),
-   `regather` (grouped GEMMs over permuted rows that gather them again in the backward).
+   `regather` (grouped GEMMs over permuted rows that gather them again in the backward; the
+   fused gate/up op's variant, `gate_up_swiglu_regathered`, is in `gate_up`).
 2. `backend`: the device query, each op's compute-capability requirement, 'auto' | 'xla' |
    'cuda' resolution (once per block), the one warn-once, `backend_info()`.
 3. `_library` (private): the kernel library's table, path and environment variable, loading
@@ -24,7 +25,8 @@ from moe_praxis.ops.aux_loss import aux_loss, aux_loss_reference
 from moe_praxis.ops.backend import backend_info, resolve_backend
 from moe_praxis.ops.combine import combine, combine_reference
 from moe_praxis.ops.expert_sort import expert_sort, expert_sort_reference
-from moe_praxis.ops.gate_up import (gate_up_swiglu, interleave_gate_up, split_gate_up)
+from moe_praxis.ops.gate_up import (gate_up_swiglu, gate_up_swiglu_regathered, interleave_gate_up,
+                                    split_gate_up)
 from moe_praxis.ops.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from moe_praxis.ops.permute import (permute, permute_index, permute_pair, permute_reference,
                                     unpermute, unpermute2_reference, unpermute_reference)
@@ -46,6 +48,7 @@ __all__ = [
     "fp8",
     "gate_up_swiglu",
     "gate_up_swiglu_down",
+    "gate_up_swiglu_regathered",
     "grouped_gemm",
     "grouped_gemm_reference",
     "interleave_gate_up",

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops import grouped_gemm as gg
 from moe_praxis.ops._library import platform_call
+from moe_praxis.ops.permute import permute, unpermute
+from moe_praxis.ops.regather import regathered_gemms
 from moe_praxis.ops.swiglu import (named_gate_up, no_weights, swiglu, swiglu_bwd_ffi,
                                    swiglu_reference)
 from moe_praxis.ops.vma import vary_together, zero_cotangent
@@ -188,6 +190,23 @@ def _unsupported(lhs, w_gate_up, act: str) -> str | None:
     return None
 
 
+def _fused_backend(backend: str, lhs, w_gate_up, act: str) -> str:
+    """'unfused' (the fused kernel is Hopper-only, but the grouped GEMM has a kernel here),
+    'cuda' (the fused kernel) or 'xla' (with a warning naming why where the fused kernel cannot
+    take the problem)."""
+    if (backend != "xla" and _backend.fused_gate_up_reason()
+            and _backend.cuda_status("grouped_gemm")[0]
+            and gg.resolve(backend, lhs, w_gate_up) == "cuda"):
+        return "unfused"
+    resolved = gg.resolve(backend, lhs, w_gate_up, op="gate_up_swiglu")
+    if resolved == "cuda":
+        why = _unsupported(lhs, w_gate_up, act)
+        if why is not None:
+            _backend.warn_fallback("gate_up_swiglu", why)
+            resolved = "xla"
+    return resolved
+
+
 def _unfused(lhs, w_gate_up, group_sizes, row_weights, act, config):
     """The grouped GEMM against w_gate_up, then the SwiGLU op on its halves (both on 'cuda'):
     where the fused kernel cannot run beside the grouped GEMM kernel (backend.
@@ -227,17 +246,9 @@ def gate_up_swiglu(lhs,
         raise ValueError(f"row_weights must be [M={lhs.shape[0]}], got {row_weights.shape}")
     if config is not None:
         config = gg.config_name(*gg.parse_config(config))
-    if (backend != "xla" and _backend.fused_gate_up_reason()
-            and _backend.cuda_status("grouped_gemm")[0]
-            and gg.resolve(backend, lhs, w_gate_up) == "cuda"):
-        # the fused kernel is Hopper-only but the grouped GEMM has a kernel here: unfused
+    resolved = _fused_backend(backend, lhs, w_gate_up, act)
+    if resolved == "unfused":
         return _unfused(lhs, w_gate_up, group_sizes, row_weights, act, config)
-    resolved = gg.resolve(backend, lhs, w_gate_up, op="gate_up_swiglu")
-    if resolved == "cuda":
-        why = _unsupported(lhs, w_gate_up, act)
-        if why is not None:
-            _backend.warn_fallback("gate_up_swiglu", why)
-            resolved = "xla"
     has_weight = row_weights is not None
     if has_weight:
         # one shard_map type for the rows and their weights (ops.vma.vary_together): the
@@ -248,3 +259,80 @@ def gate_up_swiglu(lhs,
     out = _gate_up_swiglu(lhs, w_gate_up, group_sizes.astype(jnp.int32), w,
                           (resolved, config, has_weight, act))
     return out
+
+
+# ------------------------------------------ the rows gathered again (MoEConfig.regather_rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _regathered(x, row_map, index, w_gate_up, group_sizes, w, impl, permute_backend):
+    rows = permute(x, row_map, backend=permute_backend, index=index)
+    return _fwd_impl(rows, w_gate_up, group_sizes, w, impl)[2]
+
+
+def _regathered_fwd(x, row_map, index, w_gate_up, group_sizes, w, impl, permute_backend):
+    rows = permute(x, row_map, backend=permute_backend, index=index)
+    gate, up, act = _fwd_impl(rows, w_gate_up, group_sizes, w, impl)
+    gate, up = named_gate_up(gate, up)
+    return act, (x, row_map, index, w_gate_up, group_sizes, w, gate, up)
+
+
+def _regathered_bwd(impl, permute_backend, res, dact):
+    x, row_map, index, w_gate_up, group_sizes, w, gate, up = res
+    dh, dw = _swiglu_bwd(impl, gate, up, w, dact)
+    gimpl = _gemm_impl(impl[0])
+    # the rows again once d h exists, the wgrad, then (the rows dead) the dgrad and its unpermute
+    x, dh = jax.lax.optimization_barrier((x, dh))
+    rows = permute(x, row_map, backend=permute_backend, index=index)
+    dw_gate_up = gg.wgrad_impl(rows, dh, group_sizes, gimpl).astype(w_gate_up.dtype)
+    dh, dw_gate_up = jax.lax.optimization_barrier((dh, dw_gate_up))
+    dx = unpermute(gg.dgrad_impl(dh, w_gate_up, group_sizes, gimpl),
+                   row_map,
+                   x.shape[0],
+                   backend=permute_backend,
+                   index=index)
+    return (dx, zero_cotangent(row_map), None if index is None else zero_cotangent(index),
+            dw_gate_up, zero_cotangent(group_sizes), dw)
+
+
+_regathered.defvjp(_regathered_fwd, _regathered_bwd)
+
+
+def gate_up_swiglu_regathered(x,
+                              row_map,
+                              w_gate_up,
+                              group_sizes,
+                              row_weights=None,
+                              *,
+                              act: str = "silu",
+                              backend: str = "auto",
+                              index=None):
+    """gate_up_swiglu(permute(x, row_map), w_gate_up, group_sizes, row_weights) -> [R, H], whose
+    backward keeps x [T, M] instead of the rows [R, M] and permutes x again for the weight
+    gradient, before the one dgrad (as ops.regathered_gemms does for separate projections).
+
+    x: [T, M]; row_map: [R] int (out of range: a zero row); index: ops.permute_index(row_map,
+    T) or None; the rest as gate_up_swiglu's. Differentiable in x, w_gate_up, row_weights."""
+    if x.ndim != 2 or row_map.ndim != 1 or w_gate_up.ndim != 3 or x.shape[1] != w_gate_up.shape[1]:
+        raise ValueError(f"gate_up_swiglu_regathered needs x [T, M], row_map [R], w_gate_up "
+                         f"[E, M, 2H]; got {x.shape}, {row_map.shape}, {w_gate_up.shape}")
+    if w_gate_up.shape[2] % 2 or group_sizes.shape != (w_gate_up.shape[0], ):
+        raise ValueError(f"w_gate_up [E, M, 2H] and group_sizes [E] do not match: "
+                         f"{w_gate_up.shape}, {group_sizes.shape}")
+    if row_weights is not None and row_weights.shape != row_map.shape:
+        raise ValueError(f"row_weights must be [R={row_map.shape[0]}], got {row_weights.shape}")
+    row_map = row_map.astype(jnp.int32)
+    rows = jax.ShapeDtypeStruct((row_map.shape[0], x.shape[1]), x.dtype)
+    resolved = _fused_backend(backend, rows, w_gate_up, act)
+    if resolved == "unfused":  # as gate_up_swiglu's _unfused: the projection, then the SwiGLU
+        _backend.warn_once(f"moe_praxis: gate_up_swiglu runs unfused: "
+                           f"{_backend.fused_gate_up_reason()}")
+        h, = regathered_gemms(x, row_map, (w_gate_up, ), group_sizes, backend="cuda", index=index)
+        return swiglu(*split_gate_up(h), row_weights, act=act, backend="cuda")
+    has_weight = row_weights is not None
+    if has_weight:
+        x, w_gate_up, w = vary_together(x, w_gate_up, row_weights.astype(jnp.float32))
+    else:
+        (x, w_gate_up), w = vary_together(x, w_gate_up), no_weights()
+    return _regathered(x, row_map, index, w_gate_up, group_sizes.astype(jnp.int32), w,
+                       (resolved, None, has_weight, act), backend)
