@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from moe_praxis.ops import backend as _backend
 from moe_praxis.ops import grouped_gemm as gg
 from moe_praxis.ops._library import platform_call
-from moe_praxis.ops.permute import permute, unpermute
-from moe_praxis.ops.regather import regathered_gemms
+from moe_praxis.ops.permute import permute
+from moe_praxis.ops.regather import regathered_backward, regathered_gemms
 from moe_praxis.ops.swiglu import (named_gate_up, no_weights, swiglu, swiglu_bwd_ffi,
                                    swiglu_reference)
 from moe_praxis.ops.vma import vary_together, zero_cotangent
@@ -280,17 +280,9 @@ def _regathered_fwd(x, row_map, index, w_gate_up, group_sizes, w, impl, permute_
 def _regathered_bwd(impl, permute_backend, res, dact):
     x, row_map, index, w_gate_up, group_sizes, w, gate, up = res
     dh, dw = _swiglu_bwd(impl, gate, up, w, dact)
-    gimpl = _gemm_impl(impl[0])
     # the rows again once d h exists, the wgrad, then (the rows dead) the dgrad and its unpermute
-    x, dh = jax.lax.optimization_barrier((x, dh))
-    rows = permute(x, row_map, backend=permute_backend, index=index)
-    dw_gate_up = gg.wgrad_impl(rows, dh, group_sizes, gimpl).astype(w_gate_up.dtype)
-    dh, dw_gate_up = jax.lax.optimization_barrier((dh, dw_gate_up))
-    dx = unpermute(gg.dgrad_impl(dh, w_gate_up, group_sizes, gimpl),
-                   row_map,
-                   x.shape[0],
-                   backend=permute_backend,
-                   index=index)
+    dx, (dw_gate_up, ) = regathered_backward(x, row_map, index, (w_gate_up, ), (dh, ), group_sizes,
+                                             (_gemm_impl(impl[0]), ), permute_backend)
     return (dx, zero_cotangent(row_map), None if index is None else zero_cotangent(index),
             dw_gate_up, zero_cotangent(group_sizes), dw)
 

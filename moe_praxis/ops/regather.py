@@ -55,9 +55,11 @@ def _fwd(x, row_map, index, ws, group_sizes, static):
                        static), (x, row_map, index, ws, group_sizes)
 
 
-def _bwd(static, res, douts):
-    backend, impls = static
-    x, row_map, index, ws, group_sizes = res
+def regathered_backward(x, row_map, index, ws, douts, group_sizes, impls, backend):
+    """The backward of the projections outs[i] = permute(x, row_map) @ ws[i] (module doc), in
+    its order: (dx [T, M] in x.dtype, dws). douts: the outputs' gradients [R, N_i]; impls:
+    ops.grouped_gemm.resolve_impl's per weight; backend: the permute's. Shared with the fused
+    gate/up op (ops.gate_up_swiglu_regathered: one weight, d h its SwiGLU's backward)."""
     douts = tuple(d.astype(x.dtype) for d in douts)
     # the rows again, once the output gradients exist (not at the start of the backward)
     x, douts = jax.lax.optimization_barrier((x, douts))
@@ -77,8 +79,15 @@ def _bwd(static, res, douts):
                          backend=backend,
                          index=index).astype(jnp.float32)
         dx = part if dx is None else dx + part
-    return (dx.astype(x.dtype), zero_cotangent(row_map),
-            None if index is None else zero_cotangent(index), dws, zero_cotangent(group_sizes))
+    return dx.astype(x.dtype), dws
+
+
+def _bwd(static, res, douts):
+    backend, impls = static
+    x, row_map, index, ws, group_sizes = res
+    dx, dws = regathered_backward(x, row_map, index, ws, douts, group_sizes, impls, backend)
+    return (dx, zero_cotangent(row_map), None if index is None else zero_cotangent(index), dws,
+            zero_cotangent(group_sizes))
 
 
 _regathered.defvjp(_fwd, _bwd)
