@@ -245,17 +245,33 @@ def finished(run: dict, job_dir: Path) -> dict | None:
                 flush=True)
             return None
     got["heldout_loss"] = {int(k): v for k, v in got["heldout_loss"].items()}
-    if "train_xent" in got:
-        got["train_xent"] = {int(k): v for k, v in got["train_xent"].items()}
-    else:  # recorded before the train curve was: its metrics hold it
-        got["train_xent"] = train_xent(read_metrics(job_dir / "metrics.jsonl"))
+    metrics = job_dir / "metrics.jsonl"
+    recs = None
+    for key in CURVES:
+        if key in got:
+            got[key] = {int(k): v for k, v in got[key].items()}
+        else:  # recorded before this curve was: its metrics hold it, where they are kept
+            if recs is None:
+                recs = read_metrics(metrics) if metrics.exists() else []
+            got[key] = train_curve(recs, key)
     return got
 
 
+# the train curves a run records by step: the cross-entropy (the loss less its aux and z terms;
+# every run reads the same batches in the same order, so the runs compare step by step) and the
+# MoE layers' mean router entropy (how soft the routing still is)
+CURVES = {"train_xent": "xent", "router_entropy": "router_entropy"}
+
+
+def train_curve(recs: list[dict], key: str) -> dict[int, float]:
+    """CURVES[key] of the train records by step (none where the runs did not log it)."""
+    name = CURVES[key]
+    return {r["step"]: r[name] for r in recs if r["kind"] == "train" and name in r}
+
+
 def train_xent(recs: list[dict]) -> dict[int, float]:
-    """The train cross-entropy (the loss less its aux and z terms) by step: every run reads
-    the same batches in the same order, so the runs compare step by step."""
-    return {r["step"]: r["xent"] for r in recs if r["kind"] == "train" and "xent" in r}
+    """The train cross-entropy by step (train_curve's 'train_xent')."""
+    return train_curve(recs, "train_xent")
 
 
 def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
@@ -295,7 +311,10 @@ def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
             r["step"]: r["heldout_loss"]
             for r in evals
         },
-        "train_xent": train_xent(recs),
+        **{
+            key: train_curve(recs, key)
+            for key in CURVES
+        },
     }
     (job_dir / RECORD).write_text(json.dumps(result, indent=1) + "\n")
     if not keep_checkpoints:
@@ -399,6 +418,7 @@ def main(argv=None) -> int:
             "noise_floor": result["noise_floor"],
             "train_windows": result["train_windows"],
             "train_window_gaps": result["train_window_gaps"],
+            "router_entropy_windows": result["router_entropy_windows"],
             "noise_floor_train": result["noise_floor_train"],
             "max_gap": args.max_gap,
             "pass": result["pass"],

@@ -1,6 +1,6 @@
 """What benchmarks.fp8_quality reports of its runs: the held-out gaps to the base at every
 evaluation and the check, the controls' noise floor, the train cross-entropy's means between
-evaluations and their gaps, with --seeds the two formats' means over their seeds
+evaluations and their gaps, the router entropy's means between evaluations, with --seeds the two formats' means over their seeds
 (seed_stats), the tables it prints and the share of the corpus the runs read."""
 
 from __future__ import annotations
@@ -16,17 +16,20 @@ def read_share(run: dict):
     return run["final_step"] * run["tokens_per_step"] / run["corpus_tokens"]
 
 
-def window_means(runs: list[dict], steps: list[int]) -> dict[int, list[float]]:
-    """{s: each run's mean train cross-entropy over the steps (previous eval step, s]} for
-    every eval step s after 0, over the train steps every run recorded: a mean of many steps
-    on the same batches, steadier than one held-out loss (none where a run has no train curve)."""
+def window_means(runs: list[dict],
+                 steps: list[int],
+                 curve: str = "train_xent") -> dict[int, list[float]]:
+    """{s: each run's mean of its train curve (by default the cross-entropy) over the steps
+    (previous eval step, s]} for every eval step s after 0, over the train steps every run
+    recorded: a mean of many steps on the same batches, steadier than one held-out loss (none
+    where a run has no such curve)."""
     out, prev = {}, 0
     for s in steps:
         if s <= 0:
             continue
-        common = set(range(prev + 1, s + 1)).intersection(*(r.get("train_xent", {}) for r in runs))
+        common = set(range(prev + 1, s + 1)).intersection(*(r.get(curve, {}) for r in runs))
         if common:
-            out[s] = [sum(r["train_xent"][t] for t in common) / len(common) for r in runs]
+            out[s] = [sum(r[curve][t] for t in common) / len(common) for r in runs]
         prev = s
     return out
 
@@ -101,6 +104,9 @@ def compare(runs: list[dict], max_gap: float) -> dict:
         "train_windows": means,
         "train_window_gaps": window_gaps,
         "noise_floor_train": floor_train,
+        # reported beside the losses: a router whose entropy falls near 0 routes each token to
+        # one expert chosen early in training, and the runs then drift apart (docs/performance.md)
+        "router_entropy_windows": window_means(runs, steps, "router_entropy"),
     }
 
 
@@ -125,6 +131,14 @@ def table(runs: list[dict], result: dict) -> str:
             gaps = " | ".join(f"{result['train_window_gaps'][n][s]:+.2%}" for n in names[1:])
             lines.append(f"| {prev + 1}-{s} | " + " | ".join(f"{v:.4f}"
                                                              for v in m) + f" | {gaps} |")
+    if result.get("router_entropy_windows"):
+        lines += [
+            "router entropy (nats; ln E is uniform), mean over the steps since the last eval:",
+            "| steps | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"
+        ]
+        for s, m in result["router_entropy_windows"].items():
+            prev = max((t for t in result["steps"] if t < s), default=0)
+            lines.append(f"| {prev + 1}-{s} | " + " | ".join(f"{v:.3f}" for v in m) + " |")
     seeds = result.get("seeds")
     if seeds:
         lines += [

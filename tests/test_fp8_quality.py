@@ -198,6 +198,53 @@ def test_train_windows_compare_the_runs_between_evals():
         })], bare)
 
 
+def test_router_entropy_is_averaged_between_evals_and_read_back_from_older_records(tmp_path):
+    """Each run's mean router entropy over the steps since the previous eval is reported (not
+    checked) and printed; a record made before the curve was recorded takes it from the run's
+    metrics.jsonl, and one without its metrics has none."""
+    soft = {t: 1.5 for t in range(1, 201)}
+    frozen = {t: 1.5 if t <= 100 else 0.02 for t in range(1, 201)}
+    runs = [
+        _run("base", {
+            0: 5.0,
+            100: 2.0,
+            200: 1.5
+        }, train_xent=soft, router_entropy=soft),
+        _run("fp8", {
+            0: 5.0,
+            100: 2.0,
+            200: 1.5
+        }, train_xent=soft, router_entropy=frozen)
+    ]
+    got = fq.compare(runs, 0.01)
+    windows = got["router_entropy_windows"]
+    assert list(windows) == [100, 200] and windows[100] == pytest.approx([1.5, 1.5])
+    assert windows[200] == pytest.approx([1.5, 0.02])
+    assert "| 101-200 | 1.500 | 0.020 |" in fq.table(runs, got)
+    assert "router entropy" not in fq.table(
+        runs[:1] + [_run("fp8", runs[1]["heldout_loss"])],
+        fq.compare([runs[0], _run("fp8", runs[1]["heldout_loss"])], 0.01))
+    run = dict(name="base", exp="e", changes=[])
+    (tmp_path / fq.RECORD).write_text(
+        json.dumps(dict(run, heldout_loss={"0": 5.0}, train_xent={"1": 5.5})))
+    assert fq.finished(run, tmp_path)["router_entropy"] == {}
+    recs = [{
+        "kind": "train",
+        "step": t,
+        "xent": 5.5,
+        "router_entropy": 2.0 - t / 10
+    } for t in (1, 2)] + [{
+        "kind": "eval",
+        "step": 2,
+        "heldout_loss": 4.0
+    }]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got = fq.finished(run, tmp_path)
+    assert got["router_entropy"] == pytest.approx({1: 1.9, 2: 1.8})
+    assert got["train_xent"] == {1: 5.5}  # the record's own curve, not the metrics'
+    assert fq.train_curve(recs, "router_entropy") == pytest.approx({1: 1.9, 2: 1.8})
+
+
 def test_the_command_given_to_the_main_and_what_is_read_back(tmp_path, monkeypatch, capsys):
     """A fake experiments.main records its argv and writes metrics, a config and the data
     line; the benchmark passes each run its changes, reads the curves back and writes the
