@@ -412,6 +412,7 @@ def main(argv=None) -> int:
             "runs": runs,
             "steps": result["steps"],
             "relative_gaps": result["gaps"],
+            "gap_references": result["gap_references"],
             "max_abs_gap_fp8": worst,
             "seeds": result["seeds"],
             "max_abs_gap_checked": result["max_abs_gap_checked"],

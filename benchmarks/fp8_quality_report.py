@@ -61,25 +61,46 @@ def seed_stats(runs: list[dict], steps: list[int], means: dict[int, list[float]]
     return out
 
 
-def compare(runs: list[dict], max_gap: float) -> dict:
-    """Each run's relative gap to the base at the common eval steps, the controls' largest
-    (the noise floor), and the check (the 'fp8' run within max_gap at every step after 0);
-    beside them the same gaps of the train cross-entropy's mean over each eval interval
-    (window_means) and their noise floor, which are reported, not checked. With runs of each
-    format at several seeds (seed_stats) the check is the gap of the two formats' means."""
-    base = runs[0]["heldout_loss"]
-    steps = sorted(set(base).intersection(*(r["heldout_loss"] for r in runs[1:])))
-    gaps = {
-        r["name"]: {
-            s: (r["heldout_loss"][s] - base[s]) / base[s]
-            for s in steps
-        }
-        for r in runs[1:]
+SEED = "train.seed="  # the own change that sets a run's initialization seed
+
+
+def seed_of(run: dict) -> int | None:
+    """The initialization seed a run's own changes set (train.seed=I), else None (the
+    experiment's)."""
+    seeds = [c[len(SEED):] for c in run.get("own", []) if c.startswith(SEED)]
+    return int(seeds[-1]) if seeds else None
+
+
+def references(runs: list[dict]) -> list[int]:
+    """The index of the bf16 run each run is read against: a run at seed I (its own
+    train.seed=I, as the --seeds runs and variants named V.sI have) against the base run of that
+    seed, where there is one, every other run against the first run, the base (the base runs of
+    other seeds too: their gaps are the seeds' spread)."""
+    own_base = {
+        seed_of(r): i
+        for i, r in enumerate(runs) if r.get("group") == "base" and seed_of(r) is not None
     }
+    return [0 if r.get("group") == "base" else own_base.get(seed_of(r), 0) for r in runs]
+
+
+def compare(runs: list[dict], max_gap: float) -> dict:
+    """Each run's relative gap to its bf16 run (references: the base, or the base run of its
+    own seed) at the common eval steps, the controls' largest (the noise floor), and the check
+    (the 'fp8' run within max_gap at every step after 0); beside them the same gaps of the train
+    cross-entropy's mean over each eval interval (window_means) and their noise floor, which
+    are reported, not checked. With runs of each format at several seeds (seed_stats) the check
+    is the gap of the two formats' means."""
+    steps = sorted(
+        set(runs[0]["heldout_loss"]).intersection(*(r["heldout_loss"] for r in runs[1:])))
+    ref = references(runs)
+    gaps = {}
+    for i, r in enumerate(runs[1:], 1):
+        base = runs[ref[i]]["heldout_loss"]
+        gaps[r["name"]] = {s: (r["heldout_loss"][s] - base[s]) / base[s] for s in steps}
     means = window_means(runs, steps)
     window_gaps = {
         r["name"]: {
-            s: (m[i] - m[0]) / m[0]
+            s: (m[i] - m[ref[i]]) / m[ref[i]]
             for s, m in means.items()
         }
         for i, r in enumerate(runs) if i > 0
@@ -107,6 +128,10 @@ def compare(runs: list[dict], max_gap: float) -> dict:
         # reported beside the losses: a router whose entropy falls near 0 routes each token to
         # one expert chosen early in training, and the runs then drift apart (docs/performance.md)
         "router_entropy_windows": window_means(runs, steps, "router_entropy"),
+        "gap_references": {
+            r["name"]: runs[ref[i]]["name"]
+            for i, r in enumerate(runs) if i > 0
+        },
     }
 
 
@@ -114,7 +139,10 @@ def table(runs: list[dict], result: dict) -> str:
     """The held-out losses and gaps by eval step; then, where the runs have train curves, the
     mean train cross-entropy over each eval interval and its gaps."""
     names = [r["name"] for r in runs]
-    head = " | ".join(names) + " | " + " | ".join(f"gap {n}" for n in names[1:]) + " |"
+    refs = result.get("gap_references", {})
+    head = " | ".join(names) + " | " + " | ".join(
+        f"gap {n}" + (f" (to {refs[n]})" if refs.get(n, names[0]) != names[0] else "")
+        for n in names[1:]) + " |"
     rule = "|---" * (2 * len(names)) + "|"
     lines = ["held-out loss:", "| step | " + head, rule]
     for s in result["steps"]:

@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks import corpus
 from benchmarks import fp8_quality as fq
+from benchmarks import fp8_quality_report as fq_report
 
 VARIANT = "model.stacked_transformer_tpl.moe_layer_tpl.fp8_gemms='fwd+dgrad'"
 
@@ -243,6 +244,68 @@ def test_router_entropy_is_averaged_between_evals_and_read_back_from_older_recor
     assert got["router_entropy"] == pytest.approx({1: 1.9, 2: 1.8})
     assert got["train_xent"] == {1: 5.5}  # the record's own curve, not the metrics'
     assert fq.train_curve(recs, "router_entropy") == pytest.approx({1: 1.9, 2: 1.8})
+
+
+def test_a_run_at_another_seed_is_read_against_that_seeds_bf16_run():
+    """fp8.s1 and a variant at train.seed=1 are read against base.s1, base.s1 itself and the
+    seed-0 runs against the base; a seed without a base run falls back to the base; the
+    table names the reference where it is not the base."""
+    s1 = ["train.seed=1"]
+    runs = [
+        _run("base", {
+            0: 5.0,
+            100: 2.0
+        }, group="base", own=[]),
+        _run("fp8", {
+            0: 5.0,
+            100: 2.02
+        }, group="fp8", own=[]),
+        _run("base.s1", {
+            0: 5.0,
+            100: 2.5
+        }, group="base", own=s1),
+        _run("fp8.s1", {
+            0: 5.0,
+            100: 2.55
+        }, group="fp8", own=s1),
+        _run("v", {
+            0: 5.0,
+            100: 1.9
+        }, own=["a.b=1"]),
+        _run("v.s1", {
+            0: 5.0,
+            100: 2.25
+        }, own=["a.b=1"] + s1),
+        _run("v.s2", {
+            0: 5.0,
+            100: 2.1
+        }, own=["a.b=1", "train.seed=2"]),
+    ]
+    got = fq.compare(runs, 0.01)
+    assert got["gap_references"] == {
+        "fp8": "base",
+        "base.s1": "base",
+        "fp8.s1": "base.s1",
+        "v": "base",
+        "v.s1": "base.s1",
+        "v.s2": "base"
+    }
+    gaps = {n: g[100] for n, g in got["gaps"].items()}
+    assert gaps == pytest.approx({
+        "fp8": 0.01,
+        "base.s1": 0.25,
+        "fp8.s1": 0.02,
+        "v": -0.05,
+        "v.s1": -0.1,
+        "v.s2": 0.05
+    })
+    assert got["max_abs_gap_fp8"] == pytest.approx(0.01)  # the check: fp8 against base
+    text = fq.table(runs, got)
+    assert "| gap fp8 | gap base.s1 | gap fp8.s1 (to base.s1) | gap v | gap v.s1 (to base.s1) |" \
+        in text
+    assert "| 100 | 2.0000 | 2.0200 | 2.5000 | 2.5500 | 1.9000 | 2.2500 | 2.1000 | +1.00% | " \
+        "+25.00% | +2.00% | -5.00% | -10.00% | +5.00% |" in text
+    assert fq_report.seed_of(runs[5]) == 1 and fq_report.seed_of(runs[4]) is None
 
 
 def test_the_command_given_to_the_main_and_what_is_read_back(tmp_path, monkeypatch, capsys):
