@@ -160,10 +160,11 @@ class MoEConfig:
         GEMM at a time), or per weight WEIGHT=GEMMS joined by ',' ('wi=fwd,wo=none': the gate
         and up projections' forwards in FP8; 'wo=fwd': only the down projection's; WEIGHT
         wi_gate, wi_up, wo or 'wi' for both, GEMMS as above, 'all' or 'none'; weights not
-        named run bf16; on the Mixtral-like preset 'wo=fwd' alone trails bf16 as far as
-        every GEMM in FP8 does, at two seeds, and 'wi=all,wo=dgrad+wgrad' did not trail at
-        one, docs/performance.md). backend_info(config) and the layer's summaries name the
-        choice.
+        named run bf16; on the Mixtral-like preset at 300 steps 'wo=fwd' alone trails bf16
+        as far as every GEMM in FP8 does, at two seeds; at 500 steps
+        'wi=all,wo=dgrad+wgrad' is 2-3 points nearer bf16 than 'all' at both seeds but
+        still 3.4% behind at one, docs/performance.md). backend_info(config) and the layer's
+        summaries name the choice.
     """
 
     d_model: int
