@@ -33,10 +33,13 @@ curves and record stay; --keep_checkpoints keeps them): at the Mixtral-like pres
 31 GB, and three of them filled the GPU machine's disk. The JSON is written after every run,
 marked "complete": false until the last, so a set cut short keeps what finished.
 
-Prints the held-out loss of every run at every evaluation, each FP8 run's relative gap to the
-base, the same for the train cross-entropy's mean between evaluations (every run reads the same
-batches: steadier than one held-out loss; benchmarks.fp8_quality_report), the corpus and how
-much of it the runs read; writes the JSON (the curves, the gaps, date, commit and GPU).
+Prints the held-out loss of every run at every evaluation, each run's relative gap to its bf16
+run (the base, or for a run at train.seed=I, such as fp8.sI or a variant named V.sI, base.sI),
+the same for the train cross-entropy's mean between evaluations (every run reads the same
+batches: steadier than one held-out loss; benchmarks.fp8_quality_report), each run's mean
+router entropy between evaluations (near 0 the routing is frozen and runs drift apart), the
+corpus and how much of it the runs read; writes the JSON (the curves, the gaps, date, commit
+and GPU).
 The check: the --fp8 run's held-out loss within --max_gap (relative) of the base at every
 evaluation after step 0 (with --seeds N > 1: the mean over the fp8 runs within --max_gap of the
 mean over the base runs) (PASS / FAIL; exit 1 on FAIL). On a CPU the FP8 runs use the pure-JAX

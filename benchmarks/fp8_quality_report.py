@@ -1,7 +1,8 @@
-"""What benchmarks.fp8_quality reports of its runs: the held-out gaps to the base at every
-evaluation and the check, the controls' noise floor, the train cross-entropy's means between
-evaluations and their gaps, the router entropy's means between evaluations, with --seeds the two formats' means over their seeds
-(seed_stats), the tables it prints and the share of the corpus the runs read."""
+"""What benchmarks.fp8_quality reports of its runs: the held-out gaps to each run's bf16 run
+(references) at every evaluation and the check, the controls' noise floor, the train
+cross-entropy's means between evaluations and their gaps, the router entropy's means between
+evaluations, with --seeds the two formats' means over their seeds (seed_stats), the tables it
+prints and the share of the corpus the runs read."""
 
 from __future__ import annotations
 
@@ -137,7 +138,8 @@ def compare(runs: list[dict], max_gap: float) -> dict:
 
 def table(runs: list[dict], result: dict) -> str:
     """The held-out losses and gaps by eval step; then, where the runs have train curves, the
-    mean train cross-entropy over each eval interval and its gaps."""
+    mean train cross-entropy over each eval interval and its gaps, and the mean router
+    entropy."""
     names = [r["name"] for r in runs]
     refs = result.get("gap_references", {})
     head = " | ".join(names) + " | " + " | ".join(
