@@ -44,7 +44,7 @@ from moe_praxis.praxis.fields import config_default
 # (LanguageModel.SCORE_FUNC, ...), passed to models.transformer_lm as moe_fields.
 MOE_KNOBS = ("score_func", "norm_topk", "num_expert_groups", "group_topk", "use_expert_bias",
              "expert_bias_update_rate", "routed_scaling_factor", "num_shared_experts",
-             "shared_hidden_dims", "fp8", "fp8_gemms", "regather_rows")
+             "shared_hidden_dims", "fp8", "fp8_gemms", "regather_rows", "router_z_loss_weight")
 
 
 class LanguageModel:
@@ -90,6 +90,9 @@ class LanguageModel:
     # REGATHER_ROWS: the experts' backward permutes x again instead of keeping the rows [T*k, M]
     # (less activation memory for one more permute; MoEConfig.regather_rows).
     REGATHER_ROWS = config_default("regather_rows")
+    # ROUTER_Z_LOSS_WEIGHT: the router z-loss mean(logsumexp(logits)^2)'s weight (ST-MoE's 1e-3
+    # keeps router logits small; 0: none).
+    ROUTER_Z_LOSS_WEIGHT = config_default("router_z_loss_weight")
     # Attention (moe_praxis.praxis.attention.GroupedQueryAttention). NUM_KV_HEADS None: one
     # key/value head per query head (multi-head attention). ATTENTION_IMPL: 'auto', 'xla' or
     # 'cudnn'. QK_NORM: None, 'per_head' or 'full'. ROPE_MAX_WAVELENGTH: the rotary base.
