@@ -272,11 +272,6 @@ def train_curve(recs: list[dict], key: str) -> dict[int, float]:
     return {r["step"]: r[name] for r in recs if r["kind"] == "train" and name in r}
 
 
-def train_xent(recs: list[dict]) -> dict[int, float]:
-    """The train cross-entropy by step (train_curve's 'train_xent')."""
-    return train_curve(recs, "train_xent")
-
-
 def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
     """Runs (or resumes, or reads a finished) experiments.main job; its eval curve, recorded
     in job_dir, whose checkpoints go unless keep_checkpoints."""

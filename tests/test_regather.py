@@ -196,6 +196,22 @@ def test_gate_up_swiglu_regathered_against_the_reference(path, monkeypatch):
         assert rel_err(got, ref_) <= tol, f"seed={s} {path}"
 
 
+def test_gate_up_swiglu_regathered_names_a_bad_operand():
+    """Each operand of the wrong shape is a one-line error naming it and what would be valid."""
+    x, w = jnp.zeros((8, 16), jnp.float32), jnp.zeros((2, 16, 12), jnp.float32)
+    row_map, sizes = jnp.arange(10) % 8, jnp.array([6, 4], jnp.int32)
+    with pytest.raises(ValueError, match=r"needs x \[T, M\], row_map \[R\]"):
+        ops.gate_up_swiglu_regathered(x, row_map[:, None], w, sizes)
+    with pytest.raises(ValueError, match=r"needs x \[T, M\]"):
+        ops.gate_up_swiglu_regathered(x[:, :8], row_map, w, sizes)
+    with pytest.raises(ValueError, match="must be even"):
+        ops.gate_up_swiglu_regathered(x, row_map, w[..., :11], sizes)
+    with pytest.raises(ValueError, match=r"group_sizes must be \[E=2\]"):
+        ops.gate_up_swiglu_regathered(x, row_map, w, sizes[:1])
+    with pytest.raises(ValueError, match=r"row_weights must be \[R=10\], got \(8,\)"):
+        ops.gate_up_swiglu_regathered(x, row_map, w, sizes, jnp.ones((8, )))
+
+
 def test_lowered_for_cuda_the_fused_backward_permutes_again(monkeypatch):
     """gate_up_swiglu_regathered lowered for CUDA: the fused forward kernel, two permutes (the
     forward's and the backward's), one wgrad, one dgrad and one unpermute of it."""

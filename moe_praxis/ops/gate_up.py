@@ -207,17 +207,28 @@ def _fused_backend(backend: str, lhs, w_gate_up, act: str) -> str:
     return resolved
 
 
-def _unfused(lhs, w_gate_up, group_sizes, row_weights, act, config):
-    """The grouped GEMM against w_gate_up, then the SwiGLU op on its halves (both on 'cuda'):
-    where the fused kernel cannot run beside the grouped GEMM kernel (backend.
-    fused_gate_up_reason). A forced fused configuration has no kernel to go to: an error."""
+def _unfused(project, row_weights, act, config=None):
+    """project() (the grouped GEMM against w_gate_up on 'cuda', h [R, 2H]), then the SwiGLU op
+    on its halves on 'cuda': where the fused kernel cannot run beside the grouped GEMM kernel
+    (backend.fused_gate_up_reason). A forced fused configuration has no kernel to go to: an
+    error."""
     why = _backend.fused_gate_up_reason()
     if config is not None:
         raise ValueError(f"gate_up_swiglu config={config!r} configures the fused kernel, which "
                          f"does not run here: {why}")
     _backend.warn_once(f"moe_praxis: gate_up_swiglu runs unfused: {why}")
-    h = gg.grouped_gemm(lhs, w_gate_up, group_sizes, backend="cuda")
-    return swiglu(*split_gate_up(h), row_weights, act=act, backend="cuda")
+    return swiglu(*split_gate_up(project()), row_weights, act=act, backend="cuda")
+
+
+def _check_operands(w_gate_up, group_sizes, row_weights, num_rows: int, rows: str = "M"):
+    """w_gate_up [E, K, 2H], group_sizes [E] and row_weights [num_rows] (or None), as both
+    gate_up_swiglu and gate_up_swiglu_regathered take them; `rows` names the row count."""
+    if w_gate_up.shape[2] % 2:
+        raise ValueError(f"w_gate_up's last dimension must be even (2H), got {w_gate_up.shape}")
+    if group_sizes.shape != (w_gate_up.shape[0], ):
+        raise ValueError(f"group_sizes must be [E={w_gate_up.shape[0]}], got {group_sizes.shape}")
+    if row_weights is not None and row_weights.shape != (num_rows, ):
+        raise ValueError(f"row_weights must be [{rows}={num_rows}], got {row_weights.shape}")
 
 
 def gate_up_swiglu(lhs,
@@ -238,17 +249,13 @@ def gate_up_swiglu(lhs,
     if lhs.ndim != 2 or w_gate_up.ndim != 3 or lhs.shape[1] != w_gate_up.shape[1]:
         raise ValueError(f"gate_up_swiglu needs lhs [M,K], w_gate_up [E,K,2H]; got {lhs.shape}, "
                          f"{w_gate_up.shape}")
-    if w_gate_up.shape[2] % 2:
-        raise ValueError(f"w_gate_up's last dimension must be even (2H), got {w_gate_up.shape}")
-    if group_sizes.shape != (w_gate_up.shape[0], ):
-        raise ValueError(f"group_sizes must be [E={w_gate_up.shape[0]}], got {group_sizes.shape}")
-    if row_weights is not None and row_weights.shape != lhs.shape[:1]:
-        raise ValueError(f"row_weights must be [M={lhs.shape[0]}], got {row_weights.shape}")
+    _check_operands(w_gate_up, group_sizes, row_weights, lhs.shape[0])
     if config is not None:
         config = gg.config_name(*gg.parse_config(config))
     resolved = _fused_backend(backend, lhs, w_gate_up, act)
     if resolved == "unfused":
-        return _unfused(lhs, w_gate_up, group_sizes, row_weights, act, config)
+        return _unfused(lambda: gg.grouped_gemm(lhs, w_gate_up, group_sizes, backend="cuda"),
+                        row_weights, act, config)
     has_weight = row_weights is not None
     if has_weight:
         # one shard_map type for the rows and their weights (ops.vma.vary_together): the
@@ -308,19 +315,15 @@ def gate_up_swiglu_regathered(x,
     if x.ndim != 2 or row_map.ndim != 1 or w_gate_up.ndim != 3 or x.shape[1] != w_gate_up.shape[1]:
         raise ValueError(f"gate_up_swiglu_regathered needs x [T, M], row_map [R], w_gate_up "
                          f"[E, M, 2H]; got {x.shape}, {row_map.shape}, {w_gate_up.shape}")
-    if w_gate_up.shape[2] % 2 or group_sizes.shape != (w_gate_up.shape[0], ):
-        raise ValueError(f"w_gate_up [E, M, 2H] and group_sizes [E] do not match: "
-                         f"{w_gate_up.shape}, {group_sizes.shape}")
-    if row_weights is not None and row_weights.shape != row_map.shape:
-        raise ValueError(f"row_weights must be [R={row_map.shape[0]}], got {row_weights.shape}")
+    _check_operands(w_gate_up, group_sizes, row_weights, row_map.shape[0], "R")
     row_map = row_map.astype(jnp.int32)
     rows = jax.ShapeDtypeStruct((row_map.shape[0], x.shape[1]), x.dtype)
     resolved = _fused_backend(backend, rows, w_gate_up, act)
-    if resolved == "unfused":  # as gate_up_swiglu's _unfused: the projection, then the SwiGLU
-        _backend.warn_once(f"moe_praxis: gate_up_swiglu runs unfused: "
-                           f"{_backend.fused_gate_up_reason()}")
-        h, = regathered_gemms(x, row_map, (w_gate_up, ), group_sizes, backend="cuda", index=index)
-        return swiglu(*split_gate_up(h), row_weights, act=act, backend="cuda")
+    if resolved == "unfused":  # the projection (regathered in its backward), then the SwiGLU
+        return _unfused(
+            lambda: regathered_gemms(
+                x, row_map, (w_gate_up, ), group_sizes, backend="cuda", index=index)[0],
+            row_weights, act)
     has_weight = row_weights is not None
     if has_weight:
         x, w_gate_up, w = vary_together(x, w_gate_up, row_weights.astype(jnp.float32))
