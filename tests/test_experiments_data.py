@@ -140,6 +140,47 @@ def test_expert_load_from_summaries_stacked_and_repeated():
     assert np.isnan(mm[1])
 
 
+def test_router_entropy_by_layer_from_summaries_stacked_and_repeated():
+    rng = np.random.default_rng(1)
+    ent = rng.uniform(0.0, np.log(8), size=4)  # [L=4], fresh values
+    stacked = {
+        "transformer": {
+            f"x_layers_{l}": {
+                "ff_layer": {
+                    "moe_router_entropy_scalar": ent[l],
+                    "moe_z_loss_scalar": 9.0,  # another summary: not read
+                }
+            }
+            for l in (1, 3)
+        }
+    }
+    got = np.asarray(metrics.router_entropy_by_layer(stacked, 4))
+    np.testing.assert_allclose(got[[1, 3]], ent[[1, 3]], rtol=1e-6)
+    assert np.all(np.isnan(got[[0, 2]]))  # dense layers
+    # The repeated stack: two layers a block, two repeats, after one dense layer.
+    repeated = {
+        "transformer": {
+            "repeat": {
+                "sub": {
+                    f"x_layers_{i}": {
+                        "ff_layer": {
+                            "moe_router_entropy_scalar": ent[[i, 2 + i]].reshape(2, 1)
+                        }
+                    }
+                    for i in (0, 1)
+                }
+            }
+        }
+    }
+    got = np.asarray(metrics.router_entropy_by_layer(repeated, 5, 2, 1))
+    assert np.isnan(got[0])
+    np.testing.assert_allclose(got[1:], ent, rtol=1e-6)
+    assert metrics.router_entropy_by_layer({"a": {"moe_aux_loss_scalar": 1.0}}, 2) is None
+    # the run's router_entropy is the layers' mean
+    mean = metrics.moe_scalars(repeated)["router_entropy"]
+    np.testing.assert_allclose(float(mean), ent.mean(), rtol=1e-6)
+
+
 def test_read_metrics_keeps_the_last_record_per_step_and_plot(tmp_path):
     p = tmp_path / "metrics.jsonl"
     recs = [{"kind": "train", "step": s, "xent": 5.0 - 0.01 * s, "loss": 5.0} for s in range(1, 30)]

@@ -69,6 +69,12 @@ def test_train_writes_everything_and_loss_falls(tmp_path):
     assert all(0 < r["aux_loss"] < 1 for r in tr)  # the MoE aux loss reached total_loss
     # each MoE layer's balance, max / mean of its expert load, between 1 and E = 8
     assert all(1 <= r[f"max_mean_load_layer_{l}"] <= 8 for r in tr for l in (0, 1))
+    # each MoE layer's router entropy, in [0, ln 8]; the run's router_entropy is their mean
+    assert all(0 <= r[f"router_entropy_layer_{l}"] <= np.log(8) + 1e-5 for r in tr for l in (0, 1))
+    np.testing.assert_allclose([r["router_entropy"] for r in tr],
+                               [(r["router_entropy_layer_0"] + r["router_entropy_layer_1"]) / 2
+                                for r in tr],
+                               rtol=1e-5)
     np.testing.assert_allclose([r["loss"] - r["xent"] for r in tr], [r["aux_loss"] for r in tr],
                                rtol=1e-4,
                                atol=1e-6)
@@ -81,7 +87,8 @@ def test_train_writes_everything_and_loss_falls(tmp_path):
     assert {("train/loss", "simple_value"), ("train/tokens_per_sec", "simple_value"),
             ("train/aux_loss", "simple_value"), ("eval/heldout_loss", "simple_value"),
             ("eval/heldout_perplexity", "simple_value"), ("expert_load/load", "image"),
-            ("train/max_mean_load_layer_1", "simple_value")} <= tags
+            ("train/max_mean_load_layer_1", "simple_value"),
+            ("train/router_entropy_layer_1", "simple_value")} <= tags
     assert sorted(int(d.name) for d in (job / "checkpoints").iterdir()
                   if d.name.isdigit()) == [20, 40]
     # --mode=eval restores the latest checkpoint and gets the last eval's numbers back.

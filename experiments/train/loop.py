@@ -5,7 +5,7 @@
   (``experiments.train.steps``);
 - runs the jitted train steps, every ``eval_every`` steps the held-out loss and perplexity;
 - writes ``metrics.jsonl`` and TensorBoard events (per MoE layer l, ``max_mean_load_layer_l``:
-  max / mean of its expert load), checkpoints every ``checkpoint_every`` steps, at the end and
+  max / mean of its expert load, and ``router_entropy_layer_l``), checkpoints every ``checkpoint_every`` steps, at the end and
   on SIGTERM/SIGINT once training has begun (``experiments.train.signals``: before that, or at a
   second signal, the process ends at once), and draws ``summary.png`` (loss curves and the
   expert-load heatmap, layers x experts) when it finishes (``experiments.train.metrics``);
@@ -187,9 +187,12 @@ class Trainer:
                     tps = tokens / max(time.perf_counter() - t_step, 1e-9)
                     load = metrics.pop("expert_load", None)
                     balance = metrics.pop("max_mean_load", None)
+                    entropy = metrics.pop("router_entropy_by_layer", None)
                     last = {k: float(v) for k, v in metrics.items()}
                     if balance is not None:
                         last.update(layer_scalars("max_mean_load", balance))
+                    if entropy is not None:
+                        last.update(layer_scalars("router_entropy", entropy))
                     last["tokens_per_sec"] = tps
                     writer.write("train", step, last)
                     bad = [k for k in ("loss", "grad_norm") if not math.isfinite(last[k])]

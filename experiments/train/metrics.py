@@ -14,9 +14,10 @@ import numpy as np
 
 _LOAD_RE = re.compile(r"moe_expert_load_(\d+)_scalar$")
 _LAYER_RE = re.compile(r"x_layers_(\d+)$")
+_ENTROPY_SUMMARY = "moe_router_entropy"
 # The MoE layers' scalar summaries (MoEFeedForward._add_summaries) -> train metric names.
 MOE_SCALARS = {
-    "moe_router_entropy": "router_entropy",
+    _ENTROPY_SUMMARY: "router_entropy",
     "moe_dropped_token_fraction": "dropped_token_fraction",
     "moe_z_loss": "z_loss",
 }
@@ -33,6 +34,25 @@ def _flat_summaries(tree, prefix=()):
         yield prefix, tree
 
 
+def _by_layer(summaries, column, num_layers: int, layers_per_block: int,
+              first_repeated: int) -> dict:
+    """{(layer, col): value} of the summaries whose name ``column(name)`` maps to a column
+    (None: not wanted), placed by ``expert_load``'s rule for the stacked and repeated stacks."""
+    found = {}
+    for path, v in _flat_summaries(summaries):
+        col = column(path[-1])
+        if col is None:
+            continue
+        inner = next((int(_LAYER_RE.match(p).group(1)) for p in path if _LAYER_RE.match(p)), 0)
+        vals = jnp.asarray(v, jnp.float32).reshape(-1)
+        if vals.shape[0] == 1:
+            found[(inner, col)] = vals[0]
+        else:
+            for r in range(vals.shape[0]):
+                found[(first_repeated + r * layers_per_block + inner, col)] = vals[r]
+    return {k: v for k, v in found.items() if k[0] < num_layers}
+
+
 def expert_load(summaries, num_layers: int, layers_per_block: int = 1, first_repeated: int = 0):
     """[num_layers, E] fraction of routed token copies per expert, from the layers'
     ``moe_expert_load_{e}`` summaries (rows of dense layers are NaN); None if there are none.
@@ -41,25 +61,36 @@ def expert_load(summaries, num_layers: int, layers_per_block: int = 1, first_rep
     stacks its block's summaries along a leading repeat dimension: layer = first_repeated +
     repeat index * layers_per_block + the index inside the block (first_repeated: the dense
     layers of a DenseFirstRepeated before its repeats, which hold no MoE layer)."""
-    found = {}
-    for path, v in _flat_summaries(summaries):
-        m = _LOAD_RE.search(path[-1])
-        if not m:
-            continue
-        e = int(m.group(1))
-        inner = next((int(_LAYER_RE.match(p).group(1)) for p in path if _LAYER_RE.match(p)), 0)
-        vals = jnp.asarray(v, jnp.float32).reshape(-1)
-        if vals.shape[0] == 1:
-            found[(inner, e)] = vals[0]
-        else:
-            for r in range(vals.shape[0]):
-                found[(first_repeated + r * layers_per_block + inner, e)] = vals[r]
+
+    def column(name):
+        m = _LOAD_RE.search(name)
+        return int(m.group(1)) if m else None
+
+    found = _by_layer(summaries, column, num_layers, layers_per_block, first_repeated)
     if not found:
         return None
     num_e = max(e for _, e in found) + 1
     rows = [[found.get((li, e), jnp.float32(jnp.nan)) for e in range(num_e)]
             for li in range(num_layers)]
     return jnp.asarray(rows, jnp.float32)
+
+
+def router_entropy_by_layer(summaries,
+                            num_layers: int,
+                            layers_per_block: int = 1,
+                            first_repeated: int = 0):
+    """[num_layers] each MoE layer's router entropy (its ``moe_router_entropy`` summary: the
+    mean over tokens of the entropy of softmax(logits), nats; NaN for a dense layer), placed
+    as ``expert_load`` places the loads; None without MoE layers. ``router_entropy`` in the
+    metrics is their mean; this says which layer's router has settled (near 0: each token
+    goes to one expert)."""
+    name = f"{_ENTROPY_SUMMARY}_scalar"
+    found = _by_layer(summaries, lambda n: 0
+                      if n == name else None, num_layers, layers_per_block, first_repeated)
+    if not found:
+        return None
+    return jnp.asarray([found.get((li, 0), jnp.float32(jnp.nan)) for li in range(num_layers)],
+                       jnp.float32)
 
 
 def max_mean_load(load):

@@ -28,7 +28,8 @@ from praxis import base_layer, py_utils
 
 from configs import base, models, stack
 from experiments.train import microbatch
-from experiments.train.metrics import expert_load, max_mean_load, moe_scalars
+from experiments.train.metrics import (expert_load, max_mean_load, moe_scalars,
+                                       router_entropy_by_layer)
 from experiments.train.setup import Prepared
 
 P = jax.sharding.PartitionSpec
@@ -320,6 +321,9 @@ def make_step_fns(prep: Prepared) -> StepFns:
         if load is not None:
             metrics["expert_load"] = load
             metrics["max_mean_load"] = max_mean_load(load)
+        entropy = router_entropy_by_layer(summaries, nl, lpb, first_repeated)
+        if entropy is not None:
+            metrics["router_entropy_by_layer"] = entropy
         new_state = {
             "step": step + 1,
             "params": params,
