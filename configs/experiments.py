@@ -45,6 +45,9 @@ from moe_praxis.praxis.fields import config_default
 MOE_KNOBS = ("score_func", "norm_topk", "num_expert_groups", "group_topk", "use_expert_bias",
              "expert_bias_update_rate", "routed_scaling_factor", "num_shared_experts",
              "shared_hidden_dims", "fp8", "fp8_gemms", "regather_rows", "router_z_loss_weight")
+# The MoEFeedForward fields of the layer's own (not MoEConfig's) set the same way, each
+# starting from the layer's default.
+LAYER_KNOBS = ("router_init_scale", )
 
 
 class LanguageModel:
@@ -93,6 +96,9 @@ class LanguageModel:
     # ROUTER_Z_LOSS_WEIGHT: the router z-loss mean(logsumexp(logits)^2)'s weight (ST-MoE's 1e-3
     # keeps router logits small; 0: none).
     ROUTER_Z_LOSS_WEIGHT = config_default("router_z_loss_weight")
+    # ROUTER_INIT_SCALE: the router weight's initial scale, a multiple of the fan-in init (1:
+    # the same as the other weights; MoEFeedForward.router_init_scale).
+    ROUTER_INIT_SCALE = 1.0
     # Attention (moe_praxis.praxis.attention.GroupedQueryAttention). NUM_KV_HEADS None: one
     # key/value head per query head (multi-head attention). ATTENTION_IMPL: 'auto', 'xla' or
     # 'cudnn'. QK_NORM: None, 'per_head' or 'full'. ROPE_MAX_WAVELENGTH: the rotary base.
@@ -156,8 +162,8 @@ class LanguageModel:
                                      rope_max_wavelength=self.ROPE_MAX_WAVELENGTH)
 
     def moe_fields(self) -> dict:
-        """The MoE layers' fields set by the MOE_KNOBS knobs."""
-        return {field: getattr(self, field.upper()) for field in MOE_KNOBS}
+        """The MoE layers' fields set by the MOE_KNOBS and LAYER_KNOBS knobs."""
+        return {field: getattr(self, field.upper()) for field in MOE_KNOBS + LAYER_KNOBS}
 
     def data(self) -> fdl.Config:
         return fdl.Config(base.DataConfig,

@@ -319,17 +319,25 @@ def test_moe_knobs_are_the_layer_fields_in_capitals_with_moeconfig_defaults():
     moe_defaults = {f.name: f.default for f in dataclasses.fields(MoEConfig)}
     layer_fields = {f.name for f in dataclasses.fields(layer.MoEFeedForward)}
     lm = experiments.LanguageModel()
-    assert lm.moe_fields() == {f: getattr(lm, f.upper()) for f in experiments.MOE_KNOBS}
+    knobs = experiments.MOE_KNOBS + experiments.LAYER_KNOBS
+    assert lm.moe_fields() == {f: getattr(lm, f.upper()) for f in knobs}
     for field in experiments.MOE_KNOBS:
         assert field in layer_fields, field
         assert getattr(experiments.LanguageModel, field.upper()) == moe_defaults[by_layer[field]]
+    layer_defaults = {f.name: f.default for f in dataclasses.fields(layer.MoEFeedForward)}
+    for field in experiments.LAYER_KNOBS:
+        assert field not in by_layer, f"{field} is MoEConfig's: a MOE_KNOBS knob"
+        assert getattr(experiments.LanguageModel, field.upper()) == layer_defaults[field]
 
     class Changed(experiments.Tiny):
         SCORE_FUNC = "sigmoid"
         NUM_SHARED_EXPERTS = 1
+        ROUTER_INIT_SCALE = 0.1
 
     cfg = Changed().experiment_config()
     built = [pax_fiddle.build(c) for _, c in stack.moe_layer_configs(cfg.model)]
-    assert built and all((b.score_func, b.num_shared_experts) == ("sigmoid", 1) for b in built)
+    assert built and all(
+        (b.score_func, b.num_shared_experts, b.router_init_scale) == ("sigmoid", 1, 0.1)
+        for b in built)
     with pytest.raises(KeyError, match="sets no MoEConfig field"):
         fields.config_default("num_heads")

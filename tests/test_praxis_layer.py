@@ -141,6 +141,14 @@ def test_init_follows_gshard_variance_scaling():
             np.testing.assert_allclose(w.std(), 1 / np.sqrt(fan_in), rtol=0.1, err_msg=name)
             bound = np.abs(w).max() * np.sqrt(fan_in)
             assert (bound <= np.sqrt(3.0)) if gshard_init else (bound > np.sqrt(3.0)), name
+        # router_init_scale scales the router's init alone
+        v = _init_layer(
+            _moe_tpl(**big,
+                     internal_gshard_variance_scaling_fan_in_init=gshard_init,
+                     router_init_scale=0.1), x, None)["params"]
+        for name, fan_in, scale in (("router", 64, 0.1), ("wi_up", 64, 1.0), ("wo", 96, 1.0)):
+            w = np.asarray(v[name], np.float64)
+            np.testing.assert_allclose(w.std(), scale / np.sqrt(fan_in), rtol=0.1, err_msg=name)
 
 
 @pytest.mark.parametrize("repeated", [False, True], ids=["stacked", "repeated"])
@@ -292,6 +300,9 @@ def test_moe_checkpoint_names_documented_and_saved():
     ("residual_dropout_prob", 1.0, r"residual_dropout_prob=1.0"),
     ("ep_exchange", "nccl", r"MoEFeedForward 'moe': MoEConfig.ep_exchange='nccl'"),
     ("router_precision", "fp8", r"MoEConfig.router_precision='fp8'.*\(the layer's router_pr"),
+    ("router_init_scale", 0.0, r"router_init_scale=0.0 is not supported: must be a finite "),
+    ("router_init_scale", float("nan"), r"router_init_scale=nan is not supported"),
+    ("router_init_scale", "small", r"router_init_scale='small' is not supported"),
 ])
 def test_unsupported_fields_raise_at_setup(field, value, match):
     tpl = _moe_tpl(**{field: value})

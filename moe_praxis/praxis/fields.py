@@ -9,6 +9,7 @@ of the sharding letters.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import numpy as np
@@ -160,6 +161,10 @@ def validate(layer) -> None:
                 raise err(
                     field, f"gating_func={layer.gating_func!r} is GShard's softmax top-2 and "
                     f"routes with {field}={gshard!r}; use gating_func='topk' for this option")
+    scale = layer.router_init_scale
+    if isinstance(scale, bool) or not isinstance(
+            scale, (int, float, np.floating)) or not (math.isfinite(scale) and scale > 0):
+        raise err("router_init_scale", "must be a finite number > 0 (1: the fan-in init)")
     if layer.norm_policy not in NORM_POLICIES:
         raise err("norm_policy", f"valid: {NORM_POLICIES}")
     if layer.relu_dropout_prob != 0.0:

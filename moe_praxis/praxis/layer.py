@@ -64,6 +64,8 @@ class MoEFeedForward(base_layer.BaseLayer):
       aux_loss_type, kernel_backend, router_precision, ep_exchange, ep_buffer_factor, fp8,
       fp8_quantize_before_gather, fp8_gemms, regather_rows, router_z_loss_weight (z_loss_coeff):
       MoEConfig's.
+      router_init_scale: the router weight's initial scale, a multiple of the fan-in init the
+        other weights get (1: the same; the layer's own, not MoEConfig's).
       mesh_resources: a moe_praxis.MeshResources; when set and a mesh is in scope
         (jax.set_mesh or `with mesh:`), moe_block runs expert-parallel on it, and when the
         layer also has mesh_axis_names and ici_mesh_shape its weight sharding is checked
@@ -120,6 +122,7 @@ class MoEFeedForward(base_layer.BaseLayer):
     num_experts_per_token: int = 2
     aux_loss_type: str = "gshard"
     router_z_loss_weight: float = 0.0
+    router_init_scale: float = 1.0
     kernel_backend: str = "auto"
     router_precision: str = "auto"
     mesh_resources: Any = None
@@ -226,10 +229,10 @@ class MoEFeedForward(base_layer.BaseLayer):
                                            survival_prob=1.0 - self.residual_droppath_prob)
             self.create_child("residual_droppath", droppath_p)
 
-        def init(fan_in):
+        def init(fan_in, scale=1.0):
             if self.internal_gshard_variance_scaling_fan_in_init:
-                return WeightInit.Uniform(math.sqrt(3.0 / fan_in))
-            return WeightInit.Gaussian(1.0 / math.sqrt(fan_in))
+                return WeightInit.Uniform(scale * math.sqrt(3.0 / fan_in))
+            return WeightInit.Gaussian(scale / math.sqrt(fan_in))
 
         # The variables are moe_block's parameters (moe.param_shapes).
         shapes = param_shapes(config)
@@ -238,7 +241,8 @@ class MoEFeedForward(base_layer.BaseLayer):
                 self.create_variable(
                     name,
                     WeightHParams(shape=list(shapes[name]),
-                                  init=init(shapes[name][-2]),
+                                  init=init(shapes[name][-2],
+                                            self.router_init_scale if name == "router" else 1.0),
                                   mesh_shape=self.mesh_shape,
                                   tensor_split_dims_mapping=splits[letter] if letter else [None] *
                                   len(shapes[name])))
