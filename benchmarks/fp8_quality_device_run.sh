@@ -8,7 +8,8 @@
 # saves its step; the same command again, on the same machine, reads the finished runs and
 # resumes it). STEPS (default 300), EVAL (default 100), LR (default: the preset's, 1e-4; at 3e-4
 # two bf16 runs drift apart by 9%, docs/performance.md), ZLOSS (default: the preset's, none) the
-# router z-loss weight of every run, KEEP (default /tmp/fq) the job
+# router z-loss weight of every run, RSCALE (default: the preset's, 1) the router init scale of
+# every run (router_init_scale), KEEP (default /tmp/fq) the job
 # directories; SEEDS=N base and fp8 at N seeds each (--seeds); CONTROL=0 leaves the control
 # out (where its floor was measured on this GPU before).
 # VARIANTS (default "wi_fwd wo_fwd"; set empty for none), each one of:
@@ -32,6 +33,7 @@ ARGS=(--base mixtral_moe_gpu --fp8 mixtral_moe_gpu_fp8 --steps "${STEPS:-300}"
 [ "${CONTROL:-1}" = 0 ] || ARGS+=(--control router_f32 "$P.router_precision='float32'")
 [ -n "${LR:-}" ] && ARGS+=(--fdl_set "optimizer.learning_rate=$LR")
 [ -n "${ZLOSS:-}" ] && ARGS+=(--fdl_set "$P.router_z_loss_weight=$ZLOSS")
+[ -n "${RSCALE:-}" ] && ARGS+=(--fdl_set "$P.router_init_scale=$RSCALE")
 [ -n "${SEEDS:-}" ] && ARGS+=(--seeds "$SEEDS")
 for V in ${VARIANTS-wi_fwd wo_fwd}; do
   case $V in

@@ -1,0 +1,209 @@
+r"""A CPU stand-in for the Mixtral-like preset's router, and the report of its runs.
+
+``mixtral_moe_gpu``'s router settles within its first hundred steps (docs/performance.md): the
+mean entropy of softmax(router logits) falls from about 1.75 nats to 0.02-0.2, each token then
+goes to one expert, and the held-out loss at 500 steps follows that early routing (two bf16
+seeds up to 8% apart). The preset needs a GPU. ``MixtralRouterProxy`` keeps what the router
+sees, the width d_model = 4096 (its fan-in) and the preset's schedule (learning rate 1e-4, 100
+warmup steps, 2 layers of 8 experts, top-2), and shrinks everything else so that 150 steps run
+on two CPU cores in about 13 minutes: 4 query heads and 1 key/value head of 128, experts and
+dense FFN of 256, sequences of 256, 4 of them a step (1,024 tokens), float32, no remat.
+
+Runs (one job directory each; ``--fdl_set`` as the main job takes it)::
+
+  python -m experiments.main --fdl_config=benchmarks.router_proxy.mixtral_router_proxy \
+      --job_log_dir DIR [--fdl_set=train.seed=1] \
+      [--fdl_set=model.stacked_transformer_tpl.block.moe_layer_tpl.router_init_scale=0.1]
+
+Report (held-out loss at every evaluation, each layer's router entropy between evaluations,
+and the spread of runs that differ by seed only)::
+
+  python -m benchmarks.router_proxy NAME=DIR [NAME=DIR ...] [--out FILE.json]
+
+A run named ``X.sN`` is seed N of ``X``; the spread of a group is (max - min) / mean of its
+held-out losses at an evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+from pathlib import Path
+
+from benchmarks.fp8_quality import commit, write_json
+from configs.registry import config_function
+from configs.single_gpu import MixtralMoeGpu
+from experiments.train.metrics import read_metrics
+
+
+class MixtralRouterProxy(MixtralMoeGpu):
+    """MixtralMoeGpu's router width and schedule at a size two CPU cores train (the module's
+    docstring says what is kept)."""
+    NUM_HEADS = 4
+    NUM_KV_HEADS = 1
+    HIDDEN_DIMS = 256
+    MOE_HIDDEN_DIMS = 256
+    SEQ_LEN = 256
+    BATCH_SIZE = 4
+    FPROP_DTYPE = "float32"
+    REMAT = False
+    NUM_STEPS = 150
+    EVAL_EVERY = 50
+    CHECKPOINT_EVERY = 1000
+    SUMMARY_EVERY = 1
+
+
+# --fdl_config=benchmarks.router_proxy.mixtral_router_proxy (not registered: --list_experiments
+# and the tests that read the registry see the presets only).
+mixtral_router_proxy = config_function(MixtralRouterProxy)
+
+
+def read_run(name: str, job_dir: Path) -> dict:
+    """One run's held-out losses by eval step and its train records' router entropies."""
+    path = Path(job_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{name}={job_dir}: no metrics.jsonl there (a job directory of "
+                         "experiments.main)")
+    recs = read_metrics(path)
+    train = [r for r in recs if r["kind"] == "train"]
+    layers = sorted({k
+                     for r in train
+                     for k in r if k.startswith("router_entropy_layer_")},
+                    key=lambda k: int(k.rsplit("_", 1)[1]))
+    return {
+        "name": name,
+        "job_dir": str(job_dir),
+        "heldout_loss": {
+            r["step"]: r["heldout_loss"]
+            for r in recs if r["kind"] == "eval"
+        },
+        "entropy": {
+            key: {
+                r["step"]: r[key]
+                for r in train if key in r
+            }
+            for key in ["router_entropy"] + layers
+        },
+    }
+
+
+def windows(run: dict, steps: list[int]) -> dict[int, dict[str, float]]:
+    """{eval step s: {entropy key: mean over the train steps (previous eval, s]}}."""
+    out, prev = {}, 0
+    for s in steps:
+        if s <= 0:
+            continue
+        out[s] = {}
+        for key, curve in run["entropy"].items():
+            vals = [v for t, v in curve.items() if prev < t <= s]
+            if vals:
+                out[s][key] = sum(vals) / len(vals)
+        prev = s
+    return out
+
+
+def spreads(runs: list[dict], steps: list[int]) -> dict[str, dict[int, float]]:
+    """{group: {eval step: (max - min) / mean of the group's held-out losses}} for the groups of
+    two or more runs that differ by seed only (``X`` and ``X.sN``)."""
+    groups = {}
+    for r in runs:
+        base, _, seed = r["name"].rpartition(".s")
+        key = base if base and seed.isdigit() else r["name"]
+        groups.setdefault(key, []).append(r)
+    out = {}
+    for key, group in groups.items():
+        if len(group) < 2:
+            continue
+        out[key] = {}
+        for s in steps:
+            vals = [g["heldout_loss"][s] for g in group if s in g["heldout_loss"]]
+            if len(vals) == len(group):
+                out[key][s] = (max(vals) - min(vals)) / (sum(vals) / len(vals))
+    return out
+
+
+def report(runs: list[dict]) -> tuple[dict, str]:
+    steps = sorted(set.intersection(*(set(r["heldout_loss"]) for r in runs)))
+    win = {r["name"]: windows(r, steps) for r in runs}
+    spread = spreads(runs, steps)
+    lines = [
+        "held-out loss:", "| step | " + " | ".join(r["name"] for r in runs) + " |",
+        "|---|" + "---|" * len(runs)
+    ]
+    lines += [
+        f"| {s} | " + " | ".join(f"{r['heldout_loss'][s]:.4f}" for r in runs) + " |" for s in steps
+    ]
+    lines += [
+        "router entropy (nats; ln E is uniform), mean over the steps since the last eval, "
+        "all layers [each layer]:", "| steps | " + " | ".join(r["name"] for r in runs) + " |",
+        "|---|" + "---|" * len(runs)
+    ]
+    prev = 0
+    for s in steps[1:] if steps and steps[0] == 0 else steps:
+        cells = []
+        for r in runs:
+            w = win[r["name"]].get(s, {})
+            per = [f"{v:.2f}" for k, v in w.items() if k != "router_entropy"]
+            cells.append(f"{w.get('router_entropy', float('nan')):.3f}" +
+                         (f" [{', '.join(per)}]" if per else ""))
+        lines.append(f"| {prev + 1}-{s} | " + " | ".join(cells) + " |")
+        prev = s
+    for key, by_step in spread.items():
+        lines.append(f"spread of {key} over its seeds (max - min) / mean: " +
+                     ", ".join(f"step {s} {100 * v:.2f}%" for s, v in by_step.items() if s))
+    result = {
+        "steps": steps,
+        "heldout_loss": {
+            r["name"]: r["heldout_loss"]
+            for r in runs
+        },
+        "router_entropy_windows": win,
+        "seed_spreads": spread,
+    }
+    return result, "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs",
+                    nargs="+",
+                    metavar="NAME=DIR",
+                    help="a run's name and its job directory (X.sN: seed N of X)")
+    ap.add_argument("--out", default=None, help="write the report as JSON here")
+    ap.add_argument("--note", default=None, help="a note for the JSON (how the runs were made)")
+    args = ap.parse_args(argv)
+    for spec in args.runs:
+        if "=" not in spec or not spec.split("=", 1)[0]:
+            ap.error(f"run {spec!r}: expected NAME=DIR (e.g. base=/tmp/proxy/base)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    runs = [read_run(*spec.split("=", 1)) for spec in args.runs]
+    result, text = report(runs)
+    print(text)
+    if args.out:
+        write_json(
+            args.out, {
+                "what": "MixtralRouterProxy on the CPU: held-out loss and router entropy by "
+                "layer, runs that differ by seed or router init",
+                "machine": platform.machine(),
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+                "commit": commit(),
+                "runs": {
+                    r["name"]: r["job_dir"]
+                    for r in runs
+                },
+                **result,
+                **({
+                    "note": args.note
+                } if args.note else {}),
+            })
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""benchmarks.router_proxy: the CPU stand-in keeps the Mixtral-like preset's router width and
+schedule; its report reads job directories' metrics and computes entropy windows and seed
+spreads (checked against direct computations on fresh random records)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import router_proxy
+from configs.single_gpu import MixtralMoeGpu
+
+
+def test_the_proxy_keeps_the_presets_router_width_and_schedule():
+    p, g = router_proxy.MixtralRouterProxy, MixtralMoeGpu
+    for knob in ("MODEL_DIMS", "NUM_EXPERTS", "TOP_K", "NUM_LAYERS", "LEARNING_RATE",
+                 "WARMUP_STEPS", "AUX_LOSS_COEFF", "AUX_LOSS_TYPE", "ROUTER_INIT_SCALE"):
+        assert getattr(p, knob) == getattr(g, knob), knob
+    assert p.MOE_HIDDEN_DIMS < g.MOE_HIDDEN_DIMS and p.SEQ_LEN * p.BATCH_SIZE == 1024
+    cfg = router_proxy.mixtral_router_proxy()
+    assert cfg.model.model_dims == 4096
+    assert router_proxy.mixtral_router_proxy.experiment is router_proxy.MixtralRouterProxy
+
+
+def _write_run(path, rng, steps, evals, layers=2):
+    path.mkdir()
+    recs, truth = [], {}
+    for s in evals:
+        recs.append({"kind": "eval", "step": s, "heldout_loss": float(rng.uniform(1, 5))})
+    for s in range(1, steps + 1):
+        per = rng.uniform(0, np.log(8), size=layers)
+        truth[s] = per
+        recs.append({
+            "kind": "train",
+            "step": s,
+            "router_entropy": float(per.mean()),
+            **{
+                f"router_entropy_layer_{l}": float(per[l])
+                for l in range(layers)
+            }
+        })
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return {r["step"]: r["heldout_loss"] for r in recs if r["kind"] == "eval"}, truth
+
+
+def test_report_windows_and_seed_spreads(tmp_path, capsys):
+    rng = np.random.default_rng()
+    evals = [0, 5, 10]
+    held, truth = {}, {}
+    for name in ("base", "base.s1", "scaled"):
+        held[name], truth[name] = _write_run(tmp_path / name, rng, 10, evals)
+    out = tmp_path / "r.json"
+    assert router_proxy.main([f"{n}={tmp_path / n}" for n in held] + ["--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["steps"] == evals
+    for name in held:
+        for s, lo in ((5, 1), (10, 6)):
+            w = got["router_entropy_windows"][name][str(s)]
+            want = np.mean([truth[name][t] for t in range(lo, s + 1)], axis=0)
+            np.testing.assert_allclose([w["router_entropy_layer_0"], w["router_entropy_layer_1"]],
+                                       want,
+                                       rtol=1e-9)
+            np.testing.assert_allclose(w["router_entropy"], want.mean(), rtol=1e-9)
+    # one group of seeds: base and base.s1; 'scaled' alone has no spread
+    assert set(got["seed_spreads"]) == {"base"}
+    for s in evals:
+        a, b = held["base"][s], held["base.s1"][s]
+        np.testing.assert_allclose(got["seed_spreads"]["base"][str(s)],
+                                   abs(a - b) / ((a + b) / 2),
+                                   rtol=1e-9)
+    assert "spread of base over its seeds" in capsys.readouterr().out
+
+
+def test_report_errors_name_the_bad_run(tmp_path):
+    with pytest.raises(SystemExit):
+        router_proxy.main(["base"])
+    with pytest.raises(SystemExit, match=r"missing=.*no metrics.jsonl"):
+        router_proxy.main([f"missing={tmp_path / 'nothing'}"])
