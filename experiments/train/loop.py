@@ -5,10 +5,11 @@
   (``experiments.train.steps``);
 - runs the jitted train steps, every ``eval_every`` steps the held-out loss and perplexity;
 - writes ``metrics.jsonl`` and TensorBoard events (per MoE layer l, ``max_mean_load_layer_l``:
-  max / mean of its expert load, and ``router_entropy_layer_l``), checkpoints every ``checkpoint_every`` steps, at the end and
-  on SIGTERM/SIGINT once training has begun (``experiments.train.signals``: before that, or at a
-  second signal, the process ends at once), and draws ``summary.png`` (loss curves and the
-  expert-load heatmap, layers x experts) when it finishes (``experiments.train.metrics``);
+  max / mean of its expert load, and ``router_entropy_layer_l``), checkpoints every
+  ``checkpoint_every`` steps, at the end and on SIGTERM/SIGINT once training has begun
+  (``experiments.train.signals``: before that, or at a second signal, the process ends at
+  once), and draws ``summary.png`` (loss curves and the expert-load heatmap, layers x
+  experts) when it finishes (``experiments.train.metrics``);
 - stops without saving at a step whose loss or gradient norm is not finite
   (``train.on_nonfinite='stop'``), or counts it as skipped and stops after more than
   ``train.max_skipped_steps`` of them in a row (``'skip'``; the step left the state as it was).
