@@ -1,7 +1,7 @@
 r"""A CPU stand-in for the Mixtral-like preset's router, and the report of its runs.
 
 ``mixtral_moe_gpu``'s router settles within its first hundred steps (docs/performance.md): the
-mean entropy of softmax(router logits) falls from about 1.75 nats to 0.02-0.2, each token then
+mean entropy of softmax(router logits) falls from about 1.75 nats to 0.02-0.23, each token then
 goes to one expert, and the held-out loss at 500 steps follows that early routing (two bf16
 seeds up to 8% apart). The preset needs a GPU. ``MixtralRouterProxy`` keeps what the router
 sees, the width d_model = 4096 (its fan-in) and the preset's schedule (learning rate 1e-4, 100
