@@ -33,6 +33,7 @@ import platform
 from pathlib import Path
 
 from benchmarks.fp8_quality import commit, write_json
+from benchmarks.fp8_quality_report import window_means
 from configs.registry import config_function
 from configs.single_gpu import MixtralMoeGpu
 from experiments.train.metrics import read_metrics
@@ -90,17 +91,12 @@ def read_run(name: str, job_dir: Path) -> dict:
 
 
 def windows(run: dict, steps: list[int]) -> dict[int, dict[str, float]]:
-    """{eval step s: {entropy key: mean over the train steps (previous eval, s]}}."""
-    out, prev = {}, 0
-    for s in steps:
-        if s <= 0:
-            continue
-        out[s] = {}
-        for key, curve in run["entropy"].items():
-            vals = [v for t, v in curve.items() if prev < t <= s]
-            if vals:
-                out[s][key] = sum(vals) / len(vals)
-        prev = s
+    """{eval step s: {entropy key: mean over the train steps (previous eval, s]}}
+    (fp8_quality_report.window_means, one curve at a time)."""
+    out = {s: {} for s in steps if s > 0}
+    for key in run["entropy"]:
+        for s, (mean, ) in window_means([run["entropy"]], steps, key).items():
+            out[s][key] = mean
     return out
 
 
