@@ -7,7 +7,8 @@ compared at every evaluation; and FP8 variants that change one thing at a time.
         [--data PATH | --stdlib_corpus FILE]
         [--fdl_set PATH=VALUE ...] [--variant NAME PATH=VALUE [PATH=VALUE ...]] ...
         [--control NAME PATH=VALUE [PATH=VALUE ...]] ... [--seeds N]
-        [--max_gap 0.01] [--keep DIR [--keep_checkpoints]] [--out FILE.json]
+        [--branch_at STEP] [--max_gap 0.01] [--keep DIR [--keep_checkpoints]]
+        [--out FILE.json]
 
 Each run is `python -m experiments.main` in its own job directory (a temporary one unless
 --keep DIR). --data, --steps, --eval_every and every --fdl_set apply to all runs; a --variant
@@ -24,6 +25,17 @@ that differ that little ended 8% apart, docs/performance.md), --seeds N trains b
 initialization seeds each (the experiment's own, then train.seed=1 .. N-1: base.s1, fp8.s1,
 ...), and the check is the gap between the formats' mean held-out losses, the seeds' spread
 and the per-seed gaps beside it (benchmarks.fp8_quality_report.seed_stats).
+
+--branch_at STEP starts every run but the base runs from its seed's bf16 trunk: the base's
+config trained to STEP (one of the evaluations) in the job directory trunk (trunk.sI at
+train.seed=I), whose checkpoint each of them takes up under its own config
+(experiments.main's --allow_config_change), so that runs which drift apart after the router
+has settled (the Mixtral-like preset's, docs/performance.md) are compared from one state and
+their gaps are what each format does after STEP. The base runs themselves train from step 0
+as before (so finished ones are read back); at STEP the branches' gaps are the trunk's against
+the base's, 0 where training is deterministic. The trunk's checkpoint is hard-linked into each
+branch's job directory, and removed (its record and curves kept) once its last branch
+finished.
 
 With --keep a run whose job directory already holds its final step is read, not trained
 again (where its corpus size and GPU match this run's), and one cut short resumes from its
@@ -54,22 +66,17 @@ import json
 import platform
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from experiments.job import jobdir
 from benchmarks.corpus import data_bytes, stdlib_corpus
-from benchmarks.fp8_quality_report import compare, read_share, table
-from experiments.train.metrics import read_metrics
+from benchmarks.fp8_quality_report import compare, read_share, seed_of, table
+from benchmarks.fp8_quality_runs import (drop_trunk_checkpoints, finished, make_trunk, train)
 
 ROOT = Path(__file__).resolve().parent.parent
-_DATA_LINE = re.compile(r"^data: .*?([\d,]+) tokens \(([\d,]+) bytes\)", re.M)
-CHILD_SAVE_S = 300  # how long a stopped main may take to save its step
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -121,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
                     default=1,
                     help="train base and fp8 at this many initialization seeds each (the "
                     "experiment's, then train.seed=1..N-1) and check the gap of their means")
+    ap.add_argument("--branch_at",
+                    type=int,
+                    default=0,
+                    metavar="STEP",
+                    help="every run but the base runs starts from its seed's bf16 trunk (the "
+                    "base's config trained to STEP, an eval step), so that its gaps are what "
+                    "it does after STEP (0: every run trains from step 0)")
     ap.add_argument("--max_gap", type=float, default=0.01, help="relative held-out loss gap")
     ap.add_argument("--keep",
                     default=None,
@@ -138,6 +152,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error(f"--seeds {args.seeds}: give 1 or more (1: one run per format)")
+    if args.branch_at:
+        if args.steps is None or args.eval_every is None:
+            ap.error(f"--branch_at {args.branch_at}: give --steps and --eval_every with it "
+                     "(the branch step must be one of the evaluations before the last step)")
+        if not 0 < args.branch_at < args.steps or args.branch_at % args.eval_every:
+            ap.error(f"--branch_at {args.branch_at}: give a multiple of --eval_every "
+                     f"{args.eval_every} between 0 and --steps {args.steps}, or 0 (no branch)")
     names = [name for name, _, _ in format_runs(args.seeds)]
     for flag, given in (("--variant", args.variant), ("--control", args.control)):
         for v in given:
@@ -201,123 +222,38 @@ def plan_runs(args) -> list[dict]:
         dict(name=v[0], exp=args.fp8, changes=common + list(v[1:]), own=list(v[1:]))
         for v in args.variant
     ]
-    return [dict(r, data_bytes=size) for r in runs]
+    runs = [dict(r, data_bytes=size) for r in runs]
+    return branched(runs, args.branch_at) if args.branch_at else runs
 
 
-def run_child(cmd: list[str]) -> subprocess.CompletedProcess:
-    """Runs the main; a SIGTERM or Ctrl-C of this process reaches it first (it stops after its
-    step in flight and saves it), so a cut run resumes from there with --keep."""
-    proc = subprocess.Popen(cmd,
-                            cwd=ROOT,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        out, err = proc.communicate()
-    except BaseException:
-        proc.terminate()
-        proc.communicate(timeout=CHILD_SAVE_S)
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+def trunk_name(seed: int | None) -> str:
+    return "trunk" if not seed else f"trunk.s{seed}"
+
+
+def branched(runs: list[dict], step: int) -> list[dict]:
+    """The runs with --branch_at STEP: each run but the base runs gets `branch_at` and its
+    `trunk` {name, exp, changes, step}: the bf16 run of its seed (base, or base.sI for a run
+    at train.seed=I) trained to STEP, whose job directory it starts from; in the order base,
+    the runs that branch from its trunk, base.s1, theirs, ... (one trunk at a time holds a
+    checkpoint on the disk)."""
+    bases = {seed_of(r): r for r in runs if r.get("group") == "base"}
+    out = []
+    for seed, base in bases.items():
+        trunk = dict(name=trunk_name(seed), exp=base["exp"], changes=base["changes"], step=step)
+        out.append(base)
+        out += [
+            dict(r, branch_at=step, trunk=trunk) for r in runs
+            if r.get("group") != "base" and seed_of(r) == seed
+        ]
+    orphans = [r["name"] for r in runs if r.get("group") != "base" and seed_of(r) not in bases]
+    if orphans:
+        raise SystemExit(f"--branch_at {step}: {orphans} run at a seed with no base run to branch "
+                         "from (train.seed=I needs base.sI: give --seeds I+1 or more)")
+    return out
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-RECORD = "fp8_quality_run.json"  # a finished run's result, in its job directory
-# what a recorded run must share with this one beyond its experiment and changes: the corpus
-# behind the same data.path (a standard library topped up or not) and the GPU it ran on
-MUST_MATCH = ("data_bytes", "accelerator")
-
-
-def finished(run: dict, job_dir: Path) -> dict | None:
-    """The result a finished run recorded in job_dir (RECORD), if it is this run's (the same
-    experiment and changes), else None."""
-    try:
-        got = json.loads((job_dir / RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-    if (got.get("exp"), got.get("changes")) != (run["exp"], run["changes"]):
-        return None
-    for key in MUST_MATCH:  # absent from records made before they were recorded
-        if got.get(key) is not None and run.get(key) is not None and got[key] != run[key]:
-            print(
-                f"{run['name']}: the run in {job_dir} had {key}={got[key]!r}, this one "
-                f"{run[key]!r}: training it again",
-                flush=True)
-            return None
-    got["heldout_loss"] = {int(k): v for k, v in got["heldout_loss"].items()}
-    metrics = job_dir / "metrics.jsonl"
-    recs = None
-    for key in CURVES:
-        if key in got:
-            got[key] = {int(k): v for k, v in got[key].items()}
-        else:  # recorded before this curve was: its metrics hold it, where they are kept
-            if recs is None:
-                recs = read_metrics(metrics) if metrics.exists() else []
-            got[key] = train_curve(recs, key)
-    return got
-
-
-# the train curves a run records by step: the cross-entropy (the loss less its aux and z terms;
-# every run reads the same batches in the same order, so the runs compare step by step) and the
-# MoE layers' mean router entropy (how soft the routing still is)
-CURVES = {"train_xent": "xent", "router_entropy": "router_entropy"}
-
-
-def train_curve(recs: list[dict], key: str) -> dict[int, float]:
-    """CURVES[key] of the train records by step (none where the runs did not log it)."""
-    name = CURVES[key]
-    return {r["step"]: r[name] for r in recs if r["kind"] == "train" and name in r}
-
-
-def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
-    """Runs (or resumes, or reads a finished) experiments.main job; its eval curve, recorded
-    in job_dir, whose checkpoints go unless keep_checkpoints."""
-    done = finished(run, job_dir)
-    if done is not None:
-        print(f"{run['name']}: read the finished run in {job_dir}", flush=True)
-        # this plan's role for it (a record made before `group` was recorded has none)
-        return {**done, **{k: run[k] for k in ("group", "control") if k in run}}
-    cmd = [
-        sys.executable, "-m", "experiments.main", f"--exp={run['exp']}", f"--job_log_dir={job_dir}",
-        "--no_progress"
-    ] + [f"--fdl_set={c}" for c in run["changes"]]
-    t0 = time.time()
-    p = run_child(cmd)
-    if p.returncode:
-        raise SystemExit(f"{run['name']} ({run['exp']}) failed (exit {p.returncode}):\n"
-                         f"{p.stderr[-4000:]}")
-    recs = read_metrics(job_dir / "metrics.jsonl")
-    evals = [r for r in recs if r["kind"] == "eval"]
-    if not evals:
-        raise SystemExit(f"{run['name']}: no eval records in {job_dir / 'metrics.jsonl'}")
-    m = _DATA_LINE.search(p.stdout)
-    data = jobdir.load_recorded(job_dir).data
-    tps = sorted(r["tokens_per_sec"] for r in recs
-                 if r["kind"] == "train" and r["step"] >= 5 and "tokens_per_sec" in r)
-    result = {
-        **run,
-        "seconds": round(time.time() - t0, 1),
-        "corpus_tokens": int(m.group(1).replace(",", "")) if m else None,
-        "corpus_bytes": int(m.group(2).replace(",", "")) if m else None,
-        "tokens_per_step": data.batch_size * data.seq_len,
-        "final_step": max((r["step"] for r in recs if r["kind"] == "train"), default=0),
-        "tokens_per_sec_median": tps[len(tps) // 2] if tps else None,
-        "heldout_loss": {
-            r["step"]: r["heldout_loss"]
-            for r in evals
-        },
-        **{
-            key: train_curve(recs, key)
-            for key in CURVES
-        },
-    }
-    (job_dir / RECORD).write_text(json.dumps(result, indent=1) + "\n")
-    if not keep_checkpoints:
-        shutil.rmtree(job_dir / "checkpoints", ignore_errors=True)
-    return result
 
 
 def _first_line(cmd: list[str]):
@@ -364,12 +300,19 @@ def main(argv=None) -> int:
         "commit": commit(),
         "python": platform.python_version(),
         "command": command,
+        "branch_at": args.branch_at or None,
     }
     with tempfile.TemporaryDirectory() as tmp:
         top = Path(args.keep or tmp)
         runs = []
-        for run in plan:
+        last_branch = {r["trunk"]["name"]: i for i, r in enumerate(plan) if "trunk" in r}
+        for i, run in enumerate(plan):
+            trunk = run.get("trunk")
+            if trunk is not None and finished(run, top / run["name"]) is None:
+                make_trunk(trunk, top / trunk["name"], run)
             runs.append(train(run, top / run["name"], args.keep_checkpoints))
+            if trunk is not None and last_branch[trunk["name"]] == i and not args.keep_checkpoints:
+                drop_trunk_checkpoints(top / trunk["name"])
             print(f"{run['name']}: {run['exp']} {' '.join(run['own'])}"
                   f" {runs[-1]['seconds']} s",
                   flush=True)
@@ -380,6 +323,10 @@ def main(argv=None) -> int:
         raise SystemExit("the runs share no eval step: compare them with the same "
                          "--steps and --eval_every")
     print(table(runs, result))
+    if args.branch_at:
+        print(f"every run but the base runs branched at step {args.branch_at} from its seed's "
+              "bf16 trunk (the base's config trained to that step): up to it their gaps are the "
+              "trunk's against the base run's, 0 where training is deterministic")
     seen = read_share(runs[0])
     if seen is not None:
         print(f"corpus: {runs[0]['corpus_tokens']:,} tokens ({runs[0]['corpus_bytes']:,} bytes);"

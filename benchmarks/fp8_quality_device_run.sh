@@ -9,7 +9,8 @@
 # resumes it). STEPS (default 300), EVAL (default 100), LR (default: the preset's, 1e-4; at 3e-4
 # two bf16 runs drift apart by 9%, docs/performance.md), ZLOSS (default: the preset's, none) the
 # router z-loss weight of every run, RSCALE (default: the preset's, 1) the router init scale of
-# every run (router_init_scale), KEEP (default /tmp/fq) the job
+# every run (router_init_scale), BRANCH (default none) the step at which every run but the
+# base runs branches from its seed's bf16 trunk (--branch_at), KEEP (default /tmp/fq) the job
 # directories; SEEDS=N base and fp8 at N seeds each (--seeds); CONTROL=0 leaves the control
 # out (where its floor was measured on this GPU before).
 # VARIANTS (default "wi_fwd wo_fwd"; set empty for none), each one of:
@@ -35,6 +36,7 @@ ARGS=(--base mixtral_moe_gpu --fp8 mixtral_moe_gpu_fp8 --steps "${STEPS:-300}"
 [ -n "${ZLOSS:-}" ] && ARGS+=(--fdl_set "$P.router_z_loss_weight=$ZLOSS")
 [ -n "${RSCALE:-}" ] && ARGS+=(--fdl_set "$P.router_init_scale=$RSCALE")
 [ -n "${SEEDS:-}" ] && ARGS+=(--seeds "$SEEDS")
+[ -n "${BRANCH:-}" ] && ARGS+=(--branch_at "$BRANCH")
 for V in ${VARIANTS-wi_fwd wo_fwd}; do
   case $V in
     fwd_only) C="fp8_gemms='fwd'" ;;

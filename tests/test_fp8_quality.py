@@ -14,6 +14,7 @@ import pytest
 from benchmarks import corpus
 from benchmarks import fp8_quality as fq
 from benchmarks import fp8_quality_report as fq_report
+from benchmarks import fp8_quality_runs as fq_runs
 
 VARIANT = "model.stacked_transformer_tpl.moe_layer_tpl.fp8_gemms='fwd+dgrad'"
 
@@ -89,15 +90,15 @@ def test_a_record_of_another_corpus_or_gpu_is_trained_again(tmp_path, capsys):
     made before they were recorded matches on the experiment and changes alone."""
     run = dict(name="base", exp="e", changes=["a=1"], data_bytes=10, accelerator="H100")
     rec = dict(run, heldout_loss={"0": 5.0}, train_xent={"1": 5.5})
-    (tmp_path / fq.RECORD).write_text(json.dumps(rec))
-    got = fq.finished(run, tmp_path)
+    (tmp_path / fq_runs.RECORD).write_text(json.dumps(rec))
+    got = fq_runs.finished(run, tmp_path)
     assert got["heldout_loss"] == {0: 5.0} and got["train_xent"] == {1: 5.5}
-    assert fq.finished(dict(run, data_bytes=12), tmp_path) is None
+    assert fq_runs.finished(dict(run, data_bytes=12), tmp_path) is None
     assert "had data_bytes=10, this one 12: training it again" in capsys.readouterr().out
-    assert fq.finished(dict(run, accelerator="H200"), tmp_path) is None
-    old = {k: v for k, v in rec.items() if k not in fq.MUST_MATCH}
-    (tmp_path / fq.RECORD).write_text(json.dumps(old))
-    assert fq.finished(run, tmp_path)["heldout_loss"] == {0: 5.0}
+    assert fq_runs.finished(dict(run, accelerator="H200"), tmp_path) is None
+    old = {k: v for k, v in rec.items() if k not in fq_runs.MUST_MATCH}
+    (tmp_path / fq_runs.RECORD).write_text(json.dumps(old))
+    assert fq_runs.finished(run, tmp_path)["heldout_loss"] == {0: 5.0}
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x.txt").write_text("abc")
     (tmp_path / "d" / "y.txt").write_text("de")
@@ -115,9 +116,9 @@ def test_a_stopped_benchmark_stops_its_main_first(tmp_path):
              f"pathlib.Path({str(ready)!r}).write_text('ready')\n"
              "time.sleep(60)\n")
     parent = ("import signal, sys\n"
-              "from benchmarks import fp8_quality as fq\n"
+              "from benchmarks import fp8_quality as fq, fp8_quality_runs as fq_runs\n"
               "signal.signal(signal.SIGTERM, fq._interrupt)\n"
-              f"fq.run_child([sys.executable, '-c', {child!r}])\n")
+              f"fq_runs.run_child([sys.executable, '-c', {child!r}])\n")
     p = subprocess.Popen([sys.executable, "-c", parent],
                          cwd=fq.ROOT,
                          stderr=subprocess.PIPE,
@@ -226,9 +227,9 @@ def test_router_entropy_is_averaged_between_evals_and_read_back_from_older_recor
         runs[:1] + [_run("fp8", runs[1]["heldout_loss"])],
         fq.compare([runs[0], _run("fp8", runs[1]["heldout_loss"])], 0.01))
     run = dict(name="base", exp="e", changes=[])
-    (tmp_path / fq.RECORD).write_text(
+    (tmp_path / fq_runs.RECORD).write_text(
         json.dumps(dict(run, heldout_loss={"0": 5.0}, train_xent={"1": 5.5})))
-    assert fq.finished(run, tmp_path)["router_entropy"] == {}
+    assert fq_runs.finished(run, tmp_path)["router_entropy"] == {}
     recs = [{
         "kind": "train",
         "step": t,
@@ -240,10 +241,10 @@ def test_router_entropy_is_averaged_between_evals_and_read_back_from_older_recor
         "heldout_loss": 4.0
     }]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    got = fq.finished(run, tmp_path)
+    got = fq_runs.finished(run, tmp_path)
     assert got["router_entropy"] == pytest.approx({1: 1.9, 2: 1.8})
     assert got["train_xent"] == {1: 5.5}  # the record's own curve, not the metrics'
-    assert fq.train_curve(recs, "router_entropy") == pytest.approx({1: 1.9, 2: 1.8})
+    assert fq_runs.train_curve(recs, "router_entropy") == pytest.approx({1: 1.9, 2: 1.8})
 
 
 def test_a_run_at_another_seed_is_read_against_that_seeds_bf16_run():
@@ -340,8 +341,9 @@ def test_the_command_given_to_the_main_and_what_is_read_back(tmp_path, monkeypat
         out = "data: source text /x, 1 files, 3 documents, 2,048 tokens (2,048 bytes), ...\n"
         return subprocess.CompletedProcess(cmd, 0, out, "")
 
-    monkeypatch.setattr(fq, "run_child", fake_run)
-    monkeypatch.setattr(fq.jobdir, "load_recorded", lambda d: type("C", (), {"data": FakeData}))
+    monkeypatch.setattr(fq_runs, "run_child", fake_run)
+    monkeypatch.setattr(fq_runs.jobdir, "load_recorded",
+                        lambda d: type("C", (), {"data": FakeData}))
     out = tmp_path / "r.json"
     rc = fq.main(
         ["--steps", "8", "--keep",
@@ -382,8 +384,9 @@ def test_finished_runs_are_recorded_read_back_and_lose_their_checkpoints(tmp_pat
         (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(fq, "run_child", fake_run)
-    monkeypatch.setattr(fq.jobdir, "load_recorded", lambda d: type("C", (), {"data": FakeData}))
+    monkeypatch.setattr(fq_runs, "run_child", fake_run)
+    monkeypatch.setattr(fq_runs.jobdir, "load_recorded",
+                        lambda d: type("C", (), {"data": FakeData}))
     out = tmp_path / "r.json"
     argv = [
         "--steps", "8", "--keep",
@@ -397,7 +400,7 @@ def test_finished_runs_are_recorded_read_back_and_lose_their_checkpoints(tmp_pat
     assert part["complete"] is False and [r["name"] for r in part["runs"]] == ["base", "fp8"]
     for name in ("base", "fp8"):
         assert not (tmp_path / "k" / name / "checkpoints").exists()
-        assert (tmp_path / "k" / name / fq.RECORD).exists()
+        assert (tmp_path / "k" / name / fq_runs.RECORD).exists()
     fail.clear()
     seen.clear()
     assert fq.main(argv) == 0
@@ -405,21 +408,21 @@ def test_finished_runs_are_recorded_read_back_and_lose_their_checkpoints(tmp_pat
     got = json.loads(out.read_text())
     assert got["complete"] is True and got["relative_gaps"]["fp8"]["8"] == 0.0
     # a record made before `group` was recorded takes this plan's
-    rec = tmp_path / "k" / "fp8" / fq.RECORD
+    rec = tmp_path / "k" / "fp8" / fq_runs.RECORD
     rec.write_text(
         json.dumps({
             k: v
             for k, v in json.loads(rec.read_text()).items() if k != "group"
         }))
     plan = fq.plan_runs(fq.parse_args(argv))
-    assert fq.train(plan[1], tmp_path / "k" / "fp8")["group"] == "fp8"
+    assert fq_runs.train(plan[1], tmp_path / "k" / "fp8")["group"] == "fp8"
     # a record made under other changes is not this run's
     other = fq.plan_runs(fq.parse_args(argv + ["--fdl_set", "c.d=2"]))[0]
-    assert fq.finished(other, tmp_path / "k" / "base") is None
+    assert fq_runs.finished(other, tmp_path / "k" / "base") is None
     seen.clear()
     assert fq.main(argv[:4] + ["--keep_checkpoints", "--out", str(out)]) == 0
     assert seen == []  # same changes as before: all read
-    fq.train(dict(name="w", exp="x", changes=["e.f=1"], own=[]), tmp_path / "k" / "w", True)
+    fq_runs.train(dict(name="w", exp="x", changes=["e.f=1"], own=[]), tmp_path / "k" / "w", True)
     assert (tmp_path / "k" / "w" / "checkpoints").exists()
 
 
@@ -493,3 +496,132 @@ def test_with_seeds_the_check_is_the_gap_of_the_means():
     single = fq.compare([runs[0], runs[1], runs[4]], 0.01)
     assert single["seeds"] is None and not single["pass"]
     assert single["max_abs_gap_checked"] == pytest.approx(0.04)
+
+
+def test_branch_at_plans_each_run_from_its_seeds_trunk(tmp_path, capsys):
+    """--branch_at STEP: every run but the base runs gets its seed's bf16 trunk (the base's
+    config to STEP) and is planned right after that base; bad steps are one-line errors."""
+    argv = ["--steps", "500", "--eval_every", "100", "--seeds", "2", "--variant", "v", "a.b=1"]
+    runs = fq.plan_runs(
+        fq.parse_args(argv + ["--variant", "v.s1", "a.b=1", "train.seed=1"] +
+                      ["--control", "c", "x.y=2", "--branch_at", "100"]))
+    assert [r["name"] for r in runs] == ["base", "fp8", "c", "v", "base.s1", "fp8.s1", "v.s1"]
+    assert "trunk" not in runs[0] and "trunk" not in runs[4]
+    for r in runs[1:4]:
+        assert r["trunk"] == dict(
+            name="trunk", exp=runs[0]["exp"], changes=runs[0]["changes"],
+            step=100) and r["branch_at"] == 100
+    for r in runs[5:]:
+        assert r["trunk"]["name"] == "trunk.s1" and r["trunk"]["changes"] == runs[4]["changes"]
+        assert "train.seed=1" in r["trunk"]["changes"]
+    assert [r["name"] for r in fq.plan_runs(fq.parse_args(argv))
+            ] == ["base", "fp8", "base.s1", "fp8.s1", "v"]  # no branch: the order as before
+    with pytest.raises(SystemExit, match=r"\['v.s3'\] run at a seed with no base run"):
+        fq.plan_runs(
+            fq.parse_args(argv + ["--variant", "v.s3", "train.seed=3"] + ["--branch_at", "100"]))
+    for bad, said in ((["--branch_at", "50"], "a multiple of --eval_every 100 between 0 and"),
+                      (["--branch_at", "500"], "between 0 and --steps 500"),
+                      (["--branch_at", "-100"], "between 0 and --steps 500")):
+        with pytest.raises(SystemExit):
+            fq.parse_args(argv + bad)
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        fq.parse_args(["--branch_at", "100", "--steps", "500"])
+    assert "give --steps and --eval_every with it" in capsys.readouterr().err
+
+
+def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypatch, capsys):
+    """A fake main: the trunk is trained once to its step (stopped there by SIGTERM), each branch
+    starts from a copy of its job directory whose checkpoint files are hard links, resumes under
+    its own config (--allow_config_change), and the trunk's checkpoint goes after its last
+    branch; the same command again reads every run; a record made without the branch is not
+    read back as a branched run."""
+    seen = []
+
+    class FakeData:
+        batch_size, seq_len = 4, 64
+
+    def fake_run(cmd):
+        job = Path(next(c.split("=", 1)[1] for c in cmd if c.startswith("--job_log_dir=")))
+        seen.append((job.name, cmd))
+        if "--fdl_set=train.sigterm_at_step=4" in cmd:  # the trunk: stops at step 4 and saves
+            (job / "checkpoints" / "4" / "default").mkdir(parents=True)
+            (job / "checkpoints" / "4" / "default" / "data").write_text("state at 4")
+            (job / "config.json").write_text("{}")
+            (job / "metrics.jsonl").write_text(
+                json.dumps(dict(kind="eval", step=0, heldout_loss=5.0)) + "\n" +
+                json.dumps(dict(kind="eval", step=4, heldout_loss=3.0)) + "\n")
+            return subprocess.CompletedProcess(cmd, 143, "", "")
+        if job.name != "base":  # a branch: it holds the trunk's state and curves
+            data = job / "checkpoints" / "4" / "default" / "data"
+            assert data.read_text() == "state at 4" and data.stat().st_nlink >= 2
+            assert "--allow_config_change" in cmd
+            recs = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
+        else:
+            assert "--allow_config_change" not in cmd
+            recs = [
+                dict(kind="eval", step=0, heldout_loss=5.0),
+                dict(kind="eval", step=4, heldout_loss=3.0)
+            ]
+        (job / "checkpoints" / "8").mkdir(parents=True, exist_ok=True)
+        loss = {"base": 2.0, "fp8": 2.02, "v": 2.1, "w": 2.05}[job.name]
+        recs += [
+            dict(kind="train", step=8, tokens_per_sec=10.0),
+            dict(kind="eval", step=8, heldout_loss=loss)
+        ]
+        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(fq_runs, "run_child", fake_run)
+    monkeypatch.setattr(fq_runs.jobdir, "load_recorded",
+                        lambda d: type("C", (), {"data": FakeData}))
+    keep, out = tmp_path / "k", tmp_path / "r.json"
+    argv = [
+        "--steps", "8", "--eval_every", "4", "--branch_at", "4", "--keep",
+        str(keep), "--out",
+        str(out), "--variant", "v", "a.b=1"
+    ]
+    assert fq.main(argv) == 1  # fp8 2% above base at step 8
+    assert [name for name, _ in seen] == ["base", "trunk", "fp8", "v"]
+    assert "--fdl_set=train.sigterm_at_step=4" not in seen[2][1]
+    assert not (keep / "trunk" / "checkpoints").exists()  # gone after its last branch
+    assert json.loads((keep / "trunk" / fq_runs.TRUNK_RECORD).read_text())["step"] == 4
+    got = json.loads(out.read_text())
+    assert got["branch_at"] == 4 and got["relative_gaps"]["fp8"]["4"] == 0.0
+    assert got["relative_gaps"]["fp8"]["8"] == pytest.approx(0.01)
+    assert "branched at step 4 from its seed's bf16 trunk" in capsys.readouterr().out
+    seen.clear()
+    assert fq.main(argv) == 1 and seen == []  # all read back, no trunk trained
+    # the fp8 run's record is a branched one: not taken for an unbranched plan's fp8 run
+    plain = fq.plan_runs(fq.parse_args(argv[:4] + argv[6:]))
+    assert fq_runs.finished(plain[1], keep / "fp8") is None
+    assert fq_runs.finished(plain[0], keep / "base") is not None
+    # a new variant trains the trunk again (its checkpoint is gone) and branches from it
+    seen.clear()
+    assert fq.main(argv + ["--variant", "w", "a.b=2"]) == 1
+    assert [name for name, _ in seen] == ["trunk", "w"]
+
+
+@pytest.mark.slow
+def test_a_real_fp8_branch_takes_up_the_bf16_trunks_state(tmp_path):
+    """The real main on the CPU (Tiny): the FP8 run branched at step 4 restores the bf16
+    trunk's checkpoint under its own config, so up to step 4 its curves are the base run's
+    bit for bit (the CPU is deterministic), and after it they are its own."""
+    keep = tmp_path / "k"
+    rc = fq.main([
+        "--steps", "8", "--eval_every", "4", "--branch_at", "4", "--keep",
+        str(keep), "--out",
+        str(tmp_path / "r.json")
+    ])
+    got = json.loads((tmp_path / "r.json").read_text())
+    assert rc in (0, 1) and got["complete"] and got["branch_at"] == 4
+    base, fp8 = got["runs"]
+    assert fp8["heldout_loss"]["4"] == base["heldout_loss"]["4"]
+    assert [fp8["train_xent"][str(t)] for t in range(1, 5)] == \
+        [base["train_xent"][str(t)] for t in range(1, 5)]
+    assert fp8["heldout_loss"]["8"] != base["heldout_loss"]["8"]
+    # the trunk's config, recorded as replaced by the FP8 run's own
+    trunk_config = (keep / "trunk" / "config.json").read_text()
+    assert (keep / "fp8" / "config.replaced.1.json").read_text() == trunk_config
+    assert (keep / "fp8" / "config.json").read_text() != trunk_config
+    assert not (keep / "trunk" / "checkpoints").exists()

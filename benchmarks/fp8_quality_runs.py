@@ -1,0 +1,217 @@
+"""The runs of benchmarks.fp8_quality: each an experiments.main job in its own job directory,
+run as a child process (a SIGTERM of the benchmark reaches it first), recorded there when it
+finishes and read back instead of trained again; and the bf16 trunks that --branch_at starts
+runs from."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from experiments.job import jobdir
+from experiments.train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+_DATA_LINE = re.compile(r"^data: .*?([\d,]+) tokens \(([\d,]+) bytes\)", re.M)
+CHILD_SAVE_S = 300  # how long a stopped main may take to save its step
+
+
+def run_child(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Runs the main; a SIGTERM or Ctrl-C of this process reaches it first (it stops after its
+    step in flight and saves it), so a cut run resumes from there with --keep."""
+    proc = subprocess.Popen(cmd,
+                            cwd=ROOT,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        proc.terminate()
+        proc.communicate(timeout=CHILD_SAVE_S)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+RECORD = "fp8_quality_run.json"  # a finished run's result, in its job directory
+# what a recorded run must share with this one beyond its experiment and changes: the corpus
+# behind the same data.path (a standard library topped up or not) and the GPU it ran on
+MUST_MATCH = ("data_bytes", "accelerator")
+
+
+def finished(run: dict, job_dir: Path) -> dict | None:
+    """The result a finished run recorded in job_dir (RECORD), if it is this run's (the same
+    experiment and changes), else None."""
+    try:
+        got = json.loads((job_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    if (got.get("exp"), got.get("changes"), got.get("branch_at")) != \
+            (run["exp"], run["changes"], run.get("branch_at")):
+        return None
+    for key in MUST_MATCH:  # absent from records made before they were recorded
+        if got.get(key) is not None and run.get(key) is not None and got[key] != run[key]:
+            print(
+                f"{run['name']}: the run in {job_dir} had {key}={got[key]!r}, this one "
+                f"{run[key]!r}: training it again",
+                flush=True)
+            return None
+    got["heldout_loss"] = {int(k): v for k, v in got["heldout_loss"].items()}
+    metrics = job_dir / "metrics.jsonl"
+    recs = None
+    for key in CURVES:
+        if key in got:
+            got[key] = {int(k): v for k, v in got[key].items()}
+        else:  # recorded before this curve was: its metrics hold it, where they are kept
+            if recs is None:
+                recs = read_metrics(metrics) if metrics.exists() else []
+            got[key] = train_curve(recs, key)
+    return got
+
+
+# the train curves a run records by step: the cross-entropy (the loss less its aux and z terms;
+# every run reads the same batches in the same order, so the runs compare step by step) and the
+# MoE layers' mean router entropy (how soft the routing still is)
+CURVES = {"train_xent": "xent", "router_entropy": "router_entropy"}
+
+
+def train_curve(recs: list[dict], key: str) -> dict[int, float]:
+    """CURVES[key] of the train records by step (none where the runs did not log it)."""
+    name = CURVES[key]
+    return {r["step"]: r[name] for r in recs if r["kind"] == "train" and name in r}
+
+
+def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
+    """Runs (or resumes, or reads a finished) experiments.main job; its eval curve, recorded
+    in job_dir, whose checkpoints go unless keep_checkpoints."""
+    done = finished(run, job_dir)
+    if done is not None:
+        print(f"{run['name']}: read the finished run in {job_dir}", flush=True)
+        # this plan's role for it (a record made before `group` was recorded has none)
+        return {**done, **{k: run[k] for k in ("group", "control") if k in run}}
+    cmd = [
+        sys.executable, "-m", "experiments.main", f"--exp={run['exp']}", f"--job_log_dir={job_dir}",
+        "--no_progress"
+    ] + [f"--fdl_set={c}" for c in run["changes"]]
+    if "trunk" in run:  # its trunk's state at its step, then this run's own config from there
+        start_branch(job_dir, job_dir.parent / run["trunk"]["name"])
+        cmd.append("--allow_config_change")
+    t0 = time.time()
+    p = run_child(cmd)
+    if p.returncode:
+        raise SystemExit(f"{run['name']} ({run['exp']}) failed (exit {p.returncode}):\n"
+                         f"{p.stderr[-4000:]}")
+    recs = read_metrics(job_dir / "metrics.jsonl")
+    evals = [r for r in recs if r["kind"] == "eval"]
+    if not evals:
+        raise SystemExit(f"{run['name']}: no eval records in {job_dir / 'metrics.jsonl'}")
+    m = _DATA_LINE.search(p.stdout)
+    data = jobdir.load_recorded(job_dir).data
+    tps = sorted(r["tokens_per_sec"] for r in recs
+                 if r["kind"] == "train" and r["step"] >= 5 and "tokens_per_sec" in r)
+    result = {
+        **run,
+        "seconds": round(time.time() - t0, 1),
+        "corpus_tokens": int(m.group(1).replace(",", "")) if m else None,
+        "corpus_bytes": int(m.group(2).replace(",", "")) if m else None,
+        "tokens_per_step": data.batch_size * data.seq_len,
+        "final_step": max((r["step"] for r in recs if r["kind"] == "train"), default=0),
+        "tokens_per_sec_median": tps[len(tps) // 2] if tps else None,
+        "heldout_loss": {
+            r["step"]: r["heldout_loss"]
+            for r in evals
+        },
+        **{
+            key: train_curve(recs, key)
+            for key in CURVES
+        },
+    }
+    (job_dir / RECORD).write_text(json.dumps(result, indent=1) + "\n")
+    if not keep_checkpoints:
+        shutil.rmtree(job_dir / "checkpoints", ignore_errors=True)
+    return result
+
+
+TRUNK_RECORD = "fp8_quality_trunk.json"  # a finished trunk's exp, changes and step
+
+
+def _checkpoint_steps(job_dir: Path) -> list[int]:
+    ckpts = job_dir / "checkpoints"
+    return sorted(int(d.name) for d in ckpts.iterdir()
+                  if d.name.isdigit()) if ckpts.is_dir() else []
+
+
+def make_trunk(trunk: dict, job_dir: Path, run: dict):
+    """Trains the bf16 trunk to its step in job_dir (the main stops there through
+    train.sigterm_at_step and saves it), unless it already holds that step's checkpoint with
+    a record of the same experiment, changes, step and corpus, GPU (`run`'s)."""
+    want = {
+        "exp": trunk["exp"],
+        "changes": trunk["changes"],
+        "step": trunk["step"],
+        **{
+            k: run.get(k)
+            for k in MUST_MATCH
+        }
+    }
+    record = job_dir / TRUNK_RECORD
+    have = json.loads(record.read_text()) if record.exists() else None
+    if have not in (want, None) or (have == want
+                                    and trunk["step"] not in _checkpoint_steps(job_dir)):
+        shutil.rmtree(job_dir)  # another trunk's, or its checkpoint is gone: train it again
+    if trunk["step"] not in _checkpoint_steps(job_dir):
+        cmd = [
+            sys.executable, "-m", "experiments.main", f"--exp={trunk['exp']}",
+            f"--job_log_dir={job_dir}", "--no_progress"
+        ] + [
+            f"--fdl_set={c}" for c in trunk["changes"] + [f"train.sigterm_at_step={trunk['step']}"]
+        ]
+        t0 = time.time()
+        p = run_child(cmd)
+        if p.returncode != 128 + signal.SIGTERM or trunk["step"] not in _checkpoint_steps(job_dir):
+            raise SystemExit(
+                f"{trunk['name']} ({trunk['exp']} to step {trunk['step']}) did not stop "
+                f"there with its checkpoint (exit {p.returncode}):\n{p.stderr[-4000:]}")
+        print(
+            f"{trunk['name']}: {trunk['exp']} to step {trunk['step']} "
+            f"{time.time() - t0:.1f} s",
+            flush=True)
+    record.write_text(json.dumps(want, indent=1) + "\n")
+
+
+def _copy_or_link(src: str, dst: str):
+    """A checkpoint's files hard-linked (no second copy of a state that can be 31 GB; the
+    branch writes its own checkpoints beside them), everything else copied."""
+    if "checkpoints" in Path(src).parts:
+        try:
+            os.link(src, dst)
+            return dst
+        except OSError:  # another file system, or one without links
+            pass
+    return shutil.copy2(src, dst)
+
+
+def start_branch(job_dir: Path, trunk_dir: Path):
+    """Makes job_dir its trunk's job directory (config, metrics to the trunk's step, event
+    files, checkpoint), unless it already holds a checkpoint (a branch cut short resumes)."""
+    if _checkpoint_steps(job_dir):
+        return
+    if job_dir.exists():
+        shutil.rmtree(job_dir)
+    shutil.copytree(trunk_dir,
+                    job_dir,
+                    copy_function=_copy_or_link,
+                    ignore=shutil.ignore_patterns(TRUNK_RECORD))
+
+
+def drop_trunk_checkpoints(trunk_dir: Path):
+    """A trunk whose branches have all finished keeps its record and curves, not its
+    checkpoint (the same command again trains it anew where a new run needs it)."""
+    shutil.rmtree(trunk_dir / "checkpoints", ignore_errors=True)
