@@ -101,7 +101,7 @@ def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
         "--no_progress"
     ] + [f"--fdl_set={c}" for c in run["changes"]]
     if "trunk" in run:  # its trunk's state at its step, then this run's own config from there
-        start_branch(job_dir, job_dir.parent / run["trunk"]["name"])
+        start_branch(run, job_dir, job_dir.parent / run["trunk"]["name"])
         cmd.append("--allow_config_change")
     t0 = time.time()
     p = run_child(cmd)
@@ -186,29 +186,40 @@ def make_trunk(trunk: dict, job_dir: Path, run: dict):
     record.write_text(json.dumps(want, indent=1) + "\n")
 
 
-def _copy_or_link(src: str, dst: str):
-    """A checkpoint's files hard-linked (no second copy of a state that can be 31 GB; the
-    branch writes its own checkpoints beside them), everything else copied."""
-    if "checkpoints" in Path(src).parts:
-        try:
-            os.link(src, dst)
-            return dst
-        except OSError:  # another file system, or one without links
-            pass
-    return shutil.copy2(src, dst)
+BRANCH_RECORD = "fp8_quality_branch.json"  # what a branch started as: its run and its trunk
 
 
-def start_branch(job_dir: Path, trunk_dir: Path):
+def start_branch(run: dict, job_dir: Path, trunk_dir: Path):
     """Makes job_dir its trunk's job directory (config, metrics to the trunk's step, event
-    files, checkpoint), unless it already holds a checkpoint (a branch cut short resumes)."""
-    if _checkpoint_steps(job_dir):
+    files, and the checkpoint, hard-linked: no second copy of a state that can be 31 GB; the
+    branch writes its own checkpoints beside it), unless it holds a checkpoint of a branch
+    started as this one (the same run from the same trunk), which then resumes."""
+    started = {
+        "exp": run["exp"],
+        "changes": run["changes"],
+        "trunk": json.loads((trunk_dir / TRUNK_RECORD).read_text())
+    }
+    record = job_dir / BRANCH_RECORD
+    if _checkpoint_steps(job_dir) and record.exists() and \
+            json.loads(record.read_text()) == started:
         return
-    if job_dir.exists():
+    if job_dir.exists():  # nothing to resume, or another run's: the branch starts anew
         shutil.rmtree(job_dir)
+
+    def copy_or_link(src: str, dst: str):
+        if Path(src).relative_to(trunk_dir).parts[0] == "checkpoints":
+            try:
+                os.link(src, dst)
+                return dst
+            except OSError:  # another file system, or one without links
+                pass
+        return shutil.copy2(src, dst)
+
     shutil.copytree(trunk_dir,
                     job_dir,
-                    copy_function=_copy_or_link,
+                    copy_function=copy_or_link,
                     ignore=shutil.ignore_patterns(TRUNK_RECORD))
+    record.write_text(json.dumps(started, indent=1) + "\n")
 
 
 def drop_trunk_checkpoints(trunk_dir: Path):

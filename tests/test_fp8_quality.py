@@ -534,9 +534,9 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
     """A fake main: the trunk is trained once to its step (stopped there by SIGTERM), each branch
     starts from a copy of its job directory whose checkpoint files are hard links, resumes under
     its own config (--allow_config_change), and the trunk's checkpoint goes after its last
-    branch; the same command again reads every run; a record made without the branch is not
-    read back as a branched run."""
-    seen = []
+    branch; a branch cut short resumes from its own checkpoint; the same command again reads
+    every run; a record made without the branch is not read back as a branched run."""
+    seen, cut = [], {"v"}
 
     class FakeData:
         batch_size, seq_len = 4, 64
@@ -557,6 +557,11 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
             assert data.read_text() == "state at 4" and data.stat().st_nlink >= 2
             assert "--allow_config_change" in cmd
             recs = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
+            if job.name in cut:  # stopped at step 6 with its checkpoint
+                (job / "checkpoints" / "6").mkdir()
+                return subprocess.CompletedProcess(cmd, 143, "", "stopped at 6")
+            if job.name == "v":  # resumed: its own checkpoint is still there
+                assert (job / "checkpoints" / "6").is_dir()
         else:
             assert "--allow_config_change" not in cmd
             recs = [
@@ -581,9 +586,15 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
         str(keep), "--out",
         str(out), "--variant", "v", "a.b=1"
     ]
-    assert fq.main(argv) == 1  # fp8 2% above base at step 8
+    with pytest.raises(SystemExit, match=r"v \(.*\) failed \(exit 143\):\nstopped at 6"):
+        fq.main(argv)
     assert [name for name, _ in seen] == ["base", "trunk", "fp8", "v"]
     assert "--fdl_set=train.sigterm_at_step=4" not in seen[2][1]
+    assert (keep / "trunk" / "checkpoints" / "4").is_dir()  # v has not finished
+    cut.clear()
+    seen.clear()
+    assert fq.main(argv) == 1  # fp8 2% above base at step 8
+    assert [name for name, _ in seen] == ["v"]
     assert not (keep / "trunk" / "checkpoints").exists()  # gone after its last branch
     assert json.loads((keep / "trunk" / fq_runs.TRUNK_RECORD).read_text())["step"] == 4
     got = json.loads(out.read_text())
@@ -600,6 +611,13 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
     seen.clear()
     assert fq.main(argv + ["--variant", "w", "a.b=2"]) == 1
     assert [name for name, _ in seen] == ["trunk", "w"]
+    # a job directory holding another run's branch (other changes) starts anew from the trunk
+    fq_runs.make_trunk(plain[0] | {"name": "trunk", "step": 4}, keep / "trunk", plain[0])
+    (keep / "x" / "checkpoints" / "6").mkdir(parents=True)
+    (keep / "x" / fq_runs.BRANCH_RECORD).write_text(json.dumps({"exp": "y"}))
+    fq_runs.start_branch(dict(exp="z", changes=["a.b=4"]), keep / "x", keep / "trunk")
+    assert fq_runs._checkpoint_steps(keep / "x") == [4]
+    assert json.loads((keep / "x" / fq_runs.BRANCH_RECORD).read_text())["changes"] == ["a.b=4"]
 
 
 @pytest.mark.slow
