@@ -2,6 +2,7 @@
 keeps and one checkpoint written from initialised parameters, for each preset family at small
 sizes (float32)."""
 
+import zlib
 from pathlib import Path
 
 import jax
@@ -103,7 +104,8 @@ def make_job(job_dir,
             if jnp.issubdtype(x.dtype, jnp.floating) and "params" in name and x.ndim >= 2:
                 return x * WEIGHT_SCALE
             if "expert_bias" in name:
-                k = jax.random.fold_in(key, hash(name) % (1 << 30))
+                # crc32, not hash(): the same bias in every process (PYTHONHASHSEED)
+                k = jax.random.fold_in(key, zlib.crc32(name.encode()) % (1 << 30))
                 return jax.random.normal(k, x.shape, x.dtype) * 0.5
             return x
 

@@ -232,8 +232,15 @@ def test_router_precision_effect_on_logits_and_top_k_choices():
 
 def test_router_precision_reaches_the_block_and_its_gradients():
     """moe_block with router_precision='bf16' differs from float32 only by the router GEMM's
-    rounding: outputs within bf16 tolerance (1e-2 relative), gradients finite, the router's
-    gradient float32."""
+    rounding: where it leaves a token's top-k experts as they were, the token's output is
+    float32's within bf16 tolerance (the loss over those tokens within 1e-2 relative);
+    gradients finite, the router's gradient float32.
+
+    A rounding that flips a near-tie in a token's top-k moves that token's output by a step,
+    not by rounding (it happened to 1-3 of the 64 tokens in 17% of 8001 seeds, and moved the
+    whole loss by up to 7.7%), so the loss is compared over the tokens whose experts agree,
+    and the flips are counted: over those 8001 seeds the largest relative gap on the tokens
+    that agree was 0.23%, 4.3x under the bound, and at most 3 tokens flipped."""
     seed = _seed()
     cfg = mp.MoEConfig(d_model=32, d_ff=16, num_experts=8, top_k=2, kernel_backend="xla")
     kp, kx = jax.random.split(jax.random.key(seed))
@@ -246,7 +253,18 @@ def test_router_precision_reaches_the_block_and_its_gradients():
     lo = dataclasses.replace(cfg, router_precision="bf16")
     v32, g32 = jax.value_and_grad(loss)(params, cfg)
     v16, g16 = jax.value_and_grad(loss)(params, lo)
-    assert abs(float(v16) - float(v32)) <= 1e-2 * abs(float(v32)), f"seed={seed}"
+    ids32, ids16 = (np.sort(np.asarray(routing.route(x, params["router"], c).expert_ids), -1)
+                    for c in (cfg, lo))
+    same = np.all(ids32 == ids16, -1)
+    per_token = [
+        np.sum(np.asarray(mp.moe_block(params, x, c).y, np.float64)**2, -1) for c in (cfg, lo)
+    ]
+    a32, a16 = (float(p[same].sum()) for p in per_token)
+    said = (f"seed={seed}: loss over the {same.sum()} tokens whose experts agree {a16} (bf16) "
+            f"vs {a32}; whole loss {float(v16)} vs {float(v32)}")
+    assert (~same).sum() <= 8, said  # a bf16 router flips near-ties only
+    assert abs(a16 - a32) <= 1e-2 * abs(a32), said
+    assert abs(float(v32) - per_token[0].sum()) <= 1e-4 * float(v32), said  # the same loss
     assert g16["router"].dtype == jnp.float32
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(g16))
     assert not np.array_equal(np.asarray(g16["router"]), np.asarray(g32["router"]))

@@ -85,9 +85,19 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+# How far the KV-cached logits may be from a full recompute's (relative, per row) and their
+# log-probs (absolute): float32 rounding, which some positions of a small random model amplify.
+# Measured over fresh jobs and prompts (largest seen / 99th percentile): Qwen3-like 1.95e-4 /
+# 9.5e-5 over 700 draws (its log-probs 1.49e-4), and a perturbation of every parameter by 1 ulp
+# moves its full recompute by as much (up to 2.9e-4); Tiny 3.4e-6 over 75, DeepSeek-like 1.1e-5
+# over 60. A wrong cache (a position, a mask, a stale entry) is off by 1e-2 or more.
+CACHE_TOL = {"tiny": 1e-4, "deepseek": 1e-4, "qwen3": 5e-4}
+
+
 @pytest.mark.parametrize("family", ["tiny", "deepseek", "qwen3"])
 def test_cached_greedy_equals_full_recompute(jobs, family):
-    rng = np.random.default_rng(testutil.seed())
+    seed = testutil.seed()
+    rng = np.random.default_rng(seed)
     _, sampler = jobs(family)
     prompts = _prompts(rng)
     cached = sampler.sample(prompts, max_new_tokens=NEW, return_logits=True)
@@ -97,10 +107,14 @@ def test_cached_greedy_equals_full_recompute(jobs, family):
     assert len({tuple(t) for t in cached.tokens}) > 1  # not one degenerate continuation
     assert cached.dropped == 0 and full.dropped == 0
     err = testutil.row_errs(cached.logits, full.logits)
-    assert err.max() < 1e-4, err.max()
+    tol = CACHE_TOL[family]
+    assert err.max() < tol, f"prompt seed {seed}: {err.max()}"
     want = log_softmax(full.logits)
     for r, toks in enumerate(cached.tokens):
-        np.testing.assert_allclose(cached.log_probs[r], want[r, np.arange(NEW), toks], atol=1e-4)
+        np.testing.assert_allclose(cached.log_probs[r],
+                                   want[r, np.arange(NEW), toks],
+                                   atol=tol,
+                                   err_msg=f"prompt seed {seed}")
         assert toks == list(np.argmax(full.logits[r], -1))
     # Other prompt lengths, another number of new tokens: nothing compiles again.
     again = sampler.sample(_prompts(rng, lo=1, hi=30), max_new_tokens=NEW // 2 + 3)
