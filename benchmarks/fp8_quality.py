@@ -11,7 +11,7 @@ compared at every evaluation; and FP8 variants that change one thing at a time.
         [--out FILE.json]
 
 Each run is `python -m experiments.main` in its own job directory (a temporary one unless
---keep DIR). --data, --steps, --eval_every and every --fdl_set apply to all runs; a --variant
+--keep DIR; benchmarks.fp8_quality_runs). --data, --steps, --eval_every and every --fdl_set apply to all runs; a --variant
 is one more run of the --fp8 experiment with its own changes, e.g. the wgrads in bf16:
 
     --variant wgrad_bf16 "model.stacked_transformer_tpl.block.moe_layer_tpl.fp8_gemms='fwd+dgrad'"
