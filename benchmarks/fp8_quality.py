@@ -339,7 +339,13 @@ def main(argv=None) -> int:
     if got is None:
         print(f"{what}: no eval after step 0 (FAIL)")
     else:
-        alone = f"; the seed-0 pair alone {worst:.3%}" if seeds else ""
+        alone = ""
+        if seeds:
+            at = max((s for s in result["steps"] if s > 0),
+                     key=lambda s: abs(seeds["steps"][s]["gap_of_means"]))
+            v = seeds["steps"][at]
+            alone = (f"; at step {at} its standard error is {v['gap_se']:.2%} unpaired, "
+                     f"{v['paired_gap_se']:.2%} paired; the seed-0 pair alone {worst:.3%}")
         print(f"{what} after step 0 {got:.3%} (<= {args.max_gap:.2%} at every eval: "
               f"{'PASS' if result['pass'] else 'FAIL'}){alone}")
     if result["noise_floor"] is not None:

@@ -6,7 +6,8 @@ prints and the share of the corpus the runs read."""
 
 from __future__ import annotations
 
-from statistics import fmean
+from math import sqrt
+from statistics import fmean, stdev
 
 
 def read_share(run: dict):
@@ -38,9 +39,13 @@ def window_means(runs: list[dict],
 def seed_stats(runs: list[dict], steps: list[int], means: dict[int, list[float]]) -> dict | None:
     """With more than one run of each format (group 'base' and 'fp8', paired by seed in run
     order), at every eval step: each format's mean held-out loss over its seeds, the relative
-    gap of the fp8 mean to the base mean, the per-seed gaps (fp8 seed I against base seed I) and
-    each format's spread (its seeds' largest relative distance from their mean); the same gap of
-    the train cross-entropy's window means. None with one run per format."""
+    gap of the fp8 mean to the base mean, the per-seed gaps (fp8 seed I against base seed I),
+    each format's spread (its seeds' largest relative distance from their mean) and the
+    standard error of the gap, as a share of the base mean: `gap_se` from each format's sample
+    standard deviation (the runs of two formats drift apart independently after a few hundred
+    steps), `paired_gap_se` from the per-seed gaps' (the runs of one seed share a state, as
+    --branch_at's do); the same gap of the train cross-entropy's window means. None with one
+    run per format."""
     by = {g: [i for i, r in enumerate(runs) if r.get("group") == g] for g in ("base", "fp8")}
     if len(by["base"]) < 2 or len(by["base"]) != len(by["fp8"]):
         return None
@@ -56,6 +61,10 @@ def seed_stats(runs: list[dict], steps: list[int], means: dict[int, list[float]]
             "base_spread": max(abs(v - mb) for v in loss["base"]) / mb,
             "fp8_spread": max(abs(v - mf) for v in loss["fp8"]) / mf,
         }
+        n = len(loss["base"])
+        out["steps"][st]["gap_se"] = sqrt(stdev(loss["base"])**2 / n +
+                                          stdev(loss["fp8"])**2 / n) / mb
+        out["steps"][st]["paired_gap_se"] = stdev(out["steps"][st]["paired_gaps"]) / sqrt(n)
     for st, m in means.items():
         mb, mf = (fmean([m[i] for i in by[g]]) for g in ("base", "fp8"))
         out["train_windows"][st] = {"base_mean": mb, "fp8_mean": mf, "gap_of_means": (mf - mb) / mb}
@@ -174,13 +183,15 @@ def table(runs: list[dict], result: dict) -> str:
         lines += [
             f"over {seeds['seeds']} seeds each, held-out loss:",
             "| step | base mean | fp8 mean | gap of the means | per-seed gaps | base spread "
-            "| fp8 spread |", "|---|---|---|---|---|---|---|"
+            "| fp8 spread | standard error of the gap (unpaired / paired) |",
+            "|---|---|---|---|---|---|---|---|"
         ]
         for s, v in seeds["steps"].items():
             paired = ", ".join(f"{g:+.2%}" for g in v["paired_gaps"])
             lines.append(f"| {s} | {v['base_mean']:.4f} | {v['fp8_mean']:.4f} | "
                          f"{v['gap_of_means']:+.2%} | {paired} | {v['base_spread']:.2%} | "
-                         f"{v['fp8_spread']:.2%} |")
+                         f"{v['fp8_spread']:.2%} | {v['gap_se']:.2%} / "
+                         f"{v['paired_gap_se']:.2%} |")
         for s, v in seeds["train_windows"].items():
             lines.append(f"train cross-entropy to step {s}: base mean {v['base_mean']:.4f}, "
                          f"fp8 mean {v['fp8_mean']:.4f}, gap of the means "

@@ -491,7 +491,12 @@ def test_with_seeds_the_check_is_the_gap_of_the_means():
     assert got["seeds"]["train_windows"][100]["gap_of_means"] == pytest.approx(0.0)
     text = fq.table(runs, got)
     assert "over 2 seeds each, held-out loss:" in text
-    assert "| 100 | 2.1000 | 2.1050 | +0.24% | +4.00%, -3.18% | 4.76% | 1.19% |" in text
+    # standard errors: from the two formats' sample variances (0.02 and 0.00125), and from
+    # the per-seed gaps' (two gaps: |difference| / sqrt(2), over sqrt(2) seeds)
+    assert st["gap_se"] == pytest.approx((0.02 / 2 + 0.00125 / 2)**0.5 / 2.1)
+    assert st["paired_gap_se"] == pytest.approx((0.04 + 0.07 / 2.2) / 2)
+    assert "| 100 | 2.1000 | 2.1050 | +0.24% | +4.00%, -3.18% | 4.76% | 1.19% | 4.91% / " \
+        "3.59% |" in text
     # one run a format: no seed statistics, the seed-0 pair is the check
     single = fq.compare([runs[0], runs[1], runs[4]], 0.01)
     assert single["seeds"] is None and not single["pass"]
@@ -643,3 +648,49 @@ def test_a_real_fp8_branch_takes_up_the_bf16_trunks_state(tmp_path):
     assert (keep / "fp8" / "config.replaced.1.json").read_text() == trunk_config
     assert (keep / "fp8" / "config.json").read_text() != trunk_config
     assert not (keep / "trunk" / "checkpoints").exists()
+
+
+def test_branched_seeds_report_the_gaps_standard_errors(tmp_path, monkeypatch, capsys):
+    """--seeds 2 --branch_at 4 with a fake main: a trunk per seed (trunk, trunk.s1), each FP8
+    run branched from its own seed's, and the check's line gives the gap of the means with its
+    standard errors at the step where it is largest."""
+    seen = []
+    loss = {"base": 2.0, "fp8": 2.06, "base.s1": 2.2, "fp8.s1": 2.2}
+
+    class FakeData:
+        batch_size, seq_len = 4, 64
+
+    def fake_run(cmd):
+        job = Path(next(c.split("=", 1)[1] for c in cmd if c.startswith("--job_log_dir=")))
+        seen.append(job.name)
+        (job / "checkpoints" / "4").mkdir(parents=True, exist_ok=True)
+        if job.name.startswith("trunk"):
+            assert ("--fdl_set=train.seed=1" in cmd) == (job.name == "trunk.s1")
+            (job / "metrics.jsonl"
+             ).write_text(json.dumps(dict(kind="eval", step=4, heldout_loss=3.0)) + "\n")
+            return subprocess.CompletedProcess(cmd, 143, "", "")
+        recs = [
+            dict(kind="eval", step=4, heldout_loss=3.0),
+            dict(kind="train", step=8),
+            dict(kind="eval", step=8, heldout_loss=loss[job.name])
+        ]
+        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(fq_runs, "run_child", fake_run)
+    monkeypatch.setattr(fq_runs.jobdir, "load_recorded",
+                        lambda d: type("C", (), {"data": FakeData}))
+    out = tmp_path / "r.json"
+    assert fq.main([
+        "--steps", "8", "--eval_every", "4", "--branch_at", "4", "--seeds", "2", "--keep",
+        str(tmp_path / "k"), "--out",
+        str(out)
+    ]) == 1
+    assert seen == ["base", "trunk", "fp8", "base.s1", "trunk.s1", "fp8.s1"]
+    st = json.loads(out.read_text())["seeds"]["steps"]["8"]
+    assert st["gap_of_means"] == pytest.approx(0.06 / 4.2)
+    assert st["paired_gap_se"] == pytest.approx(0.03 / 2)  # gaps 3% and 0%
+    text = capsys.readouterr().out
+    assert ("largest |gap of the mean held-out losses| after step 0 1.429% (<= 1.00% at every "
+            "eval: FAIL); at step 8 its standard error is "
+            f"{st['gap_se']:.2%} unpaired, 1.50% paired; the seed-0 pair alone 3.000%") in text
