@@ -19,6 +19,29 @@ from benchmarks import fp8_quality_runs as fq_runs
 VARIANT = "model.stacked_transformer_tpl.moe_layer_tpl.fp8_gemms='fwd+dgrad'"
 
 
+class FakeData:
+    batch_size, seq_len = 4, 64
+
+
+def fake_main(monkeypatch, run):
+    """A fake experiments.main in the real one's place: run(job_dir, cmd) -> (exit status,
+    stdout, stderr), job_dir the one the command names; the config the benchmark reads back
+    from a job directory has FakeData's batch shape."""
+
+    def run_child(cmd):
+        job = Path(next(c.split("=", 1)[1] for c in cmd if c.startswith("--job_log_dir=")))
+        return subprocess.CompletedProcess(cmd, *run(job, cmd))
+
+    monkeypatch.setattr(fq_runs, "run_child", run_child)
+    monkeypatch.setattr(fq_runs.jobdir, "load_recorded",
+                        lambda d: type("C", (), {"data": FakeData}))
+
+
+def write_metrics(job: Path, recs: list[dict]):
+    job.mkdir(parents=True, exist_ok=True)
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
 def test_options_and_the_runs_planned(tmp_path, capsys):
     args = fq.parse_args([
         "--steps", "500", "--eval_every", "100", "--data",
@@ -315,35 +338,20 @@ def test_the_command_given_to_the_main_and_what_is_read_back(tmp_path, monkeypat
     JSON, exit 1 where the fp8 run is over the gap."""
     seen = []
 
-    class FakeData:
-        batch_size, seq_len = 4, 64
-
-    def fake_run(cmd):
+    def fake_run(job, cmd):
         seen.append(cmd)
-        job = next(c.split("=", 1)[1] for c in cmd if c.startswith("--job_log_dir="))
-        name = job.rsplit("/", 1)[-1]
-        loss = {"base": 2.0, "fp8": 2.1, "v": 2.2}[name]
-        recs = [{
-            "kind": "eval",
-            "step": 0,
-            "heldout_loss": 5.0
-        }, {
-            "kind": "train",
-            "step": 8,
-            "tokens_per_sec": 10.0
-        }, {
-            "kind": "eval",
-            "step": 8,
-            "heldout_loss": loss
-        }]
-        (tmp_path / name).mkdir(parents=True, exist_ok=True)
-        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-        out = "data: source text /x, 1 files, 3 documents, 2,048 tokens (2,048 bytes), ...\n"
-        return subprocess.CompletedProcess(cmd, 0, out, "")
+        write_metrics(job, [
+            dict(kind="eval", step=0, heldout_loss=5.0),
+            dict(kind="train", step=8, tokens_per_sec=10.0),
+            dict(kind="eval", step=8, heldout_loss={
+                "base": 2.0,
+                "fp8": 2.1,
+                "v": 2.2
+            }[job.name])
+        ])
+        return 0, "data: source text /x, 1 files, 3 documents, 2,048 tokens (2,048 bytes), ...\n", ""
 
-    monkeypatch.setattr(fq_runs, "run_child", fake_run)
-    monkeypatch.setattr(fq_runs.jobdir, "load_recorded",
-                        lambda d: type("C", (), {"data": FakeData}))
+    fake_main(monkeypatch, fake_run)
     out = tmp_path / "r.json"
     rc = fq.main(
         ["--steps", "8", "--keep",
@@ -367,26 +375,20 @@ def test_finished_runs_are_recorded_read_back_and_lose_their_checkpoints(tmp_pat
     incomplete; a record of other changes is not taken for this run."""
     seen, fail = [], set()
 
-    class FakeData:
-        batch_size, seq_len = 4, 64
-
-    def fake_run(cmd):
-        job = Path(next(c.split("=", 1)[1] for c in cmd if c.startswith("--job_log_dir=")))
+    def fake_run(job, cmd):
         seen.append(job.name)
         if job.name in fail:
-            return subprocess.CompletedProcess(cmd, 3, "", "disk full")
+            return 3, "", "disk full"
         (job / "checkpoints" / "8").mkdir(parents=True, exist_ok=True)
         recs = [
             dict(kind="eval", step=0, heldout_loss=5.0),
             dict(kind="train", step=8, tokens_per_sec=10.0),
             dict(kind="eval", step=8, heldout_loss=2.0)
         ]
-        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+        write_metrics(job, recs)
+        return 0, "", ""
 
-    monkeypatch.setattr(fq_runs, "run_child", fake_run)
-    monkeypatch.setattr(fq_runs.jobdir, "load_recorded",
-                        lambda d: type("C", (), {"data": FakeData}))
+    fake_main(monkeypatch, fake_run)
     out = tmp_path / "r.json"
     argv = [
         "--steps", "8", "--keep",
@@ -543,11 +545,7 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
     every run; a record made without the branch is not read back as a branched run."""
     seen, cut = [], {"v"}
 
-    class FakeData:
-        batch_size, seq_len = 4, 64
-
-    def fake_run(cmd):
-        job = Path(next(c.split("=", 1)[1] for c in cmd if c.startswith("--job_log_dir=")))
+    def fake_run(job, cmd):
         seen.append((job.name, cmd))
         if "--fdl_set=train.sigterm_at_step=4" in cmd:  # the trunk: stops at step 4 and saves
             (job / "checkpoints" / "4" / "default").mkdir(parents=True)
@@ -556,7 +554,7 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
             (job / "metrics.jsonl").write_text(
                 json.dumps(dict(kind="eval", step=0, heldout_loss=5.0)) + "\n" +
                 json.dumps(dict(kind="eval", step=4, heldout_loss=3.0)) + "\n")
-            return subprocess.CompletedProcess(cmd, 143, "", "")
+            return 143, "", ""
         if job.name != "base":  # a branch: it holds the trunk's state and curves
             data = job / "checkpoints" / "4" / "default" / "data"
             assert data.read_text() == "state at 4" and data.stat().st_nlink >= 2
@@ -564,7 +562,7 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
             recs = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
             if job.name in cut:  # stopped at step 6 with its checkpoint
                 (job / "checkpoints" / "6").mkdir()
-                return subprocess.CompletedProcess(cmd, 143, "", "stopped at 6")
+                return 143, "", "stopped at 6"
             if job.name == "v":  # resumed: its own checkpoint is still there
                 assert (job / "checkpoints" / "6").is_dir()
         else:
@@ -579,12 +577,10 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
             dict(kind="train", step=8, tokens_per_sec=10.0),
             dict(kind="eval", step=8, heldout_loss=loss)
         ]
-        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+        write_metrics(job, recs)
+        return 0, "", ""
 
-    monkeypatch.setattr(fq_runs, "run_child", fake_run)
-    monkeypatch.setattr(fq_runs.jobdir, "load_recorded",
-                        lambda d: type("C", (), {"data": FakeData}))
+    fake_main(monkeypatch, fake_run)
     keep, out = tmp_path / "k", tmp_path / "r.json"
     argv = [
         "--steps", "8", "--eval_every", "4", "--branch_at", "4", "--keep",
@@ -657,29 +653,23 @@ def test_branched_seeds_report_the_gaps_standard_errors(tmp_path, monkeypatch, c
     seen = []
     loss = {"base": 2.0, "fp8": 2.06, "base.s1": 2.2, "fp8.s1": 2.2}
 
-    class FakeData:
-        batch_size, seq_len = 4, 64
-
-    def fake_run(cmd):
-        job = Path(next(c.split("=", 1)[1] for c in cmd if c.startswith("--job_log_dir=")))
+    def fake_run(job, cmd):
         seen.append(job.name)
         (job / "checkpoints" / "4").mkdir(parents=True, exist_ok=True)
         if job.name.startswith("trunk"):
             assert ("--fdl_set=train.seed=1" in cmd) == (job.name == "trunk.s1")
             (job / "metrics.jsonl"
              ).write_text(json.dumps(dict(kind="eval", step=4, heldout_loss=3.0)) + "\n")
-            return subprocess.CompletedProcess(cmd, 143, "", "")
+            return 143, "", ""
         recs = [
             dict(kind="eval", step=4, heldout_loss=3.0),
             dict(kind="train", step=8),
             dict(kind="eval", step=8, heldout_loss=loss[job.name])
         ]
-        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+        write_metrics(job, recs)
+        return 0, "", ""
 
-    monkeypatch.setattr(fq_runs, "run_child", fake_run)
-    monkeypatch.setattr(fq_runs.jobdir, "load_recorded",
-                        lambda d: type("C", (), {"data": FakeData}))
+    fake_main(monkeypatch, fake_run)
     out = tmp_path / "r.json"
     assert fq.main([
         "--steps", "8", "--eval_every", "4", "--branch_at", "4", "--seeds", "2", "--keep",
