@@ -15,8 +15,13 @@ Runs (one job directory each; ``--fdl_set`` as the main job takes it)::
       --job_log_dir DIR [--fdl_set=train.seed=1] \
       [--fdl_set=model.stacked_transformer_tpl.block.moe_layer_tpl.router_init_scale=0.1]
 
-Report (held-out loss at every evaluation, each layer's router entropy between evaluations,
-and the spread of runs that differ by seed only)::
+A run branched at step S from another's state (as benchmarks.fp8_quality --branch_at
+compares the formats): the trunk trained to S (``--fdl_set=train.sigterm_at_step=S``), its job
+directory copied, and the copy run with its own ``--fdl_set`` changes and
+``--allow_config_change``.
+
+Report (held-out loss at every evaluation, the train cross-entropy's and each layer's router
+entropy's means between evaluations, and the spread of runs that differ by seed only)::
 
   python -m benchmarks.router_proxy NAME=DIR [NAME=DIR ...] [--out FILE.json]
 
@@ -62,7 +67,8 @@ mixtral_router_proxy = config_function(MixtralRouterProxy)
 
 
 def read_run(name: str, job_dir: Path) -> dict:
-    """One run's held-out losses by eval step and its train records' router entropies."""
+    """One run's held-out losses by eval step and its train records' cross-entropy and router
+    entropies."""
     path = Path(job_dir) / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"{name}={job_dir}: no metrics.jsonl there (a job directory of "
@@ -79,6 +85,10 @@ def read_run(name: str, job_dir: Path) -> dict:
         "heldout_loss": {
             r["step"]: r["heldout_loss"]
             for r in recs if r["kind"] == "eval"
+        },
+        "train_xent": {
+            r["step"]: r["xent"]
+            for r in train if "xent" in r
         },
         "entropy": {
             key: {
@@ -146,6 +156,18 @@ def report(runs: list[dict]) -> tuple[dict, str]:
                          (f" [{', '.join(per)}]" if per else ""))
         lines.append(f"| {prev + 1}-{s} | " + " | ".join(cells) + " |")
         prev = s
+    xent = window_means(runs, steps)  # over the train steps every run recorded
+    if xent:
+        first = runs[0]["name"]
+        lines += [
+            f"train cross-entropy, mean over the steps since the last eval (gap to {first}):",
+            "| steps | " + " | ".join(r["name"] for r in runs) + " |", "|---|" + "---|" * len(runs)
+        ]
+        prev = 0
+        for s, means in xent.items():
+            lines.append(f"| {prev + 1}-{s} | {means[0]:.4f} | " +
+                         " | ".join(f"{m:.4f} ({m / means[0] - 1:+.2%})" for m in means[1:]) + " |")
+            prev = s
     for key, by_step in spread.items():
         lines.append(f"spread of {key} over its seeds (max - min) / mean: " +
                      ", ".join(f"step {s} {100 * v:.2f}%" for s, v in by_step.items() if s))
@@ -156,6 +178,13 @@ def report(runs: list[dict]) -> tuple[dict, str]:
             for r in runs
         },
         "router_entropy_windows": win,
+        "train_xent_windows": {
+            r["name"]: {
+                s: means[i]
+                for s, means in xent.items()
+            }
+            for i, r in enumerate(runs)
+        },
         "seed_spreads": spread,
     }
     return result, "\n".join(lines)

@@ -33,6 +33,7 @@ def _write_run(path, rng, steps, evals, layers=2):
         recs.append({
             "kind": "train",
             "step": s,
+            "xent": float(rng.uniform(1, 5)),
             "router_entropy": float(per.mean()),
             **{
                 f"router_entropy_layer_{l}": float(per[l])
@@ -40,7 +41,8 @@ def _write_run(path, rng, steps, evals, layers=2):
             }
         })
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return {r["step"]: r["heldout_loss"] for r in recs if r["kind"] == "eval"}, truth
+    xent = {r["step"]: r["xent"] for r in recs if r["kind"] == "train"}
+    return {r["step"]: r["heldout_loss"] for r in recs if r["kind"] == "eval"}, (truth, xent)
 
 
 def test_report_windows_and_seed_spreads(tmp_path, capsys):
@@ -54,9 +56,13 @@ def test_report_windows_and_seed_spreads(tmp_path, capsys):
     got = json.loads(out.read_text())
     assert got["steps"] == evals
     for name in held:
+        entropy, xent = truth[name]
         for s, lo in ((5, 1), (10, 6)):
+            np.testing.assert_allclose(got["train_xent_windows"][name][str(s)],
+                                       np.mean([xent[t] for t in range(lo, s + 1)]),
+                                       rtol=1e-9)
             w = got["router_entropy_windows"][name][str(s)]
-            want = np.mean([truth[name][t] for t in range(lo, s + 1)], axis=0)
+            want = np.mean([entropy[t] for t in range(lo, s + 1)], axis=0)
             np.testing.assert_allclose([w["router_entropy_layer_0"], w["router_entropy_layer_1"]],
                                        want,
                                        rtol=1e-9)
@@ -68,7 +74,11 @@ def test_report_windows_and_seed_spreads(tmp_path, capsys):
         np.testing.assert_allclose(got["seed_spreads"]["base"][str(s)],
                                    abs(a - b) / ((a + b) / 2),
                                    rtol=1e-9)
-    assert "spread of base over its seeds" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "spread of base over its seeds" in text
+    means = {n: got["train_xent_windows"][n]["10"] for n in held}
+    assert (f"| 6-10 | {means['base']:.4f} | {means['base.s1']:.4f} "
+            f"({means['base.s1'] / means['base'] - 1:+.2%}) |") in text
 
 
 def test_report_errors_name_the_bad_run(tmp_path):
