@@ -11,8 +11,9 @@ compared at every evaluation; and FP8 variants that change one thing at a time.
         [--out FILE.json]
 
 Each run is `python -m experiments.main` in its own job directory (a temporary one unless
---keep DIR; benchmarks.fp8_quality_runs). --data, --steps, --eval_every and every --fdl_set apply to all runs; a --variant
-is one more run of the --fp8 experiment with its own changes, e.g. the wgrads in bf16:
+--keep DIR; benchmarks.fp8_quality_runs). --data, --steps, --eval_every and every --fdl_set
+apply to all runs; a --variant is one more run of the --fp8 experiment with its own changes,
+e.g. the wgrads in bf16:
 
     --variant wgrad_bf16 "model.stacked_transformer_tpl.block.moe_layer_tpl.fp8_gemms='fwd+dgrad'"
 
@@ -236,16 +237,20 @@ def branched(runs: list[dict], step: int) -> list[dict]:
     at train.seed=I) trained to STEP, whose job directory it starts from; in the order base,
     the runs that branch from its trunk, base.s1, theirs, ... (one trunk at a time holds a
     checkpoint on the disk)."""
-    bases = {seed_of(r): r for r in runs if r.get("group") == "base"}
+
+    def seed(r):  # train.seed=0 is the experiment's own seed too (the base's)
+        return seed_of(r) or None
+
+    bases = {seed(r): r for r in runs if r.get("group") == "base"}
     out = []
-    for seed, base in bases.items():
-        trunk = dict(name=trunk_name(seed), exp=base["exp"], changes=base["changes"], step=step)
+    for key, base in bases.items():
+        trunk = dict(name=trunk_name(key), exp=base["exp"], changes=base["changes"], step=step)
         out.append(base)
         out += [
             dict(r, branch_at=step, trunk=trunk) for r in runs
-            if r.get("group") != "base" and seed_of(r) == seed
+            if r.get("group") != "base" and seed(r) == key
         ]
-    orphans = [r["name"] for r in runs if r.get("group") != "base" and seed_of(r) not in bases]
+    orphans = [r["name"] for r in runs if r.get("group") != "base" and seed(r) not in bases]
     if orphans:
         raise SystemExit(f"--branch_at {step}: {orphans} run at a seed with no base run to branch "
                          "from (train.seed=I needs base.sI: give --seeds I+1 or more)")

@@ -523,6 +523,9 @@ def test_branch_at_plans_each_run_from_its_seeds_trunk(tmp_path, capsys):
         assert "train.seed=1" in r["trunk"]["changes"]
     assert [r["name"] for r in fq.plan_runs(fq.parse_args(argv))
             ] == ["base", "fp8", "base.s1", "fp8.s1", "v"]  # no branch: the order as before
+    zero = fq.plan_runs(
+        fq.parse_args(argv + ["--variant", "z", "train.seed=0", "--branch_at", "100"]))
+    assert {r["name"]: r["trunk"]["name"] for r in zero if "trunk" in r}["z"] == "trunk"
     with pytest.raises(SystemExit, match=r"\['v.s3'\] run at a seed with no base run"):
         fq.plan_runs(
             fq.parse_args(argv + ["--variant", "v.s3", "train.seed=3"] + ["--branch_at", "100"]))
