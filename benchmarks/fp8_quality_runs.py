@@ -206,13 +206,20 @@ def start_branch(run: dict, job_dir: Path, trunk_dir: Path):
     if job_dir.exists():  # nothing to resume, or another run's: the branch starts anew
         shutil.rmtree(job_dir)
 
+    copied = []
+
     def copy_or_link(src: str, dst: str):
         if Path(src).relative_to(trunk_dir).parts[0] == "checkpoints":
             try:
                 os.link(src, dst)
                 return dst
-            except OSError:  # another file system, or one without links
-                pass
+            except OSError as e:  # a file system without links: a full copy, said once
+                if not copied:
+                    print(
+                        f"{job_dir.name}: the trunk's checkpoint is copied, not linked "
+                        f"({e}): it takes its size again on the disk",
+                        flush=True)
+                copied.append(src)
         return shutil.copy2(src, dst)
 
     shutil.copytree(trunk_dir,

@@ -687,3 +687,26 @@ def test_branched_seeds_report_the_gaps_standard_errors(tmp_path, monkeypatch, c
     assert ("largest |gap of the mean held-out losses| after step 0 1.429% (<= 1.00% at every "
             "eval: FAIL); at step 8 its standard error is "
             f"{st['gap_se']:.2%} unpaired, 1.50% paired; the seed-0 pair alone 3.000%") in text
+
+
+def test_a_trunk_that_cannot_be_linked_is_copied_and_said(tmp_path, monkeypatch, capsys):
+    """Where the file system refuses hard links, the branch gets a full copy of the trunk's
+    checkpoint (the same bytes) and one line says so; its other files are always copies."""
+    trunk = tmp_path / "trunk"
+    (trunk / "checkpoints" / "4" / "default").mkdir(parents=True)
+    for name in ("a", "b"):
+        (trunk / "checkpoints" / "4" / "default" / name).write_text(f"state {name}")
+    (trunk / "metrics.jsonl").write_text("{}\n")
+    (trunk / fq_runs.TRUNK_RECORD).write_text(json.dumps({"step": 4}))
+
+    def no_links(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(fq_runs.os, "link", no_links)
+    fq_runs.start_branch(dict(exp="e", changes=[]), tmp_path / "fp8", trunk)
+    got = tmp_path / "fp8" / "checkpoints" / "4" / "default"
+    assert [(got / n).read_text() for n in ("a", "b")] == ["state a", "state b"]
+    assert (got / "a").stat().st_nlink == 1
+    said = capsys.readouterr().out
+    assert said.count("the trunk's checkpoint is copied, not linked") == 1
+    assert not (tmp_path / "fp8" / fq_runs.TRUNK_RECORD).exists()
