@@ -75,7 +75,7 @@ from pathlib import Path
 
 from benchmarks.corpus import data_bytes, stdlib_corpus
 from benchmarks.fp8_quality_report import compare, read_share, seed_of, table
-from benchmarks.fp8_quality_runs import (drop_trunk_checkpoints, finished, make_trunk, train)
+from benchmarks.fp8_quality_runs import drop_trunk_checkpoints, train
 
 ROOT = Path(__file__).resolve().parent.parent
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -237,20 +237,16 @@ def branched(runs: list[dict], step: int) -> list[dict]:
     at train.seed=I) trained to STEP, whose job directory it starts from; in the order base,
     the runs that branch from its trunk, base.s1, theirs, ... (one trunk at a time holds a
     checkpoint on the disk)."""
-
-    def seed(r):  # train.seed=0 is the experiment's own seed too (the base's)
-        return seed_of(r) or None
-
-    bases = {seed(r): r for r in runs if r.get("group") == "base"}
+    bases = {seed_of(r): r for r in runs if r.get("group") == "base"}
     out = []
     for key, base in bases.items():
         trunk = dict(name=trunk_name(key), exp=base["exp"], changes=base["changes"], step=step)
         out.append(base)
         out += [
             dict(r, branch_at=step, trunk=trunk) for r in runs
-            if r.get("group") != "base" and seed(r) == key
+            if r.get("group") != "base" and seed_of(r) == key
         ]
-    orphans = [r["name"] for r in runs if r.get("group") != "base" and seed(r) not in bases]
+    orphans = [r["name"] for r in runs if r.get("group") != "base" and seed_of(r) not in bases]
     if orphans:
         raise SystemExit(f"--branch_at {step}: {orphans} run at a seed with no base run to branch "
                          "from (train.seed=I needs base.sI: give --seeds I+1 or more)")
@@ -313,8 +309,6 @@ def main(argv=None) -> int:
         last_branch = {r["trunk"]["name"]: i for i, r in enumerate(plan) if "trunk" in r}
         for i, run in enumerate(plan):
             trunk = run.get("trunk")
-            if trunk is not None and finished(run, top / run["name"]) is None:
-                make_trunk(trunk, top / trunk["name"], run)
             runs.append(train(run, top / run["name"], args.keep_checkpoints))
             if trunk is not None and last_branch[trunk["name"]] == i and not args.keep_checkpoints:
                 drop_trunk_checkpoints(top / trunk["name"])

@@ -7,7 +7,7 @@ prints and the share of the corpus the runs read."""
 from __future__ import annotations
 
 from math import sqrt
-from statistics import fmean, stdev
+from statistics import fmean, stdev, variance
 
 
 def read_share(run: dict):
@@ -62,8 +62,7 @@ def seed_stats(runs: list[dict], steps: list[int], means: dict[int, list[float]]
             "fp8_spread": max(abs(v - mf) for v in loss["fp8"]) / mf,
         }
         n = len(loss["base"])
-        out["steps"][st]["gap_se"] = sqrt(stdev(loss["base"])**2 / n +
-                                          stdev(loss["fp8"])**2 / n) / mb
+        out["steps"][st]["gap_se"] = sqrt((variance(loss["base"]) + variance(loss["fp8"])) / n) / mb
         out["steps"][st]["paired_gap_se"] = stdev(out["steps"][st]["paired_gaps"]) / sqrt(n)
     for st, m in means.items():
         mb, mf = (fmean([m[i] for i in by[g]]) for g in ("base", "fp8"))
@@ -76,9 +75,9 @@ SEED = "train.seed="  # the own change that sets a run's initialization seed
 
 def seed_of(run: dict) -> int | None:
     """The initialization seed a run's own changes set (train.seed=I), else None (the
-    experiment's)."""
+    experiment's; train.seed=0 is that seed too: every experiment's SEED is 0)."""
     seeds = [c[len(SEED):] for c in run.get("own", []) if c.startswith(SEED)]
-    return int(seeds[-1]) if seeds else None
+    return (int(seeds[-1]) or None) if seeds else None
 
 
 def references(runs: list[dict]) -> list[int]:

@@ -23,6 +23,14 @@ _DATA_LINE = re.compile(r"^data: .*?([\d,]+) tokens \(([\d,]+) bytes\)", re.M)
 CHILD_SAVE_S = 300  # how long a stopped main may take to save its step
 
 
+def main_command(exp: str, job_dir: Path, changes: list[str]) -> list[str]:
+    """The experiments.main command of one job: experiment, job directory, config changes."""
+    return [
+        sys.executable, "-m", "experiments.main", f"--exp={exp}", f"--job_log_dir={job_dir}",
+        "--no_progress"
+    ] + [f"--fdl_set={c}" for c in changes]
+
+
 def run_child(cmd: list[str]) -> subprocess.CompletedProcess:
     """Runs the main; a SIGTERM or Ctrl-C of this process reaches it first (it stops after its
     step in flight and saves it), so a cut run resumes from there with --keep."""
@@ -90,18 +98,18 @@ def train_curve(recs: list[dict], key: str) -> dict[int, float]:
 
 def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
     """Runs (or resumes, or reads a finished) experiments.main job; its eval curve, recorded
-    in job_dir, whose checkpoints go unless keep_checkpoints."""
+    in job_dir, whose checkpoints go unless keep_checkpoints. A branch (run['trunk']) starts
+    from its trunk, trained first where it is not ready (make_trunk, start_branch)."""
     done = finished(run, job_dir)
     if done is not None:
         print(f"{run['name']}: read the finished run in {job_dir}", flush=True)
         # this plan's role for it (a record made before `group` was recorded has none)
         return {**done, **{k: run[k] for k in ("group", "control") if k in run}}
-    cmd = [
-        sys.executable, "-m", "experiments.main", f"--exp={run['exp']}", f"--job_log_dir={job_dir}",
-        "--no_progress"
-    ] + [f"--fdl_set={c}" for c in run["changes"]]
+    cmd = main_command(run["exp"], job_dir, run["changes"])
     if "trunk" in run:  # its trunk's state at its step, then this run's own config from there
-        start_branch(run, job_dir, job_dir.parent / run["trunk"]["name"])
+        trunk_dir = job_dir.parent / run["trunk"]["name"]
+        make_trunk(run["trunk"], trunk_dir, run)
+        start_branch(run, job_dir, trunk_dir)
         cmd.append("--allow_config_change")
     t0 = time.time()
     p = run_child(cmd)
@@ -163,18 +171,13 @@ def make_trunk(trunk: dict, job_dir: Path, run: dict):
     }
     record = job_dir / TRUNK_RECORD
     have = json.loads(record.read_text()) if record.exists() else None
-    if have not in (want, None) or (have == want
-                                    and trunk["step"] not in _checkpoint_steps(job_dir)):
+    if have is not None and (have != want or trunk["step"] not in _checkpoint_steps(job_dir)):
         shutil.rmtree(job_dir)  # another trunk's, or its checkpoint is gone: train it again
     if trunk["step"] not in _checkpoint_steps(job_dir):
-        cmd = [
-            sys.executable, "-m", "experiments.main", f"--exp={trunk['exp']}",
-            f"--job_log_dir={job_dir}", "--no_progress"
-        ] + [
-            f"--fdl_set={c}" for c in trunk["changes"] + [f"train.sigterm_at_step={trunk['step']}"]
-        ]
         t0 = time.time()
-        p = run_child(cmd)
+        p = run_child(
+            main_command(trunk["exp"], job_dir,
+                         trunk["changes"] + [f"train.sigterm_at_step={trunk['step']}"]))
         if p.returncode != 128 + signal.SIGTERM or trunk["step"] not in _checkpoint_steps(job_dir):
             raise SystemExit(
                 f"{trunk['name']} ({trunk['exp']} to step {trunk['step']}) did not stop "
