@@ -74,7 +74,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.corpus import data_bytes, stdlib_corpus
-from benchmarks.fp8_quality_report import compare, read_share, seed_of, table
+from benchmarks.fp8_quality_report import (compare, paired, record, recorded_runs, seed_of, summary,
+                                           table)
 from benchmarks.fp8_quality_runs import drop_trunk_checkpoints, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--keep_checkpoints",
                     action="store_true",
                     help="keep a finished run's checkpoints (removed by default)")
+    ap.add_argument("--report",
+                    default=None,
+                    metavar="FILE.json",
+                    help="train nothing: compare the runs this results JSON recorded (a set "
+                    "cut short: those that finished), with --max_gap, to --out")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/fp8_quality.json"))
     return ap
 
@@ -151,6 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.report is not None:
+        given = [
+            "--" + a.dest for a in ap._actions
+            if a.dest not in ("help", "report", "max_gap",
+                              "out") and getattr(args, a.dest) != a.default
+        ]
+        if given:
+            ap.error(f"--report {args.report} compares recorded runs: {', '.join(given)} "
+                     "would plan runs (give only --max_gap and --out with it)")
+        if not Path(args.report).is_file():
+            ap.error(f"--report {args.report!r}: no such file")
+        return args
     if args.seeds < 1:
         ap.error(f"--seeds {args.seeds}: give 1 or more (1: one run per format)")
     if args.branch_at:
@@ -287,6 +305,8 @@ def write_json(path: str, out: dict):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report:
+        return report_recorded(args.report, args.max_gap, args.out)
     signal.signal(signal.SIGTERM, _interrupt)  # timeout(1)'s signal: the child saves first
     gpu = accelerator()
     plan = [dict(r, accelerator=gpu) for r in plan_runs(args)]
@@ -317,65 +337,36 @@ def main(argv=None) -> int:
                   flush=True)
             if len(runs) < len(plan):  # what finished so far, should a later run fail
                 write_json(args.out, {**head, "complete": False, "runs": runs})
-    result = compare(runs, args.max_gap)
+    return report({**head, "complete": True}, runs, args.max_gap, args.out)
+
+
+def report(head: dict, runs: list[dict], max_gap: float, out: str) -> int:
+    """Prints the runs' comparison (fp8_quality_report: tables, then the check) and writes its
+    JSON to out; 0 where the check passes, else 1."""
+    result = compare(runs, max_gap)
     if not result["steps"]:
         raise SystemExit("the runs share no eval step: compare them with the same "
                          "--steps and --eval_every")
     print(table(runs, result))
-    if args.branch_at:
-        print(f"every run but the base runs branched at step {args.branch_at} from its seed's "
-              "bf16 trunk (the base's config trained to that step): up to it their gaps are the "
-              "trunk's against the base run's, 0 where training is deterministic")
-    seen = read_share(runs[0])
-    if seen is not None:
-        print(f"corpus: {runs[0]['corpus_tokens']:,} tokens ({runs[0]['corpus_bytes']:,} bytes);"
-              f" {runs[0]['final_step']} steps of {runs[0]['tokens_per_step']:,} tokens read "
-              f"{seen:.2f} of it" + ("" if seen <= 1 else " (more than once: the runs repeat "
-                                     "examples; a larger --data compares the formats better)"))
-    worst, got, seeds = result["max_abs_gap_fp8"], result["max_abs_gap_checked"], result["seeds"]
-    what = (f"fp8 against base over {seeds['seeds']} seeds each: largest |gap of the mean "
-            "held-out losses|" if seeds else "fp8 against base: largest |gap|")
-    if got is None:
-        print(f"{what}: no eval after step 0 (FAIL)")
-    else:
-        alone = ""
-        if seeds:
-            at = max((s for s in result["steps"] if s > 0),
-                     key=lambda s: abs(seeds["steps"][s]["gap_of_means"]))
-            v = seeds["steps"][at]
-            alone = (f"; at step {at} its standard error is {v['gap_se']:.2%} unpaired, "
-                     f"{v['paired_gap_se']:.2%} paired; the seed-0 pair alone {worst:.3%}")
-        print(f"{what} after step 0 {got:.3%} (<= {args.max_gap:.2%} at every eval: "
-              f"{'PASS' if result['pass'] else 'FAIL'}){alone}")
-    if result["noise_floor"] is not None:
-        print(f"noise floor: the controls' largest |gap| after step 0 {result['noise_floor']:.3%}"
-              " (bf16 against bf16 rounded otherwise)")
-    if result["noise_floor_train"] is not None:
-        fp8_train = max(abs(g) for g in result["train_window_gaps"]["fp8"].values())
-        print(f"train cross-entropy means: fp8's largest |gap| {fp8_train:.3%}, the controls' "
-              f"{result['noise_floor_train']:.3%}")
-    write_json(
-        args.out,
-        {
-            **head,
-            "complete": True,
-            "runs": runs,
-            "steps": result["steps"],
-            "relative_gaps": result["gaps"],
-            "gap_references": result["gap_references"],
-            "max_abs_gap_fp8": worst,
-            "seeds": result["seeds"],
-            "max_abs_gap_checked": result["max_abs_gap_checked"],
-            "noise_floor": result["noise_floor"],
-            "train_windows": result["train_windows"],
-            "train_window_gaps": result["train_window_gaps"],
-            "router_entropy_windows": result["router_entropy_windows"],
-            "noise_floor_train": result["noise_floor_train"],
-            "max_gap": args.max_gap,
-            "pass": result["pass"],
-            "corpus_read": seen,  # the share of the corpus's tokens the base run's steps read
-        })
+    print("\n".join(summary(runs, result, max_gap)))
+    write_json(out, record(head, runs, result, max_gap))
     return 0 if result["pass"] else 1
+
+
+def report_recorded(path: str, max_gap: float, out: str) -> int:
+    """--report FILE: the comparison of the runs a results JSON recorded (a set cut short: the
+    runs that finished, less those whose seed lacks the other format's run, each named)."""
+    head, runs = recorded_runs(path)
+    kept, left = paired(runs)
+    if not kept:
+        raise SystemExit(f"{path}: no seed has both a base and an fp8 run among "
+                         f"{[r['name'] for r in runs]}")
+    if left:
+        print(f"{path}: left out {', '.join(left)} (no finished run of the other format at "
+              "its seed)")
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
+    head = {**head, "reported": {"from": path, "date": now, "left_out": left}}
+    return report(head, kept, max_gap, out)
 
 
 if __name__ == "__main__":

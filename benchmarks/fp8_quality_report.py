@@ -2,12 +2,21 @@
 (references) at every evaluation and the check, the controls' noise floor, the train
 cross-entropy's means between evaluations and their gaps, the router entropy's means between
 evaluations, with --seeds the two formats' means over their seeds (seed_stats), the tables it
-prints and the share of the corpus the runs read."""
+prints and the share of the corpus the runs read, the results JSON, and the runs of one read
+back (recorded_runs, paired)."""
 
 from __future__ import annotations
 
+import json
 from math import sqrt
+from pathlib import Path
 from statistics import fmean, stdev, variance
+
+from benchmarks.fp8_quality_runs import CURVES
+
+# a results JSON's fields that say where and how its runs were made
+HEAD = ("what", "machine", "accelerator", "date", "commit", "python", "command", "branch_at",
+        "complete")
 
 
 def read_share(run: dict):
@@ -196,3 +205,92 @@ def table(runs: list[dict], result: dict) -> str:
                          f"fp8 mean {v['fp8_mean']:.4f}, gap of the means "
                          f"{v['gap_of_means']:+.2%}")
     return "\n".join(lines)
+
+
+def summary(runs: list[dict], result: dict, max_gap: float) -> list[str]:
+    """The lines printed under the tables: where the runs branched, the corpus and how much of
+    it they read, the check (with --seeds its standard errors), the noise floors."""
+    lines = []
+    branch_at = max((r.get("branch_at") or 0 for r in runs), default=0)
+    if branch_at:
+        lines.append(
+            f"every run but the base runs branched at step {branch_at} from its seed's bf16 "
+            "trunk (the base's config trained to that step): up to it their gaps are the "
+            "trunk's against the base run's, 0 where training is deterministic")
+    seen = read_share(runs[0])
+    if seen is not None:
+        lines.append(
+            f"corpus: {runs[0]['corpus_tokens']:,} tokens ({runs[0]['corpus_bytes']:,} bytes);"
+            f" {runs[0]['final_step']} steps of {runs[0]['tokens_per_step']:,} tokens read "
+            f"{seen:.2f} of it" + ("" if seen <= 1 else " (more than once: the runs repeat "
+                                   "examples; a larger --data compares the formats better)"))
+    worst, got, seeds = result["max_abs_gap_fp8"], result["max_abs_gap_checked"], result["seeds"]
+    what = (f"fp8 against base over {seeds['seeds']} seeds each: largest |gap of the mean "
+            "held-out losses|" if seeds else "fp8 against base: largest |gap|")
+    after = "after step 0"
+    if got is None:
+        lines.append(f"{what}: no eval {after} (FAIL)")
+    else:
+        alone = ""
+        if seeds:
+            at = max((s for s in result["steps"] if s > 0),
+                     key=lambda s: abs(seeds["steps"][s]["gap_of_means"]))
+            v = seeds["steps"][at]
+            alone = (f"; at step {at} its standard error is {v['gap_se']:.2%} unpaired, "
+                     f"{v['paired_gap_se']:.2%} paired; the seed-0 pair alone {worst:.3%}")
+        lines.append(f"{what} {after} {got:.3%} (<= {max_gap:.2%} at every eval: "
+                     f"{'PASS' if result['pass'] else 'FAIL'}){alone}")
+    if result["noise_floor"] is not None:
+        lines.append(f"noise floor: the controls' largest |gap| {after} "
+                     f"{result['noise_floor']:.3%} (bf16 against bf16 rounded otherwise)")
+    if result["noise_floor_train"] is not None:
+        fp8_train = max(abs(g) for g in result["train_window_gaps"]["fp8"].values())
+        lines.append(f"train cross-entropy means: fp8's largest |gap| {fp8_train:.3%}, the "
+                     f"controls' {result['noise_floor_train']:.3%}")
+    return lines
+
+
+def record(head: dict, runs: list[dict], result: dict, max_gap: float) -> dict:
+    """The results JSON of a compared set of runs (head: what, machine, date, commit, ...)."""
+    return {
+        **head,
+        "runs": runs,
+        "steps": result["steps"],
+        "relative_gaps": result["gaps"],
+        "gap_references": result["gap_references"],
+        "max_abs_gap_fp8": result["max_abs_gap_fp8"],
+        "seeds": result["seeds"],
+        "max_abs_gap_checked": result["max_abs_gap_checked"],
+        "noise_floor": result["noise_floor"],
+        "train_windows": result["train_windows"],
+        "train_window_gaps": result["train_window_gaps"],
+        "router_entropy_windows": result["router_entropy_windows"],
+        "noise_floor_train": result["noise_floor_train"],
+        "max_gap": max_gap,
+        "pass": result["pass"],
+        "corpus_read": read_share(runs[0]),  # the share of the corpus the base run's steps read
+    }
+
+
+def recorded_runs(path: str) -> tuple[dict, list[dict]]:
+    """(head, runs) of a results JSON, complete or cut short (its finished runs), with the
+    step keys JSON made strings back to ints."""
+    got = json.loads(Path(path).read_text())
+    if not isinstance(got, dict) or not got.get("runs"):
+        raise SystemExit(f"{path}: no recorded runs (a benchmarks.fp8_quality JSON has 'runs')")
+    head = {k: v for k, v in got.items() if k in HEAD}
+    runs = []
+    for r in got["runs"]:
+        r = dict(r, heldout_loss={int(k): v for k, v in r["heldout_loss"].items()})
+        runs.append({**r, **{c: {int(k): v for k, v in r[c].items()} for c in CURVES if c in r}})
+    return head, runs
+
+
+def paired(runs: list[dict]) -> tuple[list[dict], list[str]]:
+    """The runs that compare: base and fp8 at the seeds where both finished (a set cut short
+    may hold one without the other), and the other runs whose seed's base is among them; and
+    the names of the runs left out."""
+    seeds = {g: {seed_of(r) for r in runs if r.get("group") == g} for g in ("base", "fp8")}
+    both = seeds["base"] & seeds["fp8"]
+    kept = [r for r in runs if seed_of(r) in both]  # the others' reference is their seed's base
+    return kept, [r["name"] for r in runs if r not in kept]

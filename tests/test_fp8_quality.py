@@ -174,7 +174,8 @@ def test_gaps_and_the_check_at_every_eval():
     text = fq.table([base, good, var], fq.compare([base, good, var], 0.01))
     assert "| 100 | 2.0000 | 2.0100 | 2.5000 | +0.50% | +25.00% |" in text
     seen = dict(corpus_tokens=1000, final_step=4, tokens_per_step=500)
-    assert fq.read_share(seen) == 2.0 and fq.read_share(dict(seen, corpus_tokens=None)) is None
+    assert fq_report.read_share(seen) == 2.0 and fq_report.read_share(dict(
+        seen, corpus_tokens=None)) is None
 
 
 def test_train_windows_compare_the_runs_between_evals():
@@ -710,3 +711,53 @@ def test_a_trunk_that_cannot_be_linked_is_copied_and_said(tmp_path, monkeypatch,
     said = capsys.readouterr().out
     assert said.count("the trunk's checkpoint is copied, not linked") == 1
     assert not (tmp_path / "fp8" / fq_runs.TRUNK_RECORD).exists()
+
+
+def test_report_compares_the_runs_a_set_cut_short_recorded(tmp_path, monkeypatch, capsys):
+    """--report FILE: the runs a results JSON recorded before its set was cut short (fp8.s1
+    never finished) compared without training: base.s1 is left out and named, the rest are
+    compared as the full set would compare them, to --out; --report plans nothing, so a run
+    option beside it is an error."""
+    loss = {"base": 2.0, "fp8": 2.03, "ctl": 2.01, "base.s1": 2.2}
+    seen = []
+
+    def fake_run(job, cmd):
+        seen.append(job.name)
+        if job.name == "fp8.s1":
+            return 1, "", "cut short"
+        write_metrics(job, [
+            dict(kind="eval", step=0, heldout_loss=5.0),
+            dict(kind="train", step=1, xent=3.0 + loss[job.name]),
+            dict(kind="eval", step=4, heldout_loss=loss[job.name])
+        ])
+        return 0, "", ""
+
+    fake_main(monkeypatch, fake_run)
+    cut, out = tmp_path / "cut.json", tmp_path / "r.json"
+    with pytest.raises(SystemExit, match="fp8.s1"):
+        fq.main([
+            "--steps", "4", "--eval_every", "4", "--seeds", "2", "--control", "ctl", "a.b=1",
+            "--out",
+            str(cut)
+        ])
+    assert seen == ["base", "fp8", "base.s1", "fp8.s1"]  # the plan's order; ctl after the seeds
+    assert not json.loads(cut.read_text())["complete"]
+    capsys.readouterr()
+    assert fq.main(["--report", str(cut), "--out", str(out), "--max_gap", "0.02"]) == 0
+    text = capsys.readouterr().out
+    assert f"{cut}: left out base.s1 (no finished run of the other format at its seed)" in text
+    got = json.loads(out.read_text())
+    assert [r["name"] for r in got["runs"]] == ["base", "fp8"]
+    assert got["relative_gaps"]["fp8"]["4"] == pytest.approx(0.015)
+    assert got["seeds"] is None and got["complete"] is False and got["pass"] is True
+    assert got["reported"]["from"] == str(cut) and got["reported"]["left_out"] == ["base.s1"]
+    assert got["command"].startswith("python -m benchmarks.fp8_quality --steps 4")
+    for bad, said in ((["--seeds",
+                        "2"], "--seeds would plan runs"), (["--steps",
+                                                            "4"], "--steps would plan runs")):
+        with pytest.raises(SystemExit):
+            fq.parse_args(["--report", str(cut)] + bad)
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        fq.parse_args(["--report", str(tmp_path / "none.json")])
+    assert "no such file" in capsys.readouterr().err
