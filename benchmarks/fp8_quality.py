@@ -27,16 +27,17 @@ initialization seeds each (the experiment's own, then train.seed=1 .. N-1: base.
 ...), and the check is the gap between the formats' mean held-out losses, the seeds' spread
 and the per-seed gaps beside it (benchmarks.fp8_quality_report.seed_stats).
 
---branch_at STEP starts every run but the base runs from its seed's bf16 trunk: the base's
-config trained to STEP (one of the evaluations) in the job directory trunk (trunk.sI at
-train.seed=I), whose checkpoint each of them takes up under its own config
-(experiments.main's --allow_config_change), so that runs which drift apart after the router
-has settled (the Mixtral-like preset's, docs/performance.md) are compared from one state and
-their gaps are what each format does after STEP. The base runs themselves train from step 0
-as before (so finished ones are read back); at STEP the branches' gaps are the trunk's against
-the base's, 0 where training is deterministic. The trunk's checkpoint is hard-linked into each
-branch's job directory, and removed (its record and curves kept) once its last branch
-finished.
+--branch_at STEP starts every run from its seed's bf16 trunk: the base's config trained to
+STEP (one of the evaluations) in the job directory trunk (trunk.sI at train.seed=I), whose
+checkpoint each of them takes up under its own config (experiments.main's
+--allow_config_change), so that runs which drift apart after the router has settled (the
+Mixtral-like preset's, docs/performance.md) are compared from one state and their gaps are
+what each format does after STEP. The base run of a seed is its trunk continued: a base
+trained from step 0 would not start where the branches do, since a GPU does not reproduce a
+run bit for bit (two H100 runs of the Mixtral-like preset part at step 3 and are 0.3-0.8%
+apart at step 100). Up to STEP a seed's runs share the trunk's curves, so the check reads the
+evaluations after it. The trunk's checkpoint is hard-linked into each branch's job
+directory, and removed (its record and curves kept) once its last branch finished.
 
 With --keep a run whose job directory already holds its final step is read, not trained
 again (where its corpus size and GPU match this run's), and one cut short resumes from its
@@ -134,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                     type=int,
                     default=0,
                     metavar="STEP",
-                    help="every run but the base runs starts from its seed's bf16 trunk (the "
-                    "base's config trained to STEP, an eval step), so that its gaps are what "
-                    "it does after STEP (0: every run trains from step 0)")
+                    help="every run, the base runs too, starts from its seed's bf16 trunk "
+                    "(the base's config trained to STEP, an eval step), so that its gaps are "
+                    "what it does after STEP (0: every run trains from step 0)")
     ap.add_argument("--max_gap", type=float, default=0.01, help="relative held-out loss gap")
     ap.add_argument("--keep",
                     default=None,
@@ -250,21 +251,20 @@ def trunk_name(seed: int | None) -> str:
 
 
 def branched(runs: list[dict], step: int) -> list[dict]:
-    """The runs with --branch_at STEP: each run but the base runs gets `branch_at` and its
-    `trunk` {name, exp, changes, step}: the bf16 run of its seed (base, or base.sI for a run
-    at train.seed=I) trained to STEP, whose job directory it starts from; in the order base,
-    the runs that branch from its trunk, base.s1, theirs, ... (one trunk at a time holds a
-    checkpoint on the disk)."""
+    """The runs with --branch_at STEP: each run, the base runs too, gets `branch_at` and its
+    `trunk` {name, exp, changes, step}: the bf16 run of its seed (base's config, or base.sI's
+    for a run at train.seed=I) trained to STEP, whose job directory it starts from; in the
+    order trunk, base, the other runs of its seed, trunk.s1, ... (one trunk at a time holds a
+    checkpoint on the disk). A seed's base run is its trunk continued under the same config,
+    not a run trained from step 0: training on a GPU is not bit-reproducible (on an H100 two
+    runs of the Mixtral-like preset part at step 3 and are 0.3-0.8% apart at step 100), so
+    only a branch of the same trunk starts where the others do."""
     bases = {seed_of(r): r for r in runs if r.get("group") == "base"}
     out = []
     for key, base in bases.items():
         trunk = dict(name=trunk_name(key), exp=base["exp"], changes=base["changes"], step=step)
-        out.append(base)
-        out += [
-            dict(r, branch_at=step, trunk=trunk) for r in runs
-            if r.get("group") != "base" and seed_of(r) == key
-        ]
-    orphans = [r["name"] for r in runs if r.get("group") != "base" and seed_of(r) not in bases]
+        out += [dict(r, branch_at=step, trunk=trunk) for r in runs if seed_of(r) == key]
+    orphans = [r["name"] for r in runs if seed_of(r) not in bases]
     if orphans:
         raise SystemExit(f"--branch_at {step}: {orphans} run at a seed with no base run to branch "
                          "from (train.seed=I needs base.sI: give --seeds I+1 or more)")

@@ -9,8 +9,8 @@
 # resumes it). STEPS (default 300), EVAL (default 100), LR (default: the preset's, 1e-4; at 3e-4
 # two bf16 runs drift apart by 9%, docs/performance.md), ZLOSS (default: the preset's, none) the
 # router z-loss weight of every run, RSCALE (default: the preset's, 1) the router init scale of
-# every run (router_init_scale), BRANCH (default none) the step at which every run but the
-# base runs branches from its seed's bf16 trunk (--branch_at), KEEP (default /tmp/fq) the job
+# every run (router_init_scale), BRANCH (default none) the step at which every run, the base
+# runs too, branches from its seed's bf16 trunk (--branch_at), KEEP (default /tmp/fq) the job
 # directories; SEEDS=N base and fp8 at N seeds each (--seeds); CONTROL=0 leaves the control
 # out (where its floor was measured on this GPU before).
 # VARIANTS (default "wi_fwd wo_fwd"; set empty for none), each one of:

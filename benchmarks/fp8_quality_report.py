@@ -104,7 +104,8 @@ def references(runs: list[dict]) -> list[int]:
 def compare(runs: list[dict], max_gap: float) -> dict:
     """Each run's relative gap to its bf16 run (references: the base, or the base run of its
     own seed) at the common eval steps, the controls' largest (the noise floor), and the check
-    (the 'fp8' run within max_gap at every step after 0); beside them the same gaps of the train
+    (the 'fp8' run within max_gap at every step after 0, or with --branch_at after the branch
+    step: `checked_steps`); beside them the same gaps of the train
     cross-entropy's mean over each eval interval (window_means) and their noise floor, which
     are reported, not checked. With runs of each format at several seeds (seed_stats) the check
     is the gap of the two formats' means."""
@@ -123,7 +124,9 @@ def compare(runs: list[dict], max_gap: float) -> dict:
         }
         for i, r in enumerate(runs) if i > 0
     }
-    checked = [s for s in steps if s > 0]
+    # with --branch_at the steps up to the branch are the trunk's, shared by a seed's runs
+    after = max((r.get("branch_at") or 0 for r in runs), default=0)
+    checked = [s for s in steps if s > after]
     worst = max((abs(gaps["fp8"][s]) for s in checked), default=None)
     controls = [r["name"] for r in runs if r.get("control")]
     floor = max((abs(gaps[n][s]) for n in controls for s in checked), default=None)
@@ -138,6 +141,7 @@ def compare(runs: list[dict], max_gap: float) -> dict:
         "max_abs_gap_fp8": worst,
         "noise_floor": floor,
         "seeds": seeds,
+        "checked_steps": checked,
         "max_abs_gap_checked": checked_gap,
         "pass": checked_gap is not None and checked_gap <= max_gap,
         "train_windows": means,
@@ -212,11 +216,17 @@ def summary(runs: list[dict], result: dict, max_gap: float) -> list[str]:
     it they read, the check (with --seeds its standard errors), the noise floors."""
     lines = []
     branch_at = max((r.get("branch_at") or 0 for r in runs), default=0)
-    if branch_at:
+    if branch_at and runs[0].get("branch_at"):
+        lines.append(
+            f"every run branched at step {branch_at} from its seed's bf16 trunk (the base's "
+            "config trained to that step; the base run is the trunk continued): up to it a "
+            "seed's runs share the trunk's curves, so the check reads the evaluations after it")
+    elif branch_at:  # a set planned before the base runs branched too
         lines.append(
             f"every run but the base runs branched at step {branch_at} from its seed's bf16 "
-            "trunk (the base's config trained to that step): up to it their gaps are the "
-            "trunk's against the base run's, 0 where training is deterministic")
+            "trunk; the base runs trained from step 0, so up to that step the branches' gaps "
+            "are their trunk's against the base run's (not 0 where the GPU does not reproduce "
+            "a run bit for bit), and the check reads the evaluations after it")
     seen = read_share(runs[0])
     if seen is not None:
         lines.append(
@@ -227,14 +237,13 @@ def summary(runs: list[dict], result: dict, max_gap: float) -> list[str]:
     worst, got, seeds = result["max_abs_gap_fp8"], result["max_abs_gap_checked"], result["seeds"]
     what = (f"fp8 against base over {seeds['seeds']} seeds each: largest |gap of the mean "
             "held-out losses|" if seeds else "fp8 against base: largest |gap|")
-    after = "after step 0"
+    after = f"after step {branch_at}"
     if got is None:
         lines.append(f"{what}: no eval {after} (FAIL)")
     else:
         alone = ""
         if seeds:
-            at = max((s for s in result["steps"] if s > 0),
-                     key=lambda s: abs(seeds["steps"][s]["gap_of_means"]))
+            at = max(result["checked_steps"], key=lambda s: abs(seeds["steps"][s]["gap_of_means"]))
             v = seeds["steps"][at]
             alone = (f"; at step {at} its standard error is {v['gap_se']:.2%} unpaired, "
                      f"{v['paired_gap_se']:.2%} paired; the seed-0 pair alone {worst:.3%}")
@@ -260,6 +269,7 @@ def record(head: dict, runs: list[dict], result: dict, max_gap: float) -> dict:
         "gap_references": result["gap_references"],
         "max_abs_gap_fp8": result["max_abs_gap_fp8"],
         "seeds": result["seeds"],
+        "checked_steps": result["checked_steps"],
         "max_abs_gap_checked": result["max_abs_gap_checked"],
         "noise_floor": result["noise_floor"],
         "train_windows": result["train_windows"],

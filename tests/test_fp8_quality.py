@@ -507,19 +507,19 @@ def test_with_seeds_the_check_is_the_gap_of_the_means():
 
 
 def test_branch_at_plans_each_run_from_its_seeds_trunk(tmp_path, capsys):
-    """--branch_at STEP: every run but the base runs gets its seed's bf16 trunk (the base's
-    config to STEP) and is planned right after that base; bad steps are one-line errors."""
+    """--branch_at STEP: every run, the base runs too, gets its seed's bf16 trunk (the base's
+    config to STEP), a seed's runs planned together, its base first; bad steps are one-line
+    errors."""
     argv = ["--steps", "500", "--eval_every", "100", "--seeds", "2", "--variant", "v", "a.b=1"]
     runs = fq.plan_runs(
         fq.parse_args(argv + ["--variant", "v.s1", "a.b=1", "train.seed=1"] +
                       ["--control", "c", "x.y=2", "--branch_at", "100"]))
     assert [r["name"] for r in runs] == ["base", "fp8", "c", "v", "base.s1", "fp8.s1", "v.s1"]
-    assert "trunk" not in runs[0] and "trunk" not in runs[4]
-    for r in runs[1:4]:
+    for r in runs[:4]:
         assert r["trunk"] == dict(
             name="trunk", exp=runs[0]["exp"], changes=runs[0]["changes"],
             step=100) and r["branch_at"] == 100
-    for r in runs[5:]:
+    for r in runs[4:]:
         assert r["trunk"]["name"] == "trunk.s1" and r["trunk"]["changes"] == runs[4]["changes"]
         assert "train.seed=1" in r["trunk"]["changes"]
     assert [r["name"] for r in fq.plan_runs(fq.parse_args(argv))
@@ -559,22 +559,16 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
                 json.dumps(dict(kind="eval", step=0, heldout_loss=5.0)) + "\n" +
                 json.dumps(dict(kind="eval", step=4, heldout_loss=3.0)) + "\n")
             return 143, "", ""
-        if job.name != "base":  # a branch: it holds the trunk's state and curves
-            data = job / "checkpoints" / "4" / "default" / "data"
-            assert data.read_text() == "state at 4" and data.stat().st_nlink >= 2
-            assert "--allow_config_change" in cmd
-            recs = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
-            if job.name in cut:  # stopped at step 6 with its checkpoint
-                (job / "checkpoints" / "6").mkdir()
-                return 143, "", "stopped at 6"
-            if job.name == "v":  # resumed: its own checkpoint is still there
-                assert (job / "checkpoints" / "6").is_dir()
-        else:
-            assert "--allow_config_change" not in cmd
-            recs = [
-                dict(kind="eval", step=0, heldout_loss=5.0),
-                dict(kind="eval", step=4, heldout_loss=3.0)
-            ]
+        # a branch (the base run too: its trunk continued) holds the trunk's state and curves
+        data = job / "checkpoints" / "4" / "default" / "data"
+        assert data.read_text() == "state at 4" and data.stat().st_nlink >= 2
+        assert "--allow_config_change" in cmd
+        recs = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
+        if job.name in cut:  # stopped at step 6 with its checkpoint
+            (job / "checkpoints" / "6").mkdir()
+            return 143, "", "stopped at 6"
+        if job.name == "v":  # resumed: its own checkpoint is still there
+            assert (job / "checkpoints" / "6").is_dir()
         (job / "checkpoints" / "8").mkdir(parents=True, exist_ok=True)
         loss = {"base": 2.0, "fp8": 2.02, "v": 2.1, "w": 2.05}[job.name]
         recs += [
@@ -593,8 +587,8 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
     ]
     with pytest.raises(SystemExit, match=r"v \(.*\) failed \(exit 143\):\nstopped at 6"):
         fq.main(argv)
-    assert [name for name, _ in seen] == ["base", "trunk", "fp8", "v"]
-    assert "--fdl_set=train.sigterm_at_step=4" not in seen[2][1]
+    assert [name for name, _ in seen] == ["trunk", "base", "fp8", "v"]
+    assert not any("--fdl_set=train.sigterm_at_step=4" in cmd for _, cmd in seen[1:])
     assert (keep / "trunk" / "checkpoints" / "4").is_dir()  # v has not finished
     cut.clear()
     seen.clear()
@@ -608,10 +602,10 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
     assert "branched at step 4 from its seed's bf16 trunk" in capsys.readouterr().out
     seen.clear()
     assert fq.main(argv) == 1 and seen == []  # all read back, no trunk trained
-    # the fp8 run's record is a branched one: not taken for an unbranched plan's fp8 run
+    # the records are branched ones: not taken for an unbranched plan's runs
     plain = fq.plan_runs(fq.parse_args(argv[:4] + argv[6:]))
     assert fq_runs.finished(plain[1], keep / "fp8") is None
-    assert fq_runs.finished(plain[0], keep / "base") is not None
+    assert fq_runs.finished(plain[0], keep / "base") is None
     # a new variant trains the trunk again (its checkpoint is gone) and branches from it
     seen.clear()
     assert fq.main(argv + ["--variant", "w", "a.b=2"]) == 1
@@ -680,12 +674,12 @@ def test_branched_seeds_report_the_gaps_standard_errors(tmp_path, monkeypatch, c
         str(tmp_path / "k"), "--out",
         str(out)
     ]) == 1
-    assert seen == ["base", "trunk", "fp8", "base.s1", "trunk.s1", "fp8.s1"]
+    assert seen == ["trunk", "base", "fp8", "trunk.s1", "base.s1", "fp8.s1"]
     st = json.loads(out.read_text())["seeds"]["steps"]["8"]
     assert st["gap_of_means"] == pytest.approx(0.06 / 4.2)
     assert st["paired_gap_se"] == pytest.approx(0.03 / 2)  # gaps 3% and 0%
     text = capsys.readouterr().out
-    assert ("largest |gap of the mean held-out losses| after step 0 1.429% (<= 1.00% at every "
+    assert ("largest |gap of the mean held-out losses| after step 4 1.429% (<= 1.00% at every "
             "eval: FAIL); at step 8 its standard error is "
             f"{st['gap_se']:.2%} unpaired, 1.50% paired; the seed-0 pair alone 3.000%") in text
 
@@ -761,3 +755,29 @@ def test_report_compares_the_runs_a_set_cut_short_recorded(tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         fq.parse_args(["--report", str(tmp_path / "none.json")])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_branched_runs_are_checked_after_the_branch_step():
+    """With --branch_at the check reads the evaluations after the branch step: up to it a
+    seed's runs share their trunk's curves. A set planned before the base runs branched too
+    (its base trained from step 0) is read the same way, and the summary says which it is."""
+    extra = dict(corpus_tokens=None)
+    base = _run("base", {0: 5.0, 100: 2.0, 200: 1.5}, branch_at=100, **extra)
+    fp8 = _run("fp8", {0: 5.0, 100: 2.0, 200: 1.509}, branch_at=100, **extra)
+    got = fq.compare([base, fp8], 0.01)
+    assert got["checked_steps"] == [200] and got["max_abs_gap_checked"] == pytest.approx(0.006)
+    text = "\n".join(fq_report.summary([base, fp8], got, 0.01))
+    assert "every run branched at step 100" in text and "after step 100 0.600%" in text
+    old_base = _run("base", {0: 5.0, 100: 1.9, 200: 1.5}, **extra)  # 5% below the trunk at 100
+    got = fq.compare([old_base, fp8], 0.01)
+    assert got["gaps"]["fp8"][100] == pytest.approx(0.1 / 1.9)
+    assert got["pass"] and got["max_abs_gap_checked"] == pytest.approx(0.006)
+    text = "\n".join(fq_report.summary([old_base, fp8], got, 0.01))
+    assert "every run but the base runs branched at step 100" in text and "PASS" in text
+    assert fq.compare([_run("base", {
+        0: 5.0,
+        100: 1.9
+    }), _run("fp8", {
+        0: 5.0,
+        100: 2.0
+    })], 0.01)["checked_steps"] == [100]  # no branch: every eval after step 0
