@@ -37,7 +37,11 @@ trained from step 0 would not start where the branches do, since a GPU does not 
 run bit for bit (two H100 runs of the Mixtral-like preset part at step 3 and are 0.3-0.8%
 apart at step 100). Up to STEP a seed's runs share the trunk's curves, so the check reads the
 evaluations after it. The trunk's checkpoint is hard-linked into each branch's job
-directory, and removed (its record and curves kept) once its last branch finished.
+directory, and removed (its record and curves kept) once its last branch finished. Each
+training of a trunk has an id (`trained` in its record, `trunk_trained` in each branch's), and
+a seed's finished runs are read back only where they branched from the training the others
+start from: a run from another (say, the trunk trained anew for a new variant after its
+checkpoint went) is moved aside to NAME.stale and trained again.
 
 With --keep a run whose job directory already holds its final step is read, not trained
 again (where its corpus size and GPU match this run's), and one cut short resumes from its
@@ -77,7 +81,7 @@ from pathlib import Path
 from benchmarks.corpus import data_bytes, stdlib_corpus
 from benchmarks.fp8_quality_report import (compare, paired, record, recorded_runs, seed_of, summary,
                                            table)
-from benchmarks.fp8_quality_runs import drop_trunk_checkpoints, train
+from benchmarks.fp8_quality_runs import drop_trunk_checkpoints, set_aside_stale_branches, train
 
 ROOT = Path(__file__).resolve().parent.parent
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -329,6 +333,9 @@ def main(argv=None) -> int:
         last_branch = {r["trunk"]["name"]: i for i, r in enumerate(plan) if "trunk" in r}
         for i, run in enumerate(plan):
             trunk = run.get("trunk")
+            if trunk is not None and i == min(
+                    j for j, r in enumerate(plan) if r.get("trunk") == trunk):
+                set_aside_stale_branches([r for r in plan if r.get("trunk") == trunk], top)
             runs.append(train(run, top / run["name"], args.keep_checkpoints))
             if trunk is not None and last_branch[trunk["name"]] == i and not args.keep_checkpoints:
                 drop_trunk_checkpoints(top / trunk["name"])

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from experiments.job import jobdir
@@ -106,9 +107,10 @@ def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
         # this plan's role for it (a record made before `group` was recorded has none)
         return {**done, **{k: run[k] for k in ("group", "control") if k in run}}
     cmd = main_command(run["exp"], job_dir, run["changes"])
+    trained = None
     if "trunk" in run:  # its trunk's state at its step, then this run's own config from there
         trunk_dir = job_dir.parent / run["trunk"]["name"]
-        make_trunk(run["trunk"], trunk_dir, run)
+        trained = make_trunk(run["trunk"], trunk_dir, run)
         start_branch(run, job_dir, trunk_dir)
         cmd.append("--allow_config_change")
     t0 = time.time()
@@ -141,6 +143,8 @@ def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
             for key in CURVES
         },
     }
+    if trained is not None:  # which training of its trunk it started from
+        result["trunk_trained"] = trained
     (job_dir / RECORD).write_text(json.dumps(result, indent=1) + "\n")
     if not keep_checkpoints:
         shutil.rmtree(job_dir / "checkpoints", ignore_errors=True)
@@ -156,11 +160,10 @@ def _checkpoint_steps(job_dir: Path) -> list[int]:
                   if d.name.isdigit()) if ckpts.is_dir() else []
 
 
-def make_trunk(trunk: dict, job_dir: Path, run: dict):
-    """Trains the bf16 trunk to its step in job_dir (the main stops there through
-    train.sigterm_at_step and saves it), unless it already holds that step's checkpoint with
-    a record of the same experiment, changes, step and corpus, GPU (`run`'s)."""
-    want = {
+def _trunk_want(trunk: dict, run: dict) -> dict:
+    """What a trunk's record must hold to serve `run`: experiment, changes, step, and the corpus
+    and GPU of the run (MUST_MATCH)."""
+    return {
         "exp": trunk["exp"],
         "changes": trunk["changes"],
         "step": trunk["step"],
@@ -169,24 +172,76 @@ def make_trunk(trunk: dict, job_dir: Path, run: dict):
             for k in MUST_MATCH
         }
     }
+
+
+def ready_trunk(trunk: dict, job_dir: Path, run: dict) -> str | None:
+    """The id of the training of `trunk` whose checkpoint job_dir holds at its step (its record
+    the same experiment, changes, step, corpus and GPU as `run`'s), else None."""
     record = job_dir / TRUNK_RECORD
-    have = json.loads(record.read_text()) if record.exists() else None
-    if have is not None and (have != want or trunk["step"] not in _checkpoint_steps(job_dir)):
-        shutil.rmtree(job_dir)  # another trunk's, or its checkpoint is gone: train it again
-    if trunk["step"] not in _checkpoint_steps(job_dir):
-        t0 = time.time()
-        p = run_child(
-            main_command(trunk["exp"], job_dir,
-                         trunk["changes"] + [f"train.sigterm_at_step={trunk['step']}"]))
-        if p.returncode != 128 + signal.SIGTERM or trunk["step"] not in _checkpoint_steps(job_dir):
-            raise SystemExit(
-                f"{trunk['name']} ({trunk['exp']} to step {trunk['step']}) did not stop "
-                f"there with its checkpoint (exit {p.returncode}):\n{p.stderr[-4000:]}")
+    if not record.exists() or trunk["step"] not in _checkpoint_steps(job_dir):
+        return None
+    have = json.loads(record.read_text())
+    same = {k: v for k, v in have.items() if k != "trained"} == _trunk_want(trunk, run)
+    return have.get("trained") if same else None
+
+
+def make_trunk(trunk: dict, job_dir: Path, run: dict) -> str:
+    """Trains the bf16 trunk to its step in job_dir (the main stops there through
+    train.sigterm_at_step and saves it), unless it already holds that step's checkpoint with
+    a record of the same experiment, changes, step and corpus, GPU (`run`'s); the id of that
+    training (`trained` in its record: a GPU does not repeat a training bit for bit, so the
+    branches of one seed compare only where they share it)."""
+    trained = ready_trunk(trunk, job_dir, run)
+    if trained is not None:
+        return trained
+    if job_dir.exists():  # another trunk's, or its checkpoint is gone: train it again
+        shutil.rmtree(job_dir)
+    t0 = time.time()
+    p = run_child(
+        main_command(trunk["exp"], job_dir,
+                     trunk["changes"] + [f"train.sigterm_at_step={trunk['step']}"]))
+    if p.returncode != 128 + signal.SIGTERM or trunk["step"] not in _checkpoint_steps(job_dir):
+        raise SystemExit(f"{trunk['name']} ({trunk['exp']} to step {trunk['step']}) did not stop "
+                         f"there with its checkpoint (exit {p.returncode}):\n{p.stderr[-4000:]}")
+    print(f"{trunk['name']}: {trunk['exp']} to step {trunk['step']} {time.time() - t0:.1f} s",
+          flush=True)
+    trained = uuid.uuid4().hex
+    (job_dir / TRUNK_RECORD
+     ).write_text(json.dumps({
+         **_trunk_want(trunk, run), "trained": trained
+     }, indent=1) + "\n")
+    return trained
+
+
+def set_aside_stale_branches(runs: list[dict], top: Path) -> list[str]:
+    """Before the runs of one trunk (a seed's, with --branch_at) are read or trained: those
+    recorded finished from another training of the trunk than the one the rest will start from
+    (the trunk's checkpoint in top, or, where it is gone and one of them must still train, a new
+    training) are moved aside to NAME.stale[.K] (their records kept) and train again, with a
+    line naming them: a seed's runs compare only from one state. Returns their names."""
+    trunk = runs[0]["trunk"]
+    done = {r["name"]: finished(r, top / r["name"]) for r in runs}
+    ids = {d.get("trunk_trained") for d in done.values() if d is not None}
+    if None not in done.values() and len(ids) == 1 and None not in ids:
+        return []  # all finished from one training: read them all
+    live = ready_trunk(trunk, top / trunk["name"], runs[0])
+    stale = [
+        n for n, d in done.items()
+        if d is not None and (live is None or d.get("trunk_trained") != live)
+    ]
+    for name in stale:
+        k, aside = 0, top / f"{name}.stale"
+        while aside.exists():
+            k += 1
+            aside = top / f"{name}.stale.{k}"
+        (top / name).rename(aside)
+    if stale:
         print(
-            f"{trunk['name']}: {trunk['exp']} to step {trunk['step']} "
-            f"{time.time() - t0:.1f} s",
+            f"{', '.join(stale)}: finished from another training of {trunk['name']} than the "
+            "one the other runs of its seed start from (a GPU does not repeat a training bit "
+            "for bit): moved aside (NAME.stale) and trained again",
             flush=True)
-    record.write_text(json.dumps(want, indent=1) + "\n")
+    return stale
 
 
 BRANCH_RECORD = "fp8_quality_branch.json"  # what a branch started as: its run and its trunk

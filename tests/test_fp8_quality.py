@@ -547,7 +547,7 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
     its own config (--allow_config_change), and the trunk's checkpoint goes after its last
     branch; a branch cut short resumes from its own checkpoint; the same command again reads
     every run; a record made without the branch is not read back as a branched run."""
-    seen, cut = [], {"v"}
+    seen, cut, resumed = [], {"v"}, set()
 
     def fake_run(job, cmd):
         seen.append((job.name, cmd))
@@ -567,7 +567,7 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
         if job.name in cut:  # stopped at step 6 with its checkpoint
             (job / "checkpoints" / "6").mkdir()
             return 143, "", "stopped at 6"
-        if job.name == "v":  # resumed: its own checkpoint is still there
+        if job.name in resumed:  # its own checkpoint is still there
             assert (job / "checkpoints" / "6").is_dir()
         (job / "checkpoints" / "8").mkdir(parents=True, exist_ok=True)
         loss = {"base": 2.0, "fp8": 2.02, "v": 2.1, "w": 2.05}[job.name]
@@ -592,6 +592,7 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
     assert (keep / "trunk" / "checkpoints" / "4").is_dir()  # v has not finished
     cut.clear()
     seen.clear()
+    resumed.add("v")
     assert fq.main(argv) == 1  # fp8 2% above base at step 8
     assert [name for name, _ in seen] == ["v"]
     assert not (keep / "trunk" / "checkpoints").exists()  # gone after its last branch
@@ -606,10 +607,24 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
     plain = fq.plan_runs(fq.parse_args(argv[:4] + argv[6:]))
     assert fq_runs.finished(plain[1], keep / "fp8") is None
     assert fq_runs.finished(plain[0], keep / "base") is None
-    # a new variant trains the trunk again (its checkpoint is gone) and branches from it
+    # a new variant trains the trunk again (its checkpoint is gone), and since a GPU does not
+    # repeat that training bit for bit, the seed's finished runs are moved aside and branch
+    # from the new training with it
     seen.clear()
+    resumed.clear()
+    trained = json.loads((keep / "fp8" / fq_runs.RECORD).read_text())["trunk_trained"]
     assert fq.main(argv + ["--variant", "w", "a.b=2"]) == 1
-    assert [name for name, _ in seen] == ["trunk", "w"]
+    assert [name for name, _ in seen] == ["trunk", "base", "fp8", "v", "w"]
+    assert ("base, fp8, v: finished from another training of trunk than the one the other runs "
+            "of its seed start from") in capsys.readouterr().out
+    assert json.loads((keep / "fp8.stale" / fq_runs.RECORD).read_text())["trunk_trained"] == trained
+    again = {
+        json.loads((keep / n / fq_runs.RECORD).read_text())["trunk_trained"]
+        for n in ("base", "fp8", "v", "w")
+    }
+    assert len(again) == 1 and trained not in again
+    seen.clear()
+    assert fq.main(argv + ["--variant", "w", "a.b=2"]) == 1 and seen == []  # one training: read
     # a job directory holding another run's branch (other changes) starts anew from the trunk
     fq_runs.make_trunk(plain[0] | {"name": "trunk", "step": 4}, keep / "trunk", plain[0])
     (keep / "x" / "checkpoints" / "6").mkdir(parents=True)
@@ -781,3 +796,44 @@ def test_branched_runs_are_checked_after_the_branch_step():
         0: 5.0,
         100: 2.0
     })], 0.01)["checked_steps"] == [100]  # no branch: every eval after step 0
+
+
+def test_a_seeds_runs_read_back_only_from_one_training_of_its_trunk(tmp_path, capsys):
+    """set_aside_stale_branches: runs recorded finished from another training of the trunk
+    than the live one (its checkpoint still there) are moved aside with their records and named;
+    runs from the live one are kept; all finished from one training are all read; records from
+    before trainings had ids count as another training."""
+    plan = fq.plan_runs(
+        fq.parse_args(["--steps", "8", "--eval_every", "4", "--branch_at", "4"] +
+                      ["--control", "c", "a.b=1", "--variant", "v", "a.b=2"]))
+    trunk = plan[0]["trunk"]
+
+    def record(run, trained):
+        (tmp_path / run["name"]).mkdir(exist_ok=True)
+        rec = dict(run, heldout_loss={0: 5.0, 8: 2.0})
+        if trained is not None:
+            rec["trunk_trained"] = trained
+        (tmp_path / run["name"] / fq_runs.RECORD).write_text(json.dumps(rec))
+
+    (tmp_path / "trunk" / "checkpoints" / "4").mkdir(parents=True)
+    (tmp_path / "trunk" / fq_runs.TRUNK_RECORD).write_text(
+        json.dumps({
+            **fq_runs._trunk_want(trunk, plan[0]), "trained": "B"
+        }))
+    assert fq_runs.ready_trunk(trunk, tmp_path / "trunk", plan[0]) == "B"
+    record(plan[0], "A")  # base, from an earlier training
+    record(plan[1], "B")  # fp8, from the live one
+    record(plan[2], None)  # c, from before trainings had ids; v has not finished
+    assert fq_runs.set_aside_stale_branches(plan, tmp_path) == ["base", "c"]
+    assert "base, c: finished from another training of trunk" in capsys.readouterr().out
+    assert (tmp_path / "base.stale" / fq_runs.RECORD).exists() and not (tmp_path / "base").exists()
+    assert fq_runs.finished(plan[1], tmp_path / "fp8")["trunk_trained"] == "B"
+    for run in plan:  # all four from the live training: nothing moved
+        record(run, "B")
+    assert fq_runs.set_aside_stale_branches(plan, tmp_path) == []
+    record(plan[0], "A")  # a second stale base goes beside the first
+    assert fq_runs.set_aside_stale_branches(plan, tmp_path) == ["base"]
+    assert (tmp_path / "base.stale.1").is_dir()
+    for run in plan:  # all finished from one training (not the live checkpoint's): read them all
+        record(run, "C")
+    assert fq_runs.set_aside_stale_branches(plan, tmp_path) == []
