@@ -21,7 +21,8 @@ directory copied, and the copy run with its own ``--fdl_set`` changes and
 ``--allow_config_change``.
 
 Report (held-out loss at every evaluation, the train cross-entropy's and each layer's router
-entropy's means between evaluations, and the spread of runs that differ by seed only)::
+entropy's means between evaluations, the gaps of the first two to the first run's, or for a run
+at seed N to the first run's seed N, and the spread of runs that differ by seed only)::
 
   python -m benchmarks.router_proxy NAME=DIR [NAME=DIR ...] [--out FILE.json]
 
@@ -130,16 +131,39 @@ def spreads(runs: list[dict], steps: list[int]) -> dict[str, dict[int, float]]:
     return out
 
 
+def references(names: list[str]) -> dict[str, str]:
+    """{name: the run its gaps are read against}: a run at seed N (X.sN) against the first
+    run's seed N (F.sN) where there is one, every other run against the first run F."""
+    first, out = names[0], {}
+    for n in names:
+        _, _, seed = n.rpartition(".s")
+        own = f"{first}.s{seed}"
+        out[n] = own if seed.isdigit() and own in names and n != own else first
+    return out
+
+
 def report(runs: list[dict]) -> tuple[dict, str]:
     steps = sorted(set.intersection(*(set(r["heldout_loss"]) for r in runs)))
+    ref = references([r["name"] for r in runs])
+    by_name = {r["name"]: r for r in runs}
+    gaps = {
+        r["name"]: {
+            s: r["heldout_loss"][s] / by_name[ref[r["name"]]]["heldout_loss"][s] - 1
+            for s in steps
+        }
+        for r in runs[1:]
+    }
     win = {r["name"]: windows(r, steps) for r in runs}
     spread = spreads(runs, steps)
     lines = [
-        "held-out loss:", "| step | " + " | ".join(r["name"] for r in runs) + " |",
-        "|---|" + "---|" * len(runs)
+        f"held-out loss (gap to {runs[0]['name']}, or for a run at seed N to "
+        f"{runs[0]['name']}.sN where there is one):",
+        "| step | " + " | ".join(r["name"] for r in runs) + " |", "|---|" + "---|" * len(runs)
     ]
     lines += [
-        f"| {s} | " + " | ".join(f"{r['heldout_loss'][s]:.4f}" for r in runs) + " |" for s in steps
+        f"| {s} | {runs[0]['heldout_loss'][s]:.4f} | " +
+        " | ".join(f"{r['heldout_loss'][s]:.4f} ({gaps[r['name']][s]:+.2%})"
+                   for r in runs[1:]) + " |" for s in steps
     ]
     lines += [
         "router entropy (nats; ln E is uniform), mean over the steps since the last eval, "
@@ -157,16 +181,24 @@ def report(runs: list[dict]) -> tuple[dict, str]:
         lines.append(f"| {prev + 1}-{s} | " + " | ".join(cells) + " |")
         prev = s
     xent = window_means(runs, steps)  # over the train steps every run recorded
+    index = {r["name"]: i for i, r in enumerate(runs)}
+    xent_gaps = {
+        r["name"]: {
+            s: m[i] / m[index[ref[r["name"]]]] - 1
+            for s, m in xent.items()
+        }
+        for i, r in enumerate(runs) if i
+    }
     if xent:
-        first = runs[0]["name"]
         lines += [
-            f"train cross-entropy, mean over the steps since the last eval (gap to {first}):",
+            "train cross-entropy, mean over the steps since the last eval (gaps as above):",
             "| steps | " + " | ".join(r["name"] for r in runs) + " |", "|---|" + "---|" * len(runs)
         ]
         prev = 0
         for s, means in xent.items():
             lines.append(f"| {prev + 1}-{s} | {means[0]:.4f} | " +
-                         " | ".join(f"{m:.4f} ({m / means[0] - 1:+.2%})" for m in means[1:]) + " |")
+                         " | ".join(f"{m:.4f} ({xent_gaps[r['name']][s]:+.2%})"
+                                    for m, r in zip(means[1:], runs[1:])) + " |")
             prev = s
     for key, by_step in spread.items():
         lines.append(f"spread of {key} over its seeds (max - min) / mean: " +
@@ -186,6 +218,12 @@ def report(runs: list[dict]) -> tuple[dict, str]:
             for i, r in enumerate(runs)
         },
         "seed_spreads": spread,
+        "gap_references": {
+            r["name"]: ref[r["name"]]
+            for r in runs[1:]
+        },
+        "heldout_gaps": gaps,
+        "train_xent_gaps": xent_gaps,
     }
     return result, "\n".join(lines)
 

@@ -49,7 +49,7 @@ def test_report_windows_and_seed_spreads(tmp_path, capsys):
     rng = np.random.default_rng()
     evals = [0, 5, 10]
     held, truth = {}, {}
-    for name in ("base", "base.s1", "scaled"):
+    for name in ("base", "base.s1", "scaled", "scaled.s1"):
         held[name], truth[name] = _write_run(tmp_path / name, rng, 10, evals)
     out = tmp_path / "r.json"
     assert router_proxy.main([f"{n}={tmp_path / n}" for n in held] + ["--out", str(out)]) == 0
@@ -67,8 +67,19 @@ def test_report_windows_and_seed_spreads(tmp_path, capsys):
                                        want,
                                        rtol=1e-9)
             np.testing.assert_allclose(w["router_entropy"], want.mean(), rtol=1e-9)
-    # one group of seeds: base and base.s1; 'scaled' alone has no spread
-    assert set(got["seed_spreads"]) == {"base"}
+    # two groups of seeds: base and base.s1, scaled and scaled.s1
+    assert set(got["seed_spreads"]) == {"base", "scaled"}
+    # a run at seed 1 is read against base.s1, the others against base
+    assert got["gap_references"] == {"base.s1": "base", "scaled": "base", "scaled.s1": "base.s1"}
+    for name, ref in got["gap_references"].items():
+        for s in evals:
+            np.testing.assert_allclose(got["heldout_gaps"][name][str(s)],
+                                       held[name][s] / held[ref][s] - 1,
+                                       rtol=1e-9)
+        np.testing.assert_allclose(
+            got["train_xent_gaps"][name]["10"],
+            got["train_xent_windows"][name]["10"] / got["train_xent_windows"][ref]["10"] - 1,
+            rtol=1e-9)
     for s in evals:
         a, b = held["base"][s], held["base.s1"][s]
         np.testing.assert_allclose(got["seed_spreads"]["base"][str(s)],
