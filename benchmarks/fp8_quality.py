@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import re
 import shlex
@@ -313,7 +314,8 @@ def main(argv=None) -> int:
         return report_recorded(args.report, args.max_gap, args.out)
     signal.signal(signal.SIGTERM, _interrupt)  # timeout(1)'s signal: the child saves first
     gpu = accelerator()
-    plan = [dict(r, accelerator=gpu) for r in plan_runs(args)]
+    xla_flags = os.environ.get("XLA_FLAGS") or None  # the runs inherit them
+    plan = [dict(r, accelerator=gpu, xla_flags=xla_flags) for r in plan_runs(args)]
     command = "python -m benchmarks.fp8_quality " + shlex.join(sys.argv[1:] if argv is
                                                                None else argv)
     head = {
@@ -326,6 +328,7 @@ def main(argv=None) -> int:
         "python": platform.python_version(),
         "command": command,
         "branch_at": args.branch_at or None,
+        "xla_flags": xla_flags,
     }
     with tempfile.TemporaryDirectory() as tmp:
         top = Path(args.keep or tmp)

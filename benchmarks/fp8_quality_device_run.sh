@@ -12,7 +12,10 @@
 # every run (router_init_scale), BRANCH (default none) the step at which every run, the base
 # runs too, branches from its seed's bf16 trunk (--branch_at), KEEP (default /tmp/fq) the job
 # directories; SEEDS=N base and fp8 at N seeds each (--seeds); CONTROL=0 leaves the control
-# out (where its floor was measured on this GPU before).
+# out (where its floor was measured on this GPU before), CONTROL=repeat makes it the base's own
+# config run again (train.seed=0, the experiment's seed: how far the GPU alone moves a run);
+# DETERMINISTIC=1 runs everything under XLA_FLAGS --xla_gpu_deterministic_ops=true (recorded
+# with each run, which is read back only under the same flags).
 # VARIANTS (default "wi_fwd wo_fwd"; set empty for none), each one of:
 #   fwd_only (fp8_gemms='fwd'), wgrad_bf16 ('fwd+dgrad'), wi_fwd ('wi=fwd'), wo_fwd ('wo=fwd'),
 #   wo_fwd_bf16 ('wi=all,wo=dgrad+wgrad': every expert GEMM in FP8 but the down projection's
@@ -31,7 +34,13 @@ device_env "$OUT/env_fq.txt"
 ensure_library "$OUT" | tee -a "$OUT/env_fq.txt"
 ARGS=(--base mixtral_moe_gpu --fp8 mixtral_moe_gpu_fp8 --steps "${STEPS:-300}"
       --eval_every "${EVAL:-100}" --stdlib_corpus /tmp/stdlib.txt --keep "$KEEP")
-[ "${CONTROL:-1}" = 0 ] || ARGS+=(--control router_f32 "$P.router_precision='float32'")
+case ${CONTROL:-1} in
+  0) ;;
+  1) ARGS+=(--control router_f32 "$P.router_precision='float32'") ;;
+  repeat) ARGS+=(--control repeat "train.seed=0") ;;
+  *) echo "CONTROL=$CONTROL: give 1 (router_f32), repeat (the base again) or 0 (none)"; exit 2 ;;
+esac
+[ "${DETERMINISTIC:-0}" = 1 ] && export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_deterministic_ops=true"
 [ -n "${LR:-}" ] && ARGS+=(--fdl_set "optimizer.learning_rate=$LR")
 [ -n "${ZLOSS:-}" ] && ARGS+=(--fdl_set "$P.router_z_loss_weight=$ZLOSS")
 [ -n "${RSCALE:-}" ] && ARGS+=(--fdl_set "$P.router_init_scale=$RSCALE")

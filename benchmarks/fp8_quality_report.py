@@ -16,7 +16,7 @@ from benchmarks.fp8_quality_runs import CURVES
 
 # a results JSON's fields that say where and how its runs were made
 HEAD = ("what", "machine", "accelerator", "date", "commit", "python", "command", "branch_at",
-        "complete")
+        "xla_flags", "complete")
 
 
 def read_share(run: dict):

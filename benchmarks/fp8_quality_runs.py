@@ -53,6 +53,9 @@ RECORD = "fp8_quality_run.json"  # a finished run's result, in its job directory
 # what a recorded run must share with this one beyond its experiment and changes: the corpus
 # behind the same data.path (a standard library topped up or not) and the GPU it ran on
 MUST_MATCH = ("data_bytes", "accelerator")
+# and, absent meaning none, the XLA flags it ran under (--xla_gpu_deterministic_ops=true, say,
+# changes the GPU's kernels)
+MUST_MATCH_EXACT = ("xla_flags", )
 
 
 def finished(run: dict, job_dir: Path) -> dict | None:
@@ -65,11 +68,13 @@ def finished(run: dict, job_dir: Path) -> dict | None:
     if (got.get("exp"), got.get("changes"), got.get("branch_at")) != \
             (run["exp"], run["changes"], run.get("branch_at")):
         return None
-    for key in MUST_MATCH:  # absent from records made before they were recorded
-        if got.get(key) is not None and run.get(key) is not None and got[key] != run[key]:
+    for key in MUST_MATCH + MUST_MATCH_EXACT:
+        if key in MUST_MATCH and (got.get(key) is None or run.get(key) is None):
+            continue  # absent from records made before it was recorded
+        if got.get(key) != run.get(key):
             print(
-                f"{run['name']}: the run in {job_dir} had {key}={got[key]!r}, this one "
-                f"{run[key]!r}: training it again",
+                f"{run['name']}: the run in {job_dir} had {key}={got.get(key)!r}, this one "
+                f"{run.get(key)!r}: training it again",
                 flush=True)
             return None
     got["heldout_loss"] = {int(k): v for k, v in got["heldout_loss"].items()}
@@ -169,7 +174,7 @@ def _trunk_want(trunk: dict, run: dict) -> dict:
         "step": trunk["step"],
         **{
             k: run.get(k)
-            for k in MUST_MATCH
+            for k in MUST_MATCH + MUST_MATCH_EXACT
         }
     }
 

@@ -110,7 +110,8 @@ def test_a_small_stdlib_is_topped_up_from_site_packages(tmp_path, monkeypatch, c
 def test_a_record_of_another_corpus_or_gpu_is_trained_again(tmp_path, capsys):
     """A finished run is read back only where its corpus's size and its GPU match this run's
     (the same data.path can hold a topped-up corpus; another GPU rounds otherwise); a record
-    made before they were recorded matches on the experiment and changes alone."""
+    made before they were recorded matches on the experiment and changes alone; the XLA flags
+    (absent: none) must match."""
     run = dict(name="base", exp="e", changes=["a=1"], data_bytes=10, accelerator="H100")
     rec = dict(run, heldout_loss={"0": 5.0}, train_xent={"1": 5.5})
     (tmp_path / fq_runs.RECORD).write_text(json.dumps(rec))
@@ -122,6 +123,13 @@ def test_a_record_of_another_corpus_or_gpu_is_trained_again(tmp_path, capsys):
     old = {k: v for k, v in rec.items() if k not in fq_runs.MUST_MATCH}
     (tmp_path / fq_runs.RECORD).write_text(json.dumps(old))
     assert fq_runs.finished(run, tmp_path)["heldout_loss"] == {0: 5.0}
+    # XLA flags must match, a record without them having run with none
+    flags = "--xla_gpu_deterministic_ops=true"
+    assert fq_runs.finished(dict(run, xla_flags=flags), tmp_path) is None
+    assert f"had xla_flags=None, this one {flags!r}: training it again" in capsys.readouterr().out
+    (tmp_path / fq_runs.RECORD).write_text(json.dumps(dict(rec, xla_flags=flags)))
+    assert fq_runs.finished(run, tmp_path) is None
+    assert fq_runs.finished(dict(run, xla_flags=flags), tmp_path)["heldout_loss"] == {0: 5.0}
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x.txt").write_text("abc")
     (tmp_path / "d" / "y.txt").write_text("de")
@@ -374,6 +382,7 @@ def test_finished_runs_are_recorded_read_back_and_lose_their_checkpoints(tmp_pat
     (--keep_checkpoints keeps them); the same command again reads finished runs without
     starting the main; a run that fails leaves the JSON of the runs before it, marked
     incomplete; a record of other changes is not taken for this run."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # as fq_runs.train is called without them
     seen, fail = [], set()
 
     def fake_run(job, cmd):
@@ -683,6 +692,8 @@ def test_branched_seeds_report_the_gaps_standard_errors(tmp_path, monkeypatch, c
         return 0, "", ""
 
     fake_main(monkeypatch, fake_run)
+    flags = "--xla_gpu_deterministic_ops=true"
+    monkeypatch.setenv("XLA_FLAGS", flags)  # recorded with every run and trunk
     out = tmp_path / "r.json"
     assert fq.main([
         "--steps", "8", "--eval_every", "4", "--branch_at", "4", "--seeds", "2", "--keep",
@@ -690,6 +701,10 @@ def test_branched_seeds_report_the_gaps_standard_errors(tmp_path, monkeypatch, c
         str(out)
     ]) == 1
     assert seen == ["trunk", "base", "fp8", "trunk.s1", "base.s1", "fp8.s1"]
+    got = json.loads(out.read_text())
+    assert got["xla_flags"] == flags and {r["xla_flags"] for r in got["runs"]} == {flags}
+    assert json.loads(
+        (tmp_path / "k" / "trunk.s1" / fq_runs.TRUNK_RECORD).read_text())["xla_flags"] == flags
     st = json.loads(out.read_text())["seeds"]["steps"]["8"]
     assert st["gap_of_means"] == pytest.approx(0.06 / 4.2)
     assert st["paired_gap_se"] == pytest.approx(0.03 / 2)  # gaps 3% and 0%
