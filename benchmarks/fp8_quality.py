@@ -164,10 +164,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.report is not None:
+        defaults = vars(ap.parse_args([]))
         given = [
-            "--" + a.dest for a in ap._actions
-            if a.dest not in ("help", "report", "max_gap",
-                              "out") and getattr(args, a.dest) != a.default
+            f"--{k}" for k, v in vars(args).items()
+            if k not in ("report", "max_gap", "out") and v != defaults[k]
         ]
         if given:
             ap.error(f"--report {args.report} compares recorded runs: {', '.join(given)} "
@@ -334,10 +334,13 @@ def main(argv=None) -> int:
         top = Path(args.keep or tmp)
         runs = []
         last_branch = {r["trunk"]["name"]: i for i, r in enumerate(plan) if "trunk" in r}
+        first_branch = {}
+        for i, r in enumerate(plan):
+            if "trunk" in r:
+                first_branch.setdefault(r["trunk"]["name"], i)
         for i, run in enumerate(plan):
             trunk = run.get("trunk")
-            if trunk is not None and i == min(
-                    j for j, r in enumerate(plan) if r.get("trunk") == trunk):
+            if trunk is not None and first_branch[trunk["name"]] == i:  # its seed's runs
                 set_aside_stale_branches([r for r in plan if r.get("trunk") == trunk], top)
             runs.append(train(run, top / run["name"], args.keep_checkpoints))
             if trunk is not None and last_branch[trunk["name"]] == i and not args.keep_checkpoints:

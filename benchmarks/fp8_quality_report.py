@@ -141,6 +141,7 @@ def compare(runs: list[dict], max_gap: float) -> dict:
         "max_abs_gap_fp8": worst,
         "noise_floor": floor,
         "seeds": seeds,
+        "branch_at": after,
         "checked_steps": checked,
         "max_abs_gap_checked": checked_gap,
         "pass": checked_gap is not None and checked_gap <= max_gap,
@@ -215,7 +216,7 @@ def summary(runs: list[dict], result: dict, max_gap: float) -> list[str]:
     """The lines printed under the tables: where the runs branched, the corpus and how much of
     it they read, the check (with --seeds its standard errors), the noise floors."""
     lines = []
-    branch_at = max((r.get("branch_at") or 0 for r in runs), default=0)
+    branch_at = result["branch_at"]
     if branch_at and runs[0].get("branch_at"):
         lines.append(
             f"every run branched at step {branch_at} from its seed's bf16 trunk (the base's "
