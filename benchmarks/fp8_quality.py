@@ -9,6 +9,7 @@ compared at every evaluation; and FP8 variants that change one thing at a time.
         [--control NAME PATH=VALUE [PATH=VALUE ...]] ... [--seeds N]
         [--branch_at STEP] [--max_gap 0.01] [--keep DIR [--keep_checkpoints]]
         [--out FILE.json]
+    python -m benchmarks.fp8_quality --report FILE.json [--max_gap 0.01] [--out FILE.json]
 
 Each run is `python -m experiments.main` in its own job directory (a temporary one unless
 --keep DIR; benchmarks.fp8_quality_runs). --data, --steps, --eval_every and every --fdl_set
@@ -44,12 +45,14 @@ start from: a run from another (say, the trunk trained anew for a new variant af
 checkpoint went) is moved aside to NAME.stale and trained again.
 
 With --keep a run whose job directory already holds its final step is read, not trained
-again (where its corpus size and GPU match this run's), and one cut short resumes from its
+again (where its corpus size, GPU and XLA_FLAGS match this run's), and one cut short resumes from its
 checkpoint: a set of runs longer than one sitting is
 finished by running the same command again. A finished run's checkpoints are removed (its
 curves and record stay; --keep_checkpoints keeps them): at the Mixtral-like preset each is
 31 GB, and three of them filled the GPU machine's disk. The JSON is written after every run,
-marked "complete": false until the last, so a set cut short keeps what finished.
+marked "complete": false until the last, so a set cut short keeps what finished, and
+--report FILE compares those runs without training (a seed's run whose other format did not
+finish is named and left out).
 
 Prints the held-out loss of every run at every evaluation, each run's relative gap to its bf16
 run (the base, or for a run at train.seed=I, such as fp8.sI or a variant named V.sI, base.sI),
