@@ -336,18 +336,17 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         top = Path(args.keep or tmp)
         runs = []
-        last_branch = {r["trunk"]["name"]: i for i, r in enumerate(plan) if "trunk" in r}
-        first_branch = {}
+        branches = {}  # trunk name: the plan indices of its runs (a seed's, in run order)
         for i, r in enumerate(plan):
             if "trunk" in r:
-                first_branch.setdefault(r["trunk"]["name"], i)
+                branches.setdefault(r["trunk"]["name"], []).append(i)
         for i, run in enumerate(plan):
-            trunk = run.get("trunk")
-            if trunk is not None and first_branch[trunk["name"]] == i:  # its seed's runs
-                set_aside_stale_branches([r for r in plan if r.get("trunk") == trunk], top)
+            mine = branches.get(run["trunk"]["name"]) if "trunk" in run else None
+            if mine and i == mine[0]:
+                set_aside_stale_branches([plan[j] for j in mine], top)
             runs.append(train(run, top / run["name"], args.keep_checkpoints))
-            if trunk is not None and last_branch[trunk["name"]] == i and not args.keep_checkpoints:
-                drop_trunk_checkpoints(top / trunk["name"])
+            if mine and i == mine[-1] and not args.keep_checkpoints:
+                drop_trunk_checkpoints(top / run["trunk"]["name"])
             print(f"{run['name']}: {run['exp']} {' '.join(run['own'])}"
                   f" {runs[-1]['seconds']} s",
                   flush=True)

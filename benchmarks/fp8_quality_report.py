@@ -12,7 +12,7 @@ from math import sqrt
 from pathlib import Path
 from statistics import fmean, stdev, variance
 
-from benchmarks.fp8_quality_runs import CURVES
+from benchmarks.fp8_quality_runs import int_steps
 
 # a results JSON's fields that say where and how its runs were made
 HEAD = ("what", "machine", "accelerator", "date", "commit", "python", "command", "branch_at",
@@ -290,11 +290,7 @@ def recorded_runs(path: str) -> tuple[dict, list[dict]]:
     if not isinstance(got, dict) or not got.get("runs"):
         raise SystemExit(f"{path}: no recorded runs (a benchmarks.fp8_quality JSON has 'runs')")
     head = {k: v for k, v in got.items() if k in HEAD}
-    runs = []
-    for r in got["runs"]:
-        r = dict(r, heldout_loss={int(k): v for k, v in r["heldout_loss"].items()})
-        runs.append({**r, **{c: {int(k): v for k, v in r[c].items()} for c in CURVES if c in r}})
-    return head, runs
+    return head, [int_steps(r) for r in got["runs"]]
 
 
 def paired(runs: list[dict]) -> tuple[list[dict], list[str]]:

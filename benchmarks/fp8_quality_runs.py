@@ -58,9 +58,28 @@ MUST_MATCH = ("data_bytes", "accelerator")
 MUST_MATCH_EXACT = ("xla_flags", )
 
 
-def finished(run: dict, job_dir: Path) -> dict | None:
+def int_steps(rec: dict) -> dict:
+    """A run's record with the step keys of its held-out loss and train curves as ints (JSON
+    makes them strings)."""
+    return {
+        **rec, "heldout_loss": {
+            int(k): v
+            for k, v in rec["heldout_loss"].items()
+        },
+        **{
+            c: {
+                int(k): v
+                for k, v in rec[c].items()
+            }
+            for c in CURVES if c in rec
+        }
+    }
+
+
+def finished(run: dict, job_dir: Path, say: bool = True) -> dict | None:
     """The result a finished run recorded in job_dir (RECORD), if it is this run's (the same
-    experiment and changes), else None."""
+    experiment and changes), else None (where it is another corpus's, GPU's or XLA flags',
+    a line says so unless not `say`)."""
     try:
         got = json.loads((job_dir / RECORD).read_text())
     except (OSError, ValueError):
@@ -72,18 +91,17 @@ def finished(run: dict, job_dir: Path) -> dict | None:
         if key in MUST_MATCH and (got.get(key) is None or run.get(key) is None):
             continue  # absent from records made before it was recorded
         if got.get(key) != run.get(key):
-            print(
-                f"{run['name']}: the run in {job_dir} had {key}={got.get(key)!r}, this one "
-                f"{run.get(key)!r}: training it again",
-                flush=True)
+            if say:
+                print(
+                    f"{run['name']}: the run in {job_dir} had {key}={got.get(key)!r}, this one "
+                    f"{run.get(key)!r}: training it again",
+                    flush=True)
             return None
-    got["heldout_loss"] = {int(k): v for k, v in got["heldout_loss"].items()}
+    got = int_steps(got)
     metrics = job_dir / "metrics.jsonl"
     recs = None
     for key in CURVES:
-        if key in got:
-            got[key] = {int(k): v for k, v in got[key].items()}
-        else:  # recorded before this curve was: its metrics hold it, where they are kept
+        if key not in got:  # recorded before this curve was: its metrics hold it, if kept
             if recs is None:
                 recs = read_metrics(metrics) if metrics.exists() else []
             got[key] = train_curve(recs, key)
@@ -225,7 +243,7 @@ def set_aside_stale_branches(runs: list[dict], top: Path) -> list[str]:
     training) are moved aside to NAME.stale[.K] (their records kept) and train again, with a
     line naming them: a seed's runs compare only from one state. Returns their names."""
     trunk = runs[0]["trunk"]
-    done = {r["name"]: finished(r, top / r["name"]) for r in runs}
+    done = {r["name"]: finished(r, top / r["name"], say=False) for r in runs}  # train() says
     ids = {d.get("trunk_trained") for d in done.values() if d is not None}
     if None not in done.values() and len(ids) == 1 and None not in ids:
         return []  # all finished from one training: read them all

@@ -111,14 +111,18 @@ def windows(run: dict, steps: list[int]) -> dict[int, dict[str, float]]:
     return out
 
 
+def seed_name(name: str) -> tuple[str, str | None]:
+    """(X, N) of a run named X.sN (seed N of X), else (name, None)."""
+    stem, _, seed = name.rpartition(".s")
+    return (stem, seed) if stem and seed.isdigit() else (name, None)
+
+
 def spreads(runs: list[dict], steps: list[int]) -> dict[str, dict[int, float]]:
     """{group: {eval step: (max - min) / mean of the group's held-out losses}} for the groups of
     two or more runs that differ by seed only (``X`` and ``X.sN``)."""
     groups = {}
     for r in runs:
-        base, _, seed = r["name"].rpartition(".s")
-        key = base if base and seed.isdigit() else r["name"]
-        groups.setdefault(key, []).append(r)
+        groups.setdefault(seed_name(r["name"])[0], []).append(r)
     out = {}
     for key, group in groups.items():
         if len(group) < 2:
@@ -136,19 +140,19 @@ def references(names: list[str]) -> dict[str, str]:
     run's seed N (F.sN) where there is one, every other run against the first run F."""
     first, out = names[0], {}
     for n in names:
-        _, _, seed = n.rpartition(".s")
+        seed = seed_name(n)[1]
         own = f"{first}.s{seed}"
-        out[n] = own if seed.isdigit() and own in names and n != own else first
+        out[n] = own if seed is not None and own in names and n != own else first
     return out
 
 
 def report(runs: list[dict]) -> tuple[dict, str]:
     steps = sorted(set.intersection(*(set(r["heldout_loss"]) for r in runs)))
     ref = references([r["name"] for r in runs])
-    by_name = {r["name"]: r for r in runs}
+    index = {r["name"]: i for i, r in enumerate(runs)}  # of each run and so of its reference
     gaps = {
         r["name"]: {
-            s: r["heldout_loss"][s] / by_name[ref[r["name"]]]["heldout_loss"][s] - 1
+            s: r["heldout_loss"][s] / runs[index[ref[r["name"]]]]["heldout_loss"][s] - 1
             for s in steps
         }
         for r in runs[1:]
@@ -181,7 +185,6 @@ def report(runs: list[dict]) -> tuple[dict, str]:
         lines.append(f"| {prev + 1}-{s} | " + " | ".join(cells) + " |")
         prev = s
     xent = window_means(runs, steps)  # over the train steps every run recorded
-    index = {r["name"]: i for i, r in enumerate(runs)}
     xent_gaps = {
         r["name"]: {
             s: m[i] / m[index[ref[r["name"]]]] - 1
