@@ -228,6 +228,15 @@ def summary(runs: list[dict], result: dict, max_gap: float) -> list[str]:
             "trunk; the base runs trained from step 0, so up to that step the branches' gaps "
             "are their trunk's against the base run's (not 0 where the GPU does not reproduce "
             "a run bit for bit), and the check reads the evaluations after it")
+    at_branch = {
+        r["name"]: result["gaps"][r["name"]][branch_at]
+        for r in runs[1:] if r.get("evaluated_at_branch") and r["name"] in result["gaps"]
+    }
+    if at_branch:
+        lines.append(
+            f"at step {branch_at} each branch first evaluated its trunk's state under its own "
+            "config (the same weights, before any step under it), against base: " +
+            ", ".join(f"{n} {g:+.3%}" for n, g in at_branch.items()))
     seen = read_share(runs[0])
     if seen is not None:
         lines.append(

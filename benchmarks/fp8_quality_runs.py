@@ -134,8 +134,9 @@ def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
     if "trunk" in run:  # its trunk's state at its step, then this run's own config from there
         trunk_dir = job_dir.parent / run["trunk"]["name"]
         trained = make_trunk(run["trunk"], trunk_dir, run)
-        start_branch(run, job_dir, trunk_dir)
         cmd.append("--allow_config_change")
+        if start_branch(run, job_dir, trunk_dir):  # its first start: the trunk's state
+            cmd.append("--fdl_set=train.eval_on_restore=True")  # evaluated under its config
     t0 = time.time()
     p = run_child(cmd)
     if p.returncode:
@@ -168,6 +169,7 @@ def train(run: dict, job_dir: Path, keep_checkpoints: bool = False) -> dict:
     }
     if trained is not None:  # which training of its trunk it started from
         result["trunk_trained"] = trained
+        result["evaluated_at_branch"] = evaluated_at_branch(job_dir, run["trunk"]["step"])
     (job_dir / RECORD).write_text(json.dumps(result, indent=1) + "\n")
     if not keep_checkpoints:
         shutil.rmtree(job_dir / "checkpoints", ignore_errors=True)
@@ -270,11 +272,12 @@ def set_aside_stale_branches(runs: list[dict], top: Path) -> list[str]:
 BRANCH_RECORD = "fp8_quality_branch.json"  # what a branch started as: its run and its trunk
 
 
-def start_branch(run: dict, job_dir: Path, trunk_dir: Path):
+def start_branch(run: dict, job_dir: Path, trunk_dir: Path) -> bool:
     """Makes job_dir its trunk's job directory (config, metrics to the trunk's step, event
     files, and the checkpoint, hard-linked: no second copy of a state that can be 31 GB; the
     branch writes its own checkpoints beside it), unless it holds a checkpoint of a branch
-    started as this one (the same run from the same trunk), which then resumes."""
+    started as this one (the same run from the same trunk), which then resumes. True where it
+    made the directory anew (the branch's first start), False where the branch resumes."""
     started = {
         "exp": run["exp"],
         "changes": run["changes"],
@@ -283,7 +286,7 @@ def start_branch(run: dict, job_dir: Path, trunk_dir: Path):
     record = job_dir / BRANCH_RECORD
     if _checkpoint_steps(job_dir) and record.exists() and \
             json.loads(record.read_text()) == started:
-        return
+        return False
     if job_dir.exists():  # nothing to resume, or another run's: the branch starts anew
         shutil.rmtree(job_dir)
 
@@ -308,6 +311,19 @@ def start_branch(run: dict, job_dir: Path, trunk_dir: Path):
                     copy_function=copy_or_link,
                     ignore=shutil.ignore_patterns(TRUNK_RECORD))
     record.write_text(json.dumps(started, indent=1) + "\n")
+    return True
+
+
+def evaluated_at_branch(job_dir: Path, step: int) -> bool:
+    """Whether a branch evaluated its trunk's state under its own config before its first step
+    (train.eval_on_restore): its metrics.jsonl then holds a second eval line at the branch step
+    after the trunk's (which read_metrics, keeping the last, reads as the run's own)."""
+    lines = (job_dir / "metrics.jsonl").read_text().splitlines()
+    at = [
+        r for r in map(json.loads, filter(str.strip, lines))
+        if r["kind"] == "eval" and r["step"] == step
+    ]
+    return len(at) > 1
 
 
 def drop_trunk_checkpoints(trunk_dir: Path):

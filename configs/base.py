@@ -259,6 +259,12 @@ class TrainConfig:
       (moe_praxis.cast_expert_weights). No effect where fprop_dtype is float32. On by default:
       mixtral_moe_gpu on an H100 ran 218.5 -> 202.9 ms a step, peak 52.3 -> 50.2 GiB
       (benchmarks/results/e2e_h100_step_settings.json).
+    eval_on_restore: a run that starts from a checkpoint (resumed, or branched under a changed
+      config with --allow_config_change) evaluates the restored state before its first step
+      and records it as the eval of that step, under this run's config: the held-out loss of
+      the same weights under, say, another precision (benchmarks.fp8_quality's branches).
+      metrics.jsonl then holds both evals of that step; read_metrics keeps the later. Off:
+      only a run from step 0 evaluates before training.
     """
 
     num_steps: int = 200
@@ -273,6 +279,7 @@ class TrainConfig:
     max_skipped_steps: int = 10
     grad_accum_steps: int = 1
     cast_weights_once: bool = True
+    eval_on_restore: bool = False
 
     def __post_init__(self):
         for name in ("num_steps", "eval_every", "eval_batches", "max_checkpoints", "summary_every",
@@ -285,9 +292,9 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise _bad("TrainConfig", name, v, "must be an int >= 0")
-        if not isinstance(self.cast_weights_once, bool):
-            raise _bad("TrainConfig", "cast_weights_once", self.cast_weights_once,
-                       "must be True or False")
+        for name in ("cast_weights_once", "eval_on_restore"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad("TrainConfig", name, getattr(self, name), "must be True or False")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -292,8 +292,9 @@ def main(argv, stop_signals=None) -> int:
                   f"(train.num_steps={prep.config.train.num_steps}); use another --job_log_dir "
                   "or raise --fdl.train.num_steps")
         if last:
-            print(f"held-out loss {first['heldout_loss']:.4f} at step 0 -> " if first else
-                  "held-out loss ", f"{last['heldout_loss']:.4f} at step {result['final_step']} "
+            print(f"held-out loss {first['heldout_loss']:.4f} at step {result['start_step']} -> "
+                  if first else "held-out loss ",
+                  f"{last['heldout_loss']:.4f} at step {result['final_step']} "
                   f"(perplexity {last['heldout_perplexity']:.3f}, "
                   f"{last['heldout_bits_per_byte']:.4f} bits per byte)",
                   sep="")

@@ -178,15 +178,21 @@ def test_sigterm_and_resume_reproduce_the_uninterrupted_losses(tmp_path):
     assert "stopped by SIGTERM at step 60" in p.stdout
     assert 60 in [int(d.name) for d in (job / "checkpoints").iterdir() if d.name.isdigit()]
     assert max(r["step"] for r in records(job, "train")) == 60
-    p = run_main([f"--job_log_dir={job}", *common])
+    # the resumed start evaluates the restored state first (train.eval_on_restore, a loop field)
+    p = run_main([f"--job_log_dir={job}", "--fdl.train.eval_on_restore=True", *common])
     got = {r["step"]: r["loss"] for r in records(job, "train")}
     want = {r["step"]: r["loss"] for r in records(ref, "train")}
     assert sorted(got) == list(range(1, 121)) == sorted(want)
-    # Bitwise on the CPU: same batches from (seed, step), same state from the checkpoint.
+    # Bitwise on the CPU: same batches from (seed, step), same state from the checkpoint; the
+    # extra evaluation changes nothing the steps compute.
     assert [got[s] for s in range(1, 121)] == [want[s] for s in range(1, 121)]
-    e_got = {r["step"]: r["heldout_loss"] for r in records(job, "eval")}
     e_want = {r["step"]: r["heldout_loss"] for r in records(ref, "eval")}
-    assert e_got == e_want
+    assert {r["step"]: r["heldout_loss"] for r in records(job, "eval")} == e_want
+    # every eval line, not read_metrics' last per step: step 60 before the stop, and restored
+    lines = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    evals = [(r["step"], r["heldout_loss"]) for r in lines if r["kind"] == "eval"]
+    assert [s for s, _ in evals] == [0, 60, 60, 120] and evals[1] == evals[2]
+    assert f"held-out loss {e_want[60]:.4f} at step 60 -> {e_want[120]:.4f} at step 120" in p.stdout
 
 
 VALIDATE = r"""

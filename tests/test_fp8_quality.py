@@ -573,6 +573,14 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
         assert data.read_text() == "state at 4" and data.stat().st_nlink >= 2
         assert "--allow_config_change" in cmd
         recs = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
+        # its first start evaluates the trunk's state under its own config first; a resumed
+        # start does not
+        fresh = "--fdl_set=train.eval_on_restore=True" in cmd
+        assert fresh == (job.name not in resumed)
+        if fresh:
+            own = {"base": 3.0, "fp8": 3.03, "v": 3.3, "w": 3.06}[job.name]
+            recs.append(dict(kind="eval", step=4, heldout_loss=own))
+            write_metrics(job, recs)
         if job.name in cut:  # stopped at step 6 with its checkpoint
             (job / "checkpoints" / "6").mkdir()
             return 143, "", "stopped at 6"
@@ -607,9 +615,17 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
     assert not (keep / "trunk" / "checkpoints").exists()  # gone after its last branch
     assert json.loads((keep / "trunk" / fq_runs.TRUNK_RECORD).read_text())["step"] == 4
     got = json.loads(out.read_text())
-    assert got["branch_at"] == 4 and got["relative_gaps"]["fp8"]["4"] == 0.0
+    # at the branch step, each run's own config on the trunk's state (the resumed v's from its
+    # first start)
+    assert got["branch_at"] == 4 and got["relative_gaps"]["fp8"]["4"] == pytest.approx(0.01)
+    assert got["relative_gaps"]["v"]["4"] == pytest.approx(0.1)
+    assert all(r["evaluated_at_branch"] for r in got["runs"])
     assert got["relative_gaps"]["fp8"]["8"] == pytest.approx(0.01)
-    assert "branched at step 4 from its seed's bf16 trunk" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "branched at step 4 from its seed's bf16 trunk" in printed
+    assert (
+        "at step 4 each branch first evaluated its trunk's state under its own config (the "
+        "same weights, before any step under it), against base: fp8 +1.000%, v +10.000%") in printed
     seen.clear()
     assert fq.main(argv) == 1 and seen == []  # all read back, no trunk trained
     # the records are branched ones: not taken for an unbranched plan's runs
@@ -646,8 +662,10 @@ def test_branches_start_from_a_hard_linked_trunk_trained_once(tmp_path, monkeypa
 @pytest.mark.slow
 def test_a_real_fp8_branch_takes_up_the_bf16_trunks_state(tmp_path):
     """The real main on the CPU (Tiny): the FP8 run branched at step 4 restores the bf16
-    trunk's checkpoint under its own config, so up to step 4 its curves are the base run's
-    bit for bit (the CPU is deterministic), and after it they are its own."""
+    trunk's checkpoint under its own config, so up to step 4 its train curves are the base
+    run's bit for bit (the CPU is deterministic), and after it they are its own; at step 4 each
+    run evaluates the trunk's state under its own config: the base's is the trunk's own eval,
+    the FP8 run's the same weights through the FP8 forward."""
     keep = tmp_path / "k"
     rc = fq.main([
         "--steps", "8", "--eval_every", "4", "--branch_at", "4", "--keep",
@@ -657,7 +675,11 @@ def test_a_real_fp8_branch_takes_up_the_bf16_trunks_state(tmp_path):
     got = json.loads((tmp_path / "r.json").read_text())
     assert rc in (0, 1) and got["complete"] and got["branch_at"] == 4
     base, fp8 = got["runs"]
-    assert fp8["heldout_loss"]["4"] == base["heldout_loss"]["4"]
+    trunk = [json.loads(x) for x in (keep / "trunk" / "metrics.jsonl").read_text().splitlines()]
+    at4 = [r["heldout_loss"] for r in trunk if r["kind"] == "eval" and r["step"] == 4]
+    assert base["heldout_loss"]["4"] == at4[0] and base["evaluated_at_branch"]
+    assert fp8["evaluated_at_branch"] and fp8["heldout_loss"]["4"] != at4[0]
+    assert abs(fp8["heldout_loss"]["4"] / at4[0] - 1) < 0.01  # FP8's rounding, not another state
     assert [fp8["train_xent"][str(t)] for t in range(1, 5)] == \
         [base["train_xent"][str(t)] for t in range(1, 5)]
     assert fp8["heldout_loss"]["8"] != base["heldout_loss"]["8"]

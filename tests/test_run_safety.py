@@ -40,6 +40,13 @@ def test_nonfinite_policy_fields_are_validated(field, value, pattern):
     assert base.TrainConfig().on_nonfinite == "stop"
 
 
+@pytest.mark.parametrize("field", ["cast_weights_once", "eval_on_restore"])
+def test_the_train_switches_take_only_bools(field):
+    with pytest.raises(ValueError,
+                       match=rf"TrainConfig.{field}=1 is invalid: must be True or False"):
+        base.TrainConfig(**{field: 1})
+
+
 # --------------------------------------------------------------------- checkpoints, in-process
 
 

@@ -41,7 +41,7 @@ CONFIG_FILE = "config.json"
 LOOP_FIELDS = frozenset({
     "train.num_steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
     "train.max_checkpoints", "train.summary_every", "train.sigterm_at_step", "train.on_nonfinite",
-    "train.max_skipped_steps"
+    "train.max_skipped_steps", "train.eval_on_restore"
 })
 # Fields that change how a step is run, not its batch, model, optimizer or schedule: they may
 # differ between starts too (the steps after the change differ from an uninterrupted run's by

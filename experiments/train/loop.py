@@ -151,9 +151,9 @@ class Trainer:
                 result["start_step"] = start
                 result["restored_from"] = restored
                 eval_batches = self._eval_batches()
-                if start == 0:
+                if start == 0 or (tr.eval_on_restore and start < tr.num_steps):
                     ev = self._evaluate(state, eval_batches)
-                    writer.write("eval", 0, ev)
+                    writer.write("eval", start, ev)
                     result["first_eval"] = ev
                 tokens = exp.data.batch_size * exp.data.seq_len
                 train_step = self.fns.train
