@@ -20,7 +20,8 @@ if [ "${1:-}" = install ]; then
   fi
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   if [ -f .whl/libmoe_praxis_kernels.so.gz ]; then
-    LIB=$(python3 -c "from moe_praxis.ops._library import library_path; print(library_path())") &&
+    source benchmarks/device_common.sh
+    LIB=$(library_file) &&
       mkdir -p "$(dirname "$LIB")" && gunzip -c .whl/libmoe_praxis_kernels.so.gz > "$LIB" ||
       return 1 2>/dev/null || exit 1
   fi

@@ -5,6 +5,7 @@
 #   ensure_library DIR   load the carried kernel library or build it (its log in DIR/build.log,
 #                        the library gzipped as DIR/libmoe_praxis_kernels.so.gz: carried in .whl/,
 #                        benchmarks/device_carry.sh puts it back for later calls)
+#   library_file         the path the loader reads the kernel library from (the library layer's)
 
 device_env() {
   {
@@ -19,7 +20,10 @@ ensure_library() {
   if ! python3 -c "from moe_praxis.ops import backend; ok, why = backend.load_library(); print(why); raise SystemExit(0 if ok else 1)" 2>&1; then
     echo "carried library not loadable: building here"
     python3 -m moe_praxis.build_kernels --jobs 16 2>&1 | tee "$1/build.log"
-    gzip -c "$(python3 -c "from moe_praxis.ops._library import library_path; print(library_path())")" \
-      > "$1/libmoe_praxis_kernels.so.gz"
+    gzip -c "$(library_file)" > "$1/libmoe_praxis_kernels.so.gz"
   fi
+}
+
+library_file() {
+  python3 -c "from moe_praxis.ops._library import library_path; print(library_path())"
 }

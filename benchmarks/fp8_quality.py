@@ -35,9 +35,11 @@ checkpoint each of them takes up under its own config (experiments.main's
 Mixtral-like preset's, docs/performance.md) are compared from one state and their gaps are
 what each format does after STEP. The base run of a seed is its trunk continued: a base
 trained from step 0 would not start where the branches do, since a GPU does not reproduce a
-run bit for bit (two H100 runs of the Mixtral-like preset part at step 3 and are 0.3-0.8%
-apart at step 100). Up to STEP a seed's runs share the trunk's curves, so the check reads the
-evaluations after it. The trunk's checkpoint is hard-linked into each branch's job
+run bit for bit without XLA's deterministic ops (two H100 runs of the Mixtral-like preset part
+at step 3 and are 0.3-0.8% apart at step 100). Up to STEP a seed's runs share the trunk's
+curves, so the check reads the evaluations after it. At STEP each branch first evaluates the
+trunk's state under its own config (experiments.main's train.eval_on_restore, on its first
+start): the gap there is the format's effect on the same weights (`evaluated_at_branch`). The trunk's checkpoint is hard-linked into each branch's job
 directory, and removed (its record and curves kept) once its last branch finished. Each
 training of a trunk has an id (`trained` in its record, `trunk_trained` in each branch's), and
 a seed's finished runs are read back only where they branched from the training the others
